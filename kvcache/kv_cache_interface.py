@@ -1,0 +1,172 @@
+"""KV-cache layout vocabulary: per-layer specs, groups and the pool config.
+
+Field names follow vLLM 0.25.1 (``vllm/v1/kv_cache_interface.py``) so a config
+built for one package reads the same in the other. Only the fields the
+request-level lifecycle (allocation, hit search, caching) and page-size
+accounting need are modelled; torch is optional: ``dtype`` may be a torch
+dtype or its name (``"float16"``, ``"torch.bfloat16"``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPE_SIZES = {
+    "float16": 2, "half": 2, "bfloat16": 2, "float32": 4, "float": 4,
+    "float64": 8, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def get_dtype_size(dtype: Any) -> int:
+    """Size in bytes of one element of ``dtype`` (torch dtype or its name).
+
+    Raises:
+        ValueError: if the dtype name is unknown.
+    """
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPE_SIZES:
+        raise ValueError(f"dtype={dtype!r} is not a known KV-cache dtype")
+    return _DTYPE_SIZES[name]
+
+
+class KVCacheSpecKind(str, enum.Enum):
+    """Kind label attached to ``BlockStored`` events (same strings as vLLM)."""
+
+    FULL_ATTENTION = "full_attention"
+    MLA_ATTENTION = "mla_attention"
+    SLIDING_WINDOW = "sliding_window"
+    SLIDING_WINDOW_MLA = "sliding_window_mla"
+    MAMBA = "mamba"
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    SINK_FULL_ATTENTION = "sink_full_attention"
+    ENCODER_ONLY_ATTENTION = "encoder_only_attention"
+    CROSS_ATTENTION = "cross_attention"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Base spec of one layer's KV cache: ``block_size`` tokens per block."""
+
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of this layer."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec(KVCacheSpec):
+    """Spec of an attention layer: heads, head size and element dtype."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: Any
+    page_size_padded: int | None = None
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Bytes of one block's K and V before padding."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * get_dtype_size(
+            self.dtype
+        )
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block (K and V), or the padded size when one is given."""
+        real = self.real_page_size_bytes
+        if self.page_size_padded is not None:
+            if self.page_size_padded < real:
+                raise ValueError(
+                    f"page_size_padded={self.page_size_padded} is below the real page size {real}"
+                )
+            return self.page_size_padded
+        return real
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Full (global, causal) attention: every token's KV is kept until the request ends.
+
+    ``sliding_window`` / ``attention_chunk_size`` record a window the model
+    runner applies while the manager still keeps every block (vLLM's behaviour
+    when the hybrid allocator is disabled).
+    """
+
+    head_size_v: int | None = None
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    non_causal: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head_size_v is None:
+            object.__setattr__(self, "head_size_v", self.head_size)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Bytes of one block before padding: K uses ``head_size``, V ``head_size_v``."""
+        head_size_v = self.head_size if self.head_size_v is None else self.head_size_v
+        return (
+            self.block_size
+            * self.num_kv_heads
+            * (self.head_size + head_size_v)
+            * get_dtype_size(self.dtype)
+        )
+
+
+def get_kv_cache_spec_kind(kv_cache_spec: KVCacheSpec) -> KVCacheSpecKind:
+    """The kind label vLLM attaches to this spec's ``BlockStored`` events."""
+    if isinstance(kv_cache_spec, FullAttentionSpec):
+        return KVCacheSpecKind.FULL_ATTENTION
+    return KVCacheSpecKind.UNKNOWN
+
+
+def get_kv_cache_spec_sliding_window(kv_cache_spec: KVCacheSpec) -> int | None:
+    """The sliding window vLLM attaches to ``BlockStored`` events (None unless SWA)."""
+    return None
+
+
+@dataclass
+class KVCacheTensor:
+    """How a worker lays out one KV-cache tensor (carried, not interpreted here)."""
+
+    size: int
+    shared_by: list[str]
+    offset: int = 0
+    block_stride: int = 0
+
+
+@dataclass
+class KVCacheGroupSpec:
+    """Layers sharing one block table; the manager treats them as one layer."""
+
+    layer_names: list[str]
+    kv_cache_spec: KVCacheSpec
+    is_eagle_group: bool = False
+
+
+@dataclass
+class KVCacheConfig:
+    """Pool size and groups of a model's KV cache."""
+
+    num_blocks: int
+    kv_cache_tensors: list[KVCacheTensor] = field(default_factory=list)
+    kv_cache_groups: list[KVCacheGroupSpec] = field(default_factory=list)
+
+    @property
+    def has_mamba_layers(self) -> bool:
+        """Whether any group is a Mamba group (none in the full-attention scope)."""
+        return False
+
+    @property
+    def needs_kv_cache_zeroing(self) -> bool:
+        """Whether fresh blocks must be zeroed before use (Mamba state only)."""
+        return self.has_mamba_layers

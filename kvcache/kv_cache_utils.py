@@ -1,0 +1,406 @@
+"""Block metadata, the free-block queue, and prefix-cache hashing.
+
+Hashing is byte-identical to vLLM 0.25.1 for the same ``PYTHONHASHSEED``: a
+block's hash is ``hash_fn((parent_hash or NONE_HASH, tuple(tokens), extra_keys))``
+and the pool keys a cached block by that hash followed by the 4-byte
+big-endian KV-cache group id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NewType, TypeAlias, overload
+
+import cbor2
+
+if TYPE_CHECKING:
+    from kvcache.request import Request
+
+BlockHash = NewType("BlockHash", bytes)
+"""Hash of one full block, chained over the whole prefix before it."""
+
+BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
+"""A ``BlockHash`` followed by the 4-byte big-endian group id: the pool's key."""
+
+ExternalBlockHash: TypeAlias = bytes | int
+"""Block hash as reported in KV events."""
+
+
+def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
+    """Pack ``block_hash`` and ``group_id`` into one pool key (hash + 4 bytes big-endian)."""
+    return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big", signed=False))
+
+
+def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
+    """The ``BlockHash`` part of a pool key."""
+    return BlockHash(key[:-4])
+
+
+def get_group_id(key: BlockHashWithGroupId) -> int:
+    """The group id part of a pool key."""
+    return int.from_bytes(key[-4:], "big", signed=False)
+
+
+def maybe_convert_block_hash(hash_bytes: BlockHash) -> ExternalBlockHash:
+    """Hash as events report it: the raw bytes, or its low 64 bits as an int when
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is set (as vLLM does)."""
+    if os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0").lower() in ("", "0", "false"):
+        return hash_bytes
+    return int.from_bytes(hash_bytes, byteorder="big") & ((1 << 64) - 1)
+
+
+# ---------------------------------------------------------------- hash functions
+
+
+def sha256(input: Any) -> bytes:
+    """SHA-256 of the pickle (protocol 5) of ``input``; vLLM's default block hash."""
+    return hashlib.sha256(pickle.dumps(input, protocol=5)).digest()
+
+
+def sha256_cbor(input: Any) -> bytes:
+    """SHA-256 of the canonical CBOR encoding of ``input`` (language-neutral)."""
+    return hashlib.sha256(cbor2.dumps(input, canonical=True)).digest()
+
+
+def _xxh3_128(data: bytes) -> bytes:
+    import xxhash as _xxhash
+
+    return bytes(_xxhash.xxh3_128_digest(data))
+
+
+def xxhash(input: Any) -> bytes:
+    """xxh3-128 of the pickle (protocol 5) of ``input``."""
+    return _xxh3_128(pickle.dumps(input, protocol=5))
+
+
+def xxhash_cbor(input: Any) -> bytes:
+    """xxh3-128 of the canonical CBOR encoding of ``input``."""
+    return _xxh3_128(cbor2.dumps(input, canonical=True))
+
+
+_HASH_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {
+    "sha256": sha256,
+    "sha256_cbor": sha256_cbor,
+    "xxhash": xxhash,
+    "xxhash_cbor": xxhash_cbor,
+}
+
+
+def get_hash_fn_by_name(hash_fn_name: str) -> Callable[[Any], bytes]:
+    """Hash function for a ``--prefix-caching-hash-algo`` name.
+
+    Raises:
+        ValueError: for a name other than sha256, sha256_cbor, xxhash, xxhash_cbor.
+    """
+    try:
+        return _HASH_FUNCTIONS[hash_fn_name]
+    except (KeyError, TypeError):
+        raise ValueError(f"Unsupported hash function: hash_fn_name={hash_fn_name!r}") from None
+
+
+NONE_HASH: BlockHash = BlockHash(b"")
+"""Parent hash of every first block; set by ``init_none_hash``."""
+
+
+def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
+    """Seed the chain: ``NONE_HASH = hash_fn(PYTHONHASHSEED)``, or 32 random bytes
+    when the variable is unset (then hashes differ between processes, as in vLLM)."""
+    global NONE_HASH
+    seed = os.getenv("PYTHONHASHSEED")
+    NONE_HASH = BlockHash(os.urandom(32) if seed is None else hash_fn(seed))
+
+
+init_none_hash(sha256)
+
+
+def hash_block_tokens(
+    hash_function: Callable[[Any], bytes],
+    parent_block_hash: BlockHash | None,
+    curr_block_token_ids: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
+) -> BlockHash:
+    """Hash one full block, chained to its parent (``NONE_HASH`` for the first block).
+
+    Args:
+        hash_function: One of ``get_hash_fn_by_name``'s functions.
+        parent_block_hash: Hash of the previous block, or None/empty for the first.
+        curr_block_token_ids: The block's tokens.
+        extra_keys: LoRA name, multimodal ``(identifier, offset)`` pairs and the
+            cache salt that apply to this block, or None.
+    """
+    if not parent_block_hash:
+        parent_block_hash = NONE_HASH
+    return BlockHash(hash_function((parent_block_hash, tuple(curr_block_token_ids), extra_keys)))
+
+
+def need_extra_keys(request: Request) -> bool:
+    """Whether the request's blocks carry extra hash keys (MM, LoRA or salt)."""
+    return bool(request.mm_features) or request.lora_request is not None or (
+        request.cache_salt is not None
+    )
+
+
+def _gen_mm_extra_hash_keys(
+    request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+) -> tuple[list[Any], int]:
+    """``(identifier, offset - block_start)`` of each MM item overlapping the block.
+
+    ``start_mm_idx`` is the first item worth checking (-1: the last item); the
+    returned index is where the next block should start. Items must be sorted
+    by offset, as vLLM assumes.
+    """
+    keys: list[Any] = []
+    features = request.mm_features
+    if not features:
+        return keys, start_mm_idx
+    last = features[-1].mm_position
+    if last.offset + last.length <= start_token_idx:
+        return keys, start_mm_idx
+    idx = len(features) + start_mm_idx if start_mm_idx < 0 else start_mm_idx
+    while idx < len(features):
+        feature = features[idx]
+        offset, length = feature.mm_position.offset, feature.mm_position.length
+        if end_token_idx <= offset:
+            break  # the block ends before this item starts
+        if start_token_idx >= offset + length:
+            idx += 1  # the item ended before this block
+            continue
+        keys.append((feature.identifier, offset - start_token_idx))
+        if end_token_idx >= offset + length:
+            idx += 1  # the item ends inside this block; the next may start here too
+        else:
+            break
+    return keys, idx
+
+
+def generate_block_hash_extra_keys(
+    request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+) -> tuple[tuple[Any, ...] | None, int]:
+    """Extra keys of one block: LoRA name, then MM keys, then the salt (first block only).
+
+    Returns:
+        ``(keys or None, next multimodal index)``.
+    """
+    mm_keys, next_mm_idx = _gen_mm_extra_hash_keys(
+        request, start_token_idx, end_token_idx, start_mm_idx
+    )
+    keys: list[Any] = []
+    if request.lora_request:
+        keys.append(request.lora_request.lora_name)
+    keys.extend(mm_keys)
+    if start_token_idx == 0 and request.cache_salt:
+        keys.append(request.cache_salt)
+    return (tuple(keys) if keys else None), next_mm_idx
+
+
+def get_request_block_hasher(
+    hash_block_size: int, caching_hash_fn: Callable[[Any], bytes]
+) -> Callable[[Request], list[BlockHash]]:
+    """A function returning the hashes of a request's full blocks not hashed yet.
+
+    Raises:
+        ValueError: if ``hash_block_size`` is not a positive int.
+    """
+    if not isinstance(hash_block_size, int) or hash_block_size <= 0:
+        raise ValueError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
+
+    def request_block_hasher(request: Request) -> list[BlockHash]:
+        start = len(request.block_hashes) * hash_block_size
+        num_tokens = request.num_tokens
+        if start + hash_block_size > num_tokens:
+            return []
+        # Blocks completed after the first call can only touch the last MM item.
+        mm_idx = 0 if start == 0 else -1
+        parent = request.block_hashes[-1] if request.block_hashes else None
+        tokens = request.all_token_ids
+        new_hashes: list[BlockHash] = []
+        while start + hash_block_size <= num_tokens:
+            end = start + hash_block_size
+            extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
+            parent = hash_block_tokens(caching_hash_fn, parent, tokens[start:end], extra_keys)
+            new_hashes.append(parent)
+            start = end
+        return new_hashes
+
+    return request_block_hasher
+
+
+class BlockHashListWithBlockSize:
+    """Read-only view of hashes computed at ``hash_block_size`` as hashes of
+    ``target_block_size`` blocks (a multiple): block ``i``'s hash is the fine hash
+    at its last boundary, ``block_hashes[(i + 1) * scale - 1]``, which already
+    chains over the whole prefix."""
+
+    def __init__(
+        self, block_hashes: list[BlockHash], hash_block_size: int, target_block_size: int
+    ) -> None:
+        if target_block_size % hash_block_size != 0:
+            raise ValueError(
+                f"target_block_size={target_block_size} is not a multiple of "
+                f"hash_block_size={hash_block_size}"
+            )
+        self.block_hashes = block_hashes
+        self.scale_factor = target_block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self.block_hashes) // self.scale_factor
+
+    @overload
+    def __getitem__(self, idx: int) -> BlockHash: ...
+
+    @overload
+    def __getitem__(self, idx: slice) -> list[BlockHash]: ...
+
+    def __getitem__(self, idx: int | slice) -> BlockHash | list[BlockHash]:
+        if isinstance(idx, slice):
+            return [self._get_value_at(i) for i in range(*idx.indices(len(self)))]
+        if isinstance(idx, int):
+            if idx < 0:
+                idx += len(self)
+            if not 0 <= idx < len(self):
+                raise IndexError(f"block index {idx} out of range")
+            return self._get_value_at(idx)
+        raise TypeError(f"Invalid index type: {type(idx)!r}")
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        for i in range(len(self)):
+            yield self._get_value_at(i)
+
+    def _get_value_at(self, idx: int) -> BlockHash:
+        return self.block_hashes[(idx + 1) * self.scale_factor - 1]
+
+
+BlockHashList: TypeAlias = list[BlockHash] | BlockHashListWithBlockSize
+
+
+# ---------------------------------------------------------------- blocks
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """Metadata of one physical block.
+
+    ``ref_cnt`` counts the requests holding the block; ``block_hash`` is the
+    pool key while the block is full and cached. The null block (id 0) is a
+    placeholder whose ref count is not maintained.
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    _block_hash: BlockHashWithGroupId | None = None
+    _block_hash_num_tokens: int | None = None
+    is_null: bool = False
+
+    @property
+    def block_hash(self) -> BlockHashWithGroupId | None:
+        """Pool key of the block while it is cached, else None."""
+        return self._block_hash
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        """Number of prefix tokens the cached hash covers."""
+        return self._block_hash_num_tokens
+
+    def set_block_hash(self, block_hash: BlockHashWithGroupId, num_tokens: int | None = None) -> None:
+        """Record the pool key of a newly cached block (it must have none yet)."""
+        assert self._block_hash is None, f"block {self.block_id} already has a hash"
+        self._block_hash = block_hash
+        self._block_hash_num_tokens = num_tokens
+
+    def reset_hash(self) -> None:
+        """Forget the hash (the block was evicted from the prefix cache)."""
+        self._block_hash = None
+        self._block_hash_num_tokens = None
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
+            f"_block_hash={self._block_hash!r})"
+        )
+
+
+class FreeKVCacheBlockQueue:
+    """Free blocks in eviction order: the front is evicted (reused) first.
+
+    Starts in block-id order. A freed block goes to the back if it is cached
+    (least recently used first) or to the front if it has no hash (it can
+    never be hit, so reuse it first); callers free a request's blocks tail
+    first so that, among blocks freed together, the tail of a chain goes first.
+
+    NOTE: backed by ``collections.OrderedDict`` (C linked list keyed by block
+    id) rather than vLLM's hand-written list of block pointers: same order,
+    O(1) ``remove``, and fewer Python-level attribute writes per operation.
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (block.block_id, block) for block in blocks
+        )
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Number of blocks in the queue."""
+        return len(self._queue)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __contains__(self, block: KVCacheBlock) -> bool:
+        return self._queue.get(block.block_id) is block
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the front block.
+
+        Raises:
+            ValueError: if the queue is empty.
+        """
+        if not self._queue:
+            raise ValueError("No free blocks available")
+        return self._queue.popitem(last=False)[1]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Remove and return the ``n`` front blocks, front first.
+
+        Raises:
+            ValueError: if fewer than ``n`` blocks are free or ``n`` is negative.
+        """
+        if n < 0 or n > len(self._queue):
+            raise ValueError(f"cannot pop n={n} blocks from {len(self._queue)} free blocks")
+        pop = self._queue.popitem
+        return [pop(last=False)[1] for _ in range(n)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Remove ``block`` from anywhere in the queue.
+
+        Raises:
+            RuntimeError: if the block is not in the queue.
+        """
+        if self._queue.pop(block.block_id, None) is None:
+            raise RuntimeError(f"remove() called on a block not in the free queue: {block}")
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the back (evicted last)."""
+        self._queue[block.block_id] = block
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the back, in order."""
+        queue = self._queue
+        for block in blocks:
+            queue[block.block_id] = block
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the front, keeping their order (``blocks[0]`` goes first)."""
+        queue = self._queue
+        move = queue.move_to_end
+        for block in reversed(blocks):
+            queue[block.block_id] = block
+            move(block.block_id, last=False)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """All free blocks, front (next evicted) first. For tests and tools."""
+        return list(self._queue.values())

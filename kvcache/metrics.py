@@ -1,0 +1,33 @@
+"""Prefix-cache hit statistics (vLLM 0.25.1's ``PrefixCacheStats`` fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PrefixCacheStats:
+    """Hit counts since the last ``KVCacheManager.make_prefix_cache_stats`` call.
+
+    ``queries`` and ``hits`` count tokens; requests that were preempted before
+    are counted apart in the ``preempted_*`` fields.
+    """
+
+    reset: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        """Add one lookup of ``num_tokens`` tokens that hit ``num_hits`` of them."""
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
