@@ -14,8 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _DTYPE_SIZES = {
-    "float16": 2, "half": 2, "bfloat16": 2, "float32": 4, "float": 4,
-    "float64": 8, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float": 4,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 
 
@@ -31,7 +39,7 @@ def get_dtype_size(dtype: Any) -> int:
     return _DTYPE_SIZES[name]
 
 
-class KVCacheSpecKind(str, enum.Enum):
+class KVCacheSpecKind(enum.StrEnum):
     """Kind label attached to ``BlockStored`` events (same strings as vLLM)."""
 
     FULL_ATTENTION = "full_attention"
@@ -74,9 +82,7 @@ class AttentionSpec(KVCacheSpec):
     @property
     def real_page_size_bytes(self) -> int:
         """Bytes of one block's K and V before padding."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * get_dtype_size(
-            self.dtype
-        )
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * get_dtype_size(self.dtype)
 
     @property
     def page_size_bytes(self) -> int:

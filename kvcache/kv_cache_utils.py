@@ -47,9 +47,9 @@ def get_group_id(key: BlockHashWithGroupId) -> int:
 
 
 def maybe_convert_block_hash(hash_bytes: BlockHash) -> ExternalBlockHash:
-    """Hash as events report it: the raw bytes, or its low 64 bits as an int when
-    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is set (as vLLM does)."""
-    if os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0").lower() in ("", "0", "false"):
+    """Hash as events report it: by default (as in vLLM) the low 64 bits of the
+    big-endian integer; the raw bytes when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``."""
+    if not int(os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")):
         return hash_bytes
     return int.from_bytes(hash_bytes, byteorder="big") & ((1 << 64) - 1)
 
@@ -140,8 +140,10 @@ def hash_block_tokens(
 
 def need_extra_keys(request: Request) -> bool:
     """Whether the request's blocks carry extra hash keys (MM, LoRA or salt)."""
-    return bool(request.mm_features) or request.lora_request is not None or (
-        request.cache_salt is not None
+    return (
+        bool(request.mm_features)
+        or request.lora_request is not None
+        or (request.cache_salt is not None)
     )
 
 
@@ -288,39 +290,49 @@ class KVCacheBlock:
     ``ref_cnt`` counts the requests holding the block; ``block_hash`` is the
     pool key while the block is full and cached. The null block (id 0) is a
     placeholder whose ref count is not maintained.
+
+    NOTE: the hash and group id are stored apart and ``block_hash`` packs them
+    on access, so the hot paths (hit search, caching, freeing) never build
+    the packed key.
     """
 
     block_id: int
     ref_cnt: int = 0
-    _block_hash: BlockHashWithGroupId | None = None
+    _hash: BlockHash | None = None
+    _group_id: int = 0
     _block_hash_num_tokens: int | None = None
     is_null: bool = False
 
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:
         """Pool key of the block while it is cached, else None."""
-        return self._block_hash
+        if self._hash is None:
+            return None
+        return make_block_hash_with_group_id(self._hash, self._group_id)
 
     @property
     def block_hash_num_tokens(self) -> int | None:
         """Number of prefix tokens the cached hash covers."""
         return self._block_hash_num_tokens
 
-    def set_block_hash(self, block_hash: BlockHashWithGroupId, num_tokens: int | None = None) -> None:
+    def set_block_hash(
+        self, block_hash: BlockHashWithGroupId, num_tokens: int | None = None
+    ) -> None:
         """Record the pool key of a newly cached block (it must have none yet)."""
-        assert self._block_hash is None, f"block {self.block_id} already has a hash"
-        self._block_hash = block_hash
+        assert self._hash is None, f"block {self.block_id} already has a hash"
+        self._hash = get_block_hash(block_hash)
+        self._group_id = get_group_id(block_hash)
         self._block_hash_num_tokens = num_tokens
 
     def reset_hash(self) -> None:
         """Forget the hash (the block was evicted from the prefix cache)."""
-        self._block_hash = None
+        self._hash = None
         self._block_hash_num_tokens = None
 
     def __repr__(self) -> str:
         return (
             f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
-            f"_block_hash={self._block_hash!r})"
+            f"block_hash={self.block_hash!r})"
         )
 
 

@@ -1,0 +1,117 @@
+"""kvcache: a verified, drop-in reference of vLLM 0.25.1's KV-cache manager.
+
+The public names match vLLM's (``vllm.v1.core``), so code written against
+vLLM's ``KVCacheManager`` runs against this package unchanged.
+"""
+
+from kvcache.block_pool import BlockHashToBlockMap, BlockPool
+from kvcache.kv_cache_coordinator import (
+    KVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+    UnitaryKVCacheCoordinator,
+    get_kv_cache_coordinator,
+)
+from kvcache.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheSpecKind,
+    KVCacheTensor,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+from kvcache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvcache.kv_cache_utils import (
+    BlockHash,
+    BlockHashListWithBlockSize,
+    BlockHashWithGroupId,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    generate_block_hash_extra_keys,
+    get_block_hash,
+    get_group_id,
+    get_hash_fn_by_name,
+    get_request_block_hasher,
+    hash_block_tokens,
+    init_none_hash,
+    make_block_hash_with_group_id,
+    sha256,
+    sha256_cbor,
+    xxhash,
+    xxhash_cbor,
+)
+from kvcache.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from kvcache.metrics import PrefixCacheStats
+from kvcache.request import (
+    LoRARequest,
+    MultiModalFeatureSpec,
+    PlaceholderRange,
+    Request,
+    RequestStatus,
+)
+from kvcache.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "AttentionSpec",
+    "BlockHash",
+    "BlockHashListWithBlockSize",
+    "BlockHashToBlockMap",
+    "BlockHashWithGroupId",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "FreeKVCacheBlockQueue",
+    "FullAttentionManager",
+    "FullAttentionSpec",
+    "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVCacheCoordinator",
+    "KVCacheCoordinatorNoPrefixCache",
+    "KVCacheEvent",
+    "KVCacheGroupSpec",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "KVCacheSpecKind",
+    "KVCacheTensor",
+    "LoRARequest",
+    "MultiModalFeatureSpec",
+    "PlaceholderRange",
+    "PrefixCacheStats",
+    "Request",
+    "RequestStatus",
+    "SingleTypeKVCacheManager",
+    "UnitaryKVCacheCoordinator",
+    "generate_block_hash_extra_keys",
+    "get_block_hash",
+    "get_group_id",
+    "get_hash_fn_by_name",
+    "get_kv_cache_coordinator",
+    "get_kv_cache_spec_kind",
+    "get_kv_cache_spec_sliding_window",
+    "get_manager_for_kv_cache_spec",
+    "get_request_block_hasher",
+    "hash_block_tokens",
+    "init_none_hash",
+    "make_block_hash_with_group_id",
+    "sha256",
+    "sha256_cbor",
+    "xxhash",
+    "xxhash_cbor",
+]

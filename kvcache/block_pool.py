@@ -1,0 +1,462 @@
+"""The physical block pool: allocation, ref counts, the prefix-cache map, events.
+
+Behaviour matches vLLM 0.25.1's ``BlockPool`` (see the class docstring for the
+eviction order); the data structures differ: the prefix-cache map is split per
+KV-cache group and keyed by the raw ``BlockHash``, so lookups never build
+``hash + group id`` keys, and the free queue is an ``OrderedDict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvcache.kv_cache_utils import (
+    BlockHash,
+    BlockHashList,
+    BlockHashListWithBlockSize,
+    BlockHashWithGroupId,
+    ExternalBlockHash,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    generate_block_hash_extra_keys,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+)
+from kvcache.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+
+if TYPE_CHECKING:
+    from kvcache.request import Request
+
+# A hash maps to one block (the common case, no inner container) or, when
+# identical blocks were cached separately, to {block_id: block} in insertion order.
+_CachedBlocks = KVCacheBlock | dict[int, KVCacheBlock]
+
+
+class BlockHashToBlockMap:
+    """Prefix-cache map: pool key -> cached block(s), per KV-cache group.
+
+    NOTE: identical blocks cached by different requests are not merged, because
+    block tables are append-only: a request keeps the ids it was given. A hit
+    returns the oldest block cached under the key.
+    """
+
+    def __init__(self) -> None:
+        self.group_maps: dict[int, dict[BlockHash, _CachedBlocks]] = {}
+
+    def group_map(self, group_id: int) -> dict[BlockHash, _CachedBlocks]:
+        """The (hash -> blocks) map of one group, created on first use."""
+        m = self.group_maps.get(group_id)
+        if m is None:
+            m = self.group_maps[group_id] = {}
+        return m
+
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        """The oldest block cached under ``key``, or None."""
+        m = self.group_maps.get(get_group_id(key))
+        blocks = None if m is None else m.get(get_block_hash(key))
+        if blocks is None or isinstance(blocks, KVCacheBlock):
+            return blocks
+        return next(iter(blocks.values()))
+
+    def contain(self, key: BlockHashWithGroupId, block_id: int) -> bool:
+        """Whether ``key`` maps to block ``block_id``."""
+        m = self.group_maps.get(get_group_id(key))
+        blocks = None if m is None else m.get(get_block_hash(key))
+        if blocks is None:
+            return False
+        if isinstance(blocks, KVCacheBlock):
+            return blocks.block_id == block_id
+        return block_id in blocks
+
+    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
+        """Add ``block`` under ``key`` (after any block already there)."""
+        self.insert_raw(self.group_map(get_group_id(key)), get_block_hash(key), block)
+
+    @staticmethod
+    def insert_raw(m: dict[BlockHash, _CachedBlocks], h: BlockHash, block: KVCacheBlock) -> None:
+        """Add ``block`` under hash ``h`` of group map ``m``."""
+        blocks = m.get(h)
+        if blocks is None:
+            m[h] = block
+        elif isinstance(blocks, KVCacheBlock):
+            m[h] = {blocks.block_id: blocks, block.block_id: block}
+        else:
+            blocks[block.block_id] = block
+
+    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
+        """Remove block ``block_id`` from ``key``; return it, or None if absent."""
+        m = self.group_maps.get(get_group_id(key))
+        return None if m is None else self.pop_raw(m, get_block_hash(key), block_id)
+
+    @staticmethod
+    def pop_raw(
+        m: dict[BlockHash, _CachedBlocks], h: BlockHash, block_id: int
+    ) -> KVCacheBlock | None:
+        """Remove block ``block_id`` from hash ``h`` of group map ``m``."""
+        blocks = m.get(h)
+        if blocks is None:
+            return None
+        if isinstance(blocks, KVCacheBlock):
+            if blocks.block_id != block_id:
+                return None
+            del m[h]
+            return blocks
+        block = blocks.pop(block_id, None)
+        if not blocks:
+            del m[h]
+        return block
+
+    def items(self) -> list[tuple[BlockHashWithGroupId, list[KVCacheBlock]]]:
+        """Every (pool key, blocks oldest first) pair. For tests and tools."""
+        out = []
+        for group_id, m in self.group_maps.items():
+            for h, blocks in m.items():
+                listed = [blocks] if isinstance(blocks, KVCacheBlock) else list(blocks.values())
+                out.append((make_block_hash_with_group_id(h, group_id), listed))
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(m) for m in self.group_maps.values())
+
+
+class BlockPool:
+    """All physical blocks of the KV cache, and which of them are free or cached.
+
+    Invariants: block 0 is the null block (a placeholder for skipped
+    positions; never free, never cached, never counted). A non-null block is in
+    the free queue iff its ref count is 0. A block has a hash iff it is in the
+    prefix-cache map under that hash.
+
+    Eviction order (the free queue, front reused first): blocks start in id
+    order. Freed blocks without a hash go to the front (they can never be hit),
+    freed blocks with a hash go to the back, so among cached blocks the least
+    recently freed is evicted first. Reusing a cached block evicts its hash.
+
+    Args:
+        num_gpu_blocks: Number of blocks, including the null block.
+        enable_caching: Whether blocks are cached for prefix hits.
+        hash_block_size: Token granularity of ``Request.block_hashes``; a
+            group's block size is a multiple of it.
+        enable_kv_cache_events: Whether to queue KV events.
+        metrics_collector: Not supported; must be None.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: Any = None,
+    ) -> None:
+        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
+        if not isinstance(hash_block_size, int) or hash_block_size <= 0:
+            raise ValueError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
+        if metrics_collector is not None:
+            raise NotImplementedError("metrics_collector is not supported by kvcache")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
+        self.metrics_collector = None
+
+    # ------------------------------------------------------------ lookups
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: list[int]
+    ) -> list[KVCacheBlock] | None:
+        """The oldest cached block under ``block_hash`` in each group, or None if
+        any group misses."""
+        group_maps = self.cached_block_hash_to_block.group_maps
+        found = []
+        for group_id in kv_cache_group_ids:
+            m = group_maps.get(group_id)
+            blocks = None if m is None else m.get(block_hash)
+            if blocks is None:
+                return None
+            found.append(
+                blocks if isinstance(blocks, KVCacheBlock) else next(iter(blocks.values()))
+            )
+        return found
+
+    def get_cached_block_map(self, group_id: int) -> dict[BlockHash, _CachedBlocks]:
+        """The raw (hash -> block or {id: block}) map of one group, for hit loops."""
+        return self.cached_block_hash_to_block.group_map(group_id)
+
+    # ------------------------------------------------------------ caching
+
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None = None,
+    ) -> None:
+        """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under the request's hashes.
+
+        Null blocks and blocks whose ``block_mask`` entry is False are skipped.
+        One ``BlockStored`` event covers the whole range (when events are on).
+
+        Args:
+            request: Owner of the blocks; its ``block_hashes`` name them.
+            blocks: All blocks of the request in this group.
+            num_cached_blocks: Blocks already cached.
+            num_full_blocks: Blocks that are full and cached after this call.
+            block_size: Tokens per block of this group.
+            kv_cache_group_id: The group.
+            block_mask: Optional filter aligned with the new blocks.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
+        assert block_mask is None or len(block_mask) == len(new_full_blocks)
+        block_hashes: BlockHashList = request.block_hashes
+        if block_size != self.hash_block_size:
+            block_hashes = BlockHashListWithBlockSize(
+                request.block_hashes, self.hash_block_size, block_size
+            )
+        assert len(block_hashes) >= num_full_blocks, "request has fewer hashes than full blocks"
+        new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
+        m = self.cached_block_hash_to_block.group_map(kv_cache_group_id)
+        insert = BlockHashToBlockMap.insert_raw
+        events = self.enable_kv_cache_events
+        stored: list[ExternalBlockHash] = []
+        for i, blk in enumerate(new_full_blocks):
+            if blk.is_null or (block_mask is not None and not block_mask[i]):
+                continue
+            h = new_hashes[i]
+            # NOTE: only partial-block promotion would re-cache a hashed block, and
+            # kvcache does not support partial blocks (vLLM asserts here too).
+            assert blk._hash is None, f"block {blk.block_id} is already cached"
+            blk._hash = h
+            blk._group_id = kv_cache_group_id
+            blk._block_hash_num_tokens = (num_cached_blocks + i + 1) * block_size
+            insert(m, h, blk)
+            if events:
+                stored.append(maybe_convert_block_hash(h))
+        if events:
+            self._emit_block_stored(
+                request,
+                blocks,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+                block_mask,
+                block_hashes,
+                stored,
+            )
+
+    def _emit_block_stored(
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        group_id: int,
+        block_mask: list[bool] | None,
+        block_hashes: BlockHashList,
+        stored: list[ExternalBlockHash],
+    ) -> None:
+        parent = (
+            None
+            if num_cached_blocks == 0
+            else maybe_convert_block_hash(block_hashes[num_cached_blocks - 1])
+        )
+        # One extra-keys entry per stored block, recomputed at this group's block size.
+        extra_keys_list: list[tuple[Any, ...] | None] = []
+        mm_idx = 0
+        for i in range(num_cached_blocks, num_full_blocks):
+            if blocks[i].is_null or (
+                block_mask is not None and not block_mask[i - num_cached_blocks]
+            ):
+                continue
+            start = i * block_size
+            extra_keys, mm_idx = generate_block_hash_extra_keys(
+                request, start, start + block_size, mm_idx
+            )
+            extra_keys_list.append(extra_keys)
+        lora = request.lora_request
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=stored,
+                parent_block_hash=parent,
+                token_ids=list(
+                    request.all_token_ids[
+                        num_cached_blocks * block_size : num_full_blocks * block_size
+                    ]
+                ),
+                block_size=block_size,
+                lora_id=lora.adapter_id if lora else None,
+                medium=MEDIUM_GPU,
+                lora_name=lora.lora_name if lora else None,
+                extra_keys=extra_keys_list or None,
+                group_idx=group_id,
+            )
+        )
+
+    # ------------------------------------------------------------ allocation
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the front of the free queue.
+
+        A reused block that was cached loses its hash (``BlockRemoved`` event).
+
+        Raises:
+            ValueError: if ``num_blocks`` exceeds the free blocks (or is negative).
+        """
+        if not 0 <= num_blocks <= self.free_block_queue.num_free_blocks:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        if self.enable_caching:
+            for block in blocks:
+                if block._hash is not None:
+                    self._evict(block)
+                block.ref_cnt = 1
+        else:
+            for block in blocks:
+                block.ref_cnt = 1
+        return blocks
+
+    def _evict(self, block: KVCacheBlock) -> bool:
+        """Drop ``block``'s hash from the prefix cache; True if it had one."""
+        h = block._hash
+        if h is None:
+            return False
+        group_id = block._group_id
+        block.reset_hash()
+        m = self.cached_block_hash_to_block.group_maps.get(group_id)
+        if m is None or BlockHashToBlockMap.pop_raw(m, h, block.block_id) is None:
+            return False
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(h)],
+                    medium=MEDIUM_GPU,
+                    group_idx=group_id,
+                )
+            )
+        return True
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Add one reference to each block (a prefix hit), taking free ones out of
+        the free queue. As in vLLM, the null block's count moves too."""
+        queue = self.free_block_queue._queue
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                del queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block, in eviction-priority order.
+
+        Blocks reaching 0 are queued: unhashed ones at the front (in the given
+        order), hashed ones at the back.
+        """
+        unhashed = []
+        queue = self.free_block_queue._queue
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                if block._hash is None:
+                    unhashed.append(block)
+                else:
+                    queue[block.block_id] = block
+        if unhashed:
+            self.free_block_queue.prepend_n(unhashed)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop the given blocks' hashes from the prefix cache (blocks in use stay
+        allocated; only future hits are prevented).
+
+        Raises:
+            ValueError: if an id is not a block of this pool (checked before any
+                eviction, so a bad call changes nothing).
+        """
+        ids = list(block_ids)
+        for block_id in ids:
+            if not isinstance(block_id, int) or not 0 <= block_id < self.num_gpu_blocks:
+                raise ValueError(
+                    f"block_ids contains {block_id!r}, not a block id in [0, {self.num_gpu_blocks})"
+                )
+        for block_id in ids:
+            self._evict(self.blocks[block_id])
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, if no block is in use.
+
+        Returns:
+            True on success; False (and no change) while any non-null block is held.
+        """
+        if self.num_gpu_blocks - self.free_block_queue.num_free_blocks != 1:
+            return False
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        for block in self.blocks:
+            block.reset_hash()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    # ------------------------------------------------------------ accounting
+
+    def get_num_free_blocks(self) -> int:
+        """Number of blocks in the free queue (cached-but-free blocks included)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of non-null blocks in use, in [0, 1]."""
+        total = self.num_gpu_blocks - 1
+        if not total:
+            return 0
+        return 1.0 - self.free_block_queue.num_free_blocks / total
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return and clear the queued events ([] when events are off)."""
+        if not self.enable_kv_cache_events:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    def check_invariants(self) -> None:
+        """Assert the class invariants (O(pool size); for tests and self-checks)."""
+        free = self.free_block_queue.get_all_free_blocks()
+        free_ids = {b.block_id for b in free}
+        assert len(free_ids) == len(free), "free queue holds a block twice"
+        assert 0 not in free_ids, "null block in the free queue"
+        for block in self.blocks[1:]:
+            assert (block.block_id in free_ids) == (block.ref_cnt == 0), (
+                f"block {block.block_id}: ref_cnt={block.ref_cnt}, in free queue="
+                f"{block.block_id in free_ids}"
+            )
+            assert block.ref_cnt >= 0
+        mapped = {}
+        for key, blocks in self.cached_block_hash_to_block.items():
+            assert blocks, f"empty entry for {key!r}"
+            for b in blocks:
+                assert b.block_hash == key, f"block {b.block_id} mapped under a foreign key"
+                mapped[b.block_id] = key
+        for block in self.blocks:
+            if block._hash is not None:
+                assert mapped.get(block.block_id) == block.block_hash
+        assert len(mapped) == sum(b._hash is not None for b in self.blocks)
+        assert self.null_block._hash is None

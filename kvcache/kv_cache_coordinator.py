@@ -1,0 +1,365 @@
+"""Coordinators: drive one single-type manager per KV-cache group over one pool.
+
+``get_kv_cache_coordinator`` picks, as vLLM 0.25.1 does: no prefix caching ->
+``KVCacheCoordinatorNoPrefixCache``; one group -> ``UnitaryKVCacheCoordinator``;
+several groups -> the hybrid coordinator (not supported yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvcache.block_pool import BlockPool
+from kvcache.kv_cache_interface import KVCacheConfig
+from kvcache.kv_cache_utils import BlockHash, KVCacheBlock
+from kvcache.single_type_kv_cache_manager import (
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+)
+
+if TYPE_CHECKING:
+    from kvcache.request import Request
+
+
+class KVCacheCoordinator:
+    """Fans each manager-level operation out to every group's manager.
+
+    Args:
+        kv_cache_config: Pool size and groups.
+        max_model_len: Longest sequence.
+        max_num_batched_tokens: Token budget per step (sizes admission caps).
+        use_eagle: Whether EAGLE drafting needs the last hit block recomputed.
+        enable_caching: Whether prefix caching is on.
+        enable_kv_cache_events: Whether the pool queues KV events.
+        dcp_world_size: Must be 1.
+        pcp_world_size: Must be 1.
+        scheduler_block_size: Scheduling granularity, a multiple of every group's
+            block size and of ``hash_block_size``.
+        hash_block_size: Granularity of request block hashes.
+        metrics_collector: Must be None.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        use_eagle: bool,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        metrics_collector: Any = None,
+    ) -> None:
+        groups = kv_cache_config.kv_cache_groups
+        if scheduler_block_size % hash_block_size != 0 or any(
+            scheduler_block_size % g.kv_cache_spec.block_size != 0 for g in groups
+        ):
+            raise ValueError(
+                f"scheduler_block_size={scheduler_block_size} must be a multiple of "
+                f"hash_block_size={hash_block_size} and of every group's block size "
+                f"{[g.kv_cache_spec.block_size for g in groups]}"
+            )
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.scheduler_block_size = scheduler_block_size
+        self.block_pool = BlockPool(
+            num_gpu_blocks=kv_cache_config.num_blocks,
+            enable_caching=enable_caching,
+            hash_block_size=hash_block_size,
+            enable_kv_cache_events=enable_kv_cache_events,
+            metrics_collector=metrics_collector,
+        )
+        self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
+        if use_eagle and not self.eagle_group_ids:
+            # No group is marked: treat them all as EAGLE groups.
+            self.eagle_group_ids = set(range(len(groups)))
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            get_manager_for_kv_cache_spec(
+                kv_cache_spec=g.kv_cache_spec,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                block_pool=self.block_pool,
+                enable_caching=enable_caching,
+                kv_cache_group_id=i,
+                dcp_world_size=dcp_world_size,
+                pcp_world_size=pcp_world_size,
+                scheduler_block_size=scheduler_block_size,
+            )
+            for i, g in enumerate(groups)
+        )
+        self.retention_interval: int | None = None
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Blocks all groups together need from the pool for ``num_tokens`` slots."""
+        return sum(
+            manager.get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks[i],
+                total_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap=apply_admission_cap,
+            )
+            for i, manager in enumerate(self.single_type_managers)
+        )
+
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Add a new request's hits to every group, then allocate external blocks.
+
+        Two phases, as vLLM: every group touches its hits before any group takes
+        blocks for external tokens, so one group cannot evict another's hits.
+        A request that is already tracked is left alone (it has no new hits).
+        """
+        managers = self.single_type_managers
+        if any(request_id in m.num_cached_block for m in managers):
+            assert all(len(blocks) == 0 for blocks in new_computed_blocks)
+            return
+        for i, manager in enumerate(managers):
+            manager.add_local_computed_blocks(
+                request_id,
+                new_computed_blocks[i],
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+            )
+        if num_external_computed_tokens > 0:
+            for manager in managers:
+                manager.allocate_external_computed_blocks(
+                    request_id, num_local_computed_tokens, num_external_computed_tokens
+                )
+
+    def allocate_new_blocks(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_tokens_main_model: int,
+        num_encoder_tokens: int = 0,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Give the request ``num_tokens`` slots in every group; return new blocks."""
+        return tuple(
+            manager.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+            for manager in self.single_type_managers
+        )
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache every group's full blocks within the first ``num_computed_tokens``."""
+        for manager in self.single_type_managers:
+            manager.cache_blocks(request, num_computed_tokens, self.retention_interval)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks in every group."""
+        for manager in self.single_type_managers:
+            manager.free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request everywhere; return its blocks group by group, in
+        allocation order, for the caller to free (tail first)."""
+        blocks: list[KVCacheBlock] = []
+        for manager in self.single_type_managers:
+            blocks.extend(manager.pop_blocks_for_free(request_id))
+        return blocks
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, leading blocks shared by every request holding blocks."""
+        return [
+            m.get_num_common_prefix_blocks(running_request_id) for m in self.single_type_managers
+        ]
+
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Free, in every group, blocks no future token attends to."""
+        for manager in self.single_type_managers:
+            manager.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        """The request's block list in every group ([] when it has none)."""
+        return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Hit blocks per group and the hit length in tokens."""
+        raise NotImplementedError
+
+    def new_step_starts(self) -> None:
+        """Tell every group a scheduler step begins."""
+        for manager in self.single_type_managers:
+            manager.new_step_starts()
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Coordinator without prefix caching: any number of groups, never a hit."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        use_eagle: bool,
+        enable_kv_cache_events: bool,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        metrics_collector: Any = None,
+    ) -> None:
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            max_num_batched_tokens,
+            use_eagle,
+            False,
+            enable_kv_cache_events,
+            dcp_world_size,
+            pcp_world_size,
+            scheduler_block_size,
+            hash_block_size,
+            metrics_collector,
+        )
+        self.num_single_type_manager = len(self.single_type_managers)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Always zeros: nothing is shared without prefix caching."""
+        return [0] * self.num_single_type_manager
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Never a hit."""
+        return tuple([] for _ in range(self.num_single_type_manager)), 0
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """Coordinator for a model with exactly one KV-cache group."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        use_eagle: bool,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        metrics_collector: Any = None,
+    ) -> None:
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            max_num_batched_tokens,
+            use_eagle,
+            enable_caching,
+            enable_kv_cache_events,
+            dcp_world_size,
+            pcp_world_size,
+            scheduler_block_size,
+            hash_block_size,
+            metrics_collector,
+        )
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError(
+                "UnitaryKVCacheCoordinator needs exactly one KV-cache group, got "
+                f"{len(kv_cache_config.kv_cache_groups)}"
+            )
+        self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_size = self.kv_cache_spec.block_size
+        self.dcp_world_size = dcp_world_size
+        self.pcp_world_size = pcp_world_size
+        if enable_caching and hash_block_size != self.block_size:
+            raise ValueError(
+                f"hash_block_size={hash_block_size} must equal the block size "
+                f"{self.block_size} of the only KV-cache group"
+            )
+        self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
+        self._manager_cls = type(self.single_type_managers[0])
+        self._drop_eagle_block = 0 in self.eagle_group_ids
+        self._group_ids = [0]
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """The single group's longest hit, aligned to its block size."""
+        hit_blocks = self._manager_cls.find_longest_cache_hit(
+            block_hashes=block_hashes,
+            max_length=max_cache_hit_length,
+            kv_cache_group_ids=self._group_ids,
+            block_pool=self.block_pool,
+            kv_cache_spec=self.kv_cache_spec,
+            drop_eagle_block=self._drop_eagle_block,
+            alignment_tokens=self.block_size,
+        )
+        return hit_blocks, len(hit_blocks[0]) * self.block_size
+
+
+def get_kv_cache_coordinator(
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    use_eagle: bool,
+    enable_caching: bool,
+    enable_kv_cache_events: bool,
+    dcp_world_size: int,
+    pcp_world_size: int,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    metrics_collector: Any = None,
+) -> KVCacheCoordinator:
+    """Pick the coordinator for this config (see the module docstring).
+
+    Raises:
+        NotImplementedError: for several groups with prefix caching (hybrid models).
+    """
+    if not enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(
+            kv_cache_config,
+            max_model_len,
+            max_num_batched_tokens,
+            use_eagle,
+            enable_kv_cache_events,
+            dcp_world_size,
+            pcp_world_size,
+            scheduler_block_size,
+            hash_block_size,
+            metrics_collector,
+        )
+    if len(kv_cache_config.kv_cache_groups) == 1:
+        return UnitaryKVCacheCoordinator(
+            kv_cache_config,
+            max_model_len,
+            max_num_batched_tokens,
+            use_eagle,
+            enable_caching,
+            enable_kv_cache_events,
+            dcp_world_size,
+            pcp_world_size,
+            scheduler_block_size,
+            hash_block_size,
+            metrics_collector,
+        )
+    raise NotImplementedError(
+        "several KV-cache groups with prefix caching need the hybrid coordinator, "
+        "which kvcache does not support yet"
+    )

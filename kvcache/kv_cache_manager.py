@@ -1,0 +1,438 @@
+"""The scheduler-facing KV-cache manager (vLLM 0.25.1's ``KVCacheManager`` API)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, overload
+
+from kvcache.kv_cache_coordinator import get_kv_cache_coordinator
+from kvcache.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheConfig,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+from kvcache.kv_cache_utils import KVCacheBlock
+from kvcache.kv_events import BlockStored, KVCacheEvent
+from kvcache.metrics import PrefixCacheStats
+from kvcache.request import Request, RequestStatus
+from kvcache.single_type_kv_cache_manager import cdiv
+
+_WATERMARKED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+@dataclass
+class KVCacheBlocks:
+    """Blocks handed to the scheduler: ``blocks[g][i]`` is block ``i`` of group ``g``.
+
+    The manager reuses one immutable empty instance (``empty_kv_cache_blocks``)
+    for "no blocks"; ``allocate_slots`` recognises it by identity.
+    """
+
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        """Concatenate group by group."""
+        return KVCacheBlocks(
+            tuple(
+                list(itertools.chain(a, b)) for a, b in zip(self.blocks, other.blocks, strict=False)
+            )
+        )
+
+    @overload
+    def get_block_ids(self, allow_none: Literal[False] = False) -> tuple[list[int], ...]: ...
+
+    @overload
+    def get_block_ids(self, allow_none: Literal[True] = True) -> tuple[list[int], ...] | None: ...
+
+    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
+        """Block ids per group; with ``allow_none``, None when every group is empty."""
+        if allow_none and all(len(group) == 0 for group in self.blocks):
+            return None
+        return tuple([block.block_id for block in group] for group in self.blocks)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Ids of blocks without a hash (single-group configs only)."""
+        if len(self.blocks) != 1:
+            raise ValueError(f"get_unhashed_block_ids needs one group, got {len(self.blocks)}")
+        return [block.block_id for block in self.blocks[0] if block.block_hash is None]
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        """Per group, ids of blocks without a hash, null blocks left out."""
+        return [
+            [b.block_id for b in group if b.block_hash is None and not b.is_null]
+            for group in self.blocks
+        ]
+
+    def new_empty(self) -> KVCacheBlocks:
+        """A new instance with the same number of groups and no blocks."""
+        return KVCacheBlocks(tuple(() for _ in range(len(self.blocks))))
+
+
+class KVCacheManager:
+    """Finds cached prefixes, reserves slots and releases blocks for requests.
+
+    Args:
+        kv_cache_config: Pool size and KV-cache groups.
+        max_model_len: Longest sequence; slot counts are capped by it.
+        scheduler_block_size: Scheduling granularity.
+        hash_block_size: Granularity of ``Request.block_hashes``.
+        max_num_batched_tokens: Per-step token budget (default: max_model_len).
+        enable_caching: Prefix caching on/off.
+        use_eagle: Recompute the last hit block for EAGLE drafting.
+        log_stats: Keep ``PrefixCacheStats``.
+        enable_kv_cache_events: Queue KV events for ``take_events``.
+        dcp_world_size: Must be 1.
+        pcp_world_size: Must be 1.
+        metrics_collector: Must be None (block residency metrics are not supported).
+        watermark: Fraction of the pool kept free when admitting waiting or
+            preempted requests while others are scheduled.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_num_batched_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+    ) -> None:
+        if metrics_collector is not None:
+            raise NotImplementedError(
+                f"metrics_collector={metrics_collector!r}: block residency metrics are not "
+                "supported by kvcache; pass None"
+            )
+        if not isinstance(max_model_len, int) or max_model_len <= 0:
+            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        if not watermark >= 0.0:
+            raise ValueError(f"watermark must be non-negative, got {watermark!r}")
+        self.max_model_len = max_model_len
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max_model_len
+        self.enable_caching = enable_caching
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = None
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config=kv_cache_config,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            use_eagle=use_eagle,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+        )
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.block_pool = self.coordinator.block_pool
+        self.kv_cache_config = kv_cache_config
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.kv_cache_event_metadata = tuple(
+            (
+                get_kv_cache_spec_kind(g.kv_cache_spec).value,
+                get_kv_cache_spec_sliding_window(g.kv_cache_spec),
+            )
+            for g in kv_cache_config.kv_cache_groups
+        )
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups))
+        )
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool in use (0.0 to 1.0)."""
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Return the stats gathered since the last call and start new ones
+        (None unless ``log_stats``)."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest cached prefix of a request that is not running yet.
+
+        The hit never covers the last token (its logits must be computed), so it
+        is capped at ``num_tokens - 1`` and then rounded down to whole blocks.
+
+        Returns:
+            ``(hit blocks, number of hit tokens)``; the blocks are not yet touched.
+        """
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0
+        computed_blocks, num_new_computed_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(
+                num_tokens=request.num_tokens,
+                num_hits=num_new_computed_tokens,
+                preempted=request.num_preemptions > 0,
+            )
+        return self.create_kv_cache_blocks(computed_blocks), num_new_computed_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+    ) -> KVCacheBlocks | None:
+        """Reserve slots for the request's next tokens, or return None if they do not fit.
+
+        Token ranges of the request (left to right)::
+
+            | computed | new hits | external | new tokens | lookahead |
+            |<-- already have KV ----------->|<-- compute this step -->|
+                       |<-- need blocks (hits touched, rest allocated) ->|
+                       |<-- cached after this call, up to num_tokens -->|
+
+        Args:
+            request: The request.
+            num_new_tokens: Tokens to compute this step (draft tokens included).
+            num_new_computed_tokens: Tokens covered by ``new_computed_blocks``.
+            new_computed_blocks: Hits from ``get_computed_blocks`` (None: none).
+            num_lookahead_tokens: Extra slots for speculative tokens.
+            num_external_computed_tokens: Tokens a KV connector provides.
+            delay_cache_blocks: Do not cache blocks yet (KV still in transfer).
+            num_encoder_tokens: Encoder tokens (cross-attention groups only).
+            full_sequence_must_fit: Fail unless the whole sequence would fit.
+            reserved_blocks: Free blocks to leave for other in-flight requests.
+            has_scheduled_reqs: Whether other requests run this step (enables the
+                watermark for waiting/preempted requests).
+
+        Returns:
+            The newly allocated blocks (the manager's empty instance if none), or
+            None when the pool cannot supply them; then nothing but skipped-block
+            removal has happened.
+
+        Raises:
+            ValueError: if there is nothing to allocate for (no new and no
+                external tokens).
+        """
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no external "
+                f"computed tokens (request {request.request_id!r})"
+            )
+        if new_computed_blocks is not None:
+            new_computed_block_list = new_computed_blocks.blocks
+        else:
+            new_computed_block_list = self.empty_kv_cache_blocks.blocks
+        coordinator = self.coordinator
+        free_blocks = self.block_pool.free_block_queue._queue
+
+        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        total_computed_tokens = min(
+            num_local_computed_tokens + num_external_computed_tokens, self.max_model_len
+        )
+        watermark_blocks = (
+            self.watermark_blocks if has_scheduled_reqs and request.status in _WATERMARKED else 0
+        )
+        if full_sequence_must_fit:
+            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+                request_id=request.request_id,
+                num_tokens=full_num_tokens,
+                new_computed_blocks=new_computed_block_list,
+                num_encoder_tokens=num_encoder_tokens,
+                total_computed_tokens=total_computed_tokens,
+                num_tokens_main_model=full_num_tokens,
+                apply_admission_cap=True,
+            )
+            if num_blocks_to_allocate + watermark_blocks > len(free_blocks):
+                return None
+
+        num_tokens_main_model = total_computed_tokens + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+        # Freeing out-of-window blocks first means fewer cached blocks get evicted;
+        # it happens even if the allocation then fails.
+        coordinator.remove_skipped_blocks(
+            request.request_id, total_computed_tokens, request.num_prompt_tokens
+        )
+        num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
+            request_id=request.request_id,
+            num_tokens=num_tokens_need_slot,
+            new_computed_blocks=new_computed_block_list,
+            num_encoder_tokens=num_encoder_tokens,
+            total_computed_tokens=num_local_computed_tokens + num_external_computed_tokens,
+            num_tokens_main_model=num_tokens_main_model,
+        )
+        if num_blocks_to_allocate + watermark_blocks > len(free_blocks) - reserved_blocks:
+            return None
+
+        # NOTE: "no hits" is told apart by identity with the shared empty
+        # instance: any other KVCacheBlocks, even an empty one, registers the
+        # request's (possibly empty) hits, as vLLM does.
+        if (
+            new_computed_block_list is not self.empty_kv_cache_blocks.blocks
+            or num_external_computed_tokens > 0
+        ):
+            coordinator.allocate_new_computed_blocks(
+                request_id=request.request_id,
+                new_computed_blocks=new_computed_block_list,
+                num_local_computed_tokens=num_local_computed_tokens,
+                num_external_computed_tokens=num_external_computed_tokens,
+            )
+        new_blocks = coordinator.allocate_new_blocks(
+            request.request_id, num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens
+        )
+        if self.enable_caching and not delay_cache_blocks:
+            # Only committed tokens are cached: draft tokens past num_tokens may be rejected.
+            coordinator.cache_blocks(
+                request, min(total_computed_tokens + num_new_tokens, request.num_tokens)
+            )
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (tails are evicted first)."""
+        self.coordinator.free(request.request_id)
+
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Free blocks no future token attends to and put the null block in their place."""
+        self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """Forget the request and return its blocks in allocation order; the caller
+        must later ``block_pool.free_blocks`` them in reverse order."""
+        return self.coordinator.pop_blocks_for_free(request.request_id)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop the given blocks from the prefix cache (e.g. a connector lost their KV)."""
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False (nothing changes) while blocks are in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, leading blocks of ``running_request_id`` held by every request
+        that holds blocks (which may include requests not scheduled this step)."""
+        return self.coordinator.get_num_common_prefix_blocks(running_request_id)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain queued KV events, labelling ``BlockStored`` with its group's kind."""
+        events = self.block_pool.take_events()
+        metadata = self.kv_cache_event_metadata
+        for event in events:
+            if not isinstance(event, BlockStored) or event.group_idx is None:
+                continue
+            if 0 <= event.group_idx < len(metadata):
+                kind, window = metadata[event.group_idx]
+                event.kv_cache_spec_kind = kind
+                event.kv_cache_spec_sliding_window = window
+        return events
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks in every group."""
+        return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids in every group."""
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        """Block ids per group, clipped to the blocks covering ``num_computed_tokens``
+        in attention groups (other groups returned whole)."""
+        clipped = []
+        for group, ids in zip(
+            self.kv_cache_config.kv_cache_groups, self.get_block_ids(request_id), strict=False
+        ):
+            spec = group.kv_cache_spec
+            if isinstance(spec, AttentionSpec):
+                ids = ids[: cdiv(num_computed_tokens, spec.block_size)]
+            clipped.append(ids)
+        return tuple(clipped)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache the request's full blocks within ``num_computed_tokens`` (if caching)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
+        """Wrap per-group lists; all empty -> the shared empty instance."""
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def take_new_block_ids(self) -> list[int]:
+        """Return and clear ids newly allocated to full-attention groups (to zero them)."""
+        ids: list[int] = []
+        for manager in self.coordinator.single_type_managers:
+            ids.extend(manager.take_new_block_ids())
+        return ids
+
+    def new_step_starts(self) -> None:
+        """Tell the managers a scheduler step begins."""
+        self.coordinator.new_step_starts()
+
+    # ------------------------------------------------------------ test views
+
+    def abstract_state(self) -> dict[str, Any]:
+        """Implementation-independent state (format: docs/contract.md)."""
+        pool = self.block_pool
+        managers = self.coordinator.single_type_managers
+        return {
+            "num_blocks": pool.num_gpu_blocks,
+            "free_queue": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+            "ref_cnt": {b.block_id: b.ref_cnt for b in pool.blocks[1:] if b.ref_cnt != 0},
+            "block_hash": {
+                b.block_id: b.block_hash for b in pool.blocks if b.block_hash is not None
+            },
+            "cached": {
+                key: [b.block_id for b in blocks]
+                for key, blocks in pool.cached_block_hash_to_block.items()
+            },
+            "req_to_blocks": [
+                {rid: [b.block_id for b in blocks] for rid, blocks in m.req_to_blocks.items()}
+                for m in managers
+            ],
+            "num_cached_block": [dict(m.num_cached_block) for m in managers],
+            "new_block_ids": [list(m.new_block_ids) for m in managers],
+        }
+
+    def check_invariants(self) -> None:
+        """Assert pool and table invariants (O(pool + tables)): each non-null block's
+        ref count equals the table entries holding it, and the pool's own invariants."""
+        self.block_pool.check_invariants()
+        holders = [0] * self.block_pool.num_gpu_blocks
+        for manager in self.coordinator.single_type_managers:
+            for rid, blocks in manager.req_to_blocks.items():
+                n = manager.num_cached_block.get(rid)
+                assert n is None or n <= len(blocks), f"{rid}: num_cached_block past its blocks"
+                for block in blocks:
+                    assert self.block_pool.blocks[block.block_id] is block
+                    holders[block.block_id] += 1
+        for block in self.block_pool.blocks[1:]:
+            assert block.ref_cnt == holders[block.block_id], (
+                f"block {block.block_id}: ref_cnt={block.ref_cnt}, held {holders[block.block_id]}x"
+            )

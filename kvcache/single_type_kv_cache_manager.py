@@ -1,0 +1,384 @@
+"""Per-group managers: the block table of every request for one KV-cache group.
+
+A ``SingleTypeKVCacheManager`` owns ``req_to_blocks`` for its group and knows
+the group's attention rule: how many blocks a request needs, which leading
+tokens it may skip, and how a prefix hit is searched. New group kinds subclass
+it and register in ``get_manager_for_kv_cache_spec``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvcache.block_pool import BlockPool
+from kvcache.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from kvcache.kv_cache_utils import BlockHashList, KVCacheBlock
+
+if TYPE_CHECKING:
+    from kvcache.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of ints: the blocks needed for ``a`` tokens of ``b`` per block."""
+    return -(a // -b)
+
+
+class SingleTypeKVCacheManager:
+    """Block tables of one KV-cache group over the shared ``BlockPool``.
+
+    State: ``req_to_blocks`` (request id -> blocks, the null block at skipped
+    positions) and ``num_cached_block`` (request id -> how many leading blocks
+    are already in the prefix cache; set once a request's hits are added).
+
+    NOTE: ``req_to_blocks`` is a ``defaultdict`` as in vLLM, so reading an
+    unknown id (``get_num_common_prefix_blocks``, ``allocate_new_blocks``)
+    creates an empty entry, which counts as a request in the common-prefix test.
+
+    Args:
+        kv_cache_spec: The group's spec.
+        block_pool: The shared pool.
+        enable_caching: Whether prefix caching is on.
+        kv_cache_group_id: The group's index.
+        scheduler_block_size: Scheduling granularity (multiple of block_size).
+        dcp_world_size: Decode context parallel size (only 1 is supported).
+        pcp_world_size: Prefill context parallel size (only 1 is supported).
+        max_admission_blocks_per_request: Admission cap for groups that recycle
+            blocks (None: no cap).
+    """
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        if dcp_world_size != 1 or pcp_world_size != 1:
+            raise NotImplementedError(
+                f"context parallelism is not supported (dcp_world_size={dcp_world_size}, "
+                f"pcp_world_size={pcp_world_size})"
+            )
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.scheduler_block_size = scheduler_block_size
+        self.dcp_world_size = dcp_world_size
+        self.pcp_world_size = pcp_world_size
+        self.block_pool = block_pool
+        self.enable_caching = enable_caching
+        self.kv_cache_group_id = kv_cache_group_id
+        self._max_admission_blocks_per_request = max_admission_blocks_per_request
+        self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
+        self.num_cached_block: dict[str, int] = {}
+        self.new_block_ids: list[int] = []
+        self._null_block = block_pool.null_block
+        self.use_eagle = False
+        # Only attention groups that keep every token report fresh ids for zeroing.
+        self._tracks_new_block_ids = type(kv_cache_spec) is FullAttentionSpec
+
+    # ------------------------------------------------------------ sizing
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Blocks the pool must supply so the request has ``num_tokens`` slots.
+
+        Counts new blocks past the request's existing and hit blocks, plus hit
+        blocks that are currently free (touching them takes them off the free
+        queue). Leading blocks the group skips are neither allocated nor touched.
+
+        Args:
+            request_id: The request.
+            num_tokens: Tokens needing a slot, already-allocated ones included.
+            new_computed_blocks: Prefix-hit blocks not yet added to the request.
+            total_computed_tokens: Local plus external computed tokens.
+            num_tokens_main_model: ``num_tokens`` without lookahead (spec decode).
+            apply_admission_cap: Apply the per-request admission cap (admission gate only).
+        """
+        num_required_blocks = cdiv(num_tokens, self.block_size)
+        if apply_admission_cap and self._max_admission_blocks_per_request is not None:
+            num_required_blocks = min(num_required_blocks, self._max_admission_blocks_per_request)
+        num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
+        if request_id in self.num_cached_block:
+            # A running request has no new hits; it may even hold more blocks than
+            # needed (rejected draft tokens).
+            assert not new_computed_blocks
+            return max(num_required_blocks - num_req_blocks, 0)
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_new_blocks = max(
+            num_required_blocks
+            - max(num_skipped_blocks, len(new_computed_blocks) + num_req_blocks),
+            0,
+        )
+        # Skipped hit blocks are never touched, so they do not leave the free queue.
+        first_kept = max(0, num_skipped_blocks - num_req_blocks)
+        num_evictable = 0
+        for block in new_computed_blocks[first_kept:]:
+            if block.ref_cnt == 0 and not block.is_null:
+                num_evictable += 1
+        return num_new_blocks + num_evictable
+
+    # ------------------------------------------------------------ allocation
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Give a new request its prefix-hit blocks: touch them, pad skipped
+        positions with the null block, and mark them all as already cached."""
+        req_blocks = self.req_to_blocks[request_id]
+        assert not req_blocks, f"request {request_id!r} already has blocks"
+        num_skipped_blocks = (
+            self.get_num_skipped_tokens(num_local_computed_tokens + num_external_computed_tokens)
+            // self.block_size
+        )
+        if num_skipped_blocks > 0:
+            new_computed_blocks = new_computed_blocks[num_skipped_blocks:]
+        if self.enable_caching:
+            self.block_pool.touch(new_computed_blocks)
+        else:
+            assert not new_computed_blocks, "prefix hits while prefix caching is disabled"
+        req_blocks.extend([self._null_block] * num_skipped_blocks)
+        req_blocks.extend(new_computed_blocks)
+        self.num_cached_block[request_id] = len(req_blocks)
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Allocate blocks for tokens a KV connector computed (after every group
+        touched its hits, so this cannot evict another group's hits)."""
+        num_total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_tokens = self.get_num_skipped_tokens(num_total)
+        if num_skipped_tokens > 0:
+            num_external_computed_tokens = min(
+                num_total - num_skipped_tokens, num_external_computed_tokens
+            )
+        if num_external_computed_tokens <= 0:
+            return
+        req_blocks = self.req_to_blocks[request_id]
+        new_blocks = self.block_pool.get_new_blocks(
+            cdiv(num_total, self.block_size) - len(req_blocks)
+        )
+        req_blocks.extend(new_blocks)
+        if self._tracks_new_block_ids:
+            self.new_block_ids.extend(b.block_id for b in new_blocks)
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
+        """Append fresh blocks until the request has ``num_tokens`` slots.
+
+        Returns:
+            The blocks added (possibly none).
+        """
+        req_blocks = self.req_to_blocks[request_id]
+        num_new_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new_blocks <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        if self._tracks_new_block_ids:
+            self.new_block_ids.extend(b.block_id for b in new_blocks)
+        return new_blocks
+
+    def take_new_block_ids(self) -> list[int]:
+        """Return and clear the ids allocated since the last call."""
+        ids, self.new_block_ids = self.new_block_ids, []
+        return ids
+
+    # ------------------------------------------------------------ caching
+
+    def cache_blocks(
+        self, request: Request, num_tokens: int, retention_interval: int | None = None
+    ) -> None:
+        """Cache the request's blocks that are full within its first ``num_tokens`` tokens."""
+        request_id = request.request_id
+        num_cached_blocks = self.num_cached_block.get(request_id, 0)
+        num_full_blocks = num_tokens // self.block_size
+        if num_cached_blocks >= num_full_blocks:
+            return
+        self.block_pool.cache_full_blocks(
+            request=request,
+            blocks=self.req_to_blocks[request_id],
+            num_cached_blocks=num_cached_blocks,
+            num_full_blocks=num_full_blocks,
+            block_size=self.block_size,
+            kv_cache_group_id=self.kv_cache_group_id,
+            block_mask=self.reachable_block_mask(num_cached_blocks, num_full_blocks),
+        )
+        self.num_cached_block[request_id] = num_full_blocks
+
+    def reachable_block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+        """Which of blocks ``[start_block, end_block)`` can ever serve a hit (None: all)."""
+        return None
+
+    # ------------------------------------------------------------ freeing
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request and return its blocks in allocation order, without
+        freeing them (the caller frees them, tail first)."""
+        self.num_cached_block.pop(request_id, None)
+        return self.req_to_blocks.pop(request_id, [])
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first so tails are evicted first."""
+        blocks = self.pop_blocks_for_free(request_id)
+        if blocks:
+            # A copy: callers may still hold this list through get_blocks().
+            self.block_pool.free_blocks(blocks[::-1])
+
+    def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
+        """Free blocks ``[first_block, last_block)`` right to left, replacing them
+        with the null block, stopping at the first position already null."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None or first_block >= last_block:
+            return
+        freed = []
+        for i in range(min(last_block, len(blocks)) - 1, first_block - 1, -1):
+            if blocks[i] is self._null_block:
+                break
+            freed.append(blocks[i])
+            blocks[i] = self._null_block
+        if freed:
+            self.block_pool.free_blocks(freed)
+
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Free the leading blocks no future token attends to (none for full attention)."""
+        num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self.req_to_blocks[request_id]
+        num_skipped_blocks = min(num_skipped_tokens // self.block_size, len(blocks))
+        self._remove_blocks_in_range(request_id, 0, num_skipped_blocks)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens no future token attends to (0: keep everything)."""
+        return 0
+
+    def new_step_starts(self) -> None:
+        """Hook called once per scheduler step (no-op by default)."""
+        return None
+
+    # ------------------------------------------------------------ per-kind rules
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """Leading blocks of ``running_request_id`` shared by every tracked request."""
+        raise NotImplementedError
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Longest cached prefix of at most ``max_length`` tokens, aligned to
+        ``alignment_tokens``, common to all ``kv_cache_group_ids``: one block list
+        per group (skipped positions hold the null block)."""
+        raise NotImplementedError
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Full attention: every token is attended to, so every block is kept and a
+    hit is the longest run of cached leading blocks."""
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Scan hashes left to right; the chain property makes the first miss final."""
+        block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
+        max_num_blocks = max_length // block_size
+        if len(kv_cache_group_ids) == 1:
+            # Common case: one dict lookup per block, no per-block list allocation.
+            m = block_pool.get_cached_block_map(kv_cache_group_ids[0])
+            hit: list[KVCacheBlock] = []
+            for i in range(min(max_num_blocks, len(block_hashes))):
+                blocks = m.get(block_hashes[i])
+                if blocks is None:
+                    break
+                hit.append(
+                    blocks if isinstance(blocks, KVCacheBlock) else next(iter(blocks.values()))
+                )
+            computed: tuple[list[KVCacheBlock], ...] = (hit,)
+        else:
+            computed = tuple([] for _ in kv_cache_group_ids)
+            for i in range(min(max_num_blocks, len(block_hashes))):
+                cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+                if cached is None:
+                    break
+                for group_blocks, block in zip(computed, cached, strict=True):
+                    group_blocks.append(block)
+        if drop_eagle_block and computed[0]:
+            for group_blocks in computed:
+                group_blocks.pop()
+        if block_size != alignment_tokens:
+            num_blocks = len(computed[0])
+            while num_blocks * block_size % alignment_tokens:
+                num_blocks -= 1
+            for group_blocks in computed:
+                del group_blocks[num_blocks:]
+        return computed
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """Leading blocks whose ref count equals the number of tracked requests."""
+        blocks = self.req_to_blocks[running_request_id]  # may create an entry, as in vLLM
+        num_requests = len(self.req_to_blocks)
+        num_common = 0
+        for block in blocks:
+            if block.ref_cnt != num_requests:
+                break
+            num_common += 1
+        return num_common
+
+
+def get_manager_for_kv_cache_spec(
+    kv_cache_spec: KVCacheSpec,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    **kwargs: object,
+) -> SingleTypeKVCacheManager:
+    """Build the manager for a group's spec.
+
+    Raises:
+        NotImplementedError: for a spec kind kvcache does not support yet.
+    """
+    if type(kv_cache_spec) is FullAttentionSpec:
+        return FullAttentionManager(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
+    raise NotImplementedError(
+        f"kv_cache_spec of type {type(kv_cache_spec).__name__} is not supported"
+    )
