@@ -1,0 +1,254 @@
+"""Coordinators: fan each request-level operation out to the per-group managers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcache.kv_cache_interface import KVCacheConfig
+from kvcache.kv_cache_utils import BlockHash
+from kvcache.request import Request
+from spec.block_pool import BlockPool
+from spec.single_type_kv_cache_manager import (
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+)
+
+
+class KVCacheCoordinator:
+    """One block pool shared by one manager per KV-cache group."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        use_eagle: bool,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        scheduler_block_size: int,
+        hash_block_size: int,
+    ) -> None:
+        groups = kv_cache_config.kv_cache_groups
+        if scheduler_block_size % hash_block_size or any(
+            scheduler_block_size % g.kv_cache_spec.block_size for g in groups
+        ):
+            raise ValueError(
+                f"scheduler_block_size={scheduler_block_size} must be a multiple of "
+                f"hash_block_size={hash_block_size} and of every group's block size"
+            )
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.scheduler_block_size = scheduler_block_size
+        self.block_pool = BlockPool(
+            kv_cache_config.num_blocks, enable_caching, hash_block_size, enable_kv_cache_events
+        )
+        # Groups flagged as EAGLE drop their last hit; with none flagged, use_eagle flags all.
+        self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
+        if use_eagle and not self.eagle_group_ids:
+            self.eagle_group_ids = set(range(len(groups)))
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            get_manager_for_kv_cache_spec(
+                g.kv_cache_spec, self.block_pool, enable_caching, i, scheduler_block_size
+            )
+            for i, g in enumerate(groups)
+        )
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[int], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Free blocks needed across all groups (see the manager's method)."""
+        return sum(
+            manager.get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks[i],
+                total_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap,
+            )
+            for i, manager in enumerate(self.single_type_managers)
+        )
+
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: tuple[Sequence[int], ...],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Add prefix hits to a new request, then allocate its external-token blocks.
+
+        All groups touch their hits before any group allocates, so one group's
+        allocation cannot evict another group's hits. No-op for running requests.
+
+        Raises:
+            ValueError: if a running request is given new computed blocks.
+        """
+        if any(request_id in m.num_cached_block for m in self.single_type_managers):
+            if any(len(blocks) for blocks in new_computed_blocks):
+                raise ValueError(
+                    f"request_id={request_id!r} is running; new_computed_blocks must be empty"
+                )
+            return
+        for i, manager in enumerate(self.single_type_managers):
+            manager.add_local_computed_blocks(
+                request_id,
+                new_computed_blocks[i],
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+            )
+        if num_external_computed_tokens > 0:
+            for manager in self.single_type_managers:
+                manager.allocate_external_computed_blocks(
+                    request_id, num_local_computed_tokens, num_external_computed_tokens
+                )
+
+    def allocate_new_blocks(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_tokens_main_model: int,
+        num_encoder_tokens: int = 0,
+    ) -> tuple[list[int], ...]:
+        """Give the request ``num_tokens`` slots in every group; returns the new ids."""
+        return tuple(
+            m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+            for m in self.single_type_managers
+        )
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache the request's full blocks among its first ``num_computed_tokens`` tokens."""
+        for manager in self.single_type_managers:
+            manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, group by group."""
+        for manager in self.single_type_managers:
+            manager.free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[int]:
+        """Forget the request; its blocks, group after group, each in allocation order."""
+        return [b for m in self.single_type_managers for b in m.pop_blocks_for_free(request_id)]
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, the leading blocks shared by every request with a table."""
+        return [m.get_num_common_prefix_blocks(running_request_id) for m in self.single_type_managers]
+
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Free blocks that attention no longer reads, in every group."""
+        for manager in self.single_type_managers:
+            manager.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
+
+    def get_blocks(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's tables (the live lists, as vLLM returns them); [] when unknown."""
+        return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[int], ...], int]:
+        """Per-group hit blocks and the hit length in tokens."""
+        raise NotImplementedError
+
+    def new_step_starts(self) -> None:
+        """Tell every manager a scheduler step begins."""
+        for manager in self.single_type_managers:
+            manager.new_step_starts()
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Prefix caching off: any number of groups, never a hit, no common prefix."""
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Always 0 per group (and, unlike the managers, creates no table entry)."""
+        return [0] * len(self.single_type_managers)
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[int], ...], int]:
+        """No hit."""
+        return tuple([] for _ in self.single_type_managers), 0
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """Exactly one group, hashed at its own block size."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        use_eagle: bool,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        scheduler_block_size: int,
+        hash_block_size: int,
+    ) -> None:
+        super().__init__(
+            kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle,
+            enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
+        )  # fmt: skip
+        self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_size = self.kv_cache_spec.block_size
+        if enable_caching and hash_block_size != self.block_size:
+            raise ValueError(
+                f"hash_block_size={hash_block_size} must equal the block size "
+                f"{self.block_size} of the only group"
+            )
+        self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[int], ...], int]:
+        """The single group's longest hit, aligned to its block size."""
+        hits = self.single_type_managers[0].find_longest_cache_hit(
+            block_hashes,
+            max_cache_hit_length,
+            [0],
+            self.block_pool,
+            self.kv_cache_spec,
+            0 in self.eagle_group_ids,
+            self.block_size,
+        )
+        return hits, len(hits[0]) * self.block_size
+
+
+def get_kv_cache_coordinator(
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    use_eagle: bool,
+    enable_caching: bool,
+    enable_kv_cache_events: bool,
+    scheduler_block_size: int,
+    hash_block_size: int,
+) -> KVCacheCoordinator:
+    """No-prefix-cache coordinator when caching is off, unitary for one group.
+
+    Raises:
+        ValueError: with caching on, for groups vLLM's hybrid coordinator rejects
+            (fewer than two distinct specs).
+        NotImplementedError: for hybrid models (not modelled yet).
+    """
+    args = (
+        kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle, enable_caching,
+        enable_kv_cache_events, scheduler_block_size, hash_block_size,
+    )  # fmt: skip
+    groups = kv_cache_config.kv_cache_groups
+    if not enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(*args)
+    if len(groups) == 1:
+        return UnitaryKVCacheCoordinator(*args)
+    specs = [g.kv_cache_spec for g in groups]
+    if len([s for i, s in enumerate(specs) if s not in specs[:i]]) < 2:
+        raise ValueError(f"{len(groups)} KV-cache groups with caching need >= 2 distinct specs")
+    raise NotImplementedError("hybrid KV-cache groups are not modelled by the spec yet")
