@@ -6,6 +6,7 @@ vLLM's ``KVCacheManager`` runs against this package unchanged.
 
 from kvcache.block_pool import BlockHashToBlockMap, BlockPool
 from kvcache.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
     KVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
     UnitaryKVCacheCoordinator,
@@ -13,12 +14,16 @@ from kvcache.kv_cache_coordinator import (
 )
 from kvcache.kv_cache_interface import (
     AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     KVCacheSpecKind,
     KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
@@ -58,8 +63,12 @@ from kvcache.request import (
     RequestStatus,
 )
 from kvcache.single_type_kv_cache_manager import (
+    ChunkedLocalAttentionManager,
+    CrossAttentionManager,
     FullAttentionManager,
+    MambaManager,
     SingleTypeKVCacheManager,
+    SlidingWindowManager,
     get_manager_for_kv_cache_spec,
 )
 
@@ -76,9 +85,14 @@ __all__ = [
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "ChunkedLocalAttentionManager",
+    "ChunkedLocalAttentionSpec",
+    "CrossAttentionManager",
+    "CrossAttentionSpec",
     "FreeKVCacheBlockQueue",
     "FullAttentionManager",
     "FullAttentionSpec",
+    "HybridKVCacheCoordinator",
     "KVCacheBlock",
     "KVCacheBlocks",
     "KVCacheConfig",
@@ -91,12 +105,16 @@ __all__ = [
     "KVCacheSpecKind",
     "KVCacheTensor",
     "LoRARequest",
+    "MambaManager",
+    "MambaSpec",
     "MultiModalFeatureSpec",
     "PlaceholderRange",
     "PrefixCacheStats",
     "Request",
     "RequestStatus",
     "SingleTypeKVCacheManager",
+    "SlidingWindowManager",
+    "SlidingWindowSpec",
     "UnitaryKVCacheCoordinator",
     "generate_block_hash_extra_keys",
     "get_block_hash",

@@ -2,18 +2,29 @@
 
 ``get_kv_cache_coordinator`` picks, as vLLM 0.25.1 does: no prefix caching ->
 ``KVCacheCoordinatorNoPrefixCache``; one group -> ``UnitaryKVCacheCoordinator``;
-several groups -> the hybrid coordinator (not supported yet).
+several groups -> ``HybridKVCacheCoordinator``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvcache.block_pool import BlockPool
-from kvcache.kv_cache_interface import KVCacheConfig
-from kvcache.kv_cache_utils import BlockHash, KVCacheBlock
+from kvcache.kv_cache_interface import (
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+)
+from kvcache.kv_cache_utils import (
+    BlockHash,
+    BlockHashList,
+    BlockHashListWithBlockSize,
+    KVCacheBlock,
+)
 from kvcache.single_type_kv_cache_manager import (
+    CrossAttentionManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
@@ -104,18 +115,29 @@ class KVCacheCoordinator:
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
     ) -> int:
-        """Blocks all groups together need from the pool for ``num_tokens`` slots."""
-        return sum(
-            manager.get_num_blocks_to_allocate(
-                request_id,
-                num_tokens,
-                new_computed_blocks[i],
-                total_computed_tokens,
-                num_tokens_main_model,
-                apply_admission_cap=apply_admission_cap,
-            )
-            for i, manager in enumerate(self.single_type_managers)
-        )
+        """Blocks all groups together need from the pool for ``num_tokens`` slots
+        (cross-attention groups: for ``num_encoder_tokens``, allocated once)."""
+        total = 0
+        for i, manager in enumerate(self.single_type_managers):
+            if isinstance(manager, CrossAttentionManager):
+                total += manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_encoder_tokens,
+                    [],
+                    0,
+                    num_encoder_tokens,
+                    apply_admission_cap=apply_admission_cap,
+                )
+            else:
+                total += manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_tokens,
+                    new_computed_blocks[i],
+                    total_computed_tokens,
+                    num_tokens_main_model,
+                    apply_admission_cap=apply_admission_cap,
+                )
+        return total
 
     def allocate_new_computed_blocks(
         self,
@@ -156,7 +178,11 @@ class KVCacheCoordinator:
     ) -> tuple[list[KVCacheBlock], ...]:
         """Give the request ``num_tokens`` slots in every group; return new blocks."""
         return tuple(
-            manager.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+            manager.allocate_new_blocks(
+                request_id,
+                num_encoder_tokens if isinstance(manager, CrossAttentionManager) else num_tokens,
+                num_tokens_main_model,
+            )
             for manager in self.single_type_managers
         )
 
@@ -314,6 +340,197 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         return hit_blocks, len(hit_blocks[0]) * self.block_size
 
 
+class SpecGroup(NamedTuple):
+    """KV-cache groups with equal specs, searched for hits together."""
+
+    spec: KVCacheSpec
+    group_ids: list[int]
+    manager_cls: type[SingleTypeKVCacheManager]
+    use_eagle: bool
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Coordinator for models mixing KV-cache kinds (e.g. full + sliding window).
+
+    Groups with equal specs form one ``SpecGroup``; full attention is searched
+    first. A hit must be valid for every kind at once, found as a fixed point:
+    each kind accepts the candidate length or shrinks it, until none shrinks.
+    Hits and cached prefixes are multiples of ``scheduler_block_size``.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        use_eagle: bool,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        metrics_collector: Any = None,
+    ) -> None:
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            max_num_batched_tokens,
+            use_eagle,
+            enable_caching,
+            enable_kv_cache_events,
+            dcp_world_size,
+            pcp_world_size,
+            scheduler_block_size,
+            hash_block_size,
+            metrics_collector,
+        )
+        self.hash_block_size = hash_block_size
+        sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        if any(size % hash_block_size for size in sizes):
+            raise ValueError(
+                f"every group's block size {sizes} must be a multiple of "
+                f"hash_block_size={hash_block_size}"
+            )
+        self.num_uncached_common_prefix_tokens = 0
+        self.verify_and_split_kv_cache_groups()
+
+    def verify_and_split_kv_cache_groups(self) -> None:
+        """Bundle groups with equal specs and order them full attention first."""
+        self.attention_groups: list[SpecGroup] = []
+        for i, g in enumerate(self.kv_cache_config.kv_cache_groups):
+            manager_cls = type(self.single_type_managers[i])
+            use_eagle = i in self.eagle_group_ids
+            for idx, group in enumerate(self.attention_groups):
+                if group.spec == g.kv_cache_spec:
+                    group.group_ids.append(i)
+                    if use_eagle and not group.use_eagle:
+                        self.attention_groups[idx] = group._replace(use_eagle=True)
+                    break
+            else:
+                self.attention_groups.append(
+                    SpecGroup(g.kv_cache_spec, [i], manager_cls, use_eagle)
+                )
+        if len(self.attention_groups) < 2:
+            raise ValueError(
+                "HybridKVCacheCoordinator needs at least two distinct KV-cache specs; "
+                f"got {len(self.attention_groups)}"
+            )
+        # Full attention's cheap left-to-right scan bounds the others' searches.
+        self.attention_groups.sort(key=lambda g: not isinstance(g.spec, FullAttentionSpec))
+        for group in self.attention_groups:
+            if group.use_eagle:
+                for gid in group.group_ids:
+                    self.single_type_managers[gid].use_eagle = True
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache up to the last ``scheduler_block_size`` boundary (hits can only end
+        there); EAGLE groups may also cache the block just past it."""
+        aligned = num_computed_tokens // self.scheduler_block_size * self.scheduler_block_size
+        for manager in self.single_type_managers:
+            num_tokens = aligned
+            if manager.use_eagle and aligned > 0:
+                num_tokens = min(num_computed_tokens, aligned + manager.block_size)
+            manager.cache_blocks(request, num_tokens, self.retention_interval)
+
+    def _block_hashes_for(self, block_hashes: list[BlockHash], spec: KVCacheSpec) -> BlockHashList:
+        if spec.block_size == self.hash_block_size:
+            return block_hashes
+        return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, spec.block_size)
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Longest hit valid for every kind (fixed point, see the class docstring).
+
+        Full attention is searched once and then only trimmed (its hits are
+        prefix-closed). An EAGLE kind searches one block further and drops it,
+        once per candidate length. With exactly full attention plus one other
+        kind, one pass suffices.
+
+        Returns:
+            ``(hit blocks per group, hit length in tokens)``; also sets
+            ``num_uncached_common_prefix_tokens`` (how much longer the best
+            single-kind hit was).
+        """
+        hit_length = max_cache_hit_length
+        longest_hit_length = 0
+        hit_blocks_by_group: list[list[KVCacheBlock] | None] = [None] * len(
+            self.kv_cache_config.kv_cache_groups
+        )
+        is_simple_hybrid = len(self.attention_groups) == 2 and isinstance(
+            self.attention_groups[0].spec, FullAttentionSpec
+        )
+        eagle_verified: set[int] = set()
+        while True:
+            curr_hit_length = hit_length
+            for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(self.attention_groups):
+                if (
+                    isinstance(spec, FullAttentionSpec)
+                    and hit_blocks_by_group[group_ids[0]] is not None
+                ):
+                    curr_hit_length = curr_hit_length // spec.block_size * spec.block_size
+                    continue
+                drop_eagle_block = use_eagle and idx not in eagle_verified
+                max_length = curr_hit_length
+                if drop_eagle_block:
+                    max_length = min(curr_hit_length + spec.block_size, max_cache_hit_length)
+                hit_blocks = manager_cls.find_longest_cache_hit(
+                    block_hashes=self._block_hashes_for(block_hashes, spec),
+                    max_length=max_length,
+                    kv_cache_group_ids=group_ids,
+                    block_pool=self.block_pool,
+                    kv_cache_spec=spec,
+                    drop_eagle_block=drop_eagle_block,
+                    alignment_tokens=self.scheduler_block_size,
+                )
+                new_hit_length = len(hit_blocks[0]) * spec.block_size
+                if drop_eagle_block:
+                    eagle_verified.add(idx)
+                elif new_hit_length < curr_hit_length:
+                    eagle_verified.clear()  # a shorter candidate must be re-verified
+                curr_hit_length = new_hit_length
+                for group_id, blocks in zip(group_ids, hit_blocks, strict=True):
+                    hit_blocks_by_group[group_id] = blocks
+                longest_hit_length = max(longest_hit_length, curr_hit_length)
+            if curr_hit_length >= hit_length:
+                break
+            hit_length = curr_hit_length
+            if is_simple_hybrid:
+                break
+        first = self.attention_groups[0]
+        if isinstance(first.spec, FullAttentionSpec):
+            num_blocks = hit_length // first.spec.block_size
+            for group_id in first.group_ids:
+                full_blocks = hit_blocks_by_group[group_id]
+                if full_blocks is not None:
+                    del full_blocks[num_blocks:]
+        self.num_uncached_common_prefix_tokens = longest_hit_length - hit_length
+        return tuple(b if b is not None else [] for b in hit_blocks_by_group), hit_length
+
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], tuple[int, ...]]:
+        """Each kind's own longest hit, without agreeing on one length."""
+        num_groups = len(self.kv_cache_config.kv_cache_groups)
+        hit_blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
+        hit_lengths = [0] * num_groups
+        for spec, group_ids, manager_cls, use_eagle in self.attention_groups:
+            blocks = manager_cls.find_longest_cache_hit(
+                block_hashes=self._block_hashes_for(block_hashes, spec),
+                max_length=max_cache_hit_length,
+                kv_cache_group_ids=group_ids,
+                block_pool=self.block_pool,
+                kv_cache_spec=spec,
+                drop_eagle_block=use_eagle,
+                alignment_tokens=self.scheduler_block_size,
+            )
+            for gid, group_blocks in zip(group_ids, blocks, strict=True):
+                hit_blocks[gid] = group_blocks
+                hit_lengths[gid] = len(blocks[0]) * spec.block_size
+        return tuple(hit_blocks), tuple(hit_lengths)
+
+
 def get_kv_cache_coordinator(
     kv_cache_config: KVCacheConfig,
     max_model_len: int,
@@ -330,8 +547,15 @@ def get_kv_cache_coordinator(
     """Pick the coordinator for this config (see the module docstring).
 
     Raises:
-        NotImplementedError: for several groups with prefix caching (hybrid models).
+        NotImplementedError: for cross-attention groups with prefix caching on
+            (vLLM accepts the config but fails on the first hit search).
     """
+    if enable_caching and any(
+        isinstance(g.kv_cache_spec, CrossAttentionSpec) for g in kv_cache_config.kv_cache_groups
+    ):
+        raise NotImplementedError(
+            "cross-attention groups need enable_caching=False: their blocks are never cached"
+        )
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(
             kv_cache_config,
@@ -359,7 +583,16 @@ def get_kv_cache_coordinator(
             hash_block_size,
             metrics_collector,
         )
-    raise NotImplementedError(
-        "several KV-cache groups with prefix caching need the hybrid coordinator, "
-        "which kvcache does not support yet"
+    return HybridKVCacheCoordinator(
+        kv_cache_config,
+        max_model_len,
+        max_num_batched_tokens,
+        use_eagle,
+        enable_caching,
+        enable_kv_cache_events,
+        dcp_world_size,
+        pcp_world_size,
+        scheduler_block_size,
+        hash_block_size,
+        metrics_collector,
     )

@@ -128,15 +128,136 @@ class FullAttentionSpec(AttentionSpec):
         )
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Sliding-window attention: a token attends to the ``sliding_window`` tokens
+    ending at itself, so blocks left of the window are released."""
+
+    sliding_window: int
+    head_size_v: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive int, got {self.sliding_window!r}")
+        if self.head_size_v is None:
+            object.__setattr__(self, "head_size_v", self.head_size)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Bytes of one block before padding: K uses ``head_size``, V ``head_size_v``."""
+        head_size_v = self.head_size if self.head_size_v is None else self.head_size_v
+        return (
+            self.block_size
+            * self.num_kv_heads
+            * (self.head_size + head_size_v)
+            * get_dtype_size(self.dtype)
+        )
+
+    def max_admission_blocks_per_request(
+        self, max_num_batched_tokens: int, max_model_len: int
+    ) -> int:
+        """Most blocks one request holds at once: the window behind the computed
+        tokens plus one step's tokens, plus one block for a window that starts
+        mid-block (same bound vLLM uses to size the pool and gate admission)."""
+        num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        return _cdiv(num_tokens, self.block_size) + 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Chunked local attention: a token attends only to tokens of its own
+    ``attention_chunk_size``-aligned chunk."""
+
+    attention_chunk_size: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.attention_chunk_size, int) or self.attention_chunk_size <= 0:
+            raise ValueError(
+                f"attention_chunk_size must be a positive int, got {self.attention_chunk_size!r}"
+            )
+
+    def max_admission_blocks_per_request(
+        self, max_num_batched_tokens: int, max_model_len: int
+    ) -> int:
+        """Most blocks one request holds at once: one chunk plus one step's tokens."""
+        num_tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
+        return _cdiv(num_tokens, self.block_size)
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """State-space (Mamba) layers: one state per request instead of per-token KV.
+
+    ``mamba_cache_mode``: "none" (no prefix caching of states), "all" (a state
+    block per ``block_size`` tokens, all cacheable) or "align" (only the running
+    state plus the block-aligned checkpoint). ``num_speculative_blocks`` extra
+    state blocks serve speculative decoding.
+    """
+
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[Any, ...] = ()
+    page_size_padded: int | None = None
+    mamba_type: str = "mamba2"
+    mamba_cache_mode: str = "none"
+    num_speculative_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mamba_cache_mode not in ("none", "all", "align"):
+            raise ValueError(
+                f"mamba_cache_mode must be 'none', 'all' or 'align', got {self.mamba_cache_mode!r}"
+            )
+        if not isinstance(self.num_speculative_blocks, int) or self.num_speculative_blocks < 0:
+            raise ValueError(
+                "num_speculative_blocks must be a non-negative int, got "
+                f"{self.num_speculative_blocks!r}"
+            )
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one state block (sum over state tensors), or the padded size."""
+        size = 0
+        for shape, dtype in zip(self.shapes, self.dtypes, strict=True):
+            n = get_dtype_size(dtype)
+            for dim in shape:
+                n *= dim
+            size += n
+        if self.page_size_padded is not None:
+            return max(self.page_size_padded, size)
+        return size
+
+
+@dataclass(frozen=True)
+class CrossAttentionSpec(AttentionSpec):
+    """Cross attention of an encoder-decoder model: blocks for the encoder
+    output, allocated once per request and never cached."""
+
+
 def get_kv_cache_spec_kind(kv_cache_spec: KVCacheSpec) -> KVCacheSpecKind:
     """The kind label vLLM attaches to this spec's ``BlockStored`` events."""
     if isinstance(kv_cache_spec, FullAttentionSpec):
         return KVCacheSpecKind.FULL_ATTENTION
+    if isinstance(kv_cache_spec, ChunkedLocalAttentionSpec):
+        return KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION
+    if isinstance(kv_cache_spec, SlidingWindowSpec):
+        return KVCacheSpecKind.SLIDING_WINDOW
+    if isinstance(kv_cache_spec, MambaSpec):
+        return KVCacheSpecKind.MAMBA
+    if isinstance(kv_cache_spec, CrossAttentionSpec):
+        return KVCacheSpecKind.CROSS_ATTENTION
     return KVCacheSpecKind.UNKNOWN
 
 
 def get_kv_cache_spec_sliding_window(kv_cache_spec: KVCacheSpec) -> int | None:
     """The sliding window vLLM attaches to ``BlockStored`` events (None unless SWA)."""
+    if isinstance(kv_cache_spec, SlidingWindowSpec):
+        return kv_cache_spec.sliding_window
     return None
 
 
@@ -169,8 +290,8 @@ class KVCacheConfig:
 
     @property
     def has_mamba_layers(self) -> bool:
-        """Whether any group is a Mamba group (none in the full-attention scope)."""
-        return False
+        """Whether any group is a Mamba group."""
+        return any(isinstance(g.kv_cache_spec, MambaSpec) for g in self.kv_cache_groups)
 
     @property
     def needs_kv_cache_zeroing(self) -> bool:

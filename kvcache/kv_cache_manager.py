@@ -10,6 +10,7 @@ from typing import Any, Literal, overload
 from kvcache.kv_cache_coordinator import get_kv_cache_coordinator
 from kvcache.kv_cache_interface import (
     AttentionSpec,
+    CrossAttentionSpec,
     KVCacheConfig,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
@@ -364,13 +365,13 @@ class KVCacheManager:
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
         """Block ids per group, clipped to the blocks covering ``num_computed_tokens``
-        in attention groups (other groups returned whole)."""
+        in self-attention groups (Mamba and cross-attention groups returned whole)."""
         clipped = []
         for group, ids in zip(
             self.kv_cache_config.kv_cache_groups, self.get_block_ids(request_id), strict=False
         ):
             spec = group.kv_cache_spec
-            if isinstance(spec, AttentionSpec):
+            if isinstance(spec, AttentionSpec) and not isinstance(spec, CrossAttentionSpec):
                 ids = ids[: cdiv(num_computed_tokens, spec.block_size)]
             clipped.append(ids)
         return tuple(clipped)

@@ -13,8 +13,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvcache.block_pool import BlockPool
-from kvcache.kv_cache_interface import FullAttentionSpec, KVCacheSpec
-from kvcache.kv_cache_utils import BlockHashList, KVCacheBlock
+from kvcache.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from kvcache.kv_cache_utils import BlockHash, BlockHashList, KVCacheBlock
 
 if TYPE_CHECKING:
     from kvcache.request import Request
@@ -221,12 +228,31 @@ class SingleTypeKVCacheManager:
             num_full_blocks=num_full_blocks,
             block_size=self.block_size,
             kv_cache_group_id=self.kv_cache_group_id,
-            block_mask=self.reachable_block_mask(num_cached_blocks, num_full_blocks),
+            block_mask=self.reachable_block_mask(
+                start_block=num_cached_blocks,
+                end_block=num_full_blocks,
+                alignment_tokens=self.scheduler_block_size,
+                kv_cache_spec=self.kv_cache_spec,
+                use_eagle=self.use_eagle,
+                retention_interval=retention_interval,
+                num_prompt_tokens=request.num_prompt_tokens,
+            ),
         )
         self.num_cached_block[request_id] = num_full_blocks
 
-    def reachable_block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
-        """Which of blocks ``[start_block, end_block)`` can ever serve a hit (None: all)."""
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        num_prompt_tokens: int | None = None,
+    ) -> list[bool] | None:
+        """Which of blocks ``[start_block, end_block)`` can ever serve a hit
+        (None: all of them); unreachable blocks are not cached."""
         return None
 
     # ------------------------------------------------------------ freeing
@@ -366,19 +392,431 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return num_common
 
 
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding-window attention: only the last ``sliding_window`` tokens are
+    attended to, so leading blocks become the null block once the window has
+    passed them, and a hit needs only the blocks covering the window before the
+    hit's end (found by a right-to-left scan)."""
+
+    def __init__(self, kv_cache_spec: SlidingWindowSpec, **kwargs: object) -> None:
+        super().__init__(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
+        self.sliding_window = kv_cache_spec.sliding_window
+
+    @classmethod
+    def _contiguous_blocks_for_hit(cls, window_size: int, block_size: int, use_eagle: bool) -> int:
+        """Blocks that must be cached back to back for a hit: those holding the
+        ``window_size - 1`` tokens before the next one (+1 for the EAGLE drop)."""
+        return cdiv(window_size - 1, block_size) + (1 if use_eagle else 0)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Rightmost run of enough cached blocks whose end is aligned; positions
+        before the run are the null block. With no full run, the cached run at
+        the very start (if any) is the hit."""
+        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        block_size = kv_cache_spec.block_size
+        need = cls._contiguous_blocks_for_hit(
+            kv_cache_spec.sliding_window, block_size, drop_eagle_block
+        )
+        max_num_blocks = max_length // block_size
+        null = block_pool.null_block
+        computed = tuple([null] * max_num_blocks for _ in kv_cache_group_ids)
+        run = 0
+        match_found = False
+        for i in range(max_num_blocks - 1, -1, -1):
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                run = 0
+                continue
+            if run == 0 and block_size != alignment_tokens:
+                # A run must end where the hit (after the EAGLE drop) is aligned.
+                end = i if drop_eagle_block else i + 1
+                if end * block_size % alignment_tokens:
+                    continue
+            for group_blocks, block in zip(computed, cached, strict=True):
+                group_blocks[i] = block
+            run += 1
+            if run >= need:
+                for group_blocks in computed:
+                    del group_blocks[i + run :]
+                match_found = True
+                break
+        if not match_found:
+            # The scan reached block 0: the leading run (maybe empty) is the hit.
+            for group_blocks in computed:
+                del group_blocks[run:]
+            cls._align(computed, block_size, alignment_tokens)
+        if drop_eagle_block and computed[0]:
+            for group_blocks in computed:
+                group_blocks.pop()
+            cls._align(computed, block_size, alignment_tokens)
+        return computed
+
+    @staticmethod
+    def _align(computed: tuple[list[KVCacheBlock], ...], block_size: int, alignment: int) -> None:
+        """Drop trailing blocks until the hit length is a multiple of ``alignment``."""
+        num_blocks = len(computed[0])
+        while num_blocks * block_size % alignment:
+            num_blocks -= 1
+        for group_blocks in computed:
+            del group_blocks[num_blocks:]
+
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        num_prompt_tokens: int | None = None,
+    ) -> list[bool] | None:
+        """A hit ends on an ``alignment_tokens`` boundary and reads only the
+        ``need`` blocks before it (shifted by one with EAGLE), so only those
+        tails of each aligned segment are worth caching."""
+        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        if alignment_tokens is None:
+            return None
+        if retention_interval is not None:
+            raise NotImplementedError("prefix-cache retention intervals are not supported")
+        block_size = kv_cache_spec.block_size
+        need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size, use_eagle)
+        per_segment = alignment_tokens // block_size
+        if need >= per_segment:
+            return None
+        shift = 1 if use_eagle else 0
+        return [
+            i >= shift and (i - shift) % per_segment >= per_segment - need
+            for i in range(start_block, end_block)
+        ]
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens left of the next token's window: ``computed - window + 1``."""
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """0: leading positions are null blocks, so cascade attention cannot share them."""
+        return 0
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    """Chunked local attention: a token sees only its own chunk, so chunks
+    before the current one are null blocks, and a hit only needs the cached
+    blocks of the chunk it ends in."""
+
+    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, **kwargs: object) -> None:
+        super().__init__(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
+        self.attention_chunk_size = kv_cache_spec.attention_chunk_size
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Null blocks up to the chunk holding ``max_length``, then cached blocks
+        from there left to right until the first miss."""
+        assert isinstance(kv_cache_spec, ChunkedLocalAttentionSpec)
+        if drop_eagle_block or kv_cache_spec.block_size != alignment_tokens:
+            raise NotImplementedError(
+                "chunked local attention supports neither EAGLE nor groups of other block sizes"
+            )
+        block_size = kv_cache_spec.block_size
+        chunk = kv_cache_spec.attention_chunk_size
+        first_block = (max_length // chunk * chunk if max_length > 0 else 0) // block_size
+        computed = tuple([block_pool.null_block] * first_block for _ in kv_cache_group_ids)
+        for i in range(first_block, max_length // block_size):
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                break
+            for group_blocks, block in zip(computed, cached, strict=True):
+                group_blocks.append(block)
+        return computed
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens of the chunks before the one the next token falls in."""
+        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """0: cascade attention does not apply to chunked local attention."""
+        return 0
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """Mamba state blocks: only the latest state is needed, so everything before
+    the last computed token is released; a hit is the rightmost cached state.
+
+    In "align" mode a request holds the running state, the state of the previous
+    step (the copy source, freed one step later) and speculative blocks; a state
+    cached in the current step cannot be hit by another request until
+    ``new_step_starts`` (its KV is written by this step's forward pass).
+    """
+
+    def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs: object) -> None:
+        super().__init__(kv_cache_spec, block_pool, **kwargs)  # type: ignore[arg-type]
+        self.cached_blocks_this_step: set[BlockHash] = set()
+        self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
+        self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
+        self.last_state_block_idx: dict[str, int] = {}
+        self._allocated_block_reqs: set[str] = set()
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Rightmost cached state whose end is aligned, preceded by null blocks."""
+        assert isinstance(kv_cache_spec, MambaSpec)
+        block_size = kv_cache_spec.block_size
+        computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+        for i in range(max_length // block_size - 1, -1, -1):
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                continue
+            if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
+                continue
+            for group_blocks, block in zip(computed, cached, strict=True):
+                group_blocks.extend([block_pool.null_block] * i)
+                group_blocks.append(block)
+            break
+        return computed
+
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Free states before the latest; in align mode also the previous step's state.
+
+        NOTE: as in vLLM, ``num_speculative_blocks`` is subtracted from the
+        token count so possibly-rejected draft tokens never free a needed state.
+        """
+        num_computed_tokens = max(0, total_computed_tokens - self.num_speculative_blocks)
+        super().remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
+        if self.mamba_cache_mode != "align":
+            return
+        idx = self.last_state_block_idx.get(request_id)
+        if idx is not None and idx < cdiv(num_computed_tokens, self.block_size) - 1:
+            blocks = self.req_to_blocks[request_id]
+            if blocks[idx] is not self._null_block:
+                self.block_pool.free_blocks([blocks[idx]])
+                blocks[idx] = self._null_block
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """0: cascade attention does not apply to Mamba."""
+        return 0
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """As the base class, plus speculative blocks; align mode needs at most
+        one new state (plus speculative blocks on first prefill). A hit on a state
+        cached this step reports more blocks than the pool has, deferring the
+        request to the next step."""
+        if new_computed_blocks:
+            last = new_computed_blocks[-1]
+            if last._hash is not None and last._hash in self.cached_blocks_this_step:
+                return self.block_pool.num_gpu_blocks + 1
+        if self.mamba_cache_mode != "align":
+            num_tokens += self.block_size * self.num_speculative_blocks
+            return super().get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks,
+                total_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap=apply_admission_cap,
+            )
+        # Align mode ignores lookahead slots (draft models have no Mamba layers).
+        num_required_blocks = (
+            cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        )
+        num_new_blocks = (
+            num_required_blocks
+            - len(new_computed_blocks)
+            - len(self.req_to_blocks[request_id])  # may create an entry, as in vLLM
+        )
+        if num_new_blocks > 0:
+            if request_id in self._allocated_block_reqs:
+                num_new_blocks = 1
+            else:
+                num_new_blocks = 1 + self.num_speculative_blocks
+        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return num_new_blocks + num_evictable
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
+        """Allocate state blocks. Align mode keeps the running state (and the
+        speculative blocks) at the tail, null-pads skipped positions, moves the
+        previous speculative blocks forward, and records the previous state's
+        index so ``remove_skipped_blocks`` frees it one step later."""
+        if self.mamba_cache_mode != "align":
+            num_tokens += self.block_size * self.num_speculative_blocks
+            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        req_blocks = self.req_to_blocks[request_id]
+        num_spec = self.num_speculative_blocks
+        num_required_blocks = cdiv(num_tokens_main_model, self.block_size) + num_spec
+        if num_required_blocks <= len(req_blocks):
+            return []
+        prev_len = len(req_blocks)
+        allocated_before = request_id in self._allocated_block_reqs
+        if allocated_before:
+            self.last_state_block_idx[request_id] = prev_len - 1 - num_spec
+        elif prev_len > 0:
+            self.last_state_block_idx[request_id] = prev_len - 1  # the hit state
+        num_skipped_blocks = num_required_blocks - num_spec - 1
+        if prev_len < num_skipped_blocks:
+            req_blocks.extend([self._null_block] * (num_skipped_blocks - prev_len))
+        if allocated_before:
+            # Reuse last step's speculative blocks instead of allocating new ones.
+            for idx in range(prev_len - num_spec, prev_len):
+                if idx >= num_skipped_blocks:
+                    break
+                req_blocks.append(req_blocks[idx])
+                req_blocks[idx] = self._null_block
+        num_new_blocks = num_required_blocks - len(req_blocks)
+        assert num_new_blocks <= (1 if allocated_before else num_spec + 1)
+        req_blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        self._allocated_block_reqs.add(request_id)
+        return req_blocks[prev_len:]
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request, including align-mode bookkeeping."""
+        self._allocated_block_reqs.discard(request_id)
+        self.last_state_block_idx.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """All but the last computed token: only the latest state is needed."""
+        return num_computed_tokens - 1
+
+    def cache_blocks(
+        self, request: Request, num_tokens: int, retention_interval: int | None = None
+    ) -> None:
+        """Cache as the base class and remember states cached in this step."""
+        before = self.num_cached_block.get(request.request_id, 0)
+        super().cache_blocks(request, num_tokens, retention_interval)
+        after = self.num_cached_block.get(request.request_id, 0)
+        if after <= before:
+            return
+        for block in self.req_to_blocks[request.request_id][before:after]:
+            if not block.is_null and block._hash is not None:
+                self.cached_blocks_this_step.add(block._hash)
+
+    def new_step_starts(self) -> None:
+        """States cached in the previous step become hittable."""
+        self.cached_blocks_this_step.clear()
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Cross attention: blocks for the encoder output, allocated once from
+    ``num_encoder_tokens``; request-specific, so never cached or shared."""
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """No hits exist for cross attention; nothing to add."""
+        assert not new_computed_blocks
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Connectors do not load cross-attention KV; nothing to allocate."""
+        return
+
+    def cache_blocks(
+        self, request: Request, num_tokens: int, retention_interval: int | None = None
+    ) -> None:
+        """Never valid: cross-attention blocks are not cached (vLLM raises too)."""
+        raise ValueError("cross-attention blocks are never cached (prefix caching must be off)")
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """0: encoder states are per request."""
+        return 0
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Never valid: cross attention has no prefix cache."""
+        raise NotImplementedError("CrossAttentionManager does not support caching")
+
+
+_MANAGER_FOR_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    MambaSpec: MambaManager,
+    CrossAttentionSpec: CrossAttentionManager,
+}
+
+
 def get_manager_for_kv_cache_spec(
     kv_cache_spec: KVCacheSpec,
     max_num_batched_tokens: int,
     max_model_len: int,
     **kwargs: object,
 ) -> SingleTypeKVCacheManager:
-    """Build the manager for a group's spec.
+    """Build the manager for a group's spec; windowed kinds get their admission cap.
 
     Raises:
-        NotImplementedError: for a spec kind kvcache does not support yet.
+        NotImplementedError: for a spec kind kvcache does not support.
     """
-    if type(kv_cache_spec) is FullAttentionSpec:
-        return FullAttentionManager(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
-    raise NotImplementedError(
-        f"kv_cache_spec of type {type(kv_cache_spec).__name__} is not supported"
-    )
+    manager_cls = _MANAGER_FOR_SPEC.get(type(kv_cache_spec))
+    if manager_cls is None:
+        raise NotImplementedError(
+            f"kv_cache_spec of type {type(kv_cache_spec).__name__} is not supported"
+        )
+    if isinstance(kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+        kwargs["max_admission_blocks_per_request"] = kv_cache_spec.max_admission_blocks_per_request(
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
+        )
+    return manager_cls(kv_cache_spec, **kwargs)  # type: ignore[arg-type]

@@ -16,14 +16,8 @@ from kvcache.kv_cache_utils import (
     get_group_id,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
-)
-from kvcache.kv_events import (
-    MEDIUM_GPU,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-)
+)  # fmt: skip
+from kvcache.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvcache.request import Request
 
 NULL_BLOCK = 0
@@ -35,27 +29,22 @@ class BlockPool:
 
     ``free_queue`` lists free ids in eviction order (the front is reused first);
     ``ref_cnt[b]`` counts the holders of block ``b``; ``block_hash`` maps a cached
-    block to its pool key (block hash + group id) and ``cached`` maps a pool key
-    to the ids cached under it, oldest first (a hit takes the first).
-    Block 0 is the null block: ``touch``/``free_blocks`` move its count as vLLM
-    does, but the count means nothing.
+    block to its pool key (block hash + group id); ``cached`` maps a pool key to the
+    ids cached under it, oldest first (a hit takes the first). Block 0 is the null
+    block: ``touch``/``free_blocks`` move its count as vLLM does, but it means nothing.
 
     Invariants (``check_invariants``):
       - a block is in ``free_queue`` iff its ref count is 0 and it is not block 0;
-      - ``free_queue`` has no duplicates and every ref count is >= 0;
-      - ``block_hash`` and ``cached`` are inverse: ``b in cached[k]`` iff
-        ``block_hash[b] == k``, and no list in ``cached`` is empty;
+      - ``free_queue`` has no duplicates and no ref count is negative;
+      - ``block_hash`` and ``cached`` are inverse (``b in cached[k]`` iff
+        ``block_hash[b] == k``) and no list in ``cached`` is empty;
       - block 0 is never cached.
     """
 
     def __init__(
-        self,
-        num_gpu_blocks: int,
-        enable_caching: bool,
-        hash_block_size: int,
-        enable_kv_cache_events: bool = False,
-        metrics_collector: Any = None,
-    ) -> None:
+        self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
+        enable_kv_cache_events: bool = False, metrics_collector: Any = None,
+    ) -> None:  # fmt: skip
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
         if metrics_collector is not None:
@@ -66,7 +55,7 @@ class BlockPool:
         self.enable_kv_cache_events = enable_kv_cache_events
         self.null_block = NULL_BLOCK
         self.ref_cnt = [0] * num_gpu_blocks
-        self.free_queue = list(range(1, num_gpu_blocks))  # block 0 is popped for the null block
+        self.free_queue = list(range(1, num_gpu_blocks))  # block 0 was taken as the null block
         self.block_hash: dict[int, BlockHashWithGroupId] = {}
         self.cached: dict[BlockHashWithGroupId, list[int]] = {}
         self.kv_event_queue: list[KVCacheEvent] = []
@@ -74,7 +63,7 @@ class BlockPool:
     def get_cached_block(
         self, block_hash: BlockHash, kv_cache_group_ids: list[int]
     ) -> list[int] | None:
-        """The oldest block cached under ``block_hash`` in each group, or None on any miss."""
+        """The oldest block cached under ``block_hash`` in each group; None on any miss."""
         hit_ids = []
         for group_id in kv_cache_group_ids:
             ids = self.cached.get(make_block_hash_with_group_id(block_hash, group_id))
@@ -84,39 +73,38 @@ class BlockPool:
         return hit_ids
 
     def cache_full_blocks(
-        self,
-        request: Request,
-        blocks: Sequence[int],
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int,
-        kv_cache_group_id: int,
+        self, request: Request, blocks: Sequence[int], num_cached_blocks: int,
+        num_full_blocks: int, block_size: int, kv_cache_group_id: int,
         block_mask: list[bool] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under the request's hashes.
 
-        Null and masked-out blocks are skipped. Cached duplicates are kept (never
-        merged) so that block tables stay append-only. Queues one ``BlockStored``.
+        Null and masked-out blocks are skipped. Duplicates of already cached blocks
+        are kept, not merged, so block tables stay append-only. Queues one BlockStored.
 
         Raises:
-            ValueError: if the request has fewer hashes than ``num_full_blocks``.
+            ValueError: if the request has fewer block hashes than ``num_full_blocks``.
         """
         if num_cached_blocks >= num_full_blocks:
             return
         new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
         if block_mask is not None and len(block_mask) != len(new_full_blocks):
-            raise ValueError(f"block_mask has {len(block_mask)} entries, not {len(new_full_blocks)}")
+            raise ValueError(
+                f"block_mask has {len(block_mask)} entries, not {len(new_full_blocks)}"
+            )
         hashes: BlockHashList = request.block_hashes
         if block_size != self.hash_block_size:
-            hashes = BlockHashListWithBlockSize(hashes, self.hash_block_size, block_size)
-        if len(hashes) < num_full_blocks:
-            raise ValueError(
-                f"num_full_blocks={num_full_blocks} exceeds the {len(hashes)} block hashes "
-                f"of request {request.request_id!r}"
+            hashes = BlockHashListWithBlockSize(
+                request.block_hashes, self.hash_block_size, block_size
             )
+        if len(hashes) < num_full_blocks:
+            raise ValueError(f"num_full_blocks={num_full_blocks} exceeds the {len(hashes)} hashes "
+                             f"of request {request.request_id!r}")  # fmt: skip
+        skip = [b == NULL_BLOCK or (block_mask is not None and not block_mask[i])
+                for i, b in enumerate(new_full_blocks)]  # fmt: skip
         new_hashes: list[ExternalBlockHash] = []
         for i, block_id in enumerate(new_full_blocks):
-            if block_id == NULL_BLOCK or (block_mask is not None and not block_mask[i]):
+            if skip[i]:
                 continue
             assert block_id not in self.block_hash, f"block {block_id} is already cached"
             key = make_block_hash_with_group_id(hashes[num_cached_blocks + i], kv_cache_group_id)
@@ -127,38 +115,29 @@ class BlockPool:
             return
         extra_keys: list[tuple[Any, ...] | None] = []
         mm_idx = 0
-        # NOTE: indexes ``blocks`` up to num_full_blocks, so (as in vLLM) this raises
-        # IndexError when asked to cache past the request's last block.
+        # NOTE: like vLLM, this reads blocks[i] up to num_full_blocks, so it raises
+        # IndexError (after caching) when asked to cache past the request's last block.
         for i in range(num_cached_blocks, num_full_blocks):
-            if blocks[i] == NULL_BLOCK or (
-                block_mask is not None and not block_mask[i - num_cached_blocks]
-            ):
+            if blocks[i] == NULL_BLOCK or skip[i - num_cached_blocks]:
                 continue
             keys, mm_idx = generate_block_hash_extra_keys(
                 request, i * block_size, (i + 1) * block_size, mm_idx
             )
             extra_keys.append(keys)
         lora = request.lora_request
-        self.kv_event_queue.append(
-            BlockStored(
-                block_hashes=new_hashes,
-                parent_block_hash=None
-                if num_cached_blocks == 0
-                else maybe_convert_block_hash(hashes[num_cached_blocks - 1]),
-                token_ids=list(
-                    request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
-                ),
-                block_size=block_size,
-                lora_id=lora.adapter_id if lora else None,
-                medium=MEDIUM_GPU,
-                lora_name=lora.lora_name if lora else None,
-                extra_keys=extra_keys or None,
-                group_idx=kv_cache_group_id,
-            )
-        )
+        start, end = num_cached_blocks * block_size, num_full_blocks * block_size
+        self.kv_event_queue.append(BlockStored(
+            block_hashes=new_hashes,
+            parent_block_hash=None if num_cached_blocks == 0
+            else maybe_convert_block_hash(hashes[num_cached_blocks - 1]),
+            token_ids=list(request.all_token_ids[start:end]), block_size=block_size,
+            lora_id=lora.adapter_id if lora else None, medium=MEDIUM_GPU,
+            lora_name=lora.lora_name if lora else None,
+            extra_keys=extra_keys or None, group_idx=kv_cache_group_id,
+        ))  # fmt: skip
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks from the front of the free queue, evicting their hashes.
+        """Take ``num_blocks`` ids from the front of the free queue, evicting their hashes.
 
         Raises:
             ValueError: if fewer than ``num_blocks`` blocks are free, or it is negative.
@@ -185,13 +164,9 @@ class BlockPool:
         if not self.cached[key]:
             del self.cached[key]
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(
-                BlockRemoved(
-                    block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
-                    medium=MEDIUM_GPU,
-                    group_idx=get_group_id(key),
-                )
-            )
+            self.kv_event_queue.append(BlockRemoved(
+                [maybe_convert_block_hash(get_block_hash(key))], MEDIUM_GPU, get_group_id(key)
+            ))  # fmt: skip
         return True
 
     def touch(self, blocks: Sequence[int]) -> None:
@@ -202,11 +177,8 @@ class BlockPool:
             self.ref_cnt[block_id] += 1
 
     def free_blocks(self, ordered_blocks: Iterable[int]) -> None:
-        """Drop one reference per block; blocks reaching 0 become free.
-
-        Unhashed ones go to the front (they can never be hit, so reuse them
-        first), hashed ones to the back; both keep the order given.
-        """
+        """Drop one reference per block; blocks reaching 0 become free, in the order given:
+        unhashed ones at the front (they can never be hit), hashed ones at the back."""
         unhashed: list[int] = []
         hashed: list[int] = []
         for block_id in ordered_blocks:
@@ -217,7 +189,7 @@ class BlockPool:
         self.free_queue.extend(hashed)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop the hashes of the given blocks (in use or not); nothing else changes.
+        """Drop the given blocks' hashes (in use or not); nothing else changes.
 
         Raises:
             ValueError: if an id is outside ``[1, num_gpu_blocks)``; nothing is evicted then.
@@ -225,9 +197,7 @@ class BlockPool:
         block_ids = list(block_ids)
         for block_id in block_ids:
             if not 1 <= block_id < self.num_gpu_blocks:
-                raise ValueError(
-                    f"block_ids contains {block_id}, outside [1, {self.num_gpu_blocks})"
-                )
+                raise ValueError(f"block_ids has {block_id}, outside [1, {self.num_gpu_blocks})")
         for block_id in block_ids:
             self._maybe_evict_cached_block(block_id)
 
@@ -246,23 +216,22 @@ class BlockPool:
         return len(self.free_queue)
 
     def get_usage(self) -> float:
-        """Fraction of non-null blocks in use."""
+        """Fraction of non-null blocks in use (0 for a pool of only the null block)."""
         if self.num_gpu_blocks == 1:
             return 0
         return 1.0 - len(self.free_queue) / (self.num_gpu_blocks - 1)
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Drain the queued events ([] when events are off)."""
+        """Drain the queued events (always [] when events are off)."""
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
 
     def check_invariants(self) -> None:
         """Assert the invariants of the class docstring."""
-        free = set(self.free_queue)
-        assert len(free) == len(self.free_queue), "duplicate in free queue"
-        assert all(count >= 0 for count in self.ref_cnt[1:]), "negative ref count"
-        in_use = {b for b in range(1, self.num_gpu_blocks) if self.ref_cnt[b] != 0}
-        assert free == set(range(1, self.num_gpu_blocks)) - in_use
+        assert len(set(self.free_queue)) == len(self.free_queue), "duplicate in free queue"
+        assert min(self.ref_cnt[1:], default=0) >= 0, "negative ref count"
+        idle = {b for b in range(1, self.num_gpu_blocks) if self.ref_cnt[b] == 0}
+        assert set(self.free_queue) == idle, "free queue is not the set of idle blocks"
         assert NULL_BLOCK not in self.block_hash
         pairs = [(b, key) for key, ids in self.cached.items() for b in ids]
         assert all(self.cached.values()) and len(pairs) == len(self.block_hash)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcache.kv_cache_interface import KVCacheConfig
+from kvcache.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvcache.kv_cache_utils import BlockHash
 from kvcache.request import Request
 from spec.block_pool import BlockPool
@@ -18,23 +18,17 @@ class KVCacheCoordinator:
     """One block pool shared by one manager per KV-cache group."""
 
     def __init__(
-        self,
-        kv_cache_config: KVCacheConfig,
-        max_model_len: int,
-        max_num_batched_tokens: int,
-        use_eagle: bool,
-        enable_caching: bool,
-        enable_kv_cache_events: bool,
-        scheduler_block_size: int,
-        hash_block_size: int,
-    ) -> None:
+        self, kv_cache_config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int,
+        use_eagle: bool, enable_caching: bool, enable_kv_cache_events: bool,
+        scheduler_block_size: int, hash_block_size: int,
+    ) -> None:  # fmt: skip
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size or any(
             scheduler_block_size % g.kv_cache_spec.block_size for g in groups
         ):
             raise ValueError(
                 f"scheduler_block_size={scheduler_block_size} must be a multiple of "
-                f"hash_block_size={hash_block_size} and of every group's block size"
+                f"hash_block_size={hash_block_size} and of each group's block size"
             )
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
@@ -53,58 +47,45 @@ class KVCacheCoordinator:
             )
             for i, g in enumerate(groups)
         )
+        for i, manager in enumerate(self.single_type_managers):
+            manager.use_eagle = enable_caching and i in self.eagle_group_ids
 
     def get_num_blocks_to_allocate(
-        self,
-        request_id: str,
-        num_tokens: int,
-        new_computed_blocks: tuple[Sequence[int], ...],
-        num_encoder_tokens: int,
-        total_computed_tokens: int,
-        num_tokens_main_model: int,
+        self, request_id: str, num_tokens: int, new_computed_blocks: tuple[Sequence[int], ...],
+        num_encoder_tokens: int, total_computed_tokens: int, num_tokens_main_model: int,
         apply_admission_cap: bool = False,
-    ) -> int:
+    ) -> int:  # fmt: skip
         """Free blocks needed across all groups (see the manager's method)."""
-        return sum(
-            manager.get_num_blocks_to_allocate(
-                request_id,
-                num_tokens,
-                new_computed_blocks[i],
-                total_computed_tokens,
-                num_tokens_main_model,
-                apply_admission_cap,
-            )
-            for i, manager in enumerate(self.single_type_managers)
-        )
+        num_blocks = 0
+        for i, manager in enumerate(self.single_type_managers):
+            num_blocks += manager.get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
+                num_tokens_main_model, apply_admission_cap,
+            )  # fmt: skip
+        return num_blocks
 
     def allocate_new_computed_blocks(
-        self,
-        request_id: str,
-        new_computed_blocks: tuple[Sequence[int], ...],
-        num_local_computed_tokens: int,
-        num_external_computed_tokens: int,
-    ) -> None:
-        """Add prefix hits to a new request, then allocate its external-token blocks.
+        self, request_id: str, new_computed_blocks: tuple[Sequence[int], ...],
+        num_local_computed_tokens: int, num_external_computed_tokens: int,
+    ) -> None:  # fmt: skip
+        """Give a new request its prefix hits, then blocks for its external tokens.
 
-        All groups touch their hits before any group allocates, so one group's
-        allocation cannot evict another group's hits. No-op for running requests.
+        Every group touches its hits before any group allocates, so that one group's
+        allocation cannot evict another's hits. A no-op for a running request.
 
         Raises:
             ValueError: if a running request is given new computed blocks.
         """
         if any(request_id in m.num_cached_block for m in self.single_type_managers):
             if any(len(blocks) for blocks in new_computed_blocks):
-                raise ValueError(
-                    f"request_id={request_id!r} is running; new_computed_blocks must be empty"
-                )
+                raise ValueError(f"request_id={request_id!r} is running: new_computed_blocks "
+                                 f"must be empty, got {new_computed_blocks}")  # fmt: skip
             return
         for i, manager in enumerate(self.single_type_managers):
             manager.add_local_computed_blocks(
-                request_id,
-                new_computed_blocks[i],
-                num_local_computed_tokens,
+                request_id, new_computed_blocks[i], num_local_computed_tokens,
                 num_external_computed_tokens,
-            )
+            )  # fmt: skip
         if num_external_computed_tokens > 0:
             for manager in self.single_type_managers:
                 manager.allocate_external_computed_blocks(
@@ -112,13 +93,10 @@ class KVCacheCoordinator:
                 )
 
     def allocate_new_blocks(
-        self,
-        request_id: str,
-        num_tokens: int,
-        num_tokens_main_model: int,
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int,
         num_encoder_tokens: int = 0,
-    ) -> tuple[list[int], ...]:
-        """Give the request ``num_tokens`` slots in every group; returns the new ids."""
+    ) -> tuple[list[int], ...]:  # fmt: skip
+        """Give the request ``num_tokens`` slots in every group; return the new ids."""
         return tuple(
             m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
             for m in self.single_type_managers
@@ -135,17 +113,18 @@ class KVCacheCoordinator:
             manager.free(request_id)
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
-        """Forget the request; its blocks, group after group, each in allocation order."""
+        """Forget the request; its blocks group after group, each in allocation order."""
         return [b for m in self.single_type_managers for b in m.pop_blocks_for_free(request_id)]
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, the leading blocks shared by every request with a table."""
-        return [m.get_num_common_prefix_blocks(running_request_id) for m in self.single_type_managers]
+        managers = self.single_type_managers
+        return [m.get_num_common_prefix_blocks(running_request_id) for m in managers]
 
     def remove_skipped_blocks(
         self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
-        """Free blocks that attention no longer reads, in every group."""
+        """Free the blocks attention no longer reads, in every group."""
         for manager in self.single_type_managers:
             manager.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
 
@@ -169,7 +148,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     """Prefix caching off: any number of groups, never a hit, no common prefix."""
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Always 0 per group (and, unlike the managers, creates no table entry)."""
+        """0 per group (and, unlike the managers, no table entry is created)."""
         return [0] * len(self.single_type_managers)
 
     def find_longest_cache_hit(
@@ -182,61 +161,38 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """Exactly one group, hashed at its own block size."""
 
-    def __init__(
-        self,
-        kv_cache_config: KVCacheConfig,
-        max_model_len: int,
-        max_num_batched_tokens: int,
-        use_eagle: bool,
-        enable_caching: bool,
-        enable_kv_cache_events: bool,
-        scheduler_block_size: int,
-        hash_block_size: int,
-    ) -> None:
-        super().__init__(
-            kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle,
-            enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
-        )  # fmt: skip
-        self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = self.kv_cache_spec.block_size
-        if enable_caching and hash_block_size != self.block_size:
-            raise ValueError(
-                f"hash_block_size={hash_block_size} must equal the block size "
-                f"{self.block_size} of the only group"
-            )
-        self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The only group's spec."""
+        return self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+
+    @property
+    def block_size(self) -> int:
+        """The only group's block size."""
+        return self.kv_cache_spec.block_size
 
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
     ) -> tuple[tuple[list[int], ...], int]:
-        """The single group's longest hit, aligned to its block size."""
+        """The group's longest hit, aligned to its block size."""
         hits = self.single_type_managers[0].find_longest_cache_hit(
-            block_hashes,
-            max_cache_hit_length,
-            [0],
-            self.block_pool,
-            self.kv_cache_spec,
-            0 in self.eagle_group_ids,
-            self.block_size,
-        )
+            block_hashes, max_cache_hit_length, [0], self.block_pool, self.kv_cache_spec,
+            0 in self.eagle_group_ids, self.block_size,
+        )  # fmt: skip
         return hits, len(hits[0]) * self.block_size
 
 
 def get_kv_cache_coordinator(
-    kv_cache_config: KVCacheConfig,
-    max_model_len: int,
-    max_num_batched_tokens: int,
-    use_eagle: bool,
-    enable_caching: bool,
-    enable_kv_cache_events: bool,
-    scheduler_block_size: int,
-    hash_block_size: int,
-) -> KVCacheCoordinator:
-    """No-prefix-cache coordinator when caching is off, unitary for one group.
+    kv_cache_config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int,
+    use_eagle: bool, enable_caching: bool, enable_kv_cache_events: bool,
+    scheduler_block_size: int, hash_block_size: int,
+) -> KVCacheCoordinator:  # fmt: skip
+    """The no-prefix-cache coordinator when caching is off, the unitary one for one group.
 
     Raises:
-        ValueError: with caching on, for groups vLLM's hybrid coordinator rejects
-            (fewer than two distinct specs).
+        ValueError: for configurations vLLM asserts against (with caching on: a
+            hash block size other than the only group's block size, or several
+            groups with fewer than two distinct specs).
         NotImplementedError: for hybrid models (not modelled yet).
     """
     args = (
@@ -247,7 +203,11 @@ def get_kv_cache_coordinator(
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(*args)
     if len(groups) == 1:
-        return UnitaryKVCacheCoordinator(*args)
+        coordinator = UnitaryKVCacheCoordinator(*args)
+        if hash_block_size != coordinator.block_size:
+            raise ValueError(f"hash_block_size={hash_block_size} must equal the block size "
+                             f"{coordinator.block_size} of the only group")  # fmt: skip
+        return coordinator
     specs = [g.kv_cache_spec for g in groups]
     if len([s for i, s in enumerate(specs) if s not in specs[:i]]) < 2:
         raise ValueError(f"{len(groups)} KV-cache groups with caching need >= 2 distinct specs")

@@ -24,24 +24,19 @@ def cdiv(a: int, b: int) -> int:
 class SingleTypeKVCacheManager:
     """Block tables of one KV-cache group.
 
-    ``req_to_blocks[r][i]`` is the block holding tokens ``[i*block_size, (i+1)*block_size)``
-    of request ``r`` (0 where skipped). vLLM keeps it in a ``defaultdict``, so some
-    reads create an empty entry; ``_blocks_of`` marks those reads. ``num_cached_block[r]``
-    counts the leading blocks already cached; it is set only by
-    ``add_local_computed_blocks`` and by ``cache_blocks`` when it caches something, so a
-    request in it is "running" and gets no more prefix hits. ``new_block_ids`` collects
-    freshly allocated ids until ``take_new_block_ids``.
+    ``req_to_blocks[r][i]`` holds tokens ``[i*block_size, (i+1)*block_size)`` of request
+    ``r`` (0 where skipped). vLLM keeps it in a ``defaultdict``, so some reads create an
+    empty entry: ``_blocks_of`` marks them. ``num_cached_block[r]`` counts the leading
+    blocks already cached; only ``add_local_computed_blocks`` and a ``cache_blocks``
+    that caches something set it, and a request in it is running (no more hits).
+    ``new_block_ids`` collects fresh ids until ``take_new_block_ids``.
     """
 
     def __init__(
-        self,
-        kv_cache_spec: KVCacheSpec,
-        block_pool: BlockPool,
-        enable_caching: bool,
-        kv_cache_group_id: int,
-        scheduler_block_size: int,
+        self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
+        kv_cache_group_id: int, scheduler_block_size: int,
         max_admission_blocks_per_request: int | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.kv_cache_spec = kv_cache_spec
         self.block_size = kv_cache_spec.block_size
         self.block_pool = block_pool
@@ -53,7 +48,7 @@ class SingleTypeKVCacheManager:
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.new_block_ids: list[int] = []
-        # vLLM reports new ids for exact full-attention-like spec types only.
+        # vLLM reports new ids only for exact full-attention-like spec types.
         self.records_new_block_ids = type(kv_cache_spec) is FullAttentionSpec
 
     def _blocks_of(self, request_id: str) -> list[int]:
@@ -61,16 +56,11 @@ class SingleTypeKVCacheManager:
         return self.req_to_blocks.setdefault(request_id, [])
 
     def get_num_blocks_to_allocate(
-        self,
-        request_id: str,
-        num_tokens: int,
-        new_computed_blocks: Sequence[int],
-        total_computed_tokens: int,
-        num_tokens_main_model: int,
-        apply_admission_cap: bool = False,
-    ) -> int:
-        """Free blocks needed to give the request ``num_tokens`` slots, counting the
-        prefix-hit blocks that sit in the free queue (touching takes them out of it).
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[int],
+        total_computed_tokens: int, num_tokens_main_model: int, apply_admission_cap: bool = False,
+    ) -> int:  # fmt: skip
+        """Free blocks needed for ``num_tokens`` slots, counting the prefix hits that
+        sit in the free queue (touching them takes them out of it).
 
         Raises:
             ValueError: if a running request is given new computed blocks.
@@ -81,36 +71,30 @@ class SingleTypeKVCacheManager:
         num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
         if request_id in self.num_cached_block:
             if new_computed_blocks:
-                raise ValueError(
-                    f"request_id={request_id!r} is running; new_computed_blocks must be empty"
-                )
+                raise ValueError(f"request_id={request_id!r} is running: new_computed_blocks "
+                                 f"must be empty, got {list(new_computed_blocks)}")  # fmt: skip
             return max(num_required_blocks - num_req_blocks, 0)
         num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
         num_local_blocks = len(new_computed_blocks) + num_req_blocks
         num_new_blocks = max(num_required_blocks - max(num_skipped_blocks, num_local_blocks), 0)
-        hit_blocks = new_computed_blocks[max(0, num_skipped_blocks - num_req_blocks) :]
-        num_evictable = sum(self.block_pool.ref_cnt[b] == 0 and b != NULL_BLOCK for b in hit_blocks)
-        return num_new_blocks + num_evictable
+        hits = new_computed_blocks[max(0, num_skipped_blocks - num_req_blocks) :]
+        return num_new_blocks + sum(
+            self.block_pool.ref_cnt[b] == 0 and b != NULL_BLOCK for b in hits
+        )
 
     def add_local_computed_blocks(
-        self,
-        request_id: str,
-        new_computed_blocks: Sequence[int],
-        num_local_computed_tokens: int,
-        num_external_computed_tokens: int,
-    ) -> None:
-        """Give a request without blocks its prefix hits (touched), nulls for skipped ones.
+        self, request_id: str, new_computed_blocks: Sequence[int],
+        num_local_computed_tokens: int, num_external_computed_tokens: int,
+    ) -> None:  # fmt: skip
+        """Give a request without blocks its prefix hits (touched), nulls where skipped.
 
         Raises:
-            ValueError: if the request already holds blocks, or caching is off and
-                ``new_computed_blocks`` is not empty.
+            ValueError: if the request holds blocks, or caching is off and there are hits.
         """
         req_blocks = self._blocks_of(request_id)
         if req_blocks:
-            raise ValueError(
-                f"request_id={request_id!r} already holds {len(req_blocks)} blocks; "
-                "computed blocks can only be added to a request without blocks"
-            )
+            raise ValueError(f"request_id={request_id!r} already holds blocks {req_blocks}; "
+                             "computed blocks only go to a request without blocks")  # fmt: skip
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_blocks = self.get_num_skipped_tokens(num_total) // self.block_size
         if num_skipped_blocks > 0:
@@ -118,20 +102,15 @@ class SingleTypeKVCacheManager:
         if self.enable_caching:
             self.block_pool.touch(new_computed_blocks)
         elif new_computed_blocks:
-            raise ValueError(
-                f"new_computed_blocks={list(new_computed_blocks)} with prefix caching disabled"
-            )
+            raise ValueError(f"new_computed_blocks={list(new_computed_blocks)} with caching off")
         req_blocks.extend([NULL_BLOCK] * num_skipped_blocks)
         req_blocks.extend(new_computed_blocks)
         self.num_cached_block[request_id] = len(req_blocks)
 
     def allocate_external_computed_blocks(
-        self,
-        request_id: str,
-        num_local_computed_tokens: int,
-        num_external_computed_tokens: int,
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
     ) -> None:
-        """Allocate fresh blocks for tokens a KV connector computed (not skipped ones)."""
+        """Allocate fresh blocks for the tokens a KV connector computed (unless skipped)."""
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_tokens = self.get_num_skipped_tokens(num_total)
         if num_skipped_tokens > 0:
@@ -149,7 +128,7 @@ class SingleTypeKVCacheManager:
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
     ) -> list[int]:
-        """Append fresh blocks until the request has ``num_tokens`` slots; returns them."""
+        """Append fresh blocks until the request has ``num_tokens`` slots; return them."""
         req_blocks = self._blocks_of(request_id)
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks)
         if num_new_blocks <= 0:
@@ -167,22 +146,19 @@ class SingleTypeKVCacheManager:
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Cache the request's full blocks among its first ``num_tokens`` tokens."""
-        num_cached_blocks = self.num_cached_block.get(request.request_id, 0)
+        rid = request.request_id
+        num_cached_blocks = self.num_cached_block.get(rid, 0)
         num_full_blocks = num_tokens // self.block_size
         if num_cached_blocks >= num_full_blocks:
             return
         self.block_pool.cache_full_blocks(
-            request,
-            self._blocks_of(request.request_id),
-            num_cached_blocks,
-            num_full_blocks,
-            self.block_size,
-            self.kv_cache_group_id,
-        )
-        self.num_cached_block[request.request_id] = num_full_blocks
+            request, self._blocks_of(rid), num_cached_blocks, num_full_blocks,
+            self.block_size, self.kv_cache_group_id,
+        )  # fmt: skip
+        self.num_cached_block[rid] = num_full_blocks
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
-        """Forget the request and return its blocks in allocation order, still referenced."""
+        """Forget the request; return its blocks in allocation order, still referenced."""
         self.num_cached_block.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, [])
 
@@ -196,22 +172,17 @@ class SingleTypeKVCacheManager:
 
     @classmethod
     def find_longest_cache_hit(
-        cls,
-        block_hashes: BlockHashList,
-        max_length: int,
-        kv_cache_group_ids: list[int],
-        block_pool: BlockPool,
-        kv_cache_spec: KVCacheSpec,
-        drop_eagle_block: bool,
+        cls, block_hashes: BlockHashList, max_length: int, kv_cache_group_ids: list[int],
+        block_pool: BlockPool, kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
         alignment_tokens: int,
-    ) -> tuple[list[int], ...]:
-        """Longest prefix of at most ``max_length`` tokens cached in every given group."""
+    ) -> tuple[list[int], ...]:  # fmt: skip
+        """Per group, the longest prefix of at most ``max_length`` tokens cached in all groups."""
         raise NotImplementedError
 
     def remove_skipped_blocks(
         self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
-        """Free the blocks no longer attended to, tail first, replacing them with nulls."""
+        """Free the blocks attention no longer reads, tail first, leaving nulls."""
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         if num_skipped_tokens <= 0:
             return
@@ -219,18 +190,18 @@ class SingleTypeKVCacheManager:
         freed: list[int] = []
         for i in reversed(range(min(num_skipped_tokens // self.block_size, len(blocks)))):
             if blocks[i] == NULL_BLOCK:
-                break  # everything before was nulled by an earlier call
+                break  # the rest was nulled by an earlier call
             freed.append(blocks[i])
             blocks[i] = NULL_BLOCK
         if freed:
             self.block_pool.free_blocks(freed)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Leading tokens attention no longer reads after ``num_computed_tokens`` (none here)."""
+        """Leading tokens no longer read once ``num_computed_tokens`` are computed (none)."""
         return 0
 
     def new_step_starts(self) -> None:
-        """Hook called once per scheduler step (nothing to do by default)."""
+        """Hook run once per scheduler step (nothing to do by default)."""
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
@@ -238,20 +209,13 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     @classmethod
     def find_longest_cache_hit(
-        cls,
-        block_hashes: BlockHashList,
-        max_length: int,
-        kv_cache_group_ids: list[int],
-        block_pool: BlockPool,
-        kv_cache_spec: KVCacheSpec,
-        drop_eagle_block: bool,
+        cls, block_hashes: BlockHashList, max_length: int, kv_cache_group_ids: list[int],
+        block_pool: BlockPool, kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
         alignment_tokens: int,
-    ) -> tuple[list[int], ...]:
-        """Walk the hash chain left to right and stop at the first miss.
-
-        The last hit is dropped for EAGLE (its hidden states must be recomputed),
-        then hits are trimmed to a multiple of ``alignment_tokens``.
-        """
+    ) -> tuple[list[int], ...]:  # fmt: skip
+        """Walk the hash chain left to right and stop at the first miss; drop the last
+        hit for EAGLE (its hidden states must be recomputed), then trim to a multiple
+        of ``alignment_tokens``."""
         hits: tuple[list[int], ...] = tuple([] for _ in kv_cache_group_ids)
         block_size = kv_cache_spec.block_size
         for block_hash in itertools.islice(block_hashes, max_length // block_size):
@@ -269,7 +233,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return hits
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
-        """Leading blocks whose ref count equals the number of tables (incl. empty ones)."""
+        """Leading blocks whose ref count equals the number of tables (empty ones count)."""
         blocks = self._blocks_of(running_request_id)
         num_common = 0
         for block_id in blocks:
@@ -280,13 +244,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 
 def get_manager_for_kv_cache_spec(
-    kv_cache_spec: KVCacheSpec,
-    block_pool: BlockPool,
-    enable_caching: bool,
-    kv_cache_group_id: int,
-    scheduler_block_size: int,
-) -> SingleTypeKVCacheManager:
-    """The manager class for the spec's group kind (only full attention so far)."""
+    kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
+    kv_cache_group_id: int, scheduler_block_size: int,
+) -> SingleTypeKVCacheManager:  # fmt: skip
+    """The manager of the spec's group kind (only full attention so far)."""
     if type(kv_cache_spec) is not FullAttentionSpec:
         raise NotImplementedError(f"no spec manager for {type(kv_cache_spec).__name__}")
     return FullAttentionManager(

@@ -1,0 +1,32 @@
+"""The executable model (oracle) of vLLM 0.25.1's request-level KV-cache manager.
+
+Plain lists, dicts and ints: a block is its id and block 0 is the null block.
+"""
+
+from spec.block_pool import NULL_BLOCK, BlockPool
+from spec.kv_cache_coordinator import (
+    KVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+    UnitaryKVCacheCoordinator,
+    get_kv_cache_coordinator,
+)
+from spec.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from spec.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+)
+
+__all__ = [
+    "NULL_BLOCK",
+    "BlockPool",
+    "FullAttentionManager",
+    "KVCacheBlocks",
+    "KVCacheCoordinator",
+    "KVCacheCoordinatorNoPrefixCache",
+    "KVCacheManager",
+    "SingleTypeKVCacheManager",
+    "UnitaryKVCacheCoordinator",
+    "get_kv_cache_coordinator",
+    "get_manager_for_kv_cache_spec",
+]

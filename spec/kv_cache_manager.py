@@ -1,0 +1,338 @@
+"""The request-level KV-cache manager of the spec (vLLM 0.25.1's API, blocks as int ids)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, overload
+
+from kvcache.kv_cache_interface import (
+    KVCacheConfig,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+from kvcache.kv_events import BlockStored, KVCacheEvent
+from kvcache.metrics import PrefixCacheStats
+from kvcache.request import Request, RequestStatus
+from spec.block_pool import NULL_BLOCK, BlockPool
+from spec.kv_cache_coordinator import get_kv_cache_coordinator
+from spec.single_type_kv_cache_manager import cdiv
+
+WAITING, PREEMPTED = RequestStatus.WAITING, RequestStatus.PREEMPTED
+
+
+@dataclass
+class KVCacheBlocks:
+    """Block ids per KV-cache group (``blocks[g][i]``), as handed to the scheduler.
+
+    ``block_pool`` lets the unhashed-id queries read the current hashes.
+    """
+
+    blocks: tuple[Sequence[int], ...]
+    block_pool: BlockPool | None = field(default=None, compare=False, repr=False)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        """Concatenate group by group."""
+        return KVCacheBlocks(
+            tuple(list(itertools.chain(a, b)) for a, b in zip(self.blocks, other.blocks)),  # noqa: B905
+            self.block_pool or other.block_pool,
+        )
+
+    @overload
+    def get_block_ids(self, allow_none: Literal[False] = False) -> tuple[list[int], ...]: ...
+
+    @overload
+    def get_block_ids(self, allow_none: Literal[True]) -> tuple[list[int], ...] | None: ...
+
+    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
+        """Fresh lists of ids per group; None instead of all-empty when ``allow_none``."""
+        if allow_none and all(len(group) == 0 for group in self.blocks):
+            return None
+        return tuple(list(group) for group in self.blocks)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Ids of the single group's blocks that are not cached (null block included).
+
+        Raises:
+            ValueError: if there is not exactly one group.
+        """
+        if len(self.blocks) != 1:
+            raise ValueError(f"get_unhashed_block_ids needs 1 group, got {len(self.blocks)}")
+        assert self.block_pool is not None
+        return [b for b in self.blocks[0] if b not in self.block_pool.block_hash]
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        """Per group, ids of blocks that are neither cached nor the null block."""
+        assert self.block_pool is not None
+        hashed = self.block_pool.block_hash
+        return [[b for b in g if b not in hashed and b != NULL_BLOCK] for g in self.blocks]
+
+    def new_empty(self) -> KVCacheBlocks:
+        """An empty instance with as many groups."""
+        return KVCacheBlocks(tuple(() for _ in self.blocks), self.block_pool)
+
+
+class KVCacheManager:
+    """Allocates, caches and frees the KV-cache blocks of requests, per vLLM 0.25.1.
+
+    State lives in ``block_pool`` (free queue, ref counts, prefix cache) and in the
+    per-group managers of ``coordinator`` (block tables); ``abstract_state`` shows it all.
+
+    Invariants (``check_invariants``), besides the pool's:
+      - every id in a block table or in ``new_block_ids`` is a valid block id;
+      - a non-null block's ref count is at least the number of table entries holding
+        it across groups; it is more only for blocks popped by ``pop_blocks_for_free``
+        that the caller has not freed yet;
+      - a request with a cached-block count also has a block table.
+    """
+
+    def __init__(
+        self, kv_cache_config: KVCacheConfig, max_model_len: int, scheduler_block_size: int,
+        hash_block_size: int, max_num_batched_tokens: int | None = None,
+        enable_caching: bool = True, use_eagle: bool = False, log_stats: bool = False,
+        enable_kv_cache_events: bool = False, dcp_world_size: int = 1, pcp_world_size: int = 1,
+        metrics_collector: Any = None, watermark: float = 0.0,
+    ) -> None:  # fmt: skip
+        if dcp_world_size > 1 or pcp_world_size > 1:
+            raise NotImplementedError("context parallelism (dcp/pcp > 1) is not modelled")
+        if metrics_collector is not None:
+            raise NotImplementedError("metrics_collector is not modelled by the spec")
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens or max_model_len
+        self.enable_caching = enable_caching
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config, max_model_len, self.max_num_batched_tokens, use_eagle,
+            enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
+        )  # fmt: skip
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.block_pool = self.coordinator.block_pool
+        self.kv_cache_config = kv_cache_config
+        if not watermark >= 0.0:
+            raise ValueError(f"watermark must be non-negative, got {watermark!r}")
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.kv_cache_event_metadata = tuple(
+            (get_kv_cache_spec_kind(g.kv_cache_spec).value,
+             get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for g in kv_cache_config.kv_cache_groups
+        )  # fmt: skip
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool
+        )
+
+    @property
+    def usage(self) -> float:
+        """Fraction of non-null blocks in use."""
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Return the hit stats gathered so far and start new ones (None unless log_stats)."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The request's longest cached prefix: its blocks and length in tokens.
+
+        At most ``num_tokens - 1`` tokens hit, since the last token must be computed
+        to produce logits.
+        """
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0
+        hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(
+                request.num_tokens, num_hit_tokens, request.num_preemptions > 0
+            )
+        return self.create_kv_cache_blocks(hits), num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0, has_scheduled_reqs: bool = True,
+    ) -> KVCacheBlocks | None:  # fmt: skip
+        """Add prefix hits, external tokens and ``num_new_tokens`` (+ lookahead) slots.
+
+        Returns the newly allocated blocks, or None (changing nothing) when the free
+        blocks minus ``reserved_blocks`` cannot cover them plus the watermark. Then
+        caches the full blocks among the request's known tokens unless caching is
+        off or ``delay_cache_blocks``.
+
+        Raises:
+            ValueError: if ``num_new_tokens`` and ``num_external_computed_tokens`` are both 0.
+        """
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no external computed tokens"
+            )
+        rid = request.request_id
+        new_computed_block_list = (
+            self.empty_kv_cache_blocks.blocks
+            if new_computed_blocks is None
+            else new_computed_blocks.blocks
+        )
+        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        total_computed_tokens = min(
+            num_local_computed_tokens + num_external_computed_tokens, self.max_model_len
+        )
+        watermark_blocks = 0
+        if has_scheduled_reqs and request.status in (WAITING, PREEMPTED):
+            watermark_blocks = self.watermark_blocks
+        if full_sequence_must_fit:
+            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            num_needed = self.coordinator.get_num_blocks_to_allocate(
+                rid, full_num_tokens, new_computed_block_list, num_encoder_tokens,
+                total_computed_tokens, full_num_tokens, apply_admission_cap=True,
+            )  # fmt: skip
+            if num_needed + watermark_blocks > self.block_pool.get_num_free_blocks():
+                return None
+        num_tokens_main_model = total_computed_tokens + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+        # Free out-of-window blocks first (even if we then refuse) so fewer get evicted.
+        self.coordinator.remove_skipped_blocks(
+            rid, total_computed_tokens, request.num_prompt_tokens
+        )
+        num_needed = self.coordinator.get_num_blocks_to_allocate(
+            rid, num_tokens_need_slot, new_computed_block_list, num_encoder_tokens,
+            num_local_computed_tokens + num_external_computed_tokens, num_tokens_main_model,
+        )  # fmt: skip
+        if num_needed + watermark_blocks > self.block_pool.get_num_free_blocks() - reserved_blocks:
+            return None
+        # NOTE: an identity test, as in vLLM: a distinct empty KVCacheBlocks does add.
+        if (
+            new_computed_block_list is not self.empty_kv_cache_blocks.blocks
+            or num_external_computed_tokens > 0
+        ):
+            self.coordinator.allocate_new_computed_blocks(
+                rid, new_computed_block_list, num_local_computed_tokens,
+                num_external_computed_tokens,
+            )  # fmt: skip
+        new_blocks = self.coordinator.allocate_new_blocks(
+            rid, num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens
+        )
+        if self.enable_caching and not delay_cache_blocks:
+            # Draft tokens beyond request.num_tokens may be rejected: never cache them.
+            self.coordinator.cache_blocks(
+                request, min(total_computed_tokens + num_new_tokens, request.num_tokens)
+            )
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first in each group."""
+        self.coordinator.free(request.request_id)
+
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Free blocks attention no longer reads (none for full attention)."""
+        self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
+
+    def pop_blocks_for_free(self, request: Request) -> list[int]:
+        """Forget the request; the caller frees the returned ids later, in reverse."""
+        return self.coordinator.pop_blocks_for_free(request.request_id)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop the given blocks from the prefix cache (see ``BlockPool.evict_blocks``)."""
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; False (no change) while any block is in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, leading blocks of the request held by every request with a table."""
+        return self.coordinator.get_num_common_prefix_blocks(running_request_id)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the pool's events, labelling each BlockStored with its group's kind."""
+        events = self.block_pool.take_events()
+        for event in events:
+            if (
+                isinstance(event, BlockStored)
+                and event.group_idx is not None
+                and (0 <= event.group_idx < len(self.kv_cache_event_metadata))
+            ):
+                kind, window = self.kv_cache_event_metadata[event.group_idx]
+                event.kv_cache_spec_kind = kind
+                event.kv_cache_spec_sliding_window = window
+        return events
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks (live tables, as vLLM shares them)."""
+        return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Copies of the request's block tables."""
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        """Per group, the blocks covering the first ``num_computed_tokens`` tokens."""
+        # Every modelled group is an attention group, so every table is clipped.
+        return tuple(
+            ids[: cdiv(num_computed_tokens, g.kv_cache_spec.block_size)]
+            for g, ids in zip(
+                self.kv_cache_config.kv_cache_groups, self.get_block_ids(request_id), strict=False
+            )
+        )
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache the request's full blocks among its first tokens (if caching is on)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[int], ...]) -> KVCacheBlocks:
+        """Wrap per-group ids; the shared empty instance when all groups are empty."""
+        return KVCacheBlocks(blocks, self.block_pool) if any(blocks) else self.empty_kv_cache_blocks
+
+    def take_new_block_ids(self) -> list[int]:
+        """Drain the ids allocated since the last call, group after group."""
+        return [b for m in self.coordinator.single_type_managers for b in m.take_new_block_ids()]
+
+    def new_step_starts(self) -> None:
+        """Tell the managers a scheduler step begins."""
+        self.coordinator.new_step_starts()
+
+    def abstract_state(self) -> dict[str, Any]:
+        """The whole state as plain data, in the format of docs/contract.md."""
+        pool, managers = self.block_pool, self.coordinator.single_type_managers
+        return {
+            "num_blocks": pool.num_gpu_blocks,
+            "free_queue": list(pool.free_queue),
+            "ref_cnt": {b: c for b, c in enumerate(pool.ref_cnt) if b != NULL_BLOCK and c != 0},
+            "block_hash": dict(pool.block_hash),
+            "cached": {key: list(ids) for key, ids in pool.cached.items()},
+            "req_to_blocks": [
+                {r: list(ids) for r, ids in m.req_to_blocks.items()} for m in managers
+            ],
+            "num_cached_block": [dict(m.num_cached_block) for m in managers],
+            "new_block_ids": [list(m.new_block_ids) for m in managers],
+        }
+
+    def check_invariants(self) -> None:
+        """Assert the invariants of the class docstring."""
+        pool = self.block_pool
+        pool.check_invariants()
+        holders: Counter[int] = Counter()
+        for m in self.coordinator.single_type_managers:
+            assert set(m.num_cached_block) <= set(m.req_to_blocks)
+            assert all(0 < b < pool.num_gpu_blocks for b in m.new_block_ids)
+            for ids in m.req_to_blocks.values():
+                assert all(0 <= b < pool.num_gpu_blocks for b in ids)
+                holders.update(b for b in ids if b != NULL_BLOCK)
+        for b, count in holders.items():
+            assert pool.ref_cnt[b] >= count, f"block {b}: ref_cnt {pool.ref_cnt[b]} < {count}"

@@ -1,0 +1,155 @@
+"""The reference side: the real vLLM 0.25.1 ``KVCacheManager`` behind the ``Side`` interface.
+
+Builds vLLM's own config (``FullAttentionSpec`` with ``torch.float16``),
+requests (``SamplingParams``, ``LoRARequest``, ``MultiModalFeatureSpec``, the
+block hasher from ``get_request_block_hasher`` over ``vllm.utils.hashing``)
+from the same JSON arguments that ``PackageSide`` turns into kvcache objects,
+and reads the abstract state of docs/contract.md out of vLLM's internals.
+
+Importing this module imports vLLM (and torch): a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+import vllm  # noqa: E402
+import vllm.utils.hashing as vllm_hashing  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core import kv_cache_utils as vllm_kv_cache_utils  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from conformance.sides import ManagerConfig, Side, with_hash_seed  # noqa: E402
+
+VLLM_VERSION: str = vllm.__version__
+EXPECTED_VLLM_VERSION = "0.25.1"
+
+
+def vllm_hash_fn(name: str) -> Callable[[Any], bytes]:
+    """vLLM's hash function called ``name`` (sha256, sha256_cbor, xxhash, xxhash_cbor)."""
+    fn: Callable[[Any], bytes] = getattr(vllm_hashing, name)
+    return fn
+
+
+def build_kv_cache_config(config: ManagerConfig) -> KVCacheConfig:
+    """vLLM's ``KVCacheConfig`` for ``config``: one full-attention group per block size."""
+    groups = [
+        KVCacheGroupSpec(
+            [f"layers.{i}.attn"],
+            FullAttentionSpec(
+                block_size=block_size,
+                num_kv_heads=i + 1,
+                head_size=config.head_size,
+                dtype=torch.float16,
+            ),
+        )
+        for i, block_size in enumerate(config.block_sizes)
+    ]
+    return KVCacheConfig(num_blocks=config.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def build_request(
+    args: Mapping[str, Any], hash_block_size: int, hash_fn: Callable[[Any], bytes]
+) -> Request:
+    """vLLM's ``Request`` for the ``add_request`` arguments of a trace."""
+    lora = args.get("lora")
+    skip = bool(args.get("skip_reading_prefix_cache", False))
+    return Request(
+        request_id=args["request_id"],
+        prompt_token_ids=list(args["prompt_token_ids"]),
+        sampling_params=SamplingParams(
+            max_tokens=int(args.get("max_tokens", 16)),
+            skip_reading_prefix_cache=True if skip else None,
+        ),
+        pooling_params=None,
+        arrival_time=0.0,
+        mm_features=[
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=identifier,
+                mm_position=PlaceholderRange(offset=offset, length=length),
+            )
+            for identifier, offset, length in args.get("mm_features", [])
+        ],
+        lora_request=None if lora is None else LoRARequest(lora[0], lora[1], lora_path="/x"),
+        cache_salt=args.get("cache_salt"),
+        block_hasher=vllm_kv_cache_utils.get_request_block_hasher(hash_block_size, hash_fn),
+    )
+
+
+def abstract_state(manager: KVCacheManager) -> dict[str, Any]:
+    """docs/contract.md's abstract state, read from vLLM's pool and managers."""
+    pool = manager.block_pool
+    single_type_managers = manager.coordinator.single_type_managers
+    cached: dict[bytes, list[int]] = {}
+    for key, blocks in pool.cached_block_hash_to_block._cache.items():
+        if isinstance(blocks, KVCacheBlock):
+            cached[bytes(key)] = [blocks.block_id]
+        else:  # dict block_id -> block, oldest first
+            cached[bytes(key)] = list(blocks)
+    return {
+        "num_blocks": pool.num_gpu_blocks,
+        "free_queue": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        "ref_cnt": {
+            b.block_id: b.ref_cnt for b in pool.blocks if not b.is_null and b.ref_cnt != 0
+        },
+        "block_hash": {
+            b.block_id: bytes(b.block_hash) for b in pool.blocks if b.block_hash is not None
+        },
+        "cached": cached,
+        "req_to_blocks": [
+            {rid: [b.block_id for b in blocks] for rid, blocks in m.req_to_blocks.items()}
+            for m in single_type_managers
+        ],
+        "num_cached_block": [dict(m.num_cached_block) for m in single_type_managers],
+        "new_block_ids": [list(m.new_block_ids) for m in single_type_managers],
+    }
+
+
+class VllmSide(Side):
+    """vLLM 0.25.1's ``KVCacheManager``: the reference every implementation must match."""
+
+    name = "vllm"
+
+    def init_hashes(self, hash_seed: str) -> None:
+        hash_fn = vllm_hash_fn(self.config.hash_fn)
+        with_hash_seed(hash_seed, lambda: vllm_kv_cache_utils.init_none_hash(hash_fn))
+
+    def build_manager(self) -> KVCacheManager:
+        cfg = self.config
+        return KVCacheManager(
+            build_kv_cache_config(cfg),
+            max_model_len=cfg.max_model_len,
+            scheduler_block_size=cfg.scheduler_block_size,
+            hash_block_size=cfg.hash_block_size,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_caching=cfg.enable_caching,
+            use_eagle=cfg.use_eagle,
+            log_stats=cfg.log_stats,
+            enable_kv_cache_events=cfg.enable_kv_cache_events,
+            watermark=cfg.watermark,
+        )
+
+    def build_request(self, args: Mapping[str, Any]) -> Request:
+        return build_request(args, self.config.hash_block_size, vllm_hash_fn(self.config.hash_fn))
+
+    def status(self, name: str) -> RequestStatus:
+        return RequestStatus[name]
+
+    def abstract_state(self) -> dict[str, Any]:
+        return abstract_state(self.manager)
