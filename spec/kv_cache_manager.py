@@ -35,10 +35,9 @@ class KVCacheBlocks:
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         """Concatenate group by group."""
-        return KVCacheBlocks(
-            tuple(list(itertools.chain(a, b)) for a, b in zip(self.blocks, other.blocks)),  # noqa: B905
-            self.block_pool or other.block_pool,
-        )
+        pairs = zip(self.blocks, other.blocks, strict=False)
+        blocks = tuple(list(itertools.chain(a, b)) for a, b in pairs)
+        return KVCacheBlocks(blocks, self.block_pool or other.block_pool)
 
     @overload
     def get_block_ids(self, allow_none: Literal[False] = False) -> tuple[list[int], ...]: ...
@@ -100,7 +99,9 @@ class KVCacheManager:
         if metrics_collector is not None:
             raise NotImplementedError("metrics_collector is not modelled by the spec")
         self.max_model_len = max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens or max_model_len
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
         self.log_stats = log_stats
@@ -162,13 +163,15 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:  # fmt: skip
         """Add prefix hits, external tokens and ``num_new_tokens`` (+ lookahead) slots.
 
-        Returns the newly allocated blocks, or None (changing nothing) when the free
-        blocks minus ``reserved_blocks`` cannot cover them plus the watermark. Then
-        caches the full blocks among the request's known tokens unless caching is
-        off or ``delay_cache_blocks``.
+        Returns the newly allocated blocks, or None when the free blocks minus
+        ``reserved_blocks`` cannot cover them plus the watermark (then only blocks out
+        of the attention window may have been freed). On success, caches the full
+        blocks among the request's known tokens unless caching is off or
+        ``delay_cache_blocks``.
 
         Raises:
-            ValueError: if ``num_new_tokens`` and ``num_external_computed_tokens`` are both 0.
+            ValueError: if ``num_new_tokens`` and ``num_external_computed_tokens`` are
+                both 0, or hits are given to a request that already has blocks.
         """
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError(
