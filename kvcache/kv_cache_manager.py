@@ -19,7 +19,7 @@ from kvcache.kv_cache_utils import KVCacheBlock
 from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
 from kvcache.request import Request, RequestStatus
-from kvcache.single_type_kv_cache_manager import cdiv
+from kvcache.single_type_kv_cache_manager import FullAttentionManager, cdiv
 
 _WATERMARKED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
@@ -151,6 +151,14 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
+        # NOTE: one full-attention group (the common deployment) gets an inlined
+        # path for running requests in allocate_slots; see _allocate_running_full.
+        managers = self.coordinator.single_type_managers
+        self._fast_manager: FullAttentionManager | None = (
+            managers[0]
+            if len(managers) == 1 and type(managers[0]) is FullAttentionManager
+            else None
+        )
 
     @property
     def usage(self) -> float:
@@ -239,6 +247,24 @@ class KVCacheManager:
                 "num_new_tokens must be greater than 0 when there are no external "
                 f"computed tokens (request {request.request_id!r})"
             )
+        if (
+            self._fast_manager is not None
+            and num_external_computed_tokens == 0
+            and not full_sequence_must_fit
+            and (
+                new_computed_blocks is None
+                or new_computed_blocks.blocks is self.empty_kv_cache_blocks.blocks
+            )
+            and num_new_computed_tokens == 0
+        ):
+            return self._allocate_running_full(
+                request,
+                num_new_tokens,
+                num_lookahead_tokens,
+                delay_cache_blocks,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
         if new_computed_blocks is not None:
             new_computed_block_list = new_computed_blocks.blocks
         else:
@@ -307,6 +333,71 @@ class KVCacheManager:
                 request, min(total_computed_tokens + num_new_tokens, request.num_tokens)
             )
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _allocate_running_full(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> KVCacheBlocks | None:
+        """``allocate_slots`` for one full-attention group with no new hits and no
+        external tokens (decode steps and later prefill chunks), inlined.
+
+        Same results and state changes as the general path: full attention skips
+        nothing, registers no hits, and needs ``cdiv(tokens, block_size)`` blocks.
+        """
+        manager = self._fast_manager
+        assert manager is not None
+        request_id = request.request_id
+        block_size = manager.block_size
+        max_model_len = self.max_model_len
+        total_computed_tokens = request.num_computed_tokens
+        if total_computed_tokens > max_model_len:
+            total_computed_tokens = max_model_len
+        num_tokens_need_slot = total_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if num_tokens_need_slot > max_model_len:
+            num_tokens_need_slot = max_model_len
+        req_to_blocks = manager.req_to_blocks
+        req_blocks = req_to_blocks.get(request_id)
+        num_new_blocks = -(num_tokens_need_slot // -block_size) - (
+            len(req_blocks) if req_blocks is not None else 0
+        )
+        required = num_new_blocks if num_new_blocks > 0 else 0
+        if has_scheduled_reqs and self.watermark_blocks and request.status in _WATERMARKED:
+            required += self.watermark_blocks
+        pool = self.block_pool
+        if required > len(pool.free_block_queue._queue) - reserved_blocks:
+            return None
+        if req_blocks is None:
+            # Created only on success, where vLLM's allocate_new_blocks creates it.
+            req_blocks = req_to_blocks[request_id]
+        new_blocks: list[KVCacheBlock] = []
+        if num_new_blocks > 0:
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+            manager.new_block_ids.extend([b.block_id for b in new_blocks])
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens_to_cache = total_computed_tokens + num_new_tokens
+            if num_tokens_to_cache > request.num_tokens:
+                num_tokens_to_cache = request.num_tokens
+            num_full_blocks = num_tokens_to_cache // block_size
+            num_cached_blocks = manager.num_cached_block.get(request_id, 0)
+            if num_cached_blocks < num_full_blocks:
+                pool.cache_full_blocks(
+                    request,
+                    req_blocks,
+                    num_cached_blocks,
+                    num_full_blocks,
+                    block_size,
+                    manager.kv_cache_group_id,
+                )
+                manager.num_cached_block[request_id] = num_full_blocks
+        if new_blocks:
+            return KVCacheBlocks((new_blocks,))
+        return self.empty_kv_cache_blocks
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (tails are evicted first)."""
