@@ -104,6 +104,13 @@ class KVCacheCoordinator:
             for i, g in enumerate(groups)
         )
         self.retention_interval: int | None = None
+        # Precomputed dispatch for the per-call loops.
+        self._is_cross = tuple(
+            isinstance(m, CrossAttentionManager) for m in self.single_type_managers
+        )
+        self._skipping_managers = tuple(
+            m for m in self.single_type_managers if not m.never_skips_tokens
+        )
 
     def get_num_blocks_to_allocate(
         self,
@@ -119,14 +126,9 @@ class KVCacheCoordinator:
         (cross-attention groups: for ``num_encoder_tokens``, allocated once)."""
         total = 0
         for i, manager in enumerate(self.single_type_managers):
-            if isinstance(manager, CrossAttentionManager):
+            if self._is_cross[i]:
                 total += manager.get_num_blocks_to_allocate(
-                    request_id,
-                    num_encoder_tokens,
-                    [],
-                    0,
-                    num_encoder_tokens,
-                    apply_admission_cap=apply_admission_cap,
+                    request_id, num_encoder_tokens, (), 0, num_encoder_tokens, apply_admission_cap
                 )
             else:
                 total += manager.get_num_blocks_to_allocate(
@@ -135,7 +137,7 @@ class KVCacheCoordinator:
                     new_computed_blocks[i],
                     total_computed_tokens,
                     num_tokens_main_model,
-                    apply_admission_cap=apply_admission_cap,
+                    apply_admission_cap,
                 )
         return total
 
@@ -177,14 +179,16 @@ class KVCacheCoordinator:
         num_encoder_tokens: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
         """Give the request ``num_tokens`` slots in every group; return new blocks."""
-        return tuple(
-            manager.allocate_new_blocks(
-                request_id,
-                num_encoder_tokens if isinstance(manager, CrossAttentionManager) else num_tokens,
-                num_tokens_main_model,
+        new_blocks = []
+        for i, manager in enumerate(self.single_type_managers):
+            new_blocks.append(
+                manager.allocate_new_blocks(
+                    request_id,
+                    num_encoder_tokens if self._is_cross[i] else num_tokens,
+                    num_tokens_main_model,
+                )
             )
-            for manager in self.single_type_managers
-        )
+        return tuple(new_blocks)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache every group's full blocks within the first ``num_computed_tokens``."""
@@ -214,7 +218,7 @@ class KVCacheCoordinator:
         self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
         """Free, in every group, blocks no future token attends to."""
-        for manager in self.single_type_managers:
+        for manager in self._skipping_managers:
             manager.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:

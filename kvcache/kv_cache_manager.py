@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
-from kvcache.kv_cache_coordinator import get_kv_cache_coordinator
+from kvcache.kv_cache_coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
 from kvcache.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -19,7 +19,13 @@ from kvcache.kv_cache_utils import KVCacheBlock
 from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
 from kvcache.request import Request, RequestStatus
-from kvcache.single_type_kv_cache_manager import FullAttentionManager, cdiv
+from kvcache.single_type_kv_cache_manager import (
+    ChunkedLocalAttentionManager,
+    CrossAttentionManager,
+    FullAttentionManager,
+    SlidingWindowManager,
+    cdiv,
+)
 
 _WATERMARKED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
@@ -159,6 +165,13 @@ class KVCacheManager:
             if len(managers) == 1 and type(managers[0]) is FullAttentionManager
             else None
         )
+        # Other layouts without cross attention get a less specialised inlined path.
+        self._fast_any = not any(isinstance(m, CrossAttentionManager) for m in managers)
+        self._simple_managers = tuple(
+            type(m) in (FullAttentionManager, SlidingWindowManager, ChunkedLocalAttentionManager)
+            for m in managers
+        )
+        self._aligned_caching = isinstance(self.coordinator, HybridKVCacheCoordinator)
 
     @property
     def usage(self) -> float:
@@ -248,7 +261,7 @@ class KVCacheManager:
                 f"computed tokens (request {request.request_id!r})"
             )
         if (
-            self._fast_manager is not None
+            self._fast_any
             and num_external_computed_tokens == 0
             and not full_sequence_must_fit
             and (
@@ -257,7 +270,11 @@ class KVCacheManager:
             )
             and num_new_computed_tokens == 0
         ):
-            return self._allocate_running_full(
+            return (
+                self._allocate_running_full
+                if self._fast_manager is not None
+                else self._allocate_running_any
+            )(
                 request,
                 num_new_tokens,
                 num_lookahead_tokens,
@@ -397,6 +414,94 @@ class KVCacheManager:
                 manager.num_cached_block[request_id] = num_full_blocks
         if new_blocks:
             return KVCacheBlocks((new_blocks,))
+        return self.empty_kv_cache_blocks
+
+    def _allocate_running_any(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> KVCacheBlocks | None:
+        """``allocate_slots`` with no new hits and no external tokens for any layout
+        without cross attention: the coordinator's steps, with the common
+        per-group cases (block counting, allocation, the "nothing new to cache"
+        test) inlined for full, sliding-window and chunked-local groups.
+        """
+        coordinator = self.coordinator
+        managers = coordinator.single_type_managers
+        simple = self._simple_managers
+        request_id = request.request_id
+        max_model_len = self.max_model_len
+        num_computed_tokens = request.num_computed_tokens
+        total_computed_tokens = min(num_computed_tokens, max_model_len)
+        num_tokens_main_model = total_computed_tokens + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, max_model_len)
+        for manager in coordinator._skipping_managers:
+            manager.remove_skipped_blocks(
+                request_id, total_computed_tokens, request.num_prompt_tokens
+            )
+        required = 0
+        empty: tuple[KVCacheBlock, ...] = ()
+        for i, manager in enumerate(managers):
+            if simple[i] and request_id in manager.num_cached_block:
+                blocks = manager.req_to_blocks.get(request_id)
+                n = -(num_tokens_need_slot // -manager.block_size) - (
+                    len(blocks) if blocks is not None else 0
+                )
+                if n > 0:
+                    required += n
+            else:
+                required += manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_tokens_need_slot,
+                    empty,
+                    num_computed_tokens,
+                    num_tokens_main_model,
+                    False,
+                )
+        if has_scheduled_reqs and self.watermark_blocks and request.status in _WATERMARKED:
+            required += self.watermark_blocks
+        pool = self.block_pool
+        if required > len(pool.free_block_queue._queue) - reserved_blocks:
+            return None
+        new_blocks_by_group = []
+        any_new = False
+        for i, manager in enumerate(managers):
+            if simple[i]:
+                req_blocks = manager.req_to_blocks[request_id]
+                n = -(num_tokens_need_slot // -manager.block_size) - len(req_blocks)
+                if n > 0:
+                    new_blocks = pool.get_new_blocks(n)
+                    req_blocks.extend(new_blocks)
+                    if manager._tracks_new_block_ids:
+                        manager.new_block_ids.extend([b.block_id for b in new_blocks])
+                else:
+                    new_blocks = []
+            else:
+                new_blocks = manager.allocate_new_blocks(
+                    request_id, num_tokens_need_slot, num_tokens_main_model
+                )
+            any_new = any_new or bool(new_blocks)
+            new_blocks_by_group.append(new_blocks)
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens_to_cache = min(total_computed_tokens + num_new_tokens, request.num_tokens)
+            if self._aligned_caching:
+                step = coordinator.scheduler_block_size
+                aligned = num_tokens_to_cache // step * step
+            else:
+                aligned = num_tokens_to_cache
+            for manager in managers:
+                n = aligned
+                if self._aligned_caching and manager.use_eagle and aligned > 0:
+                    n = min(num_tokens_to_cache, aligned + manager.block_size)
+                # Same early exit as cache_blocks, without the call.
+                if n // manager.block_size > manager.num_cached_block.get(request_id, 0):
+                    manager.cache_blocks(request, n, coordinator.retention_interval)
+        if any_new:
+            return KVCacheBlocks(tuple(new_blocks_by_group))
         return self.empty_kv_cache_blocks
 
     def free(self, request: Request) -> None:

@@ -8,6 +8,9 @@ it and register in ``get_manager_for_kv_cache_spec``.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -25,6 +28,9 @@ from kvcache.kv_cache_utils import BlockHash, BlockHashList, KVCacheBlock
 
 if TYPE_CHECKING:
     from kvcache.request import Request
+
+
+_is_not_none = functools.partial(operator.is_not, None)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -85,6 +91,11 @@ class SingleTypeKVCacheManager:
         self.new_block_ids: list[int] = []
         self._null_block = block_pool.null_block
         self.use_eagle = False
+        # Whether get_num_skipped_tokens is always 0 (lets callers skip the call).
+        self.never_skips_tokens = (
+            type(self).get_num_skipped_tokens is (SingleTypeKVCacheManager.get_num_skipped_tokens)
+            and type(self).remove_skipped_blocks is SingleTypeKVCacheManager.remove_skipped_blocks
+        )
         # Only attention groups that keep every token report fresh ids for zeroing.
         self._tracks_new_block_ids = type(kv_cache_spec) is FullAttentionSpec
 
@@ -202,7 +213,7 @@ class SingleTypeKVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         if self._tracks_new_block_ids:
-            self.new_block_ids.extend(b.block_id for b in new_blocks)
+            self.new_block_ids.extend([b.block_id for b in new_blocks])
         return new_blocks
 
     def take_new_block_ids(self) -> list[int]:
@@ -294,7 +305,10 @@ class SingleTypeKVCacheManager:
             return
         blocks = self.req_to_blocks[request_id]
         num_skipped_blocks = min(num_skipped_tokens // self.block_size, len(blocks))
-        self._remove_blocks_in_range(request_id, 0, num_skipped_blocks)
+        # The removal scans right to left up to the first null block, so a null
+        # last skipped position means nothing new to free (the common case).
+        if num_skipped_blocks and blocks[num_skipped_blocks - 1] is not self._null_block:
+            self._remove_blocks_in_range(request_id, 0, num_skipped_blocks)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens no future token attends to (0: keep everything)."""
@@ -350,17 +364,20 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
         max_num_blocks = max_length // block_size
         if len(kv_cache_group_ids) == 1:
-            # Common case: one dict lookup per block, no per-block list allocation.
+            # Common case, run at C speed: map the hashes through the group's dict
+            # and stop at the first miss (the chain makes every later hash a miss).
             m = block_pool.get_cached_block_map(kv_cache_group_ids[0])
-            hit: list[KVCacheBlock] = []
-            for i in range(min(max_num_blocks, len(block_hashes))):
-                blocks = m.get(block_hashes[i])
-                if blocks is None:
-                    break
-                hit.append(
-                    blocks if isinstance(blocks, KVCacheBlock) else next(iter(blocks.values()))
+            found = list(
+                itertools.takewhile(
+                    _is_not_none, map(m.get, itertools.islice(block_hashes, max_num_blocks))
                 )
-            computed: tuple[list[KVCacheBlock], ...] = (hit,)
+            )
+            if dict in set(map(type, found)):
+                # Some hash maps to several identical blocks: a hit takes the oldest.
+                found = [
+                    b if isinstance(b, KVCacheBlock) else next(iter(b.values())) for b in found
+                ]
+            computed: tuple[list[KVCacheBlock], ...] = (found,)  # type: ignore[assignment]
         else:
             computed = tuple([] for _ in kv_cache_group_ids)
             for i in range(min(max_num_blocks, len(block_hashes))):
@@ -434,11 +451,25 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         computed = tuple([null] * max_num_blocks for _ in kv_cache_group_ids)
         run = 0
         match_found = False
+        # One group (the usual case): probe its map directly, no per-block list.
+        single_map = (
+            block_pool.get_cached_block_map(kv_cache_group_ids[0])
+            if len(kv_cache_group_ids) == 1
+            else None
+        )
+        cached: list[KVCacheBlock] | None
         for i in range(max_num_blocks - 1, -1, -1):
-            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
-            if cached is None:
-                run = 0
-                continue
+            if single_map is not None:
+                found = single_map.get(block_hashes[i])
+                if found is None:
+                    run = 0
+                    continue
+                cached = [found if isinstance(found, KVCacheBlock) else next(iter(found.values()))]
+            else:
+                cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+                if cached is None:
+                    run = 0
+                    continue
             if run == 0 and block_size != alignment_tokens:
                 # A run must end where the hit (after the EAGLE drop) is aligned.
                 end = i if drop_eagle_block else i + 1
@@ -596,11 +627,18 @@ class MambaManager(SingleTypeKVCacheManager):
         assert isinstance(kv_cache_spec, MambaSpec)
         block_size = kv_cache_spec.block_size
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+        single_map = (
+            block_pool.get_cached_block_map(kv_cache_group_ids[0])
+            if len(kv_cache_group_ids) == 1
+            else None
+        )
         for i in range(max_length // block_size - 1, -1, -1):
+            if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
+                continue  # a state that does not end on a boundary can never be a hit
+            if single_map is not None and block_hashes[i] not in single_map:
+                continue
             cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
             if cached is None:
-                continue
-            if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
                 continue
             for group_blocks, block in zip(computed, cached, strict=True):
                 group_blocks.extend([block_pool.null_block] * i)
