@@ -13,7 +13,7 @@ import itertools
 import operator
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
@@ -367,7 +367,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             # Common case, run at C speed: map the hashes through the group's dict
             # and stop at the first miss (the chain makes every later hash a miss).
             m = block_pool.get_cached_block_map(kv_cache_group_ids[0])
-            found = list(
+            found: list[Any] = list(
                 itertools.takewhile(
                     _is_not_none, map(m.get, itertools.islice(block_hashes, max_num_blocks))
                 )
@@ -377,7 +377,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 found = [
                     b if isinstance(b, KVCacheBlock) else next(iter(b.values())) for b in found
                 ]
-            computed: tuple[list[KVCacheBlock], ...] = (found,)  # type: ignore[assignment]
+            computed: tuple[list[KVCacheBlock], ...] = (found,)
         else:
             computed = tuple([] for _ in kv_cache_group_ids)
             for i in range(min(max_num_blocks, len(block_hashes))):

@@ -5,6 +5,7 @@ Plain lists, dicts and ints: a block is its id and block 0 is the null block.
 
 from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
     KVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
     UnitaryKVCacheCoordinator,
@@ -21,6 +22,7 @@ __all__ = [
     "NULL_BLOCK",
     "BlockPool",
     "FullAttentionManager",
+    "HybridKVCacheCoordinator",
     "KVCacheBlocks",
     "KVCacheCoordinator",
     "KVCacheCoordinatorNoPrefixCache",

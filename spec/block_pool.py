@@ -83,7 +83,8 @@ class BlockPool:
         are kept, not merged, so block tables stay append-only. Queues one BlockStored.
 
         Raises:
-            ValueError: if the request has fewer block hashes than ``num_full_blocks``.
+            ValueError: if the request has fewer block hashes than ``num_full_blocks``, or
+                a block to cache already is (vLLM asserts both).
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -106,7 +107,8 @@ class BlockPool:
         for i, block_id in enumerate(new_full_blocks):
             if skip[i]:
                 continue
-            assert block_id not in self.block_hash, f"block {block_id} is already cached"
+            if block_id in self.block_hash:  # only after an earlier call failed half-way
+                raise ValueError(f"blocks[{num_cached_blocks + i}]={block_id} is already cached")
             key = make_block_hash_with_group_id(hashes[num_cached_blocks + i], kv_cache_group_id)
             self.block_hash[block_id] = key
             self.cached.setdefault(key, []).append(block_id)
@@ -192,12 +194,13 @@ class BlockPool:
         """Drop the given blocks' hashes (in use or not); nothing else changes.
 
         Raises:
-            ValueError: if an id is outside ``[1, num_gpu_blocks)``; nothing is evicted then.
+            ValueError: if an id is outside ``[0, num_gpu_blocks)`` (vLLM asserts, or
+                indexes from the end for a negative id); nothing is evicted then.
         """
         block_ids = list(block_ids)
         for block_id in block_ids:
-            if not 1 <= block_id < self.num_gpu_blocks:
-                raise ValueError(f"block_ids has {block_id}, outside [1, {self.num_gpu_blocks})")
+            if not 0 <= block_id < self.num_gpu_blocks:
+                raise ValueError(f"block_ids has {block_id}, outside [0, {self.num_gpu_blocks})")
         for block_id in block_ids:
             self._maybe_evict_cached_block(block_id)
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from kvcache.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from kvcache.kv_cache_utils import BlockHash
+from kvcache.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from kvcache.kv_cache_utils import BlockHash, BlockHashList, BlockHashListWithBlockSize
 from kvcache.request import Request
 from spec.block_pool import BlockPool
 from spec.single_type_kv_cache_manager import (
@@ -34,6 +35,7 @@ class KVCacheCoordinator:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
         self.block_pool = BlockPool(
             kv_cache_config.num_blocks, enable_caching, hash_block_size, enable_kv_cache_events
         )
@@ -47,8 +49,10 @@ class KVCacheCoordinator:
             )
             for i, g in enumerate(groups)
         )
-        for i, manager in enumerate(self.single_type_managers):
-            manager.use_eagle = enable_caching and i in self.eagle_group_ids
+        self._init_groups()
+
+    def _init_groups(self) -> None:
+        """Coordinator-specific checks and per-manager EAGLE flags, run by ``__init__``."""
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: tuple[Sequence[int], ...],
@@ -161,6 +165,13 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """Exactly one group, hashed at its own block size."""
 
+    def _init_groups(self) -> None:
+        """Check that blocks are hashed at the group's block size; set its EAGLE flag."""
+        if self.enable_caching and self.hash_block_size != self.block_size:
+            raise ValueError(f"hash_block_size={self.hash_block_size} must equal the block "
+                             f"size {self.block_size} of the only group")  # fmt: skip
+        self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
+
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         """The only group's spec."""
@@ -182,18 +193,124 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         return hits, len(hits[0]) * self.block_size
 
 
+class SpecGroup(NamedTuple):
+    """Groups with equal specs, searched together; EAGLE if any member is."""
+
+    spec: KVCacheSpec
+    group_ids: list[int]
+    manager_cls: type[SingleTypeKVCacheManager]
+    use_eagle: bool
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Several groups with at least two distinct specs, hashed at a common finer size.
+
+    Hits and caching are aligned to ``scheduler_block_size``. Only full-attention
+    groups are modelled so far (other kinds have no manager yet).
+    """
+
+    def _init_groups(self) -> None:
+        """Group equal specs into ``attention_groups``, full attention first."""
+        groups = self.kv_cache_config.kv_cache_groups
+        if any(g.kv_cache_spec.block_size % self.hash_block_size for g in groups):
+            raise ValueError(f"hash_block_size={self.hash_block_size} must divide every block size")
+        self.attention_groups: list[SpecGroup] = []
+        for i, (g, manager) in enumerate(zip(groups, self.single_type_managers, strict=True)):
+            use_eagle = i in self.eagle_group_ids
+            for idx, sg in enumerate(self.attention_groups):
+                if sg.spec == g.kv_cache_spec:
+                    sg.group_ids.append(i)
+                    self.attention_groups[idx] = sg._replace(use_eagle=sg.use_eagle or use_eagle)
+                    break
+            else:
+                self.attention_groups.append(
+                    SpecGroup(g.kv_cache_spec, [i], type(manager), use_eagle)
+                )
+        if len(self.attention_groups) < 2:
+            raise ValueError(f"{len(groups)} KV-cache groups need >= 2 distinct specs with caching")
+        self.attention_groups.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))
+        for sg in self.attention_groups:
+            for group_id in sg.group_ids:
+                self.single_type_managers[group_id].use_eagle = sg.use_eagle
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache up to the last ``scheduler_block_size`` boundary (EAGLE groups one
+        block further, since their hits look one block past a boundary)."""
+        aligned = num_computed_tokens // self.scheduler_block_size * self.scheduler_block_size
+        for manager in self.single_type_managers:
+            num_tokens = aligned
+            if manager.use_eagle and aligned > 0:
+                num_tokens = min(num_computed_tokens, aligned + manager.block_size)
+            manager.cache_blocks(request, num_tokens)
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[int], ...], int]:
+        """Shrink a candidate length until every spec group accepts it (a fixed point).
+
+        A full-attention group is searched once; later rounds only round the
+        length down to its block size. Only the first spec group's hits are
+        trimmed to the final length, as in vLLM.
+        """
+
+        def hashes_for(spec: KVCacheSpec) -> BlockHashList:
+            if spec.block_size == self.hash_block_size:
+                return block_hashes
+            return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, spec.block_size)
+
+        hit_blocks: list[list[int] | None] = [None] * len(self.single_type_managers)
+        hit_length, longest_hit_length = max_cache_hit_length, 0
+        is_simple_hybrid = len(self.attention_groups) == 2 and isinstance(
+            self.attention_groups[0].spec, FullAttentionSpec
+        )
+        eagle_verified: set[int] = set()  # EAGLE drops done at the current length
+        while True:
+            curr_length = hit_length
+            for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(self.attention_groups):
+                if isinstance(spec, FullAttentionSpec) and hit_blocks[group_ids[0]] is not None:
+                    curr_length = curr_length // spec.block_size * spec.block_size
+                    continue
+                drop_eagle_block = use_eagle and idx not in eagle_verified
+                max_length = curr_length
+                if drop_eagle_block:
+                    max_length = min(curr_length + spec.block_size, max_cache_hit_length)
+                hits = manager_cls.find_longest_cache_hit(
+                    hashes_for(spec), max_length, group_ids, self.block_pool, spec,
+                    drop_eagle_block, self.scheduler_block_size,
+                )  # fmt: skip
+                new_length = len(hits[0]) * spec.block_size
+                if drop_eagle_block:
+                    eagle_verified.add(idx)
+                elif new_length < curr_length:
+                    eagle_verified.clear()
+                curr_length = new_length
+                for group_id, blocks in zip(group_ids, hits, strict=True):
+                    hit_blocks[group_id] = blocks
+                longest_hit_length = max(longest_hit_length, curr_length)
+            if curr_length >= hit_length:
+                break
+            hit_length = curr_length
+            if is_simple_hybrid:
+                break
+        first = self.attention_groups[0]
+        if isinstance(first.spec, FullAttentionSpec):
+            for group_id in first.group_ids:
+                if (first_hits := hit_blocks[group_id]) is not None:
+                    del first_hits[hit_length // first.spec.block_size :]
+        self.num_uncached_common_prefix_tokens = longest_hit_length - hit_length
+        return tuple(b if b is not None else [] for b in hit_blocks), hit_length
+
+
 def get_kv_cache_coordinator(
     kv_cache_config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int,
     use_eagle: bool, enable_caching: bool, enable_kv_cache_events: bool,
     scheduler_block_size: int, hash_block_size: int,
 ) -> KVCacheCoordinator:  # fmt: skip
-    """The no-prefix-cache coordinator when caching is off, the unitary one for one group.
+    """The coordinator vLLM picks: no-prefix-cache when caching is off, else unitary
+    for one group and hybrid for several.
 
     Raises:
-        ValueError: for configurations vLLM asserts against (with caching on: a
-            hash block size other than the only group's block size, or several
-            groups with fewer than two distinct specs).
-        NotImplementedError: for hybrid models (not modelled yet).
+        ValueError: for configurations vLLM asserts against.
     """
     args = (
         kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle, enable_caching,
@@ -203,12 +320,5 @@ def get_kv_cache_coordinator(
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(*args)
     if len(groups) == 1:
-        coordinator = UnitaryKVCacheCoordinator(*args)
-        if hash_block_size != coordinator.block_size:
-            raise ValueError(f"hash_block_size={hash_block_size} must equal the block size "
-                             f"{coordinator.block_size} of the only group")  # fmt: skip
-        return coordinator
-    specs = [g.kv_cache_spec for g in groups]
-    if len([s for i, s in enumerate(specs) if s not in specs[:i]]) < 2:
-        raise ValueError(f"{len(groups)} KV-cache groups with caching need >= 2 distinct specs")
-    raise NotImplementedError("hybrid KV-cache groups are not modelled by the spec yet")
+        return UnitaryKVCacheCoordinator(*args)
+    return HybridKVCacheCoordinator(*args)

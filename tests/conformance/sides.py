@@ -22,7 +22,7 @@ import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from conformance.trace import canon, canon_state
@@ -51,7 +51,13 @@ class ManagerConfig:
     max_num_batched_tokens: int | None = None
     hash_fn: str = "sha256"
     head_size: int = 8
-    extra: dict[str, Any] = field(default_factory=dict)
+    hash_block_size_override: int | None = None
+    group_kinds: tuple[str, ...] = ()
+    window: int = 4
+
+    def group_kind(self, group: int) -> str:
+        """Kind of group ``group``: "full", "sliding_window" or "chunked_local"."""
+        return self.group_kinds[group] if self.group_kinds else "full"
 
     @property
     def scheduler_block_size(self) -> int:
@@ -61,6 +67,8 @@ class ManagerConfig:
     @property
     def hash_block_size(self) -> int:
         """GCD of the group block sizes when caching, else the scheduler block size."""
+        if self.hash_block_size_override is not None:
+            return self.hash_block_size_override
         if len(self.block_sizes) == 1 or not self.enable_caching:
             return self.scheduler_block_size
         return math.gcd(*self.block_sizes)
@@ -69,6 +77,7 @@ class ManagerConfig:
         """JSON form, for the first line of a trace."""
         record = asdict(self)
         record["block_sizes"] = list(self.block_sizes)
+        record["group_kinds"] = list(self.group_kinds)
         return record
 
     @classmethod
@@ -77,6 +86,7 @@ class ManagerConfig:
         names = set(cls.__dataclass_fields__)
         kwargs = {k: v for k, v in record.items() if k in names}
         kwargs["block_sizes"] = tuple(kwargs["block_sizes"])
+        kwargs["group_kinds"] = tuple(kwargs.get("group_kinds", ()))
         return cls(**kwargs)
 
 
@@ -169,7 +179,9 @@ class Side(ABC):
     def op_append_output_token_ids(self, args: Mapping[str, Any]) -> Any:
         request = self.request(args)
         token_ids = args["token_ids"]
-        request.append_output_token_ids(token_ids if isinstance(token_ids, int) else list(token_ids))
+        request.append_output_token_ids(
+            token_ids if isinstance(token_ids, int) else list(token_ids)
+        )
         return canon(list(request.block_hashes))
 
     def op_update_request(self, args: Mapping[str, Any]) -> Any:
@@ -187,7 +199,10 @@ class Side(ABC):
     def op_get_computed_blocks(self, args: Mapping[str, Any]) -> Any:
         blocks, num_computed_tokens = self.manager.get_computed_blocks(self.request(args))
         self.last_computed[args["request_id"]] = blocks
-        return {"block_ids": canon(blocks.get_block_ids()), "num_computed_tokens": num_computed_tokens}
+        return {
+            "block_ids": canon(blocks.get_block_ids()),
+            "num_computed_tokens": num_computed_tokens,
+        }
 
     def op_allocate_slots(self, args: Mapping[str, Any]) -> Any:
         request = self.request(args)
@@ -309,15 +324,7 @@ class PackageSide(Side):
         kvi = self.kv_cache_interface
         cfg = self.config
         groups = [
-            kvi.KVCacheGroupSpec(
-                [f"layers.{i}.attn"],
-                kvi.FullAttentionSpec(
-                    block_size=block_size,
-                    num_kv_heads=i + 1,
-                    head_size=cfg.head_size,
-                    dtype="float16",
-                ),
-            )
+            kvi.KVCacheGroupSpec([f"layers.{i}.attn"], self.build_spec(i, block_size))
             for i, block_size in enumerate(cfg.block_sizes)
         ]
         kv_cache_config = kvi.KVCacheConfig(
@@ -335,6 +342,22 @@ class PackageSide(Side):
             enable_kv_cache_events=cfg.enable_kv_cache_events,
             watermark=cfg.watermark,
         )
+
+    def build_spec(self, group: int, block_size: int) -> Any:
+        kvi = self.kv_cache_interface
+        cfg = self.config
+        common = {
+            "block_size": block_size,
+            "num_kv_heads": group + 1,
+            "head_size": cfg.head_size,
+            "dtype": "float16",
+        }
+        kind = cfg.group_kind(group)
+        if kind == "sliding_window":
+            return kvi.SlidingWindowSpec(**common, sliding_window=cfg.window)
+        if kind == "chunked_local":
+            return kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=cfg.window)
+        return kvi.FullAttentionSpec(**common)
 
     def build_request(self, args: Mapping[str, Any]) -> Any:
         rq = self.request_module
@@ -372,8 +395,17 @@ class PackageSide(Side):
         return state
 
 
+SideFactory = Callable[[ManagerConfig, str], Side]
+
+# Extra named sides (tests register deliberately broken ones here).
+SIDE_FACTORIES: dict[str, SideFactory] = {}
+
+
 def make_side(impl: str, config: ManagerConfig, hash_seed: str = "0") -> Side:
-    """The side called ``impl``: ``"vllm"`` (the reference) or a package name."""
+    """The side called ``impl``: ``"vllm"`` (the reference), a name registered in
+    ``SIDE_FACTORIES``, or the name of a package that follows docs/contract.md."""
+    if impl in SIDE_FACTORIES:
+        return SIDE_FACTORIES[impl](config, hash_seed)
     if impl == "vllm":
         from conformance.vllm_adapter import VllmSide
 

@@ -96,7 +96,9 @@ def short(value: Any, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def write_trace(path: Path, config: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> None:
+def write_trace(
+    path: Path, config: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
+) -> None:
     """Write a config line and one line per call record."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:

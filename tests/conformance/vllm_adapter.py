@@ -17,23 +17,26 @@ from typing import Any
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-import torch  # noqa: E402
-import vllm  # noqa: E402
-import vllm.utils.hashing as vllm_hashing  # noqa: E402
-from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.core import kv_cache_utils as vllm_kv_cache_utils  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+import torch
+import vllm
+import vllm.utils.hashing as vllm_hashing
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core import kv_cache_utils as vllm_kv_cache_utils
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
 )
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.request import Request, RequestStatus
 
-from conformance.sides import ManagerConfig, Side, with_hash_seed  # noqa: E402
+from conformance.sides import ManagerConfig, Side, with_hash_seed
 
 VLLM_VERSION: str = vllm.__version__
 EXPECTED_VLLM_VERSION = "0.25.1"
@@ -45,18 +48,26 @@ def vllm_hash_fn(name: str) -> Callable[[Any], bytes]:
     return fn
 
 
+def build_spec(config: ManagerConfig, group: int, block_size: int) -> KVCacheSpec:
+    """vLLM's spec of group ``group`` (``torch.float16``; ``num_kv_heads = group + 1``)."""
+    common: dict[str, Any] = {
+        "block_size": block_size,
+        "num_kv_heads": group + 1,
+        "head_size": config.head_size,
+        "dtype": torch.float16,
+    }
+    kind = config.group_kind(group)
+    if kind == "sliding_window":
+        return SlidingWindowSpec(**common, sliding_window=config.window)
+    if kind == "chunked_local":
+        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=config.window)
+    return FullAttentionSpec(**common)
+
+
 def build_kv_cache_config(config: ManagerConfig) -> KVCacheConfig:
-    """vLLM's ``KVCacheConfig`` for ``config``: one full-attention group per block size."""
+    """vLLM's ``KVCacheConfig`` for ``config``: one group per block size."""
     groups = [
-        KVCacheGroupSpec(
-            [f"layers.{i}.attn"],
-            FullAttentionSpec(
-                block_size=block_size,
-                num_kv_heads=i + 1,
-                head_size=config.head_size,
-                dtype=torch.float16,
-            ),
-        )
+        KVCacheGroupSpec([f"layers.{i}.attn"], build_spec(config, i, block_size))
         for i, block_size in enumerate(config.block_sizes)
     ]
     return KVCacheConfig(num_blocks=config.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
@@ -105,9 +116,7 @@ def abstract_state(manager: KVCacheManager) -> dict[str, Any]:
     return {
         "num_blocks": pool.num_gpu_blocks,
         "free_queue": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-        "ref_cnt": {
-            b.block_id: b.ref_cnt for b in pool.blocks if not b.is_null and b.ref_cnt != 0
-        },
+        "ref_cnt": {b.block_id: b.ref_cnt for b in pool.blocks if not b.is_null and b.ref_cnt != 0},
         "block_hash": {
             b.block_id: bytes(b.block_hash) for b in pool.blocks if b.block_hash is not None
         },

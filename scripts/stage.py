@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Run one ``make verify`` stage quietly and print ONE summary line.
+
+Usage: ``scripts/stage.py lint|typecheck|tests -- COMMAND...``
+
+The command's full output goes to ``build/<stage>.log``; on failure its tail is
+printed above the summary line. The exit status is the command's (pytest's
+"no tests ran", 5, counts as a failure).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TAIL_LINES = 60
+
+
+def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
+    if stage == "lint":
+        if rc == 0:
+            return "lint: ok"
+        found = re.search(r"Found (\d+) errors?", output)
+        return f"lint: FAILED ({found.group(1) if found else '?'} problems)"
+    if stage == "typecheck":
+        files = re.search(r"no issues found in (\d+) source files?", output)
+        if rc == 0:
+            return f"typecheck: ok ({files.group(1) if files else '?'} files)"
+        errors = re.search(r"Found (\d+) errors? in (\d+) files?", output)
+        detail = f"{errors.group(1)} errors in {errors.group(2)} files" if errors else f"rc={rc}"
+        return f"typecheck: FAILED ({detail})"
+    if stage == "tests":
+        counts = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
+        final = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+        if final:
+            for number, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", final[-1]):
+                counts["errors" if word.startswith("error") else word] = int(number)
+        line = f"tests: {counts['passed']} passed, {counts['failed']} failed"
+        if counts["errors"]:
+            line += f", {counts['errors']} errors"
+        if counts["skipped"]:
+            line += f", {counts['skipped']} skipped"
+        line += f" in {seconds:.0f}s"
+        conformance = re.search(r"^conformance: .*$", output, re.MULTILINE)
+        if conformance:
+            line += f" ({conformance.group(0)})"
+        if rc == 5:
+            line += " (no tests ran)"
+        return line
+    return f"{stage}: {'ok' if rc == 0 else f'FAILED (rc={rc})'}"
+
+
+def main() -> int:
+    if len(sys.argv) < 4 or sys.argv[2] != "--":
+        print(__doc__, file=sys.stderr)
+        return 2
+    stage, command = sys.argv[1], sys.argv[3:]
+    log = ROOT / "build" / f"{stage}.log"
+    log.parent.mkdir(exist_ok=True)
+    started = time.monotonic()
+    proc = subprocess.run(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False
+    )
+    seconds = time.monotonic() - started
+    log.write_text(proc.stdout, encoding="utf-8")
+    if proc.returncode != 0:
+        print("\n".join(proc.stdout.splitlines()[-TAIL_LINES:]))
+        print(f"(full output: {log.relative_to(ROOT)})")
+    print(summarise(stage, proc.stdout, proc.returncode, seconds), flush=True)
+    return proc.returncode if proc.returncode != 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

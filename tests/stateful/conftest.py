@@ -1,0 +1,56 @@
+"""Hypothesis profiles of the stateful tests, and a report of the steps they ran.
+
+``HYPOTHESIS_PROFILE`` (default ``ci``) picks ``stateful-ci`` or
+``stateful-nightly``. The profiles carry a ``stateful-`` prefix and are applied
+to the machines only (never ``load_profile``-ed), so they cannot clobber the
+global profiles of ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+_COMMON: dict[str, Any] = dict(
+    deadline=None,
+    derandomize=False,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+# ci: about a minute on two cores; nightly: ten times the examples, twice the steps.
+settings.register_profile("stateful-ci", max_examples=250, stateful_step_count=60, **_COMMON)
+settings.register_profile(
+    "stateful-nightly", max_examples=2500, stateful_step_count=120, **_COMMON
+)
+
+
+def profile_name() -> str:
+    name = os.getenv("HYPOTHESIS_PROFILE", "ci")
+    return name if name in ("ci", "nightly") else "ci"
+
+
+@pytest.fixture
+def stateful_settings() -> settings:
+    """The settings of the profile named by ``HYPOTHESIS_PROFILE``."""
+    return settings.get_profile(f"stateful-{profile_name()}")
+
+
+_totals: dict[str, int] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        for key, value in report.user_properties:
+            if key.startswith("stateful_"):
+                _totals[key] = _totals.get(key, 0) + int(value)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _totals:
+        terminalreporter.write_line(
+            f"stateful [{profile_name()}]: {_totals.get('stateful_examples', 0)} examples, "
+            f"{_totals.get('stateful_steps', 0)} steps checked"
+        )

@@ -1,0 +1,690 @@
+"""Model-based test of ``kvcache.KVCacheManager`` against ``spec.KVCacheManager``.
+
+The machine plays vLLM 0.25.1's scheduler (``vllm/v1/core/sched/scheduler.py``):
+it admits waiting requests with their prefix hits, schedules running ones
+(chunked prefill, speculative drafts, lookahead slots), advances them after a
+step, preempts, finishes, loads KV from a (pretend) connector and reports
+failed loads. Every manager call is made on both managers with the same
+arguments; one ``Request`` object is shared by both (neither mutates it, the
+machine does, as the scheduler would).
+
+Run it with ``HYPOTHESIS_PROFILE=nightly`` for the long run (profiles:
+``tests/stateful/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pprint
+from collections import deque
+from typing import Any
+
+import hypothesis.strategies as st
+from hypothesis import event, note, settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+import kvcache
+import spec
+from kvcache import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    LoRARequest,
+    MultiModalFeatureSpec,
+    PlaceholderRange,
+    Request,
+    RequestStatus,
+    get_request_block_hasher,
+    sha256,
+)
+
+TOKENS = st.integers(0, 2)  # a tiny alphabet, so prefixes repeat and hits happen
+MAX_LIVE_REQUESTS = 6
+MAX_PROMPT_LEN = 24
+WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+FINISHED_STATES = sorted(s for s in RequestStatus if RequestStatus.is_finished(s))
+# Weighted choices (repeats make the common case common): extra keys are rare
+# enough that unrelated requests still share prefixes.
+EXTRA_KEYS: dict[str, list[Any]] = {
+    "lora": ["", "", "", "lora-a", "lora-b"],
+    "salt": ["", "", "", "salt"],
+    "num_mm": [0, 0, 0, 1, 2],
+}
+LORA_IDS = {"lora-a": 1, "lora-b": 2}
+ADMISSION_MODES = ["async_load", "connector_not_ready", "sync", "sync", "sync", "sync"]
+
+
+# ---------------------------------------------------------------- normalisation
+
+
+def block_ids(blocks: Any) -> tuple[list[int], ...] | None:
+    """``KVCacheBlocks`` (either package) -> ids per group; None stays None."""
+    return None if blocks is None else blocks.get_block_ids()
+
+
+def ids_of(blocks: list[Any]) -> list[int]:
+    """kvcache's ``KVCacheBlock`` list (or spec's ids) -> ids."""
+    return [b if isinstance(b, int) else b.block_id for b in blocks]
+
+
+def events_of(events: list[Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(type(e).__name__, dataclasses.asdict(e)) for e in events]
+
+
+def stats_of(stats: Any) -> dict[str, Any] | None:
+    return None if stats is None else dataclasses.asdict(stats)
+
+
+def outcome(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    """("ok", result) or ("raise", exception type): to compare failing calls."""
+    try:
+        return "ok", fn(*args, **kwargs)
+    except Exception as e:
+        return "raise", type(e)
+
+
+def state_diff(expected: dict[str, Any], actual: dict[str, Any]) -> str:
+    """Readable unified diff of two abstract states (spec first)."""
+    lines = []
+    for key in sorted(set(expected) | set(actual)):
+        if expected.get(key) != actual.get(key):
+            a = pprint.pformat(expected.get(key), width=100).splitlines()
+            b = pprint.pformat(actual.get(key), width=100).splitlines()
+            lines.append(f"--- {key}")
+            lines.extend(difflib.unified_diff(a, b, "spec", "kvcache", lineterm="", n=2))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the machine
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Compares kvcache to spec, assumed perfect.
+
+    ``self.spec`` / ``self.impl`` are the two managers. The machine's own state is
+    the scheduler's: ``requests`` (id -> Request, status and computed-token count
+    kept on the Request), ``scheduled`` (running id -> tokens of the step in
+    flight), ``deferred`` (popped block lists not yet returned to each pool).
+    """
+
+    spec_manager_cls: Any = spec.KVCacheManager
+    impl_manager_cls: Any = kvcache.KVCacheManager
+    #: Steps and examples run in this process (read by the test and the report hook).
+    counters = {"steps": 0, "examples": 0}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: dict[str, Request] = {}
+        self.scheduled: dict[str, int] = {}
+        self.deferred: deque[tuple[list[int], list[Any]]] = deque()
+        self.families: set[tuple[tuple[int, ...], str, str, tuple[Any, ...]]] = set()
+        self.next_id = 0
+
+    # ------------------------------------------------------------ setup
+
+    @initialize(
+        num_blocks=st.integers(2, 24),
+        block_size=st.integers(1, 4),
+        enable_caching=st.booleans(),
+        watermark=st.sampled_from([0.0, 0.1, 0.3]),
+        use_eagle=st.booleans(),
+        log_stats=st.booleans(),
+        max_model_len=st.integers(8, 64),
+        max_num_batched_tokens=st.integers(2, 64),
+        data=st.data(),
+    )
+    def init_managers(
+        self,
+        data: st.DataObject,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        watermark: float,
+        use_eagle: bool,
+        log_stats: bool,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.counters["examples"] += 1
+        layer = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=8, dtype="float16"
+        )
+        kwargs = dict(
+            max_model_len=max_model_len,
+            scheduler_block_size=block_size,
+            hash_block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_caching=enable_caching,
+            use_eagle=use_eagle,
+            log_stats=log_stats,
+            enable_kv_cache_events=True,
+            watermark=watermark,
+        )
+        note(f"KVCacheManager(num_blocks={num_blocks}, block_size={block_size}, {kwargs})")
+
+        def config() -> KVCacheConfig:
+            return KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer.0"], layer)])
+
+        self.spec = self.spec_manager_cls(config(), **kwargs)
+        self.impl = self.impl_manager_cls(config(), **kwargs)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.token_budget = max_num_batched_tokens
+        self.hasher = get_request_block_hasher(block_size, sha256)
+        # Start with a few waiting requests, so the first steps have work to do.
+        for _ in range(data.draw(st.integers(1, 3), label="num_first_requests")):
+            self.add_request(data)
+
+    # ------------------------------------------------------------ views of the machine
+
+    def ids_with(self, *states: RequestStatus, computed: bool | None = None) -> list[str]:
+        return sorted(
+            rid
+            for rid, r in self.requests.items()
+            if r.status in states
+            and (computed is None or (r.num_computed_tokens > 0) == computed)
+        )
+
+    def live_ids(self) -> list[str]:
+        return sorted(rid for rid, r in self.requests.items() if not r.is_finished())
+
+    def can_add(self) -> bool:
+        return len(self.live_ids()) < MAX_LIVE_REQUESTS
+
+    def has_fresh_waiting(self) -> bool:
+        return bool(self.ids_with(*WAITING_STATES, computed=False))
+
+    def has_loaded_waiting(self) -> bool:
+        return bool(self.ids_with(*WAITING_STATES, computed=True))
+
+    def has_idle_running(self) -> bool:
+        return any(rid not in self.scheduled for rid in self.ids_with(RequestStatus.RUNNING))
+
+    def has_stepping(self) -> bool:
+        return bool(self.scheduled)
+
+    def has_running(self) -> bool:
+        return bool(self.ids_with(RequestStatus.RUNNING))
+
+    def has_loading(self) -> bool:
+        return bool(self.ids_with(RequestStatus.WAITING_FOR_REMOTE_KVS))
+
+    def has_live(self) -> bool:
+        return bool(self.live_ids())
+
+    def has_deferred(self) -> bool:
+        return bool(self.deferred)
+
+    def has_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------ shared steps
+
+    def draw_chunk(self, data: st.DataObject, num_wanted: int) -> int:
+        """Tokens the scheduler gives a request this step: all it wants within the
+        token budget, or a shorter chunk (long-prefill threshold, spent budget)."""
+        num_max = min(num_wanted, self.token_budget)
+        if data.draw(st.booleans(), label="whole"):
+            return num_max
+        return data.draw(st.integers(1, num_max), label="chunk")
+
+    def compare_allocation(self, request: Request, **kwargs: Any) -> bool:
+        """allocate_slots on both with the same arguments except each side's own
+        hits (``hits=(spec_hits, impl_hits)``); True when it succeeded."""
+        spec_hits, impl_hits = kwargs.pop("hits", (None, None))
+        shown = {k: v for k, v in kwargs.items() if v}
+        spec_new = self.spec.allocate_slots(request, new_computed_blocks=spec_hits, **kwargs)
+        impl_new = self.impl.allocate_slots(request, new_computed_blocks=impl_hits, **kwargs)
+        note(f"allocate_slots({request.request_id}, {shown}) -> {block_ids(spec_new)}")
+        assert block_ids(impl_new) == block_ids(spec_new)
+        event("allocate_slots", "refused" if spec_new is None else "granted")
+        return spec_new is not None
+
+    def free_with(self, request: Request, how: str) -> None:
+        """Release a request's blocks the way the scheduler does: ``free``, or
+        ``pop_blocks_for_free`` and ``free_blocks(reversed(...))`` now or later."""
+        if how == "free":
+            self.spec.free(request)
+            self.impl.free(request)
+            return
+        spec_blocks = self.spec.pop_blocks_for_free(request)
+        impl_blocks = self.impl.pop_blocks_for_free(request)
+        note(f"pop_blocks_for_free({request.request_id}) -> {spec_blocks} ({how})")
+        assert ids_of(impl_blocks) == spec_blocks
+        if how == "pop_and_free":
+            self.spec.block_pool.free_blocks(reversed(spec_blocks))
+            self.impl.block_pool.free_blocks(reversed(impl_blocks))
+        elif spec_blocks:
+            self.deferred.append((spec_blocks, impl_blocks))
+
+    def finish(self, request: Request, status: RequestStatus, how: str) -> None:
+        note(f"finish({request.request_id}, {status.name}, {how})")
+        request.status = status
+        self.scheduled.pop(request.request_id, None)
+        self.remember(request)
+        self.free_with(request, how)
+
+    # ------------------------------------------------------------ requests
+
+    @precondition(lambda self: self.can_add())
+    @rule(data=st.data())
+    def add_request(self, data: st.DataObject) -> None:
+        """A new request arrives (the scheduler's add_request; no manager call).
+
+        Half the time it extends a prefix of an earlier sequence with that
+        sequence's LoRA, salt and multimodal items, so prefix hits happen.
+        """
+        max_len = min(self.max_model_len - 1, MAX_PROMPT_LEN)
+        tail = data.draw(st.lists(TOKENS, min_size=1, max_size=max_len), label="tokens")
+        if self.families and data.draw(st.booleans(), label="share_prefix"):
+            base, lora_name, cache_salt, base_mm = data.draw(
+                st.sampled_from(sorted(self.families)), label="family"
+            )
+            cut = data.draw(st.integers(0, len(base)), label="cut")
+            tokens = (list(base[:cut]) + tail)[:max_len]
+            mm = [m for m in base_mm if m[1] + m[2] <= cut]
+        else:
+            tokens = tail
+            lora_name = data.draw(st.sampled_from(EXTRA_KEYS["lora"]), label="lora")
+            cache_salt = data.draw(st.sampled_from(EXTRA_KEYS["salt"]), label="cache_salt")
+            mm = []
+            start = 0
+            for _ in range(data.draw(st.sampled_from(EXTRA_KEYS["num_mm"]), label="num_mm")):
+                if start >= len(tokens):
+                    break
+                offset = data.draw(st.integers(start, len(tokens) - 1), label="mm_offset")
+                length = data.draw(st.integers(1, len(tokens) - offset), label="mm_length")
+                identifier = data.draw(st.sampled_from(["img-a", "img-b"]), label="mm_id")
+                mm.append((identifier, offset, length))
+                start = offset + length
+        skip_read = data.draw(st.integers(0, 7), label="skip_read") == 0
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        request = Request(
+            rid,
+            tokens,
+            block_hasher=self.hasher,
+            cache_salt=cache_salt or None,
+            lora_request=LoRARequest(lora_name, LORA_IDS[lora_name]) if lora_name else None,
+            mm_features=[
+                MultiModalFeatureSpec(identifier, PlaceholderRange(offset, length))
+                for identifier, offset, length in mm
+            ],
+            skip_reading_prefix_cache=skip_read,
+        )
+        note(
+            f"{rid} = Request({tokens}, lora={lora_name!r}, salt={cache_salt!r}, mm={mm}, "
+            f"skip_read={skip_read})"
+        )
+        self.requests[rid] = request
+        self.remember(request)
+
+    def remember(self, request: Request) -> None:
+        """Offer the request's tokens and keys as a prefix for later requests."""
+        lora = request.lora_request
+        self.families.add(
+            (
+                tuple(request.all_token_ids),
+                lora.lora_name if lora else "",
+                request.cache_salt or "",
+                tuple(
+                    (f.identifier, f.mm_position.offset, f.mm_position.length)
+                    for f in request.mm_features
+                ),
+            )
+        )
+
+    # ------------------------------------------------------------ admission
+
+    @precondition(lambda self: self.has_fresh_waiting())
+    @rule(data=st.data())
+    def get_computed_blocks(self, data: st.DataObject) -> None:
+        """Admit a waiting request: its prefix hits, then allocate_slots with them
+        (synchronously, with an async KV load, or not at all when the connector
+        is not ready)."""
+        rid = data.draw(st.sampled_from(self.ids_with(*WAITING_STATES, computed=False)))
+        request = self.requests[rid]
+        spec_hits, spec_num_hits = self.spec.get_computed_blocks(request)
+        impl_hits, impl_num_hits = self.impl.get_computed_blocks(request)
+        note(f"get_computed_blocks({rid}) -> {block_ids(spec_hits)}, {spec_num_hits}")
+        assert (block_ids(impl_hits), impl_num_hits) == (block_ids(spec_hits), spec_num_hits)
+        event("prefix hit", "yes" if spec_num_hits else "no")
+        mode = data.draw(st.sampled_from(ADMISSION_MODES))
+        if mode == "connector_not_ready":
+            return
+        num_tokens = request.num_tokens
+        if mode == "sync":
+            # The computed tokens (hits + external) leave at least one token to compute.
+            num_external = data.draw(st.integers(0, num_tokens - 1 - spec_num_hits))
+            num_computed = spec_num_hits + num_external
+            num_new_tokens = self.draw_chunk(data, num_tokens - num_computed)
+            num_lookahead = data.draw(st.integers(0, 3))
+            reserved_blocks = 0
+        else:
+            num_external = data.draw(st.integers(1, num_tokens - spec_num_hits))
+            num_computed = spec_num_hits + num_external
+            num_new_tokens = num_lookahead = 0
+            reserved_blocks = data.draw(st.integers(0, 3))
+        ok = self.compare_allocation(
+            request,
+            hits=(spec_hits, impl_hits),
+            num_new_tokens=num_new_tokens,
+            num_new_computed_tokens=spec_num_hits,
+            num_lookahead_tokens=num_lookahead,
+            num_external_computed_tokens=num_external,
+            delay_cache_blocks=mode == "async_load",
+            full_sequence_must_fit=data.draw(st.booleans()),
+            reserved_blocks=reserved_blocks,
+            has_scheduled_reqs=data.draw(st.booleans()),
+        )
+        if not ok:
+            return
+        request.num_computed_tokens = num_computed
+        if mode == "sync":
+            request.status = RequestStatus.RUNNING
+            self.scheduled[rid] = num_new_tokens
+        else:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    @precondition(lambda self: self.has_loading())
+    @rule(data=st.data())
+    def cache_blocks(self, data: st.DataObject) -> None:
+        """An async KV load ends (``_update_waiting_for_remote_kv``): cache what
+        arrived; on a failure keep the blocks before the first invalid one."""
+        rid = data.draw(st.sampled_from(self.ids_with(RequestStatus.WAITING_FOR_REMOTE_KVS)))
+        request = self.requests[rid]
+        failed = data.draw(st.booleans(), label="failed")
+        if failed:
+            first_invalid = data.draw(
+                st.integers(0, (request.num_computed_tokens - 1) // self.block_size)
+            )
+            request.num_computed_tokens = first_invalid * self.block_size
+        note(f"kv load of {rid} ends (failed={failed}), {request.num_computed_tokens} computed")
+        if failed and request.num_computed_tokens == 0:
+            self.spec.free(request)
+            self.impl.free(request)
+        else:
+            self.spec.cache_blocks(request, request.num_computed_tokens)
+            self.impl.cache_blocks(request, request.num_computed_tokens)
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_computed_tokens -= 1  # the last token is recomputed for its logits
+        request.status = (
+            RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+        )
+
+    @precondition(lambda self: self.has_loaded_waiting())
+    @rule(data=st.data())
+    def allocate_slots_after_kv_load(self, data: st.DataObject) -> None:
+        """Schedule a waiting request whose KV was loaded: no new hits."""
+        rid = data.draw(st.sampled_from(self.ids_with(*WAITING_STATES, computed=True)))
+        request = self.requests[rid]
+        remaining = request.num_tokens - request.num_computed_tokens
+        num_new_tokens = self.draw_chunk(data, remaining)
+        ok = self.compare_allocation(
+            request,
+            hits=(self.spec.empty_kv_cache_blocks, self.impl.empty_kv_cache_blocks),
+            num_new_tokens=num_new_tokens,
+            num_lookahead_tokens=data.draw(st.integers(0, 3)),
+            full_sequence_must_fit=data.draw(st.booleans()),
+            has_scheduled_reqs=data.draw(st.booleans()),
+        )
+        if ok:
+            request.status = RequestStatus.RUNNING
+            self.scheduled[rid] = num_new_tokens
+
+    # ------------------------------------------------------------ running requests
+
+    @precondition(lambda self: self.has_idle_running())
+    @rule(data=st.data())
+    def allocate_slots(self, data: st.DataObject) -> None:
+        """Schedule a running request's next chunk or decode (+ drafts)."""
+        rids = [r for r in self.ids_with(RequestStatus.RUNNING) if r not in self.scheduled]
+        request = self.requests[data.draw(st.sampled_from(rids))]
+        computed, num_tokens = request.num_computed_tokens, request.num_tokens
+        decoding = computed >= num_tokens - 1
+        num_drafts = data.draw(st.integers(0, 3)) if decoding else 0
+        # The scheduler keeps positions below max_model_len (one token sampled per step).
+        max_new = min(num_tokens + num_drafts - computed, self.max_model_len - computed - 1)
+        num_new_tokens = self.draw_chunk(data, max_new)
+        ok = self.compare_allocation(
+            request,
+            num_new_tokens=num_new_tokens,
+            num_lookahead_tokens=data.draw(st.integers(0, 3)),
+            delay_cache_blocks=data.draw(st.integers(0, 7)) == 0,
+            full_sequence_must_fit=data.draw(st.booleans()),
+            reserved_blocks=data.draw(st.sampled_from([0, 0, 1, 3])),
+            has_scheduled_reqs=data.draw(st.booleans()),
+        )
+        if ok:
+            self.scheduled[request.request_id] = num_new_tokens
+
+    @precondition(lambda self: self.has_stepping())
+    @rule(data=st.data())
+    def decode(self, data: st.DataObject) -> None:
+        """The model step completes (``update_from_output``) for every scheduled
+        request: computed counts advance; past the prompt a request samples one
+        token plus its accepted drafts, and rejected drafts are un-computed."""
+        for rid in sorted(self.scheduled):
+            request = self.requests[rid]
+            num_scheduled = self.scheduled.pop(rid)
+            computed, num_tokens = request.num_computed_tokens, request.num_tokens
+            if computed + num_scheduled < num_tokens:
+                request.num_computed_tokens = computed + num_scheduled
+                note(f"step {rid}: prefill chunk, {request.num_computed_tokens} computed")
+                continue
+            num_drafts = computed + num_scheduled - num_tokens
+            max_accepted = min(num_drafts, self.max_model_len - num_tokens - 1)
+            num_accepted = data.draw(st.integers(0, max(max_accepted, 0)), label="accepted")
+            new_tokens = data.draw(
+                st.lists(TOKENS, min_size=num_accepted + 1, max_size=num_accepted + 1),
+                label="sampled",
+            )
+            request.num_computed_tokens = num_tokens + num_accepted
+            request.append_output_token_ids(new_tokens)
+            note(f"step {rid}: sampled {new_tokens}, {request.num_computed_tokens} computed")
+            if request.num_tokens >= self.max_model_len:
+                self.finish(request, RequestStatus.FINISHED_LENGTH_CAPPED, "free")
+
+    @precondition(lambda self: self.has_stepping())
+    @rule(data=st.data())
+    def evict_blocks(self, data: st.DataObject) -> None:
+        """A step's KV load from the connector partly failed
+        (``_update_requests_with_invalid_blocks``): the request falls back to the
+        first invalid block, and (with the fail policy) that block and every later
+        one leave the prefix cache."""
+        rid = data.draw(st.sampled_from(sorted(self.scheduled)))
+        request = self.requests[rid]
+        del self.scheduled[rid]
+        computed = request.num_computed_tokens
+        if computed == 0:
+            return
+        first_invalid = data.draw(st.integers(0, (computed - 1) // self.block_size))
+        request.num_computed_tokens = first_invalid * self.block_size
+        (table,) = self.spec.get_block_ids(rid)
+        to_evict = set(table[first_invalid:])
+        note(f"kv load of {rid} failed at block {first_invalid}: evict_blocks({to_evict})")
+        if data.draw(st.booleans(), label="fail_policy"):
+            self.spec.evict_blocks(to_evict)
+            self.impl.evict_blocks(to_evict)
+
+    @precondition(lambda self: self.num_blocks > 1)
+    @rule(data=st.data())
+    def evict_random_blocks(self, data: st.DataObject) -> None:
+        """evict_blocks with any subset of valid ids (the null block included)."""
+        to_evict = set(data.draw(st.lists(st.integers(0, self.num_blocks - 1), max_size=2)))
+        note(f"evict_blocks({to_evict})")
+        self.spec.evict_blocks(to_evict)
+        self.impl.evict_blocks(to_evict)
+
+    @precondition(lambda self: self.has_running())
+    @rule(data=st.data(), how=st.sampled_from(["defer", "free", "pop_and_free"]))
+    def preempt(self, data: st.DataObject, how: str) -> None:
+        """Preempt a running request (``_preempt_request``)."""
+        request = self.requests[data.draw(st.sampled_from(self.ids_with(RequestStatus.RUNNING)))]
+        note(f"preempt({request.request_id}, {how})")
+        self.free_with(request, how)
+        self.scheduled.pop(request.request_id, None)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+
+    @precondition(lambda self: self.has_live())
+    @rule(
+        data=st.data(),
+        status=st.sampled_from(FINISHED_STATES),
+        how=st.sampled_from(["defer", "free", "pop_and_free"]),
+    )
+    def free(self, data: st.DataObject, status: RequestStatus, how: str) -> None:
+        """Finish or abort a request in any state (``_free_request``)."""
+        self.finish(self.requests[data.draw(st.sampled_from(self.live_ids()))], status, how)
+
+    @precondition(lambda self: self.has_deferred())
+    @rule()
+    def free_deferred_blocks(self) -> None:
+        """The step fencing the oldest deferred free completed: ``block_pool.free_blocks``."""
+        spec_blocks, impl_blocks = self.deferred.popleft()
+        note(f"block_pool.free_blocks(reversed({spec_blocks}))")
+        self.spec.block_pool.free_blocks(reversed(spec_blocks))
+        self.impl.block_pool.free_blocks(reversed(impl_blocks))
+
+    # ------------------------------------------------------------ queries and housekeeping
+
+    @rule()
+    def new_step_starts(self) -> None:
+        note("new_step_starts()")
+        self.spec.new_step_starts()
+        self.impl.new_step_starts()
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        spec_ok = self.spec.reset_prefix_cache()
+        impl_ok = self.impl.reset_prefix_cache()
+        note(f"reset_prefix_cache() -> {spec_ok}")
+        event("reset_prefix_cache", str(spec_ok))
+        assert impl_ok == spec_ok
+
+    @rule()
+    def take_events(self) -> None:
+        spec_events = events_of(self.spec.take_events())
+        impl_events = events_of(self.impl.take_events())
+        note(f"take_events() -> {len(spec_events)} events")
+        for name, _ in spec_events:
+            event("kv event", name)
+        assert impl_events == spec_events
+
+    @rule()
+    def take_new_block_ids(self) -> None:
+        spec_ids = self.spec.take_new_block_ids()
+        impl_ids = self.impl.take_new_block_ids()
+        note(f"take_new_block_ids() -> {spec_ids}")
+        assert impl_ids == spec_ids
+
+    @precondition(lambda self: self.has_live())
+    @rule(data=st.data())
+    def get_num_common_prefix_blocks(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self.live_ids()))
+        spec_num = self.spec.get_num_common_prefix_blocks(rid)
+        impl_num = self.impl.get_num_common_prefix_blocks(rid)
+        note(f"get_num_common_prefix_blocks({rid}) -> {spec_num}")
+        event("common prefix", "yes" if spec_num[0] else "no")
+        assert impl_num == spec_num
+
+    @rule()
+    def make_prefix_cache_stats(self) -> None:
+        spec_stats = stats_of(self.spec.make_prefix_cache_stats())
+        impl_stats = stats_of(self.impl.make_prefix_cache_stats())
+        note(f"make_prefix_cache_stats() -> {spec_stats}")
+        assert impl_stats == spec_stats
+
+    @rule()
+    def usage(self) -> None:
+        spec_usage = self.spec.usage
+        impl_usage = self.impl.usage
+        note(f"usage -> {spec_usage}")
+        assert impl_usage == spec_usage
+
+    @precondition(lambda self: self.has_requests())
+    @rule(data=st.data())
+    def get_block_ids(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from([*sorted(self.requests), "unknown"]))
+        spec_ids = self.spec.get_block_ids(rid)
+        impl_ids = self.impl.get_block_ids(rid)
+        note(f"get_block_ids({rid}) -> {spec_ids}")
+        assert impl_ids == spec_ids
+        assert block_ids(self.impl.get_blocks(rid)) == block_ids(self.spec.get_blocks(rid))
+
+    @precondition(lambda self: self.has_requests())
+    @rule(data=st.data())
+    def get_block_ids_for_computed_tokens(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        num_computed = data.draw(st.integers(0, self.max_model_len))
+        spec_ids = self.spec.get_block_ids_for_computed_tokens(rid, num_computed)
+        impl_ids = self.impl.get_block_ids_for_computed_tokens(rid, num_computed)
+        note(f"get_block_ids_for_computed_tokens({rid}, {num_computed}) -> {spec_ids}")
+        assert impl_ids == spec_ids
+
+    @precondition(lambda self: self.has_live())
+    @rule(data=st.data())
+    def remove_skipped_blocks(self, data: st.DataObject) -> None:
+        """As ``_connector_finished`` calls it (a no-op for full attention)."""
+        request = self.requests[data.draw(st.sampled_from(self.live_ids()))]
+        args = (request.request_id, request.num_computed_tokens, request.num_prompt_tokens)
+        note(f"remove_skipped_blocks{args}")
+        self.spec.remove_skipped_blocks(*args)
+        self.impl.remove_skipped_blocks(*args)
+
+    # ------------------------------------------------------------ invalid calls
+
+    @precondition(lambda self: self.has_live())
+    @rule(data=st.data())
+    def allocate_slots_without_tokens(self, data: st.DataObject) -> None:
+        """num_new_tokens=0 and no external tokens: ValueError in both."""
+        request = self.requests[data.draw(st.sampled_from(self.live_ids()))]
+        note(f"allocate_slots({request.request_id}, num_new_tokens=0) -> ValueError")
+        spec_out = outcome(self.spec.allocate_slots, request, 0)
+        impl_out = outcome(self.impl.allocate_slots, request, 0)
+        assert spec_out == impl_out == ("raise", ValueError)
+
+    @rule(data=st.data())
+    def evict_blocks_out_of_range(self, data: st.DataObject) -> None:
+        """An id past the pool: ValueError in both, and nothing evicted."""
+        bad = data.draw(st.integers(self.num_blocks, self.num_blocks + 3))
+        valid = data.draw(st.lists(st.integers(0, self.num_blocks - 1), max_size=2))
+        to_evict = {bad, *valid}
+        note(f"evict_blocks({to_evict}) -> ValueError")
+        spec_out = outcome(self.spec.evict_blocks, to_evict)
+        impl_out = outcome(self.impl.evict_blocks, to_evict)
+        assert spec_out == impl_out == ("raise", ValueError)
+
+    # ------------------------------------------------------------ the invariant
+
+    @invariant()
+    def states_agree(self) -> None:
+        self.counters["steps"] += 1
+        spec_state = self.spec.abstract_state()
+        impl_state = self.impl.abstract_state()
+        assert impl_state == spec_state, "abstract states differ:\n" + state_diff(
+            spec_state, impl_state
+        )
+        self.spec.check_invariants()
+        if not self.deferred:
+            # kvcache's check counts holders in the tables only; popped blocks
+            # awaiting their deferred free are held by the scheduler.
+            self.impl.check_invariants()
+
+
+def test_manager_machine(stateful_settings: settings, record_property: Any) -> None:
+    """kvcache agrees with spec under the profile's budget (see conftest.py)."""
+    before = dict(ManagerMachine.counters)
+    run_state_machine_as_test(ManagerMachine, settings=stateful_settings)
+    for key, value in ManagerMachine.counters.items():
+        record_property(f"stateful_{key}", value - before[key])
