@@ -228,13 +228,20 @@ class BlockPool:
         if num_cached_blocks >= num_full_blocks:
             return
         new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
-        assert block_mask is None or len(block_mask) == len(new_full_blocks)
+        if block_mask is not None and len(block_mask) != len(new_full_blocks):
+            raise ValueError(
+                f"block_mask has {len(block_mask)} entries for {len(new_full_blocks)} blocks"
+            )
         block_hashes: BlockHashList = request.block_hashes
         if block_size != self.hash_block_size:
             block_hashes = BlockHashListWithBlockSize(
                 request.block_hashes, self.hash_block_size, block_size
             )
-        assert len(block_hashes) >= num_full_blocks, "request has fewer hashes than full blocks"
+        if len(block_hashes) < num_full_blocks:
+            raise ValueError(
+                f"num_full_blocks={num_full_blocks} but request {request.request_id!r} has "
+                f"only {len(block_hashes)} block hashes"
+            )
         new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
         m = self.cached_block_hash_to_block.group_map(kv_cache_group_id)
         insert = BlockHashToBlockMap.insert_raw
@@ -246,7 +253,8 @@ class BlockPool:
             h = new_hashes[i]
             # NOTE: only partial-block promotion would re-cache a hashed block, and
             # kvcache does not support partial blocks (vLLM asserts here too).
-            assert blk._hash is None, f"block {blk.block_id} is already cached"
+            if blk._hash is not None:
+                raise ValueError(f"block {blk.block_id} is already cached")
             blk._hash = h
             blk._group_id = kv_cache_group_id
             blk._block_hash_num_tokens = (num_cached_blocks + i + 1) * block_size

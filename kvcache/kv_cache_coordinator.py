@@ -156,7 +156,8 @@ class KVCacheCoordinator:
         """
         managers = self.single_type_managers
         if any(request_id in m.num_cached_block for m in managers):
-            assert all(len(blocks) == 0 for blocks in new_computed_blocks)
+            if any(len(blocks) for blocks in new_computed_blocks):
+                raise ValueError(f"request {request_id!r} is running: it cannot take prefix hits")
             return
         for i, manager in enumerate(managers):
             manager.add_local_computed_blocks(

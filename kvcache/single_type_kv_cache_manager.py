@@ -131,7 +131,8 @@ class SingleTypeKVCacheManager:
         if request_id in self.num_cached_block:
             # A running request has no new hits; it may even hold more blocks than
             # needed (rejected draft tokens).
-            assert not new_computed_blocks
+            if new_computed_blocks:
+                raise ValueError(f"request {request_id!r} is running: it cannot take prefix hits")
             return max(num_required_blocks - num_req_blocks, 0)
         num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
         num_new_blocks = max(
@@ -159,7 +160,8 @@ class SingleTypeKVCacheManager:
         """Give a new request its prefix-hit blocks: touch them, pad skipped
         positions with the null block, and mark them all as already cached."""
         req_blocks = self.req_to_blocks[request_id]
-        assert not req_blocks, f"request {request_id!r} already has blocks"
+        if req_blocks:
+            raise ValueError(f"request {request_id!r} already has blocks; hits come first")
         num_skipped_blocks = (
             self.get_num_skipped_tokens(num_local_computed_tokens + num_external_computed_tokens)
             // self.block_size
@@ -169,7 +171,8 @@ class SingleTypeKVCacheManager:
         if self.enable_caching:
             self.block_pool.touch(new_computed_blocks)
         else:
-            assert not new_computed_blocks, "prefix hits while prefix caching is disabled"
+            if new_computed_blocks:
+                raise ValueError("new_computed_blocks given while prefix caching is disabled")
         req_blocks.extend([self._null_block] * num_skipped_blocks)
         req_blocks.extend(new_computed_blocks)
         self.num_cached_block[request_id] = len(req_blocks)
