@@ -625,7 +625,7 @@ class KVCacheManager:
         self.block_pool.check_invariants()
         holders = [0] * self.block_pool.num_gpu_blocks
         for manager in self.coordinator.single_type_managers:
-            for rid, blocks in manager.req_to_blocks.items():
+            for blocks in manager.req_to_blocks.values():
                 for block in blocks:
                     assert self.block_pool.blocks[block.block_id] is block
                     holders[block.block_id] += 1
