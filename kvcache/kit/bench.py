@@ -1,0 +1,287 @@
+"""Side-by-side benchmark of KV-cache managers on the same call sequences.
+
+Every workload runs on every implementation in one process, in alternating
+order over several repetitions. The result digests must be equal (same block
+ids, hits and failures); only then are timings reported: manager seconds per
+implementation (median, min–max), microseconds per call for each method, and
+the ratio ``other / kvcache`` per repetition (median, min–max).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcache.kit.adapters import make_impl, vllm_available
+from kvcache.kit.workloads import RequestSpec, Workload, make_workload, simulate
+
+
+@dataclass
+class ImplTiming:
+    """Repetitions of one implementation on one workload."""
+
+    manager_seconds: list[float] = field(default_factory=list)
+    method_seconds: dict[str, list[float]] = field(default_factory=dict)
+    method_calls: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class WorkloadResult:
+    """Timings of all implementations on one workload, and whether they agreed."""
+
+    workload: str
+    num_requests: int
+    steps: int
+    preemptions: int
+    hit_rate: float
+    digests: dict[str, str]
+    timings: dict[str, ImplTiming]
+
+    @property
+    def identical(self) -> bool:
+        """Whether every implementation produced the same result digest."""
+        return len(set(self.digests.values())) == 1
+
+    def ratios(self, other: str, base: str = "kvcache") -> list[float]:
+        """``other / base`` manager time, one value per repetition."""
+        a, b = self.timings[other].manager_seconds, self.timings[base].manager_seconds
+        return [x / y for x, y in zip(a, b, strict=True)]
+
+
+def _median_min_max(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def bench_workload(
+    name: str, impls: list[str], repetitions: int = 3, num_requests: int = 2000
+) -> WorkloadResult:
+    """Run one workload on each implementation ``repetitions`` times, alternating order.
+
+    Raises:
+        ValueError: if ``repetitions`` < 1 or ``impls`` is empty.
+    """
+    if repetitions < 1 or not impls:
+        raise ValueError(f"need repetitions >= 1 and impls, got {repetitions}, {impls}")
+    workload = make_workload(name, num_requests)
+    timings = {impl: ImplTiming() for impl in impls}
+    digests: dict[str, str] = {}
+    steps = preemptions = 0
+    hit_rate = 0.0
+    for rep in range(repetitions):
+        order = impls if rep % 2 == 0 else impls[::-1]
+        for impl_name in order:
+            impl = make_impl(impl_name, workload)
+            gc.collect()
+            result = simulate(workload, impl)
+            timing = timings[impl_name]
+            timing.manager_seconds.append(result.manager_seconds)
+            for method, secs in result.method_seconds.items():
+                timing.method_seconds.setdefault(method, []).append(secs)
+            timing.method_calls = dict(result.method_calls)
+            digests[impl_name] = result.digest
+            steps, preemptions = result.steps, result.preemptions
+            hit_rate = result.hit_tokens / max(1, result.prompt_tokens)
+    return WorkloadResult(
+        name, len(workload.requests), steps, preemptions, hit_rate, digests, timings
+    )
+
+
+def format_workload(result: WorkloadResult) -> str:
+    """A readable table of one workload's timings and ratios."""
+    lines = [
+        f"== {result.workload}: {result.num_requests} requests, {result.steps} steps, "
+        f"{result.preemptions} preemptions, hit rate {result.hit_rate:.2f}, outputs "
+        + ("identical" if result.identical else f"DIFFER {result.digests}")
+    ]
+    methods = sorted({m for t in result.timings.values() for m in t.method_seconds})
+    header = f"{'impl':<10}{'manager s (min-max)':>26}" + "".join(
+        f"{m + ' us':>26}" for m in methods
+    )
+    lines.append(header)
+    for impl, timing in result.timings.items():
+        med, lo, hi = _median_min_max(timing.manager_seconds)
+        row = f"{impl:<10}{f'{med:.3f} ({lo:.3f}-{hi:.3f})':>26}"
+        for m in methods:
+            calls = max(1, timing.method_calls.get(m, 1))
+            per_call = statistics.median(timing.method_seconds.get(m, [0.0])) / calls * 1e6
+            row += f"{per_call:>26.2f}"
+        lines.append(row)
+    for impl in result.timings:
+        if impl == "kvcache" or "kvcache" not in result.timings:
+            continue
+        med, lo, hi = _median_min_max(result.ratios(impl))
+        lines.append(f"ratio {impl}/kvcache: {med:.2f} (min {lo:.2f}, max {hi:.2f})")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- scaling
+
+
+def _scaling_workload(num_blocks: int, block_size: int = 16) -> Workload:
+    from kvcache.kit.workloads import GroupLayout
+
+    return Workload(
+        name=f"scaling-{num_blocks}",
+        num_blocks=num_blocks,
+        groups=(GroupLayout("full", block_size),),
+        max_model_len=1 << 20,
+        token_budget=1 << 20,
+        max_num_seqs=1 << 20,
+        requests=(),
+    )
+
+
+def measure_per_call(
+    impl_name: str, num_blocks: int, prompt_len: int, rounds: int = 20
+) -> dict[str, float]:
+    """Microseconds per get_computed_blocks / allocate_slots / free for one prompt
+    length in a pool of ``num_blocks``: a cached prefix of ``prompt_len`` tokens is
+    hit, a fresh prompt of that length allocated, and both freed, ``rounds`` times."""
+    workload = _scaling_workload(num_blocks)
+    impl = make_impl(impl_name, workload)
+    m = impl.manager
+    base = RequestSpec("warm", tuple(range(prompt_len + 1)), 1, 0)
+    warm = impl.new_request(base)
+    m.allocate_slots(warm, warm.num_tokens)
+    m.free(warm)
+    perf = time.perf_counter
+    totals = {"get_computed_blocks": 0.0, "allocate_slots": 0.0, "free": 0.0}
+    for r in range(rounds):
+        hit_req = impl.new_request(RequestSpec(f"h{r}", base.prompt_token_ids, 1, 0))
+        fresh = impl.new_request(
+            RequestSpec(f"f{r}", tuple(10**6 + r * prompt_len + i for i in range(prompt_len)), 1, 0)
+        )
+        t = perf()
+        hits, n = m.get_computed_blocks(hit_req)
+        totals["get_computed_blocks"] += perf() - t
+        if n < prompt_len - workload.groups[0].block_size:
+            raise RuntimeError(f"expected a hit of ~{prompt_len} tokens, got {n}")
+        m.allocate_slots(hit_req, hit_req.num_tokens - n, n, hits)
+        t = perf()
+        out = m.allocate_slots(fresh, fresh.num_tokens)
+        totals["allocate_slots"] += perf() - t
+        if out is None:
+            raise RuntimeError("pool too small for the scaling run")
+        t = perf()
+        m.free(fresh)
+        totals["free"] += perf() - t
+        m.free(hit_req)
+    return {k: v / rounds * 1e6 for k, v in totals.items()}
+
+
+def scaling(impls: list[str], pool_sizes: list[int], prompt_lens: list[int]) -> dict[str, Any]:
+    """Per-call cost against pool size (prompt 1,024) and against prompt length
+    (pool sized to fit)."""
+    out: dict[str, Any] = {"pool": {}, "prompt": {}}
+    for impl in impls:
+        out["pool"][impl] = {n: measure_per_call(impl, n, 1024) for n in pool_sizes}
+        out["prompt"][impl] = {
+            p: measure_per_call(impl, max(4096, 4 * p // 16 + 64), p) for p in prompt_lens
+        }
+    return out
+
+
+def format_scaling(data: dict[str, Any]) -> str:
+    """Tables of the scaling figures (microseconds per call)."""
+    lines = []
+    for axis, label in (("pool", "pool blocks"), ("prompt", "prompt tokens")):
+        lines.append(f"== per-call us vs {label}")
+        for impl, rows in data[axis].items():
+            for size, cost in rows.items():
+                lines.append(
+                    f"{impl:<10}{size:>10}  " + "  ".join(f"{k}={v:9.1f}" for k, v in cost.items())
+                )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- plots and entry
+
+
+def plot(results: list[WorkloadResult], scaling_data: dict[str, Any] | None, path: str) -> str:
+    """Draw manager time per workload and implementation (and scaling), to a PNG.
+
+    Returns:
+        A note: where the file went, or why none was written.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    ncols = 3 if scaling_data else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.5), squeeze=False)
+    ax = axes[0][0]
+    impls = list(results[0].timings) if results else []
+    width = 0.8 / max(1, len(impls))
+    for i, impl in enumerate(impls):
+        xs = [j + i * width for j in range(len(results))]
+        ys = [statistics.median(r.timings[impl].manager_seconds) for r in results]
+        ax.bar(xs, ys, width, label=impl)
+    ax.set_xticks([j + width * (len(impls) - 1) / 2 for j in range(len(results))])
+    ax.set_xticklabels([r.workload for r in results], rotation=20)
+    ax.set_ylabel("manager seconds (median)")
+    ax.set_title("Manager time per workload")
+    ax.legend()
+    if scaling_data:
+        for col, axis in ((1, "pool"), (2, "prompt")):
+            ax = axes[0][col]
+            for impl, rows in scaling_data[axis].items():
+                sizes = list(rows)
+                for method in ("get_computed_blocks", "allocate_slots", "free"):
+                    ax.plot(
+                        sizes,
+                        [rows[s][method] for s in sizes],
+                        marker="o",
+                        label=f"{impl} {method}",
+                    )
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("pool blocks" if axis == "pool" else "prompt tokens")
+            ax.set_ylabel("us per call")
+            ax.set_title(f"Per-call cost vs {'pool size' if axis == 'pool' else 'prompt length'}")
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"plot written to {path}"
+
+
+def default_impls() -> tuple[list[str], str]:
+    """kvcache and spec, plus vllm when importable; and a note when it is not."""
+    if vllm_available():
+        return ["kvcache", "vllm", "spec"], ""
+    return [
+        "kvcache",
+        "spec",
+    ], "note: vLLM 0.25.1 is not installed; comparing kvcache and spec only"
+
+
+def results_json(results: list[WorkloadResult], scaling_data: dict[str, Any] | None) -> str:
+    """Machine-readable results for tracking over time."""
+    payload = {
+        "workloads": [
+            {
+                "workload": r.workload,
+                "identical": r.identical,
+                "digests": r.digests,
+                "steps": r.steps,
+                "preemptions": r.preemptions,
+                "hit_rate": r.hit_rate,
+                "manager_seconds": {i: t.manager_seconds for i, t in r.timings.items()},
+                "method_seconds": {i: t.method_seconds for i, t in r.timings.items()},
+                "method_calls": {i: t.method_calls for i, t in r.timings.items()},
+                "ratios": {
+                    i: r.ratios(i) for i in r.timings if i != "kvcache" and "kvcache" in r.timings
+                },
+            }
+            for r in results
+        ],
+        "scaling": scaling_data,
+    }
+    return json.dumps(payload, indent=1)
