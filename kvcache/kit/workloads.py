@@ -219,6 +219,7 @@ def simulate(workload: Workload, impl: Impl, max_steps: int = 1_000_000) -> SimR
         t = perf()
         m.new_step_starts()
         secs["new_step_starts"] += perf() - t
+        calls["new_step_starts"] += 1
         budget = budget_total
         scheduled: list[tuple[RequestSpec, Any, int]] = []
         # 1. Running requests, oldest first; preempt the newest on failure.

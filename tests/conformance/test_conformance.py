@@ -1,8 +1,7 @@
 """kvcache (or ``$KVCACHE_CONFORMANCE_IMPL``) against the real vLLM 0.25.1, call by call.
 
-Each family runs ``CONFORMANCE_SEQUENCES`` seeded random scheduler sequences
-(default 100; six one-group families and two two-group families of half as
-many, so 700 per run) in lockstep and requires zero
+Each family runs a share of ``CONFORMANCE_SEQUENCES`` (default 100) seeded
+random scheduler sequences (875 per run in all) in lockstep and requires zero
 mismatches: equal results, equal exceptions (vLLM's ``AssertionError`` may be
 our ``ValueError``), equal events, stats and block hashes, and an equal
 abstract state after every call. The first mismatch of a family is shrunk to
@@ -29,17 +28,25 @@ pytestmark = pytest.mark.conformance
 SEQUENCES_PER_FAMILY = int(os.environ.get("CONFORMANCE_SEQUENCES", "100"))
 BASE_SEED = int(os.environ.get("CONFORMANCE_SEED", "0"))
 
-# (enable_caching, watermark, num_groups): one group is the scope; two full-attention
-# groups of different block sizes exercise the hybrid coordinator (half as many runs).
+# (enable_caching, watermark, group kinds, share of CONFORMANCE_SEQUENCES). One
+# full-attention group is the core scope; two full-attention groups of different
+# block sizes exercise the hybrid coordinator; sliding-window and chunked-local
+# groups, alone and beside a full-attention group, the windowed managers.
+F, SWA, CLA = "full", "sliding_window", "chunked_local"
 FAMILIES = [
-    pytest.param(True, 0.0, 1, id="caching-wm0"),
-    pytest.param(True, 0.1, 1, id="caching-wm0.1"),
-    pytest.param(True, 0.25, 1, id="caching-wm0.25"),
-    pytest.param(False, 0.0, 1, id="nocache-wm0"),
-    pytest.param(False, 0.1, 1, id="nocache-wm0.1"),
-    pytest.param(False, 0.25, 1, id="nocache-wm0.25"),
-    pytest.param(True, 0.1, 2, id="two-groups-caching"),
-    pytest.param(False, 0.0, 2, id="two-groups-nocache"),
+    pytest.param(True, 0.0, (F,), 1.0, id="caching-wm0"),
+    pytest.param(True, 0.1, (F,), 1.0, id="caching-wm0.1"),
+    pytest.param(True, 0.25, (F,), 1.0, id="caching-wm0.25"),
+    pytest.param(False, 0.0, (F,), 1.0, id="nocache-wm0"),
+    pytest.param(False, 0.1, (F,), 1.0, id="nocache-wm0.1"),
+    pytest.param(False, 0.25, (F,), 1.0, id="nocache-wm0.25"),
+    pytest.param(True, 0.1, (F, F), 0.5, id="two-groups-caching"),
+    pytest.param(False, 0.0, (F, F), 0.5, id="two-groups-nocache"),
+    pytest.param(True, 0.1, (SWA,), 0.5, id="sliding-window-caching"),
+    pytest.param(False, 0.0, (SWA,), 0.25, id="sliding-window-nocache"),
+    pytest.param(True, 0.0, (F, SWA), 0.5, id="full+sliding-window-caching"),
+    pytest.param(True, 0.1, (CLA,), 0.25, id="chunked-local-caching"),
+    pytest.param(True, 0.0, (F, CLA), 0.25, id="full+chunked-local-caching"),
 ]
 
 # Paths the driver must reach in every family, so that a driver bug cannot
@@ -48,9 +55,8 @@ REQUIRED_PATHS = ["allocate_none", "raises:ValueError", "raises:AssertionError",
 REQUIRED_WITH_CACHING = ["prefix_hit", "event:BlockStored", "event:BlockRemoved"]
 
 
-def family_seed(enable_caching: bool, watermark: float, num_groups: int, index: int) -> int:
-    family = (0 if enable_caching else 100) + int(watermark * 100) + 200 * (num_groups - 1)
-    return BASE_SEED * 10_000_000 + family * 10_000 + index
+def family_seed(family_index: int, index: int) -> int:
+    return BASE_SEED * 10_000_000 + family_index * 100_000 + index
 
 
 def report(results: list[SequenceResult], subject: str) -> str:
@@ -67,22 +73,24 @@ def report(results: list[SequenceResult], subject: str) -> str:
     )
 
 
-@pytest.mark.parametrize(("enable_caching", "watermark", "num_groups"), FAMILIES)
+@pytest.mark.parametrize(("enable_caching", "watermark", "group_kinds", "share"), FAMILIES)
 def test_random_sequences_match_vllm(
     vllm_reference: ModuleType,
     subject_impl: str,
+    request: pytest.FixtureRequest,
     enable_caching: bool,
     watermark: float,
-    num_groups: int,
+    group_kinds: tuple[str, ...],
+    share: float,
 ) -> None:
     family = Stats()
     started = time.monotonic()
     failures = []
-    num_sequences = SEQUENCES_PER_FAMILY if num_groups == 1 else SEQUENCES_PER_FAMILY // 2
-    for index in range(num_sequences):
-        seed = family_seed(enable_caching, watermark, num_groups, index)
+    family_index = [p.id for p in FAMILIES].index(request.node.callspec.id)
+    for index in range(max(1, int(SEQUENCES_PER_FAMILY * share))):
+        seed = family_seed(family_index, index)
         result = run_sequence(
-            seed, enable_caching, watermark, subject_impl, stats=family, num_groups=num_groups
+            seed, enable_caching, watermark, subject_impl, stats=family, group_kinds=group_kinds
         )
         if result.mismatch is not None:
             failures.append(result)

@@ -18,7 +18,7 @@ import dataclasses
 import difflib
 import pprint
 from collections import deque
-from typing import Any
+from typing import Any, ClassVar
 
 import hypothesis.strategies as st
 from hypothesis import event, note, settings
@@ -60,6 +60,7 @@ EXTRA_KEYS: dict[str, list[Any]] = {
 }
 LORA_IDS = {"lora-a": 1, "lora-b": 2}
 ADMISSION_MODES = ["async_load", "connector_not_ready", "sync", "sync", "sync", "sync"]
+RELEASE_MODES = ["defer", "free", "pop_and_free"]
 
 
 # ---------------------------------------------------------------- normalisation
@@ -109,21 +110,27 @@ def state_diff(expected: dict[str, Any], actual: dict[str, Any]) -> str:
 class ManagerMachine(RuleBasedStateMachine):
     """Compares kvcache to spec, assumed perfect.
 
-    ``self.spec`` / ``self.impl`` are the two managers. The machine's own state is
-    the scheduler's: ``requests`` (id -> Request, status and computed-token count
-    kept on the Request), ``scheduled`` (running id -> tokens of the step in
-    flight), ``deferred`` (popped block lists not yet returned to each pool).
+    ``self.spec`` and ``self.impl`` are the two managers; every rule makes the
+    same calls on both and compares what they return, and the invariant compares
+    their whole abstract state. The machine's own state is the scheduler's:
+    ``requests`` (id -> Request; status and computed-token count live on the
+    Request), ``running`` (the running queue, oldest first), ``scheduled``
+    (id -> tokens of the step in flight), ``external`` (id -> hit tokens, for
+    requests whose step in flight loads KV from a connector) and ``deferred``
+    (popped block lists not yet returned to each pool).
     """
 
     spec_manager_cls: Any = spec.KVCacheManager
     impl_manager_cls: Any = kvcache.KVCacheManager
     #: Steps and examples run in this process (read by the test and the report hook).
-    counters = {"steps": 0, "examples": 0}
+    counters: ClassVar[dict[str, int]] = {"steps": 0, "examples": 0}
 
     def __init__(self) -> None:
         super().__init__()
         self.requests: dict[str, Request] = {}
+        self.running: list[str] = []
         self.scheduled: dict[str, int] = {}
+        self.external: dict[str, int] = {}
         self.deferred: deque[tuple[list[int], list[Any]]] = deque()
         self.families: set[tuple[tuple[int, ...], str, str, tuple[Any, ...]]] = set()
         self.next_id = 0
@@ -143,7 +150,6 @@ class ManagerMachine(RuleBasedStateMachine):
     )
     def init_managers(
         self,
-        data: st.DataObject,
         num_blocks: int,
         block_size: int,
         enable_caching: bool,
@@ -152,12 +158,13 @@ class ManagerMachine(RuleBasedStateMachine):
         log_stats: bool,
         max_model_len: int,
         max_num_batched_tokens: int,
+        data: st.DataObject,
     ) -> None:
         self.counters["examples"] += 1
         layer = FullAttentionSpec(
             block_size=block_size, num_kv_heads=1, head_size=8, dtype="float16"
         )
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             max_model_len=max_model_len,
             scheduler_block_size=block_size,
             hash_block_size=block_size,
@@ -182,7 +189,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.hasher = get_request_block_hasher(block_size, sha256)
         # Start with a few waiting requests, so the first steps have work to do.
         for _ in range(data.draw(st.integers(1, 3), label="num_first_requests")):
-            self.add_request(data)
+            self.new_request(data)
 
     # ------------------------------------------------------------ views of the machine
 
@@ -197,6 +204,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def live_ids(self) -> list[str]:
         return sorted(rid for rid, r in self.requests.items() if not r.is_finished())
 
+    def idle_running_ids(self) -> list[str]:
+        return sorted(rid for rid in self.running if rid not in self.scheduled)
+
     def can_add(self) -> bool:
         return len(self.live_ids()) < MAX_LIVE_REQUESTS
 
@@ -206,26 +216,26 @@ class ManagerMachine(RuleBasedStateMachine):
     def has_loaded_waiting(self) -> bool:
         return bool(self.ids_with(*WAITING_STATES, computed=True))
 
-    def has_idle_running(self) -> bool:
-        return any(rid not in self.scheduled for rid in self.ids_with(RequestStatus.RUNNING))
+    def has_loading(self) -> bool:
+        return bool(self.ids_with(RequestStatus.WAITING_FOR_REMOTE_KVS))
 
-    def has_stepping(self) -> bool:
+    def has_idle_running(self) -> bool:
+        return bool(self.idle_running_ids())
+
+    def has_scheduled(self) -> bool:
         return bool(self.scheduled)
 
     def has_running(self) -> bool:
-        return bool(self.ids_with(RequestStatus.RUNNING))
-
-    def has_loading(self) -> bool:
-        return bool(self.ids_with(RequestStatus.WAITING_FOR_REMOTE_KVS))
+        return bool(self.running)
 
     def has_live(self) -> bool:
         return bool(self.live_ids())
 
-    def has_deferred(self) -> bool:
-        return bool(self.deferred)
-
     def has_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_deferred(self) -> bool:
+        return bool(self.deferred)
 
     # ------------------------------------------------------------ shared steps
 
@@ -238,8 +248,8 @@ class ManagerMachine(RuleBasedStateMachine):
         return data.draw(st.integers(1, num_max), label="chunk")
 
     def compare_allocation(self, request: Request, **kwargs: Any) -> bool:
-        """allocate_slots on both with the same arguments except each side's own
-        hits (``hits=(spec_hits, impl_hits)``); True when it succeeded."""
+        """allocate_slots on both with the same arguments, except that each side
+        gets its own hits (``hits=(spec_hits, impl_hits)``); True if granted."""
         spec_hits, impl_hits = kwargs.pop("hits", (None, None))
         shown = {k: v for k, v in kwargs.items() if v}
         spec_new = self.spec.allocate_slots(request, new_computed_blocks=spec_hits, **kwargs)
@@ -249,16 +259,22 @@ class ManagerMachine(RuleBasedStateMachine):
         event("allocate_slots", "refused" if spec_new is None else "granted")
         return spec_new is not None
 
-    def free_with(self, request: Request, how: str) -> None:
-        """Release a request's blocks the way the scheduler does: ``free``, or
-        ``pop_blocks_for_free`` and ``free_blocks(reversed(...))`` now or later."""
+    def release(self, request: Request, how: str) -> None:
+        """Release a request's blocks as the scheduler does: ``free``, or
+        ``pop_blocks_for_free`` and ``block_pool.free_blocks(reversed(...))``
+        now (``pop_and_free``) or after a later step (``defer``)."""
+        rid = request.request_id
+        self.scheduled.pop(rid, None)
+        self.external.pop(rid, None)
+        if rid in self.running:
+            self.running.remove(rid)
         if how == "free":
             self.spec.free(request)
             self.impl.free(request)
             return
         spec_blocks = self.spec.pop_blocks_for_free(request)
         impl_blocks = self.impl.pop_blocks_for_free(request)
-        note(f"pop_blocks_for_free({request.request_id}) -> {spec_blocks} ({how})")
+        note(f"pop_blocks_for_free({rid}) -> {spec_blocks} ({how})")
         assert ids_of(impl_blocks) == spec_blocks
         if how == "pop_and_free":
             self.spec.block_pool.free_blocks(reversed(spec_blocks))
@@ -266,67 +282,25 @@ class ManagerMachine(RuleBasedStateMachine):
         elif spec_blocks:
             self.deferred.append((spec_blocks, impl_blocks))
 
+    def preempt_request(self, request: Request, how: str) -> None:
+        """``_preempt_request``: release the blocks and send the request back to waiting."""
+        note(f"preempt({request.request_id}, {how})")
+        self.release(request, how)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+
     def finish(self, request: Request, status: RequestStatus, how: str) -> None:
+        """``_free_request``: the request ends (any state) and its blocks go back."""
         note(f"finish({request.request_id}, {status.name}, {how})")
+        self.release(request, how)
         request.status = status
-        self.scheduled.pop(request.request_id, None)
         self.remember(request)
-        self.free_with(request, how)
 
-    # ------------------------------------------------------------ requests
-
-    @precondition(lambda self: self.can_add())
-    @rule(data=st.data())
-    def add_request(self, data: st.DataObject) -> None:
-        """A new request arrives (the scheduler's add_request; no manager call).
-
-        Half the time it extends a prefix of an earlier sequence with that
-        sequence's LoRA, salt and multimodal items, so prefix hits happen.
-        """
-        max_len = min(self.max_model_len - 1, MAX_PROMPT_LEN)
-        tail = data.draw(st.lists(TOKENS, min_size=1, max_size=max_len), label="tokens")
-        if self.families and data.draw(st.booleans(), label="share_prefix"):
-            base, lora_name, cache_salt, base_mm = data.draw(
-                st.sampled_from(sorted(self.families)), label="family"
-            )
-            cut = data.draw(st.integers(0, len(base)), label="cut")
-            tokens = (list(base[:cut]) + tail)[:max_len]
-            mm = [m for m in base_mm if m[1] + m[2] <= cut]
-        else:
-            tokens = tail
-            lora_name = data.draw(st.sampled_from(EXTRA_KEYS["lora"]), label="lora")
-            cache_salt = data.draw(st.sampled_from(EXTRA_KEYS["salt"]), label="cache_salt")
-            mm = []
-            start = 0
-            for _ in range(data.draw(st.sampled_from(EXTRA_KEYS["num_mm"]), label="num_mm")):
-                if start >= len(tokens):
-                    break
-                offset = data.draw(st.integers(start, len(tokens) - 1), label="mm_offset")
-                length = data.draw(st.integers(1, len(tokens) - offset), label="mm_length")
-                identifier = data.draw(st.sampled_from(["img-a", "img-b"]), label="mm_id")
-                mm.append((identifier, offset, length))
-                start = offset + length
-        skip_read = data.draw(st.integers(0, 7), label="skip_read") == 0
-        rid = f"r{self.next_id}"
-        self.next_id += 1
-        request = Request(
-            rid,
-            tokens,
-            block_hasher=self.hasher,
-            cache_salt=cache_salt or None,
-            lora_request=LoRARequest(lora_name, LORA_IDS[lora_name]) if lora_name else None,
-            mm_features=[
-                MultiModalFeatureSpec(identifier, PlaceholderRange(offset, length))
-                for identifier, offset, length in mm
-            ],
-            skip_reading_prefix_cache=skip_read,
-        )
-        note(
-            f"{rid} = Request({tokens}, lora={lora_name!r}, salt={cache_salt!r}, mm={mm}, "
-            f"skip_read={skip_read})"
-        )
-        self.requests[rid] = request
-        self.remember(request)
+    def start_running(self, request: Request, num_new_tokens: int) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request.request_id)
+        self.scheduled[request.request_id] = num_new_tokens
 
     def remember(self, request: Request) -> None:
         """Offer the request's tokens and keys as a prefix for later requests."""
@@ -343,14 +317,68 @@ class ManagerMachine(RuleBasedStateMachine):
             )
         )
 
+    def new_request(self, data: st.DataObject) -> None:
+        """Draw a request; half the time it extends a prefix of an earlier
+        sequence, with that sequence's LoRA, salt and multimodal items."""
+        max_len = min(self.max_model_len - 1, MAX_PROMPT_LEN)
+        tail = data.draw(st.lists(TOKENS, min_size=1, max_size=max_len), label="tokens")
+        if self.families and data.draw(st.booleans(), label="share_prefix"):
+            base, lora_name, cache_salt, base_mm = data.draw(
+                st.sampled_from(sorted(self.families)), label="family"
+            )
+            cut = data.draw(st.integers(0, len(base)), label="cut")
+            tokens = (list(base[:cut]) + tail)[:max_len]
+            mm = [m for m in base_mm if m[1] + m[2] <= len(tokens)]
+        else:
+            tokens = tail
+            lora_name = data.draw(st.sampled_from(EXTRA_KEYS["lora"]), label="lora")
+            cache_salt = data.draw(st.sampled_from(EXTRA_KEYS["salt"]), label="cache_salt")
+            mm = []
+            start = 0
+            for _ in range(data.draw(st.sampled_from(EXTRA_KEYS["num_mm"]), label="num_mm")):
+                if start >= len(tokens):
+                    break
+                offset = data.draw(st.integers(start, len(tokens) - 1), label="mm_offset")
+                length = data.draw(st.integers(1, len(tokens) - offset), label="mm_length")
+                identifier = data.draw(st.sampled_from(["img-a", "img-b"]), label="mm_id")
+                mm.append((identifier, offset, length))
+                start = offset + length
+        skip_read = data.draw(st.integers(0, 7), label="skip_read") == 7
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        request = Request(
+            rid,
+            tokens,
+            block_hasher=self.hasher,
+            cache_salt=cache_salt or None,
+            lora_request=LoRARequest(lora_name, LORA_IDS[lora_name]) if lora_name else None,
+            mm_features=[
+                MultiModalFeatureSpec(identifier, PlaceholderRange(offset, length))
+                for identifier, offset, length in mm
+            ],
+            skip_reading_prefix_cache=skip_read,
+        )
+        note(
+            f"{rid} = Request({tokens}, lora={lora_name!r}, salt={cache_salt!r}, mm={mm}, "
+            f"skip_reading_prefix_cache={skip_read})"
+        )
+        self.requests[rid] = request
+        self.remember(request)
+
     # ------------------------------------------------------------ admission
+
+    @precondition(lambda self: self.can_add())
+    @rule(data=st.data())
+    def add_request(self, data: st.DataObject) -> None:
+        """A request arrives (the scheduler's add_request: no manager call yet)."""
+        self.new_request(data)
 
     @precondition(lambda self: self.has_fresh_waiting())
     @rule(data=st.data())
     def get_computed_blocks(self, data: st.DataObject) -> None:
-        """Admit a waiting request: its prefix hits, then allocate_slots with them
-        (synchronously, with an async KV load, or not at all when the connector
-        is not ready)."""
+        """Admit a waiting request: find its prefix hits, then allocate_slots with
+        them: synchronously (maybe with connector tokens), with an async KV load,
+        or not at all (the connector is not ready)."""
         rid = data.draw(st.sampled_from(self.ids_with(*WAITING_STATES, computed=False)))
         request = self.requests[rid]
         spec_hits, spec_num_hits = self.spec.get_computed_blocks(request)
@@ -358,23 +386,25 @@ class ManagerMachine(RuleBasedStateMachine):
         note(f"get_computed_blocks({rid}) -> {block_ids(spec_hits)}, {spec_num_hits}")
         assert (block_ids(impl_hits), impl_num_hits) == (block_ids(spec_hits), spec_num_hits)
         event("prefix hit", "yes" if spec_num_hits else "no")
-        mode = data.draw(st.sampled_from(ADMISSION_MODES))
+        mode = data.draw(st.sampled_from(ADMISSION_MODES), label="mode")
         if mode == "connector_not_ready":
             return
         num_tokens = request.num_tokens
         if mode == "sync":
-            # The computed tokens (hits + external) leave at least one token to compute.
-            num_external = data.draw(st.integers(0, num_tokens - 1 - spec_num_hits))
+            # Hits and connector tokens leave at least the last token to compute.
+            num_external = data.draw(
+                st.just(0) | st.integers(0, num_tokens - 1 - spec_num_hits), label="external"
+            )
             num_computed = spec_num_hits + num_external
             num_new_tokens = self.draw_chunk(data, num_tokens - num_computed)
-            num_lookahead = data.draw(st.integers(0, 3))
+            num_lookahead = data.draw(st.integers(0, 3), label="lookahead")
             reserved_blocks = 0
         else:
-            num_external = data.draw(st.integers(1, num_tokens - spec_num_hits))
+            num_external = data.draw(st.integers(1, num_tokens - spec_num_hits), label="external")
             num_computed = spec_num_hits + num_external
             num_new_tokens = num_lookahead = 0
-            reserved_blocks = data.draw(st.integers(0, 3))
-        ok = self.compare_allocation(
+            reserved_blocks = data.draw(st.integers(0, 3), label="reserved")
+        granted = self.compare_allocation(
             request,
             hits=(spec_hits, impl_hits),
             num_new_tokens=num_new_tokens,
@@ -382,30 +412,32 @@ class ManagerMachine(RuleBasedStateMachine):
             num_lookahead_tokens=num_lookahead,
             num_external_computed_tokens=num_external,
             delay_cache_blocks=mode == "async_load",
-            full_sequence_must_fit=data.draw(st.booleans()),
+            full_sequence_must_fit=data.draw(st.booleans(), label="full_sequence_must_fit"),
             reserved_blocks=reserved_blocks,
-            has_scheduled_reqs=data.draw(st.booleans()),
+            has_scheduled_reqs=data.draw(st.booleans(), label="has_scheduled_reqs"),
         )
-        if not ok:
+        if not granted:
             return
         request.num_computed_tokens = num_computed
-        if mode == "sync":
-            request.status = RequestStatus.RUNNING
-            self.scheduled[rid] = num_new_tokens
-        else:
+        if mode == "async_load":
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            return
+        self.start_running(request, num_new_tokens)
+        if num_external:
+            self.external[rid] = spec_num_hits
 
     @precondition(lambda self: self.has_loading())
     @rule(data=st.data())
     def cache_blocks(self, data: st.DataObject) -> None:
         """An async KV load ends (``_update_waiting_for_remote_kv``): cache what
-        arrived; on a failure keep the blocks before the first invalid one."""
+        arrived; after a failure only the blocks before the first invalid one."""
         rid = data.draw(st.sampled_from(self.ids_with(RequestStatus.WAITING_FOR_REMOTE_KVS)))
         request = self.requests[rid]
         failed = data.draw(st.booleans(), label="failed")
         if failed:
             first_invalid = data.draw(
-                st.integers(0, (request.num_computed_tokens - 1) // self.block_size)
+                st.integers(0, (request.num_computed_tokens - 1) // self.block_size),
+                label="first_invalid",
             )
             request.num_computed_tokens = first_invalid * self.block_size
         note(f"kv load of {rid} ends (failed={failed}), {request.num_computed_tokens} computed")
@@ -427,55 +459,63 @@ class ManagerMachine(RuleBasedStateMachine):
         """Schedule a waiting request whose KV was loaded: no new hits."""
         rid = data.draw(st.sampled_from(self.ids_with(*WAITING_STATES, computed=True)))
         request = self.requests[rid]
-        remaining = request.num_tokens - request.num_computed_tokens
-        num_new_tokens = self.draw_chunk(data, remaining)
-        ok = self.compare_allocation(
+        num_new_tokens = self.draw_chunk(data, request.num_tokens - request.num_computed_tokens)
+        granted = self.compare_allocation(
             request,
             hits=(self.spec.empty_kv_cache_blocks, self.impl.empty_kv_cache_blocks),
             num_new_tokens=num_new_tokens,
-            num_lookahead_tokens=data.draw(st.integers(0, 3)),
-            full_sequence_must_fit=data.draw(st.booleans()),
-            has_scheduled_reqs=data.draw(st.booleans()),
+            num_lookahead_tokens=data.draw(st.integers(0, 3), label="lookahead"),
+            full_sequence_must_fit=data.draw(st.booleans(), label="full_sequence_must_fit"),
+            has_scheduled_reqs=data.draw(st.booleans(), label="has_scheduled_reqs"),
         )
-        if ok:
-            request.status = RequestStatus.RUNNING
-            self.scheduled[rid] = num_new_tokens
+        if granted:
+            self.start_running(request, num_new_tokens)
 
     # ------------------------------------------------------------ running requests
 
     @precondition(lambda self: self.has_idle_running())
-    @rule(data=st.data())
-    def allocate_slots(self, data: st.DataObject) -> None:
-        """Schedule a running request's next chunk or decode (+ drafts)."""
-        rids = [r for r in self.ids_with(RequestStatus.RUNNING) if r not in self.scheduled]
-        request = self.requests[data.draw(st.sampled_from(rids))]
+    @rule(data=st.data(), how=st.sampled_from(RELEASE_MODES))
+    def allocate_slots(self, data: st.DataObject, how: str) -> None:
+        """Schedule a running request's next chunk, or its decode with draft
+        tokens; when refused, preempt the newest running request and retry,
+        until it fits or the request preempted itself (the scheduler's loop)."""
+        request = self.requests[data.draw(st.sampled_from(self.idle_running_ids()))]
         computed, num_tokens = request.num_computed_tokens, request.num_tokens
         decoding = computed >= num_tokens - 1
-        num_drafts = data.draw(st.integers(0, 3)) if decoding else 0
+        num_drafts = data.draw(st.integers(0, 3), label="drafts") if decoding else 0
         # The scheduler keeps positions below max_model_len (one token sampled per step).
         max_new = min(num_tokens + num_drafts - computed, self.max_model_len - computed - 1)
         num_new_tokens = self.draw_chunk(data, max_new)
-        ok = self.compare_allocation(
-            request,
+        arguments = dict(
             num_new_tokens=num_new_tokens,
-            num_lookahead_tokens=data.draw(st.integers(0, 3)),
-            delay_cache_blocks=data.draw(st.integers(0, 7)) == 0,
-            full_sequence_must_fit=data.draw(st.booleans()),
-            reserved_blocks=data.draw(st.sampled_from([0, 0, 1, 3])),
-            has_scheduled_reqs=data.draw(st.booleans()),
+            num_lookahead_tokens=data.draw(st.integers(0, 3), label="lookahead"),
+            delay_cache_blocks=data.draw(st.integers(0, 7), label="delay") == 7,
+            full_sequence_must_fit=data.draw(st.booleans(), label="full_sequence_must_fit"),
+            reserved_blocks=data.draw(st.sampled_from([0, 0, 1, 3]), label="reserved"),
+            has_scheduled_reqs=data.draw(st.booleans(), label="has_scheduled_reqs"),
         )
-        if ok:
-            self.scheduled[request.request_id] = num_new_tokens
+        while not self.compare_allocation(request, **arguments):
+            victim = self.requests[self.running[-1]]
+            self.preempt_request(victim, how)
+            if victim is request:
+                return
+        self.scheduled[request.request_id] = num_new_tokens
 
-    @precondition(lambda self: self.has_stepping())
+    @precondition(lambda self: self.has_scheduled())
     @rule(data=st.data())
     def decode(self, data: st.DataObject) -> None:
-        """The model step completes (``update_from_output``) for every scheduled
-        request: computed counts advance; past the prompt a request samples one
-        token plus its accepted drafts, and rejected drafts are un-computed."""
+        """The model step completes for every scheduled request
+        (``update_from_output``): computed counts advance; past the prompt a
+        request samples one token plus its accepted drafts (rejected drafts are
+        un-computed). A connector load may have failed: the request then falls
+        back to its first invalid block, whose blocks onwards may be evicted."""
         for rid in sorted(self.scheduled):
             request = self.requests[rid]
             num_scheduled = self.scheduled.pop(rid)
+            num_hit_tokens = self.external.pop(rid, None)
+            if num_hit_tokens is not None and data.draw(st.booleans(), label="load_failed"):
+                self.fail_kv_load(data, request, num_hit_tokens)
+                continue
             computed, num_tokens = request.num_computed_tokens, request.num_tokens
             if computed + num_scheduled < num_tokens:
                 request.num_computed_tokens = computed + num_scheduled
@@ -494,54 +534,33 @@ class ManagerMachine(RuleBasedStateMachine):
             if request.num_tokens >= self.max_model_len:
                 self.finish(request, RequestStatus.FINISHED_LENGTH_CAPPED, "free")
 
-    @precondition(lambda self: self.has_stepping())
-    @rule(data=st.data())
-    def evict_blocks(self, data: st.DataObject) -> None:
-        """A step's KV load from the connector partly failed
-        (``_update_requests_with_invalid_blocks``): the request falls back to the
-        first invalid block, and (with the fail policy) that block and every later
-        one leave the prefix cache."""
-        rid = data.draw(st.sampled_from(sorted(self.scheduled)))
-        request = self.requests[rid]
-        del self.scheduled[rid]
-        computed = request.num_computed_tokens
-        if computed == 0:
-            return
-        first_invalid = data.draw(st.integers(0, (computed - 1) // self.block_size))
+    def fail_kv_load(self, data: st.DataObject, request: Request, num_hit_tokens: int) -> None:
+        """``_update_requests_with_invalid_blocks`` for a synchronous load."""
+        first_loaded = num_hit_tokens // self.block_size
+        last_loaded = (request.num_computed_tokens - 1) // self.block_size
+        first_invalid = data.draw(st.integers(first_loaded, last_loaded), label="first_invalid")
         request.num_computed_tokens = first_invalid * self.block_size
-        (table,) = self.spec.get_block_ids(rid)
+        (table,) = self.spec.get_block_ids(request.request_id)
         to_evict = set(table[first_invalid:])
-        note(f"kv load of {rid} failed at block {first_invalid}: evict_blocks({to_evict})")
-        if data.draw(st.booleans(), label="fail_policy"):
+        evict = data.draw(st.booleans(), label="fail_policy")
+        note(f"kv load of {request.request_id} failed at block {first_invalid}, evict={evict}")
+        if evict:
+            note(f"evict_blocks({to_evict})")
             self.spec.evict_blocks(to_evict)
             self.impl.evict_blocks(to_evict)
 
-    @precondition(lambda self: self.num_blocks > 1)
-    @rule(data=st.data())
-    def evict_random_blocks(self, data: st.DataObject) -> None:
-        """evict_blocks with any subset of valid ids (the null block included)."""
-        to_evict = set(data.draw(st.lists(st.integers(0, self.num_blocks - 1), max_size=2)))
-        note(f"evict_blocks({to_evict})")
-        self.spec.evict_blocks(to_evict)
-        self.impl.evict_blocks(to_evict)
-
     @precondition(lambda self: self.has_running())
-    @rule(data=st.data(), how=st.sampled_from(["defer", "free", "pop_and_free"]))
+    @rule(data=st.data(), how=st.sampled_from(RELEASE_MODES))
     def preempt(self, data: st.DataObject, how: str) -> None:
         """Preempt a running request (``_preempt_request``)."""
-        request = self.requests[data.draw(st.sampled_from(self.ids_with(RequestStatus.RUNNING)))]
-        note(f"preempt({request.request_id}, {how})")
-        self.free_with(request, how)
-        self.scheduled.pop(request.request_id, None)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        self.preempt_request(self.requests[rid], how)
 
     @precondition(lambda self: self.has_live())
     @rule(
         data=st.data(),
         status=st.sampled_from(FINISHED_STATES),
-        how=st.sampled_from(["defer", "free", "pop_and_free"]),
+        how=st.sampled_from(RELEASE_MODES),
     )
     def free(self, data: st.DataObject, status: RequestStatus, how: str) -> None:
         """Finish or abort a request in any state (``_free_request``)."""
@@ -550,11 +569,22 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.has_deferred())
     @rule()
     def free_deferred_blocks(self) -> None:
-        """The step fencing the oldest deferred free completed: ``block_pool.free_blocks``."""
+        """The step fencing the oldest deferred free completed
+        (``_drain_deferred_frees``): ``block_pool.free_blocks(reversed(blocks))``."""
         spec_blocks, impl_blocks = self.deferred.popleft()
         note(f"block_pool.free_blocks(reversed({spec_blocks}))")
         self.spec.block_pool.free_blocks(reversed(spec_blocks))
         self.impl.block_pool.free_blocks(reversed(impl_blocks))
+
+    @rule(data=st.data())
+    def evict_blocks(self, data: st.DataObject) -> None:
+        """evict_blocks with any valid ids, the null block's included."""
+        to_evict = set(
+            data.draw(st.lists(st.integers(0, self.num_blocks - 1), max_size=2), label="ids")
+        )
+        note(f"evict_blocks({to_evict})")
+        self.spec.evict_blocks(to_evict)
+        self.impl.evict_blocks(to_evict)
 
     # ------------------------------------------------------------ queries and housekeeping
 
@@ -569,16 +599,14 @@ class ManagerMachine(RuleBasedStateMachine):
         spec_ok = self.spec.reset_prefix_cache()
         impl_ok = self.impl.reset_prefix_cache()
         note(f"reset_prefix_cache() -> {spec_ok}")
-        event("reset_prefix_cache", str(spec_ok))
         assert impl_ok == spec_ok
+        event("reset_prefix_cache", str(spec_ok))
 
     @rule()
     def take_events(self) -> None:
         spec_events = events_of(self.spec.take_events())
         impl_events = events_of(self.impl.take_events())
-        note(f"take_events() -> {len(spec_events)} events")
-        for name, _ in spec_events:
-            event("kv event", name)
+        note(f"take_events() -> {[name for name, _ in spec_events]}")
         assert impl_events == spec_events
 
     @rule()
@@ -591,12 +619,13 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.has_live())
     @rule(data=st.data())
     def get_num_common_prefix_blocks(self, data: st.DataObject) -> None:
+        """Any live request's id (the scheduler passes its first running one)."""
         rid = data.draw(st.sampled_from(self.live_ids()))
         spec_num = self.spec.get_num_common_prefix_blocks(rid)
         impl_num = self.impl.get_num_common_prefix_blocks(rid)
         note(f"get_num_common_prefix_blocks({rid}) -> {spec_num}")
-        event("common prefix", "yes" if spec_num[0] else "no")
         assert impl_num == spec_num
+        event("common prefix", "yes" if spec_num[0] else "no")
 
     @rule()
     def make_prefix_cache_stats(self) -> None:
@@ -626,7 +655,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def get_block_ids_for_computed_tokens(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.requests)))
-        num_computed = data.draw(st.integers(0, self.max_model_len))
+        num_computed = data.draw(st.integers(0, self.max_model_len), label="num_computed")
         spec_ids = self.spec.get_block_ids_for_computed_tokens(rid, num_computed)
         impl_ids = self.impl.get_block_ids_for_computed_tokens(rid, num_computed)
         note(f"get_block_ids_for_computed_tokens({rid}, {num_computed}) -> {spec_ids}")
@@ -656,9 +685,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def evict_blocks_out_of_range(self, data: st.DataObject) -> None:
-        """An id past the pool: ValueError in both, and nothing evicted."""
-        bad = data.draw(st.integers(self.num_blocks, self.num_blocks + 3))
-        valid = data.draw(st.lists(st.integers(0, self.num_blocks - 1), max_size=2))
+        """An id past the pool (with valid ones): ValueError in both, nothing evicted."""
+        bad = data.draw(st.integers(self.num_blocks, self.num_blocks + 3), label="bad_id")
+        valid = data.draw(st.lists(st.integers(1, self.num_blocks - 1), max_size=2), label="ids")
         to_evict = {bad, *valid}
         note(f"evict_blocks({to_evict}) -> ValueError")
         spec_out = outcome(self.spec.evict_blocks, to_evict)
@@ -678,7 +707,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.spec.check_invariants()
         if not self.deferred:
             # kvcache's check counts holders in the tables only; popped blocks
-            # awaiting their deferred free are held by the scheduler.
+            # awaiting a deferred free are held by the scheduler.
             self.impl.check_invariants()
 
 
