@@ -379,8 +379,35 @@ class BlockPool:
         """Drop one reference from each block, in eviction-priority order.
 
         Blocks reaching 0 are queued: unhashed ones at the front (in the given
-        order), hashed ones at the back.
+        order), hashed ones at the back. The null block may appear (windowed
+        tables hold it); it is never queued.
+
+        Raises:
+            ValueError: if a block is not one of this pool's, or would be freed
+                more times than it is held; nothing is freed then.
         """
+        blocks = list(ordered_blocks)
+        counts: dict[int, int] = {}
+        pool_blocks = self.blocks
+        for block in blocks:
+            block_id = block.block_id
+            if not (0 <= block_id < self.num_gpu_blocks and pool_blocks[block_id] is block):
+                raise ValueError(
+                    f"ordered_blocks holds {block!r}, which is not a block of this pool"
+                )
+            if block.is_null:
+                continue
+            n = counts[block_id] = counts.get(block_id, 0) + 1
+            if n > block.ref_cnt:
+                raise ValueError(
+                    f"ordered_blocks frees block {block_id} {n} times but it is held "
+                    f"{block.ref_cnt} times (double free)"
+                )
+        self.release_blocks(blocks)
+
+    def release_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """``free_blocks`` without the argument checks, for the managers' own
+        (always valid) releases on the hot path."""
         unhashed = []
         queue = self.free_block_queue._queue
         for block in ordered_blocks:

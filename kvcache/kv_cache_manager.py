@@ -253,12 +253,45 @@ class KVCacheManager:
 
         Raises:
             ValueError: if there is nothing to allocate for (no new and no
-                external tokens).
+                external tokens), a count is negative, the tokens would pass
+                ``max_model_len``, or ``new_computed_blocks`` has the wrong
+                number of groups. Nothing changes then.
         """
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no external "
                 f"computed tokens (request {request.request_id!r})"
+            )
+        # NOTE: one combined test keeps validation off the hot path's cost; the
+        # helper builds the message only when something is wrong.
+        if (
+            num_new_tokens < 0
+            or num_new_computed_tokens < 0
+            or num_lookahead_tokens < 0
+            or num_external_computed_tokens < 0
+            or num_encoder_tokens < 0
+            or reserved_blocks < 0
+            or request.num_computed_tokens
+            + num_new_computed_tokens
+            + num_external_computed_tokens
+            + num_new_tokens
+            > self.max_model_len
+        ):
+            self._reject_allocate_args(
+                request,
+                num_new_tokens=num_new_tokens,
+                num_new_computed_tokens=num_new_computed_tokens,
+                num_lookahead_tokens=num_lookahead_tokens,
+                num_external_computed_tokens=num_external_computed_tokens,
+                num_encoder_tokens=num_encoder_tokens,
+                reserved_blocks=reserved_blocks,
+            )
+        if new_computed_blocks is not None and len(new_computed_blocks.blocks) != len(
+            self.empty_kv_cache_blocks.blocks
+        ):
+            raise ValueError(
+                f"new_computed_blocks has {len(new_computed_blocks.blocks)} groups, the "
+                f"manager {self.num_kv_cache_groups}"
             )
         if (
             self._fast_any
@@ -350,6 +383,23 @@ class KVCacheManager:
                 request, min(total_computed_tokens + num_new_tokens, request.num_tokens)
             )
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _reject_allocate_args(self, request: Request, **counts: int) -> None:
+        """Raise the ValueError for bad ``allocate_slots`` counts (see there)."""
+        for name, value in counts.items():
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        total = request.num_computed_tokens + sum(
+            counts[k]
+            for k in ("num_new_computed_tokens", "num_external_computed_tokens", "num_new_tokens")
+        )
+        raise ValueError(
+            f"request {request.request_id!r} would reach {total} tokens "
+            f"(num_computed_tokens={request.num_computed_tokens} + new hits "
+            f"{counts['num_new_computed_tokens']} + external "
+            f"{counts['num_external_computed_tokens']} + num_new_tokens "
+            f"{counts['num_new_tokens']}), beyond max_model_len={self.max_model_len}"
+        )
 
     def _allocate_running_full(
         self,

@@ -282,7 +282,7 @@ class SingleTypeKVCacheManager:
         blocks = self.pop_blocks_for_free(request_id)
         if blocks:
             # A copy: callers may still hold this list through get_blocks().
-            self.block_pool.free_blocks(blocks[::-1])
+            self.block_pool.release_blocks(blocks[::-1])
 
     def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
         """Free blocks ``[first_block, last_block)`` right to left, replacing them
@@ -297,7 +297,7 @@ class SingleTypeKVCacheManager:
             freed.append(blocks[i])
             blocks[i] = self._null_block
         if freed:
-            self.block_pool.free_blocks(freed)
+            self.block_pool.release_blocks(freed)
 
     def remove_skipped_blocks(
         self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -665,7 +665,7 @@ class MambaManager(SingleTypeKVCacheManager):
         if idx is not None and idx < cdiv(num_computed_tokens, self.block_size) - 1:
             blocks = self.req_to_blocks[request_id]
             if blocks[idx] is not self._null_block:
-                self.block_pool.free_blocks([blocks[idx]])
+                self.block_pool.release_blocks([blocks[idx]])
                 blocks[idx] = self._null_block
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
