@@ -27,7 +27,7 @@ from kvcache.kv_cache_interface import (
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
-from kvcache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvcache.kv_cache_manager import KVCacheBlocks, KVCacheManager, enable_self_check
 from kvcache.kv_cache_utils import (
     BlockHash,
     BlockHashListWithBlockSize,
@@ -116,6 +116,7 @@ __all__ = [
     "SlidingWindowManager",
     "SlidingWindowSpec",
     "UnitaryKVCacheCoordinator",
+    "enable_self_check",
     "generate_block_hash_extra_keys",
     "get_block_hash",
     "get_group_id",

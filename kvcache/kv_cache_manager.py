@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
@@ -28,6 +30,42 @@ from kvcache.single_type_kv_cache_manager import (
 )
 
 _WATERMARKED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+SELF_CHECK_ENV = "KVCACHE_SELF_CHECK"
+"""Set to 1 to check every invariant after every manager call (slow; for debugging)."""
+
+_CHECKED_METHODS = (
+    "get_computed_blocks", "allocate_slots", "free", "remove_skipped_blocks",
+    "pop_blocks_for_free", "evict_blocks", "reset_prefix_cache", "cache_blocks",
+    "take_events", "take_new_block_ids", "new_step_starts", "get_num_common_prefix_blocks",
+)  # fmt: skip
+
+
+def enable_self_check(manager: KVCacheManager) -> None:
+    """Make ``manager`` run ``check_invariants()`` after each public call (and after
+    ``block_pool.free_blocks``), raising ``AssertionError`` naming the call that
+    broke an invariant. Costs O(pool size) per call: for debugging a scheduler,
+    not for production. Also enabled by ``KVCACHE_SELF_CHECK=1`` at construction.
+    """
+
+    def wrap(owner: Any, name: str) -> None:
+        method = getattr(owner, name)
+
+        @functools.wraps(method)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            finally:
+                try:
+                    manager.check_invariants()
+                except AssertionError as exc:
+                    raise AssertionError(f"invariant broken after {name}(): {exc}") from exc
+
+        setattr(owner, name, checked)
+
+    for name in _CHECKED_METHODS:
+        wrap(manager, name)
+    wrap(manager.block_pool, "free_blocks")
 
 
 @dataclass
@@ -172,6 +210,8 @@ class KVCacheManager:
             for m in managers
         )
         self._aligned_caching = isinstance(self.coordinator, HybridKVCacheCoordinator)
+        if os.environ.get(SELF_CHECK_ENV, "0") not in ("", "0"):
+            enable_self_check(self)
 
     @property
     def usage(self) -> float:

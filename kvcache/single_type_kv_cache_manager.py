@@ -278,11 +278,15 @@ class SingleTypeKVCacheManager:
         return self.req_to_blocks.pop(request_id, [])
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks, tail first so tails are evicted first."""
-        blocks = self.pop_blocks_for_free(request_id)
+        """Release the request's blocks, tail first so tails are evicted first.
+
+        NOTE: released before the table entry is dropped (vLLM drops first), so a
+        pool failure leaves the blocks owned by the table rather than leaked.
+        """
+        blocks = self.req_to_blocks.get(request_id)
         if blocks:
-            # A copy: callers may still hold this list through get_blocks().
             self.block_pool.release_blocks(blocks[::-1])
+        self.pop_blocks_for_free(request_id)
 
     def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
         """Free blocks ``[first_block, last_block)`` right to left, replacing them
@@ -291,13 +295,16 @@ class SingleTypeKVCacheManager:
         if blocks is None or first_block >= last_block:
             return
         freed = []
-        for i in range(min(last_block, len(blocks)) - 1, first_block - 1, -1):
+        stop = min(last_block, len(blocks))
+        for i in range(stop - 1, first_block - 1, -1):
             if blocks[i] is self._null_block:
                 break
             freed.append(blocks[i])
-            blocks[i] = self._null_block
         if freed:
+            # Release first, then null out: a pool failure leaks nothing.
             self.block_pool.release_blocks(freed)
+            for i in range(stop - len(freed), stop):
+                blocks[i] = self._null_block
 
     def remove_skipped_blocks(
         self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
