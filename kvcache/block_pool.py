@@ -337,10 +337,17 @@ class BlockPool:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
-            for block in blocks:
-                if block._hash is not None:
-                    self._evict(block)
-                block.ref_cnt = 1
+            try:
+                for block in blocks:
+                    if block._hash is not None:
+                        self._evict(block)
+                    block.ref_cnt = 1
+            except BaseException:
+                # Put every taken block back where it was, so a failure leaks none.
+                for block in blocks:
+                    block.ref_cnt = 0
+                self.free_block_queue.prepend_n(blocks)
+                raise
         else:
             for block in blocks:
                 block.ref_cnt = 1

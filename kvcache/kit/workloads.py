@@ -192,8 +192,16 @@ def _block_ids(blocks: Any) -> Any:
     return None if blocks is None else blocks.get_block_ids()
 
 
-def simulate(workload: Workload, impl: Impl, max_steps: int = 1_000_000) -> SimResult:
+def simulate(
+    workload: Workload, impl: Impl, max_steps: int = 1_000_000, check_every: int = 0
+) -> SimResult:
     """Run the workload's scheduler loop on ``impl`` until every request finishes.
+
+    Args:
+        workload: What to run.
+        impl: Which implementation.
+        max_steps: Stop after this many steps even if requests remain.
+        check_every: Call ``manager.check_invariants()`` every this many steps (0: never).
 
     Returns:
         Timings of every manager call, a digest of every result (equal digests
@@ -286,6 +294,8 @@ def simulate(workload: Workload, impl: Impl, max_steps: int = 1_000_000) -> SimR
                 running.remove((spec, req))
                 continue
             req.append_output_token_ids(_output_token(spec.request_id, req.num_tokens))
+        if check_every and step % check_every == 0:
+            m.check_invariants()
         res.series.append(
             (step, m.usage, m.block_pool.get_num_free_blocks(), len(running), len(waiting))
         )
