@@ -13,22 +13,19 @@ from spec.kv_cache_coordinator import (
 )
 from spec.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from spec.single_type_kv_cache_manager import (
+    ChunkedLocalAttentionManager,
+    CrossAttentionManager,
     FullAttentionManager,
+    MambaManager,
     SingleTypeKVCacheManager,
+    SlidingWindowManager,
     get_manager_for_kv_cache_spec,
 )
 
 __all__ = [
-    "NULL_BLOCK",
-    "BlockPool",
-    "FullAttentionManager",
-    "HybridKVCacheCoordinator",
-    "KVCacheBlocks",
-    "KVCacheCoordinator",
-    "KVCacheCoordinatorNoPrefixCache",
-    "KVCacheManager",
-    "SingleTypeKVCacheManager",
-    "UnitaryKVCacheCoordinator",
-    "get_kv_cache_coordinator",
-    "get_manager_for_kv_cache_spec",
+    "NULL_BLOCK", "BlockPool", "ChunkedLocalAttentionManager", "CrossAttentionManager",
+    "FullAttentionManager", "HybridKVCacheCoordinator", "KVCacheBlocks", "KVCacheCoordinator",
+    "KVCacheCoordinatorNoPrefixCache", "KVCacheManager", "MambaManager",
+    "SingleTypeKVCacheManager", "SlidingWindowManager", "UnitaryKVCacheCoordinator",
+    "get_kv_cache_coordinator", "get_manager_for_kv_cache_spec",
 ]

@@ -1,4 +1,4 @@
-"""The block pool of the spec: every block is an int id, all state is plain data."""
+"""The block pool: every block is an int id, all state is plain data."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvcache.kv_cache_utils import (
     get_group_id,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
-)  # fmt: skip
+)
 from kvcache.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvcache.request import Request
 
@@ -28,23 +28,19 @@ class BlockPool:
     """Blocks ``0..num_gpu_blocks-1``, their ref counts, the free queue and the prefix cache.
 
     ``free_queue`` lists free ids in eviction order (the front is reused first);
-    ``ref_cnt[b]`` counts the holders of block ``b``; ``block_hash`` maps a cached
-    block to its pool key (block hash + group id); ``cached`` maps a pool key to the
-    ids cached under it, oldest first (a hit takes the first). Block 0 is the null
-    block: ``touch``/``free_blocks`` move its count as vLLM does, but it means nothing.
+    ``ref_cnt[b]`` counts the holders of block b; ``block_hash[b]`` is a cached block's
+    pool key (block hash + group id); ``cached[key]`` lists the ids cached under a key,
+    oldest first (a hit takes the first). Block 0 is the null block: ``touch`` and
+    ``free_blocks`` move its count as vLLM does, but it means nothing.
 
-    Invariants (``check_invariants``):
-      - a block is in ``free_queue`` iff its ref count is 0 and it is not block 0;
-      - ``free_queue`` has no duplicates and no ref count is negative;
-      - ``block_hash`` and ``cached`` are inverse (``b in cached[k]`` iff
-        ``block_hash[b] == k``) and no list in ``cached`` is empty;
-      - block 0 is never cached.
+    Invariants (``check_invariants``): a block is in ``free_queue`` iff its ref count is
+    0 and it is not block 0; the queue has no duplicates; no ref count is negative;
+    ``block_hash`` and ``cached`` are inverse and no ``cached`` list is empty; block 0
+    is never cached.
     """
 
-    def __init__(
-        self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
-        enable_kv_cache_events: bool = False, metrics_collector: Any = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
+                 enable_kv_cache_events: bool = False, metrics_collector: Any = None) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
         if metrics_collector is not None:
@@ -60,9 +56,8 @@ class BlockPool:
         self.cached: dict[BlockHashWithGroupId, list[int]] = {}
         self.kv_event_queue: list[KVCacheEvent] = []
 
-    def get_cached_block(
-        self, block_hash: BlockHash, kv_cache_group_ids: list[int]
-    ) -> list[int] | None:
+    def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: list[int]
+                         ) -> list[int] | None:
         """The oldest block cached under ``block_hash`` in each group; None on any miss."""
         hit_ids = []
         for group_id in kv_cache_group_ids:
@@ -72,40 +67,31 @@ class BlockPool:
             hit_ids.append(ids[0])
         return hit_ids
 
-    def cache_full_blocks(
-        self, request: Request, blocks: Sequence[int], num_cached_blocks: int,
-        num_full_blocks: int, block_size: int, kv_cache_group_id: int,
-        block_mask: list[bool] | None = None,
-    ) -> None:  # fmt: skip
-        """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under the request's hashes.
-
-        Null and masked-out blocks are skipped. Duplicates of already cached blocks
-        are kept, not merged, so block tables stay append-only. Queues one BlockStored.
-
-        Raises:
-            ValueError: if the request has fewer block hashes than ``num_full_blocks``, or
-                a block to cache already is (vLLM asserts both).
-        """
+    def cache_full_blocks(self, request: Request, blocks: Sequence[int], num_cached_blocks: int,
+                          num_full_blocks: int, block_size: int, kv_cache_group_id: int,
+                          block_mask: list[bool] | None = None) -> None:
+        """Cache ``blocks[num_cached_blocks:num_full_blocks]`` (but null and masked-out
+        ones) under the request's hashes; queue one BlockStored. Duplicates of cached blocks
+        are kept: tables stay append-only. ValueError where vLLM asserts (bad mask length,
+        too few hashes, a block cached already)."""
         if num_cached_blocks >= num_full_blocks:
             return
         new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
         if block_mask is not None and len(block_mask) != len(new_full_blocks):
-            raise ValueError(
-                f"block_mask has {len(block_mask)} entries, not {len(new_full_blocks)}"
-            )
+            raise ValueError(f"block_mask has {len(block_mask)} entries, not "
+                             f"{len(new_full_blocks)}")
         hashes: BlockHashList = request.block_hashes
         if block_size != self.hash_block_size:
-            hashes = BlockHashListWithBlockSize(
-                request.block_hashes, self.hash_block_size, block_size
-            )
+            hashes = BlockHashListWithBlockSize(request.block_hashes, self.hash_block_size,
+                                                block_size)
         if len(hashes) < num_full_blocks:
-            raise ValueError(f"num_full_blocks={num_full_blocks} exceeds the {len(hashes)} hashes "
-                             f"of request {request.request_id!r}")  # fmt: skip
-        skip = [b == NULL_BLOCK or (block_mask is not None and not block_mask[i])
-                for i, b in enumerate(new_full_blocks)]  # fmt: skip
+            raise ValueError(f"num_full_blocks={num_full_blocks} exceeds the {len(hashes)} "
+                             f"hashes of request {request.request_id!r}")
+        keep = [b != NULL_BLOCK and (block_mask is None or block_mask[i])
+                for i, b in enumerate(new_full_blocks)]
         new_hashes: list[ExternalBlockHash] = []
         for i, block_id in enumerate(new_full_blocks):
-            if skip[i]:
+            if not keep[i]:
                 continue
             if block_id in self.block_hash:  # only after an earlier call failed half-way
                 raise ValueError(f"blocks[{num_cached_blocks + i}]={block_id} is already cached")
@@ -120,30 +106,24 @@ class BlockPool:
         # NOTE: like vLLM, this reads blocks[i] up to num_full_blocks, so it raises
         # IndexError (after caching) when asked to cache past the request's last block.
         for i in range(num_cached_blocks, num_full_blocks):
-            if blocks[i] == NULL_BLOCK or skip[i - num_cached_blocks]:
-                continue
-            keys, mm_idx = generate_block_hash_extra_keys(
-                request, i * block_size, (i + 1) * block_size, mm_idx
-            )
-            extra_keys.append(keys)
+            if blocks[i] != NULL_BLOCK and keep[i - num_cached_blocks]:
+                keys, mm_idx = generate_block_hash_extra_keys(
+                    request, i * block_size, (i + 1) * block_size, mm_idx)
+                extra_keys.append(keys)
         lora = request.lora_request
-        start, end = num_cached_blocks * block_size, num_full_blocks * block_size
+        parent = None if num_cached_blocks == 0 else hashes[num_cached_blocks - 1]
         self.kv_event_queue.append(BlockStored(
             block_hashes=new_hashes,
-            parent_block_hash=None if num_cached_blocks == 0
-            else maybe_convert_block_hash(hashes[num_cached_blocks - 1]),
-            token_ids=list(request.all_token_ids[start:end]), block_size=block_size,
-            lora_id=lora.adapter_id if lora else None, medium=MEDIUM_GPU,
-            lora_name=lora.lora_name if lora else None,
-            extra_keys=extra_keys or None, group_idx=kv_cache_group_id,
-        ))  # fmt: skip
+            parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+            token_ids=list(request.all_token_ids[num_cached_blocks * block_size:
+                                                 num_full_blocks * block_size]),
+            block_size=block_size, lora_id=lora.adapter_id if lora else None,
+            medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
+            extra_keys=extra_keys or None, group_idx=kv_cache_group_id))
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` ids from the front of the free queue, evicting their hashes.
-
-        Raises:
-            ValueError: if fewer than ``num_blocks`` blocks are free, or it is negative.
-        """
+        """Take ``num_blocks`` ids from the front of the free queue, evicting their hashes;
+        ValueError if fewer are free or ``num_blocks < 0``."""
         if num_blocks > len(self.free_queue):
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         if num_blocks < 0:
@@ -167,8 +147,7 @@ class BlockPool:
             del self.cached[key]
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockRemoved(
-                [maybe_convert_block_hash(get_block_hash(key))], MEDIUM_GPU, get_group_id(key)
-            ))  # fmt: skip
+                [maybe_convert_block_hash(get_block_hash(key))], MEDIUM_GPU, get_group_id(key)))
         return True
 
     def touch(self, blocks: Sequence[int]) -> None:
@@ -179,8 +158,8 @@ class BlockPool:
             self.ref_cnt[block_id] += 1
 
     def free_blocks(self, ordered_blocks: Iterable[int]) -> None:
-        """Drop one reference per block; blocks reaching 0 become free, in the order given:
-        unhashed ones at the front (they can never be hit), hashed ones at the back."""
+        """Drop one reference per block; those reaching 0 become free in the order given,
+        unhashed ones at the front (no hit can want them), hashed ones at the back."""
         unhashed: list[int] = []
         hashed: list[int] = []
         for block_id in ordered_blocks:
@@ -191,12 +170,8 @@ class BlockPool:
         self.free_queue.extend(hashed)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop the given blocks' hashes (in use or not); nothing else changes.
-
-        Raises:
-            ValueError: if an id is outside ``[0, num_gpu_blocks)`` (vLLM asserts, or
-                indexes from the end for a negative id); nothing is evicted then.
-        """
+        """Drop the given blocks' hashes (in use or not). ValueError, evicting nothing, for
+        an id outside ``[0, num_gpu_blocks)`` (vLLM asserts, or indexes from the end)."""
         block_ids = list(block_ids)
         for block_id in block_ids:
             if not 0 <= block_id < self.num_gpu_blocks:
@@ -232,10 +207,11 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Assert the invariants of the class docstring."""
         assert len(set(self.free_queue)) == len(self.free_queue), "duplicate in free queue"
+        assert NULL_BLOCK not in self.free_queue, "the null block is in the free queue"
         assert min(self.ref_cnt[1:], default=0) >= 0, "negative ref count"
         idle = {b for b in range(1, self.num_gpu_blocks) if self.ref_cnt[b] == 0}
         assert set(self.free_queue) == idle, "free queue is not the set of idle blocks"
-        assert NULL_BLOCK not in self.block_hash
+        assert NULL_BLOCK not in self.block_hash, "the null block is cached"
         pairs = [(b, key) for key, ids in self.cached.items() for b in ids]
         assert all(self.cached.values()) and len(pairs) == len(self.block_hash)
         assert set(pairs) == set(self.block_hash.items()), "block_hash and cached disagree"

@@ -10,111 +10,101 @@ from kvcache.kv_cache_utils import BlockHash, BlockHashList, BlockHashListWithBl
 from kvcache.request import Request
 from spec.block_pool import BlockPool
 from spec.single_type_kv_cache_manager import (
+    CrossAttentionManager,
+    Hits,
     SingleTypeKVCacheManager,
+    check_no_hits,
     get_manager_for_kv_cache_spec,
 )
 
 
 class KVCacheCoordinator:
-    """One block pool shared by one manager per KV-cache group."""
+    """One block pool shared by one manager per KV-cache group.
 
-    def __init__(
-        self, kv_cache_config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int,
-        use_eagle: bool, enable_caching: bool, enable_kv_cache_events: bool,
-        scheduler_block_size: int, hash_block_size: int,
-    ) -> None:  # fmt: skip
+    Groups flagged ``is_eagle_group`` drop their last hit block; when none is flagged,
+    ``use_eagle`` flags them all. Cross-attention groups are sized by the encoder tokens.
+    """
+
+    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
+                 max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
+                 enable_kv_cache_events: bool, scheduler_block_size: int,
+                 hash_block_size: int) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size or any(
-            scheduler_block_size % g.kv_cache_spec.block_size for g in groups
-        ):
-            raise ValueError(
-                f"scheduler_block_size={scheduler_block_size} must be a multiple of "
-                f"hash_block_size={hash_block_size} and of each group's block size"
-            )
+                scheduler_block_size % g.kv_cache_spec.block_size for g in groups):
+            raise ValueError(f"scheduler_block_size={scheduler_block_size} must be a multiple of "
+                             f"hash_block_size={hash_block_size} and of each group's block size")
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.scheduler_block_size = scheduler_block_size
         self.hash_block_size = hash_block_size
-        self.block_pool = BlockPool(
-            kv_cache_config.num_blocks, enable_caching, hash_block_size, enable_kv_cache_events
-        )
-        # Groups flagged as EAGLE drop their last hit; with none flagged, use_eagle flags all.
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, hash_block_size,
+                                    enable_kv_cache_events)
         self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(groups)))
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            get_manager_for_kv_cache_spec(
-                g.kv_cache_spec, self.block_pool, enable_caching, i, scheduler_block_size
-            )
-            for i, g in enumerate(groups)
-        )
+            get_manager_for_kv_cache_spec(g.kv_cache_spec, max_num_batched_tokens, max_model_len,
+                                          self.block_pool, enable_caching, i, scheduler_block_size)
+            for i, g in enumerate(groups))
         self._init_groups()
 
     def _init_groups(self) -> None:
-        """Coordinator-specific checks and per-manager EAGLE flags, run by ``__init__``."""
+        """Coordinator-specific checks and EAGLE flags, run at the end of ``__init__``."""
 
-    def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: tuple[Sequence[int], ...],
-        num_encoder_tokens: int, total_computed_tokens: int, num_tokens_main_model: int,
-        apply_admission_cap: bool = False,
-    ) -> int:  # fmt: skip
-        """Free blocks needed across all groups (see the manager's method)."""
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: tuple[Sequence[int], ...],
+                                   num_encoder_tokens: int, total_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False
+                                   ) -> int:
+        """Free blocks needed across all groups (see the managers' method)."""
         num_blocks = 0
-        for i, manager in enumerate(self.single_type_managers):
-            num_blocks += manager.get_num_blocks_to_allocate(
-                request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
-                num_tokens_main_model, apply_admission_cap,
-            )  # fmt: skip
+        for i, m in enumerate(self.single_type_managers):
+            if isinstance(m, CrossAttentionManager):
+                num_blocks += m.get_num_blocks_to_allocate(
+                    request_id, num_encoder_tokens, [], 0, num_encoder_tokens, apply_admission_cap)
+            else:
+                num_blocks += m.get_num_blocks_to_allocate(
+                    request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
+                    num_tokens_main_model, apply_admission_cap)
         return num_blocks
 
-    def allocate_new_computed_blocks(
-        self, request_id: str, new_computed_blocks: tuple[Sequence[int], ...],
-        num_local_computed_tokens: int, num_external_computed_tokens: int,
-    ) -> None:  # fmt: skip
-        """Give a new request its prefix hits, then blocks for its external tokens.
-
-        Every group touches its hits before any group allocates, so that one group's
-        allocation cannot evict another's hits. A no-op for a running request.
-
-        Raises:
-            ValueError: if a running request is given new computed blocks.
-        """
+    def allocate_new_computed_blocks(self, request_id: str,
+                                     new_computed_blocks: tuple[Sequence[int], ...],
+                                     num_local_computed_tokens: int,
+                                     num_external_computed_tokens: int) -> None:
+        """Give a new request its hits, then blocks for its external tokens (a no-op for a
+        running one). Every group touches its hits before any group allocates, so one
+        group's allocation cannot evict another's hits."""
         if any(request_id in m.num_cached_block for m in self.single_type_managers):
-            if any(len(blocks) for blocks in new_computed_blocks):
-                raise ValueError(f"request_id={request_id!r} is running: new_computed_blocks "
-                                 f"must be empty, got {new_computed_blocks}")  # fmt: skip
+            for blocks in new_computed_blocks:
+                check_no_hits(request_id, blocks)
             return
-        for i, manager in enumerate(self.single_type_managers):
-            manager.add_local_computed_blocks(
-                request_id, new_computed_blocks[i], num_local_computed_tokens,
-                num_external_computed_tokens,
-            )  # fmt: skip
+        for i, m in enumerate(self.single_type_managers):
+            m.add_local_computed_blocks(request_id, new_computed_blocks[i],
+                                        num_local_computed_tokens, num_external_computed_tokens)
         if num_external_computed_tokens > 0:
-            for manager in self.single_type_managers:
-                manager.allocate_external_computed_blocks(
-                    request_id, num_local_computed_tokens, num_external_computed_tokens
-                )
+            for m in self.single_type_managers:
+                m.allocate_external_computed_blocks(request_id, num_local_computed_tokens,
+                                                    num_external_computed_tokens)
 
-    def allocate_new_blocks(
-        self, request_id: str, num_tokens: int, num_tokens_main_model: int,
-        num_encoder_tokens: int = 0,
-    ) -> tuple[list[int], ...]:  # fmt: skip
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
+                            num_encoder_tokens: int = 0) -> tuple[list[int], ...]:
         """Give the request ``num_tokens`` slots in every group; return the new ids."""
-        return tuple(
-            m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
-            for m in self.single_type_managers
-        )
+        return tuple(m.allocate_new_blocks(
+            request_id, num_encoder_tokens if isinstance(m, CrossAttentionManager) else num_tokens,
+            num_tokens_main_model) for m in self.single_type_managers)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's full blocks among its first ``num_computed_tokens`` tokens."""
-        for manager in self.single_type_managers:
-            manager.cache_blocks(request, num_computed_tokens)
+        for m in self.single_type_managers:
+            m.cache_blocks(request, num_computed_tokens)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, group by group."""
-        for manager in self.single_type_managers:
-            manager.free(request_id)
+        for m in self.single_type_managers:
+            m.free(request_id)
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
         """Forget the request; its blocks group after group, each in allocation order."""
@@ -122,30 +112,28 @@ class KVCacheCoordinator:
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, the leading blocks shared by every request with a table."""
-        managers = self.single_type_managers
-        return [m.get_num_common_prefix_blocks(running_request_id) for m in managers]
+        return [m.get_num_common_prefix_blocks(running_request_id)
+                for m in self.single_type_managers]
 
-    def remove_skipped_blocks(
-        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
-    ) -> None:
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
         """Free the blocks attention no longer reads, in every group."""
-        for manager in self.single_type_managers:
-            manager.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
+        for m in self.single_type_managers:
+            m.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
 
     def get_blocks(self, request_id: str) -> tuple[list[int], ...]:
         """The request's tables (the live lists, as vLLM returns them); [] when unknown."""
         return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
 
-    def find_longest_cache_hit(
-        self, block_hashes: list[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[int], ...], int]:
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_cache_hit_length: int
+                               ) -> tuple[Hits, int]:
         """Per-group hit blocks and the hit length in tokens."""
         raise NotImplementedError
 
     def new_step_starts(self) -> None:
         """Tell every manager a scheduler step begins."""
-        for manager in self.single_type_managers:
-            manager.new_step_starts()
+        for m in self.single_type_managers:
+            m.new_step_starts()
 
 
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
@@ -155,41 +143,29 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         """0 per group (and, unlike the managers, no table entry is created)."""
         return [0] * len(self.single_type_managers)
 
-    def find_longest_cache_hit(
-        self, block_hashes: list[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[int], ...], int]:
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_cache_hit_length: int
+                               ) -> tuple[Hits, int]:
         """No hit."""
         return tuple([] for _ in self.single_type_managers), 0
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
-    """Exactly one group, hashed at its own block size."""
+    """Exactly one group, hashed at its own block size; hits align to that size."""
 
     def _init_groups(self) -> None:
-        """Check that blocks are hashed at the group's block size; set its EAGLE flag."""
+        self.kv_cache_spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_size = self.kv_cache_spec.block_size
         if self.enable_caching and self.hash_block_size != self.block_size:
             raise ValueError(f"hash_block_size={self.hash_block_size} must equal the block "
-                             f"size {self.block_size} of the only group")  # fmt: skip
+                             f"size {self.block_size} of the only group")
         self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
 
-    @property
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """The only group's spec."""
-        return self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-
-    @property
-    def block_size(self) -> int:
-        """The only group's block size."""
-        return self.kv_cache_spec.block_size
-
-    def find_longest_cache_hit(
-        self, block_hashes: list[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[int], ...], int]:
-        """The group's longest hit, aligned to its block size."""
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_cache_hit_length: int
+                               ) -> tuple[Hits, int]:
+        """The group's longest hit."""
         hits = self.single_type_managers[0].find_longest_cache_hit(
             block_hashes, max_cache_hit_length, [0], self.block_pool, self.kv_cache_spec,
-            0 in self.eagle_group_ids, self.block_size,
-        )  # fmt: skip
+            0 in self.eagle_group_ids, self.block_size)
         return hits, len(hits[0]) * self.block_size
 
 
@@ -203,19 +179,17 @@ class SpecGroup(NamedTuple):
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
-    """Several groups with at least two distinct specs, hashed at a common finer size.
-
-    Hits and caching are aligned to ``scheduler_block_size``. Only full-attention
-    groups are modelled so far (other kinds have no manager yet).
-    """
+    """At least two distinct specs, hashed at a common finer ``hash_block_size``; larger
+    blocks read the hashes through ``BlockHashListWithBlockSize``. Hits and caching align
+    to ``scheduler_block_size``; ``attention_groups`` lists the distinct specs, full
+    attention first."""
 
     def _init_groups(self) -> None:
-        """Group equal specs into ``attention_groups``, full attention first."""
         groups = self.kv_cache_config.kv_cache_groups
         if any(g.kv_cache_spec.block_size % self.hash_block_size for g in groups):
             raise ValueError(f"hash_block_size={self.hash_block_size} must divide every block size")
         self.attention_groups: list[SpecGroup] = []
-        for i, (g, manager) in enumerate(zip(groups, self.single_type_managers, strict=True)):
+        for i, (g, m) in enumerate(zip(groups, self.single_type_managers, strict=True)):
             use_eagle = i in self.eagle_group_ids
             for idx, sg in enumerate(self.attention_groups):
                 if sg.spec == g.kv_cache_spec:
@@ -223,9 +197,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     self.attention_groups[idx] = sg._replace(use_eagle=sg.use_eagle or use_eagle)
                     break
             else:
-                self.attention_groups.append(
-                    SpecGroup(g.kv_cache_spec, [i], type(manager), use_eagle)
-                )
+                self.attention_groups.append(SpecGroup(g.kv_cache_spec, [i], type(m), use_eagle))
         if len(self.attention_groups) < 2:
             raise ValueError(f"{len(groups)} KV-cache groups need >= 2 distinct specs with caching")
         self.attention_groups.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))
@@ -234,36 +206,36 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 self.single_type_managers[group_id].use_eagle = sg.use_eagle
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Cache up to the last ``scheduler_block_size`` boundary (EAGLE groups one
-        block further, since their hits look one block past a boundary)."""
+        """Cache up to the last ``scheduler_block_size`` boundary (EAGLE groups one block
+        further, since their hits look one block past a boundary)."""
         aligned = num_computed_tokens // self.scheduler_block_size * self.scheduler_block_size
-        for manager in self.single_type_managers:
+        for m in self.single_type_managers:
             num_tokens = aligned
-            if manager.use_eagle and aligned > 0:
-                num_tokens = min(num_computed_tokens, aligned + manager.block_size)
-            manager.cache_blocks(request, num_tokens)
+            if m.use_eagle and aligned > 0:
+                num_tokens = min(num_computed_tokens, aligned + m.block_size)
+            m.cache_blocks(request, num_tokens)
 
-    def find_longest_cache_hit(
-        self, block_hashes: list[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[int], ...], int]:
-        """Shrink a candidate length until every spec group accepts it (a fixed point).
+    def _hashes_for(self, block_hashes: list[BlockHash], spec: KVCacheSpec) -> BlockHashList:
+        """The request's hashes at the spec's block size."""
+        if spec.block_size == self.hash_block_size:
+            return block_hashes
+        return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, spec.block_size)
 
-        A full-attention group is searched once; later rounds only round the
-        length down to its block size. Only the first spec group's hits are
-        trimmed to the final length, as in vLLM.
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_cache_hit_length: int
+                               ) -> tuple[Hits, int]:
+        """Shrink a candidate length until every spec accepts it (a fixed point).
+
+        Full attention is searched once, then only rounded down to its block size; with
+        one other spec a single round suffices. An EAGLE spec searches one block further
+        and drops it, once per candidate length. Only the first spec's hits are trimmed
+        to the final length, as in vLLM. Sets ``num_uncached_common_prefix_tokens``: how
+        much longer the longest single-spec hit was.
         """
-
-        def hashes_for(spec: KVCacheSpec) -> BlockHashList:
-            if spec.block_size == self.hash_block_size:
-                return block_hashes
-            return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, spec.block_size)
-
         hit_blocks: list[list[int] | None] = [None] * len(self.single_type_managers)
         hit_length, longest_hit_length = max_cache_hit_length, 0
         is_simple_hybrid = len(self.attention_groups) == 2 and isinstance(
-            self.attention_groups[0].spec, FullAttentionSpec
-        )
-        eagle_verified: set[int] = set()  # EAGLE drops done at the current length
+            self.attention_groups[0].spec, FullAttentionSpec)
+        eagle_verified: set[int] = set()  # specs whose EAGLE drop holds at the current length
         while True:
             curr_length = hit_length
             for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(self.attention_groups):
@@ -275,9 +247,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 if drop_eagle_block:
                     max_length = min(curr_length + spec.block_size, max_cache_hit_length)
                 hits = manager_cls.find_longest_cache_hit(
-                    hashes_for(spec), max_length, group_ids, self.block_pool, spec,
-                    drop_eagle_block, self.scheduler_block_size,
-                )  # fmt: skip
+                    self._hashes_for(block_hashes, spec), max_length, group_ids, self.block_pool,
+                    spec, drop_eagle_block, self.scheduler_block_size)
                 new_length = len(hits[0]) * spec.block_size
                 if drop_eagle_block:
                     eagle_verified.add(idx)
@@ -296,29 +267,35 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         if isinstance(first.spec, FullAttentionSpec):
             for group_id in first.group_ids:
                 if (first_hits := hit_blocks[group_id]) is not None:
-                    del first_hits[hit_length // first.spec.block_size :]
+                    del first_hits[hit_length // first.spec.block_size:]
         self.num_uncached_common_prefix_tokens = longest_hit_length - hit_length
         return tuple(b if b is not None else [] for b in hit_blocks), hit_length
 
+    def find_longest_cache_hit_per_group(self, block_hashes: list[BlockHash],
+                                         max_cache_hit_length: int
+                                         ) -> tuple[Hits, tuple[int, ...]]:
+        """Each spec's own longest hit (no common length), with its length per group."""
+        hit_blocks: list[list[int]] = [[] for _ in self.single_type_managers]
+        hit_lengths = [0] * len(self.single_type_managers)
+        for spec, group_ids, manager_cls, use_eagle in self.attention_groups:
+            hits = manager_cls.find_longest_cache_hit(
+                self._hashes_for(block_hashes, spec), max_cache_hit_length, group_ids,
+                self.block_pool, spec, use_eagle, self.scheduler_block_size)
+            for group_id, blocks in zip(group_ids, hits, strict=True):
+                hit_blocks[group_id] = blocks
+                hit_lengths[group_id] = len(hits[0]) * spec.block_size
+        return tuple(hit_blocks), tuple(hit_lengths)
 
-def get_kv_cache_coordinator(
-    kv_cache_config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int,
-    use_eagle: bool, enable_caching: bool, enable_kv_cache_events: bool,
-    scheduler_block_size: int, hash_block_size: int,
-) -> KVCacheCoordinator:  # fmt: skip
-    """The coordinator vLLM picks: no-prefix-cache when caching is off, else unitary
-    for one group and hybrid for several.
 
-    Raises:
-        ValueError: for configurations vLLM asserts against.
-    """
-    args = (
-        kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle, enable_caching,
-        enable_kv_cache_events, scheduler_block_size, hash_block_size,
-    )  # fmt: skip
-    groups = kv_cache_config.kv_cache_groups
+def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
+                             max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
+                             enable_kv_cache_events: bool, scheduler_block_size: int,
+                             hash_block_size: int) -> KVCacheCoordinator:
+    """No-prefix-cache when caching is off, else unitary for one group, hybrid for more."""
+    cls: type[KVCacheCoordinator] = HybridKVCacheCoordinator
     if not enable_caching:
-        return KVCacheCoordinatorNoPrefixCache(*args)
-    if len(groups) == 1:
-        return UnitaryKVCacheCoordinator(*args)
-    return HybridKVCacheCoordinator(*args)
+        cls = KVCacheCoordinatorNoPrefixCache
+    elif len(kv_cache_config.kv_cache_groups) == 1:
+        cls = UnitaryKVCacheCoordinator
+    return cls(kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle, enable_caching,
+               enable_kv_cache_events, scheduler_block_size, hash_block_size)

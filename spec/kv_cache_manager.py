@@ -1,4 +1,4 @@
-"""The request-level KV-cache manager of the spec (vLLM 0.25.1's API, blocks as int ids)."""
+"""The request-level KV-cache manager (vLLM 0.25.1's API, blocks as int ids)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 from kvcache.kv_cache_interface import (
+    AttentionSpec,
+    CrossAttentionSpec,
     KVCacheConfig,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
@@ -20,15 +22,11 @@ from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.kv_cache_coordinator import get_kv_cache_coordinator
 from spec.single_type_kv_cache_manager import cdiv
 
-WAITING, PREEMPTED = RequestStatus.WAITING, RequestStatus.PREEMPTED
-
 
 @dataclass
 class KVCacheBlocks:
-    """Block ids per KV-cache group (``blocks[g][i]``), as handed to the scheduler.
-
-    ``block_pool`` lets the unhashed-id queries read the current hashes.
-    """
+    """Block ids per KV-cache group (``blocks[g][i]``), as handed to the scheduler;
+    ``block_pool`` lets the unhashed-id queries read the current hashes."""
 
     blocks: tuple[Sequence[int], ...]
     block_pool: BlockPool | None = field(default=None, compare=False, repr=False)
@@ -36,8 +34,8 @@ class KVCacheBlocks:
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         """Concatenate group by group."""
         pairs = zip(self.blocks, other.blocks, strict=False)
-        blocks = tuple(list(itertools.chain(a, b)) for a, b in pairs)
-        return KVCacheBlocks(blocks, self.block_pool or other.block_pool)
+        return KVCacheBlocks(tuple(list(itertools.chain(a, b)) for a, b in pairs),
+                             self.block_pool or other.block_pool)
 
     @overload
     def get_block_ids(self, allow_none: Literal[False] = False) -> tuple[list[int], ...]: ...
@@ -52,11 +50,7 @@ class KVCacheBlocks:
         return tuple(list(group) for group in self.blocks)
 
     def get_unhashed_block_ids(self) -> list[int]:
-        """Ids of the single group's blocks that are not cached (null block included).
-
-        Raises:
-            ValueError: if there is not exactly one group.
-        """
+        """Ids of the only group's uncached blocks (null included); ValueError if not 1 group."""
         if len(self.blocks) != 1:
             raise ValueError(f"get_unhashed_block_ids needs 1 group, got {len(self.blocks)}")
         assert self.block_pool is not None
@@ -79,21 +73,21 @@ class KVCacheManager:
     State lives in ``block_pool`` (free queue, ref counts, prefix cache) and in the
     per-group managers of ``coordinator`` (block tables); ``abstract_state`` shows it all.
 
-    Invariants (``check_invariants``), besides the pool's:
-      - every id in a block table or in ``new_block_ids`` is a valid block id;
-      - a non-null block's ref count is at least the number of table entries holding
-        it across groups; it is more only for blocks popped by ``pop_blocks_for_free``
-        that the caller has not freed yet;
-      - a request with a cached-block count also has a block table.
+    Invariants (``check_invariants``), besides the pool's and the managers':
+      - every id in a table or in ``new_block_ids`` is a valid block id (and not 0 in
+        ``new_block_ids``);
+      - a non-null block is held by one group only (a hit shares it within its group),
+        and its ref count is at least the number of table entries holding it; more only
+        for blocks from ``pop_blocks_for_free`` the caller has not freed yet.
     """
 
-    def __init__(
-        self, kv_cache_config: KVCacheConfig, max_model_len: int, scheduler_block_size: int,
-        hash_block_size: int, max_num_batched_tokens: int | None = None,
-        enable_caching: bool = True, use_eagle: bool = False, log_stats: bool = False,
-        enable_kv_cache_events: bool = False, dcp_world_size: int = 1, pcp_world_size: int = 1,
-        metrics_collector: Any = None, watermark: float = 0.0,
-    ) -> None:  # fmt: skip
+    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
+                 scheduler_block_size: int, hash_block_size: int,
+                 max_num_batched_tokens: int | None = None, enable_caching: bool = True,
+                 use_eagle: bool = False, log_stats: bool = False,
+                 enable_kv_cache_events: bool = False, dcp_world_size: int = 1,
+                 pcp_world_size: int = 1, metrics_collector: Any = None,
+                 watermark: float = 0.0) -> None:
         if dcp_world_size > 1 or pcp_world_size > 1:
             raise NotImplementedError("context parallelism (dcp/pcp > 1) is not modelled")
         if metrics_collector is not None:
@@ -108,8 +102,7 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config, max_model_len, self.max_num_batched_tokens, use_eagle,
-            enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
-        )  # fmt: skip
+            enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size)
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
@@ -119,11 +112,9 @@ class KVCacheManager:
         self.kv_cache_event_metadata = tuple(
             (get_kv_cache_spec_kind(g.kv_cache_spec).value,
              get_kv_cache_spec_sliding_window(g.kv_cache_spec))
-            for g in kv_cache_config.kv_cache_groups
-        )  # fmt: skip
+            for g in kv_cache_config.kv_cache_groups)
         self.empty_kv_cache_blocks = KVCacheBlocks(
-            tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool
-        )
+            tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool)
 
     @property
     def usage(self) -> float:
@@ -138,105 +129,79 @@ class KVCacheManager:
         return stats
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """The request's longest cached prefix: its blocks and length in tokens.
-
-        At most ``num_tokens - 1`` tokens hit, since the last token must be computed
-        to produce logits.
-        """
+        """The request's longest cached prefix: its blocks and length in tokens. At most
+        ``num_tokens - 1`` tokens hit: the last one is recomputed for its logits."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1
-        )
+            request.block_hashes, request.num_tokens - 1)
         if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.record(
-                request.num_tokens, num_hit_tokens, request.num_preemptions > 0
-            )
+            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens,
+                                           request.num_preemptions > 0)
         return self.create_kv_cache_blocks(hits), num_hit_tokens
 
-    def allocate_slots(
-        self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0,
-        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
-        num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False,
-        reserved_blocks: int = 0, has_scheduled_reqs: bool = True,
-    ) -> KVCacheBlocks | None:  # fmt: skip
-        """Add prefix hits, external tokens and ``num_new_tokens`` (+ lookahead) slots.
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
+                       delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
+                       full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
+                       has_scheduled_reqs: bool = True) -> KVCacheBlocks | None:
+        """Add prefix hits, external tokens and ``num_new_tokens`` (+ lookahead) slots;
+        cache the full blocks among the request's known tokens unless ``delay_cache_blocks``.
 
-        Returns the newly allocated blocks, or None when the free blocks minus
-        ``reserved_blocks`` cannot cover them plus the watermark (then only blocks out
-        of the attention window may have been freed). On success, caches the full
-        blocks among the request's known tokens unless caching is off or
-        ``delay_cache_blocks``.
-
-        Raises:
-            ValueError: if ``num_new_tokens`` and ``num_external_computed_tokens`` are
-                both 0, or hits are given to a request that already has blocks.
+        Returns the new blocks, or None when the free blocks minus ``reserved_blocks`` cannot
+        cover them plus the watermark (out-of-window blocks may be freed all the same).
+        ValueError if there are no new and no external tokens.
         """
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError(
-                "num_new_tokens must be greater than 0 when there are no external computed tokens"
-            )
-        rid = request.request_id
-        new_computed_block_list = (
-            self.empty_kv_cache_blocks.blocks
-            if new_computed_blocks is None
-            else new_computed_blocks.blocks
-        )
-        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        total_computed_tokens = min(
-            num_local_computed_tokens + num_external_computed_tokens, self.max_model_len
-        )
+                "num_new_tokens must be greater than 0 when there are no external computed tokens")
+        rid, coordinator = request.request_id, self.coordinator
+        hits = (self.empty_kv_cache_blocks if new_computed_blocks is None
+                else new_computed_blocks).blocks
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_computed = num_local_computed + num_external_computed_tokens
+        total_computed = min(num_computed, self.max_model_len)
         watermark_blocks = 0
-        if has_scheduled_reqs and request.status in (WAITING, PREEMPTED):
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING,
+                                                     RequestStatus.PREEMPTED):
             watermark_blocks = self.watermark_blocks
         if full_sequence_must_fit:
-            full_num_tokens = min(request.num_tokens, self.max_model_len)
-            num_needed = self.coordinator.get_num_blocks_to_allocate(
-                rid, full_num_tokens, new_computed_block_list, num_encoder_tokens,
-                total_computed_tokens, full_num_tokens, apply_admission_cap=True,
-            )  # fmt: skip
+            num_full = min(request.num_tokens, self.max_model_len)
+            num_needed = coordinator.get_num_blocks_to_allocate(
+                rid, num_full, hits, num_encoder_tokens, total_computed, num_full, True)
             if num_needed + watermark_blocks > self.block_pool.get_num_free_blocks():
                 return None
-        num_tokens_main_model = total_computed_tokens + num_new_tokens
-        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens,
+                                   self.max_model_len)
         # Free out-of-window blocks first (even if we then refuse) so fewer get evicted.
-        self.coordinator.remove_skipped_blocks(
-            rid, total_computed_tokens, request.num_prompt_tokens
-        )
-        num_needed = self.coordinator.get_num_blocks_to_allocate(
-            rid, num_tokens_need_slot, new_computed_block_list, num_encoder_tokens,
-            num_local_computed_tokens + num_external_computed_tokens, num_tokens_main_model,
-        )  # fmt: skip
+        coordinator.remove_skipped_blocks(rid, total_computed, request.num_prompt_tokens)
+        num_needed = coordinator.get_num_blocks_to_allocate(
+            rid, num_tokens_need_slot, hits, num_encoder_tokens, num_computed,
+            num_tokens_main_model)
         if num_needed + watermark_blocks > self.block_pool.get_num_free_blocks() - reserved_blocks:
             return None
         # NOTE: an identity test, as in vLLM: a distinct empty KVCacheBlocks does add.
-        if (
-            new_computed_block_list is not self.empty_kv_cache_blocks.blocks
-            or num_external_computed_tokens > 0
-        ):
-            self.coordinator.allocate_new_computed_blocks(
-                rid, new_computed_block_list, num_local_computed_tokens,
-                num_external_computed_tokens,
-            )  # fmt: skip
-        new_blocks = self.coordinator.allocate_new_blocks(
-            rid, num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens
-        )
+        if hits is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens > 0:
+            coordinator.allocate_new_computed_blocks(rid, hits, num_local_computed,
+                                                     num_external_computed_tokens)
+        new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_need_slot,
+                                                     num_tokens_main_model, num_encoder_tokens)
         if self.enable_caching and not delay_cache_blocks:
             # Draft tokens beyond request.num_tokens may be rejected: never cache them.
-            self.coordinator.cache_blocks(
-                request, min(total_computed_tokens + num_new_tokens, request.num_tokens)
-            )
+            coordinator.cache_blocks(request, min(total_computed + num_new_tokens,
+                                                  request.num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first in each group."""
         self.coordinator.free(request.request_id)
 
-    def remove_skipped_blocks(
-        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
-    ) -> None:
-        """Free blocks attention no longer reads (none for full attention)."""
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        """Free the blocks attention no longer reads."""
         self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
 
     def pop_blocks_for_free(self, request: Request) -> list[int]:
@@ -263,11 +228,8 @@ class KVCacheManager:
         """Drain the pool's events, labelling each BlockStored with its group's kind."""
         events = self.block_pool.take_events()
         for event in events:
-            if (
-                isinstance(event, BlockStored)
-                and event.group_idx is not None
-                and (0 <= event.group_idx < len(self.kv_cache_event_metadata))
-            ):
+            if (isinstance(event, BlockStored) and event.group_idx is not None
+                    and 0 <= event.group_idx < len(self.kv_cache_event_metadata)):
                 kind, window = self.kv_cache_event_metadata[event.group_idx]
                 event.kv_cache_spec_kind = kind
                 event.kv_cache_spec_sliding_window = window
@@ -281,17 +243,17 @@ class KVCacheManager:
         """Copies of the request's block tables."""
         return self.get_blocks(request_id).get_block_ids()
 
-    def get_block_ids_for_computed_tokens(
-        self, request_id: str, num_computed_tokens: int
-    ) -> tuple[list[int], ...]:
-        """Per group, the blocks covering the first ``num_computed_tokens`` tokens."""
-        # Every modelled group is an attention group, so every table is clipped.
-        return tuple(
-            ids[: cdiv(num_computed_tokens, g.kv_cache_spec.block_size)]
-            for g, ids in zip(
-                self.kv_cache_config.kv_cache_groups, self.get_block_ids(request_id), strict=False
-            )
-        )
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int
+                                          ) -> tuple[list[int], ...]:
+        """Per group, the blocks covering the first ``num_computed_tokens`` tokens
+        (whole tables for Mamba and cross attention, whose blocks are not per token)."""
+        clipped = []
+        groups, tables = self.kv_cache_config.kv_cache_groups, self.get_block_ids(request_id)
+        for g, ids in zip(groups, tables, strict=False):
+            s = g.kv_cache_spec
+            per_token = isinstance(s, AttentionSpec) and not isinstance(s, CrossAttentionSpec)
+            clipped.append(ids[:cdiv(num_computed_tokens, s.block_size)] if per_token else ids)
+        return tuple(clipped)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's full blocks among its first tokens (if caching is on)."""
@@ -319,9 +281,8 @@ class KVCacheManager:
             "ref_cnt": {b: c for b, c in enumerate(pool.ref_cnt) if b != NULL_BLOCK and c != 0},
             "block_hash": dict(pool.block_hash),
             "cached": {key: list(ids) for key, ids in pool.cached.items()},
-            "req_to_blocks": [
-                {r: list(ids) for r, ids in m.req_to_blocks.items()} for m in managers
-            ],
+            "req_to_blocks": [{r: list(ids) for r, ids in m.req_to_blocks.items()}
+                              for m in managers],
             "num_cached_block": [dict(m.num_cached_block) for m in managers],
             "new_block_ids": [list(m.new_block_ids) for m in managers],
         }
@@ -331,11 +292,15 @@ class KVCacheManager:
         pool = self.block_pool
         pool.check_invariants()
         holders: Counter[int] = Counter()
-        for m in self.coordinator.single_type_managers:
-            assert set(m.num_cached_block) <= set(m.req_to_blocks)
+        group_of: dict[int, int] = {}
+        for g, m in enumerate(self.coordinator.single_type_managers):
+            m.check_invariants()
             assert all(0 < b < pool.num_gpu_blocks for b in m.new_block_ids)
             for ids in m.req_to_blocks.values():
                 assert all(0 <= b < pool.num_gpu_blocks for b in ids)
-                holders.update(b for b in ids if b != NULL_BLOCK)
+                for b in ids:
+                    if b != NULL_BLOCK:
+                        assert group_of.setdefault(b, g) == g, f"block {b} held by two groups"
+                        holders[b] += 1
         for b, count in holders.items():
             assert pool.ref_cnt[b] >= count, f"block {b}: ref_cnt {pool.ref_cnt[b]} < {count}"

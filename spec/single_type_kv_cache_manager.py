@@ -1,19 +1,25 @@
-"""Per-group managers: the block table of every request in one KV-cache group.
-
-A group kind (sliding window, Mamba, ...) is a subclass that overrides
-``get_num_skipped_tokens``, ``find_longest_cache_hit`` and
-``get_num_common_prefix_blocks``; the bookkeeping here is shared.
-"""
+"""Per-group managers: the bookkeeping of the base class, one subclass per group kind."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
-from kvcache.kv_cache_interface import FullAttentionSpec, KVCacheSpec
-from kvcache.kv_cache_utils import BlockHashList
+from kvcache.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from kvcache.kv_cache_utils import BlockHashList, BlockHashWithGroupId
 from kvcache.request import Request
 from spec.block_pool import NULL_BLOCK, BlockPool
+
+Hits = tuple[list[int], ...]
+"""Per group of a lookup, the hit block ids (NULL_BLOCK where skipped)."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -21,22 +27,37 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
+def check_no_hits(request_id: str, new_computed_blocks: Sequence[int]) -> None:
+    """A running request gets no new hits (vLLM asserts it)."""
+    if len(new_computed_blocks):
+        raise ValueError(f"request_id={request_id!r} is running: new_computed_blocks "
+                         f"must be empty, got {list(new_computed_blocks)}")
+
+
+def align_hits(hits: Hits, block_size: int, alignment_tokens: int) -> None:
+    """Drop trailing hits until their length is a multiple of ``alignment_tokens``."""
+    while block_size != alignment_tokens and len(hits[0]) * block_size % alignment_tokens:
+        for group_hits in hits:
+            group_hits.pop()
+
+
 class SingleTypeKVCacheManager:
     """Block tables of one KV-cache group.
 
     ``req_to_blocks[r][i]`` holds tokens ``[i*block_size, (i+1)*block_size)`` of request
-    ``r`` (0 where skipped). vLLM keeps it in a ``defaultdict``, so some reads create an
-    empty entry: ``_blocks_of`` marks them. ``num_cached_block[r]`` counts the leading
-    blocks already cached; only ``add_local_computed_blocks`` and a ``cache_blocks``
-    that caches something set it, and a request in it is running (no more hits).
-    ``new_block_ids`` collects fresh ids until ``take_new_block_ids``.
+    r, NULL_BLOCK where attention skips them. vLLM keeps the tables in a defaultdict,
+    so some reads create an empty entry (``_blocks_of``). ``num_cached_block[r]``
+    counts r's leading blocks already cached; having one marks r as running.
+    ``new_block_ids`` collects fresh full-attention ids until taken.
+
+    Invariants (``check_invariants``): no table holds a block twice; NULL_BLOCK entries
+    are a prefix of each table (skipped positions; Mamba's align mode also nulls
+    blocks further in); every cached-block count belongs to a table.
     """
 
-    def __init__(
-        self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
-        kv_cache_group_id: int, scheduler_block_size: int,
-        max_admission_blocks_per_request: int | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
+                 kv_cache_group_id: int, scheduler_block_size: int,
+                 max_admission_blocks_per_request: int | None = None) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.block_size = kv_cache_spec.block_size
         self.block_pool = block_pool
@@ -44,100 +65,81 @@ class SingleTypeKVCacheManager:
         self.kv_cache_group_id = kv_cache_group_id
         self.scheduler_block_size = scheduler_block_size
         self.max_admission_blocks_per_request = max_admission_blocks_per_request
-        self.use_eagle = False
+        self.use_eagle = False  # set by the coordinator
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.new_block_ids: list[int] = []
-        # vLLM reports new ids only for exact full-attention-like spec types.
-        self.records_new_block_ids = type(kv_cache_spec) is FullAttentionSpec
 
     def _blocks_of(self, request_id: str) -> list[int]:
         """The request's table, created empty if unknown (vLLM's defaultdict read)."""
         return self.req_to_blocks.setdefault(request_id, [])
 
-    def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[int],
-        total_computed_tokens: int, num_tokens_main_model: int, apply_admission_cap: bool = False,
-    ) -> int:  # fmt: skip
-        """Free blocks needed for ``num_tokens`` slots, counting the prefix hits that
-        sit in the free queue (touching them takes them out of it).
+    def _num_evictable(self, blocks: Sequence[int]) -> int:
+        """Blocks that touching them takes out of the free queue."""
+        return sum(self.block_pool.ref_cnt[b] == 0 and b != NULL_BLOCK for b in blocks)
 
-        Raises:
-            ValueError: if a running request is given new computed blocks.
-        """
-        num_required_blocks = cdiv(num_tokens, self.block_size)
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[int], total_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False
+                                   ) -> int:
+        """Free blocks needed to give the request ``num_tokens`` slots and take its hits."""
+        num_required = cdiv(num_tokens, self.block_size)
         if apply_admission_cap and self.max_admission_blocks_per_request is not None:
-            num_required_blocks = min(num_required_blocks, self.max_admission_blocks_per_request)
-        num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
+            num_required = min(num_required, self.max_admission_blocks_per_request)
+        num_held = len(self.req_to_blocks.get(request_id, ()))
         if request_id in self.num_cached_block:
-            if new_computed_blocks:
-                raise ValueError(f"request_id={request_id!r} is running: new_computed_blocks "
-                                 f"must be empty, got {list(new_computed_blocks)}")  # fmt: skip
-            return max(num_required_blocks - num_req_blocks, 0)
-        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
-        num_local_blocks = len(new_computed_blocks) + num_req_blocks
-        num_new_blocks = max(num_required_blocks - max(num_skipped_blocks, num_local_blocks), 0)
-        hits = new_computed_blocks[max(0, num_skipped_blocks - num_req_blocks) :]
-        return num_new_blocks + sum(
-            self.block_pool.ref_cnt[b] == 0 and b != NULL_BLOCK for b in hits
-        )
+            check_no_hits(request_id, new_computed_blocks)
+            return max(num_required - num_held, 0)
+        num_skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_new = max(num_required - max(num_skipped, len(new_computed_blocks) + num_held), 0)
+        return num_new + self._num_evictable(new_computed_blocks[max(0, num_skipped - num_held):])
 
-    def add_local_computed_blocks(
-        self, request_id: str, new_computed_blocks: Sequence[int],
-        num_local_computed_tokens: int, num_external_computed_tokens: int,
-    ) -> None:  # fmt: skip
-        """Give a request without blocks its prefix hits (touched), nulls where skipped.
-
-        Raises:
-            ValueError: if the request holds blocks, or caching is off and there are hits.
-        """
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        """Give a request without blocks its hits (touched), nulls where skipped."""
         req_blocks = self._blocks_of(request_id)
         if req_blocks:
             raise ValueError(f"request_id={request_id!r} already holds blocks {req_blocks}; "
-                             "computed blocks only go to a request without blocks")  # fmt: skip
+                             "computed blocks only go to a request without blocks")
         num_total = num_local_computed_tokens + num_external_computed_tokens
-        num_skipped_blocks = self.get_num_skipped_tokens(num_total) // self.block_size
-        if num_skipped_blocks > 0:
-            new_computed_blocks = new_computed_blocks[num_skipped_blocks:]
+        num_skipped = self.get_num_skipped_tokens(num_total) // self.block_size
+        if num_skipped > 0:
+            new_computed_blocks = new_computed_blocks[num_skipped:]
         if self.enable_caching:
             self.block_pool.touch(new_computed_blocks)
         elif new_computed_blocks:
             raise ValueError(f"new_computed_blocks={list(new_computed_blocks)} with caching off")
-        req_blocks.extend([NULL_BLOCK] * num_skipped_blocks)
+        req_blocks.extend([NULL_BLOCK] * num_skipped)
         req_blocks.extend(new_computed_blocks)
         self.num_cached_block[request_id] = len(req_blocks)
 
-    def allocate_external_computed_blocks(
-        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
-    ) -> None:
-        """Allocate fresh blocks for the tokens a KV connector computed (unless skipped)."""
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """Allocate blocks for the tokens a KV connector computed, unless skipped."""
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_tokens = self.get_num_skipped_tokens(num_total)
         if num_skipped_tokens > 0:
-            num_external_computed_tokens = min(
-                num_total - num_skipped_tokens, num_external_computed_tokens
-            )
-        if num_external_computed_tokens <= 0:
-            return
-        req_blocks = self._blocks_of(request_id)
-        new_ids = self.block_pool.get_new_blocks(cdiv(num_total, self.block_size) - len(req_blocks))
-        req_blocks.extend(new_ids)
-        if self.records_new_block_ids:
-            self.new_block_ids.extend(new_ids)
+            num_external_computed_tokens = min(num_total - num_skipped_tokens,
+                                               num_external_computed_tokens)
+        if num_external_computed_tokens > 0:
+            req_blocks = self._blocks_of(request_id)
+            self._append_new(req_blocks, cdiv(num_total, self.block_size) - len(req_blocks))
 
-    def allocate_new_blocks(
-        self, request_id: str, num_tokens: int, num_tokens_main_model: int
-    ) -> list[int]:
-        """Append fresh blocks until the request has ``num_tokens`` slots; return them."""
-        req_blocks = self._blocks_of(request_id)
-        num_new_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks)
-        if num_new_blocks <= 0:
-            return []
-        new_ids = self.block_pool.get_new_blocks(num_new_blocks)
+    def _append_new(self, req_blocks: list[int], num_blocks: int) -> list[int]:
+        """Append ``num_blocks`` fresh blocks; full attention records them for zeroing."""
+        new_ids = self.block_pool.get_new_blocks(num_blocks)
         req_blocks.extend(new_ids)
-        if self.records_new_block_ids:
+        if type(self.kv_cache_spec) is FullAttentionSpec:
             self.new_block_ids.extend(new_ids)
         return new_ids
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
+                            ) -> list[int]:
+        """Append fresh blocks until the request has ``num_tokens`` slots; return them."""
+        req_blocks = self._blocks_of(request_id)
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        return self._append_new(req_blocks, num_new) if num_new > 0 else []
 
     def take_new_block_ids(self) -> list[int]:
         """Drain the ids allocated since the last call."""
@@ -147,15 +149,18 @@ class SingleTypeKVCacheManager:
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Cache the request's full blocks among its first ``num_tokens`` tokens."""
         rid = request.request_id
-        num_cached_blocks = self.num_cached_block.get(rid, 0)
-        num_full_blocks = num_tokens // self.block_size
-        if num_cached_blocks >= num_full_blocks:
+        num_cached = self.num_cached_block.get(rid, 0)
+        num_full = num_tokens // self.block_size
+        if num_cached >= num_full:
             return
-        self.block_pool.cache_full_blocks(
-            request, self._blocks_of(rid), num_cached_blocks, num_full_blocks,
-            self.block_size, self.kv_cache_group_id,
-        )  # fmt: skip
-        self.num_cached_block[rid] = num_full_blocks
+        mask = self.reachable_block_mask(num_cached, num_full)
+        self.block_pool.cache_full_blocks(request, self._blocks_of(rid), num_cached, num_full,
+                                          self.block_size, self.kv_cache_group_id, mask)
+        self.num_cached_block[rid] = num_full
+
+    def reachable_block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+        """Which of the blocks to cache a hit can ever use; None for all."""
+        return None
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
         """Forget the request; return its blocks in allocation order, still referenced."""
@@ -167,21 +172,19 @@ class SingleTypeKVCacheManager:
         self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
-        """Leading blocks of the request shared by every request with a table."""
-        raise NotImplementedError
+        """Leading blocks shared by every request (0: only full attention shares)."""
+        return 0
 
     @classmethod
-    def find_longest_cache_hit(
-        cls, block_hashes: BlockHashList, max_length: int, kv_cache_group_ids: list[int],
-        block_pool: BlockPool, kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
-        alignment_tokens: int,
-    ) -> tuple[list[int], ...]:  # fmt: skip
-        """Per group, the longest prefix of at most ``max_length`` tokens cached in all groups."""
-        raise NotImplementedError
+    def find_longest_cache_hit(cls, block_hashes: BlockHashList, max_length: int,
+                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
+        """Per group, the longest hit of at most ``max_length`` tokens cached in all groups,
+        a multiple of ``alignment_tokens``; EAGLE drops its last block."""
+        raise NotImplementedError(f"{cls.__name__} does not support prefix caching")
 
-    def remove_skipped_blocks(
-        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
-    ) -> None:
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
         """Free the blocks attention no longer reads, tail first, leaving nulls."""
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         if num_skipped_tokens <= 0:
@@ -197,29 +200,35 @@ class SingleTypeKVCacheManager:
             self.block_pool.free_blocks(freed)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Leading tokens no longer read once ``num_computed_tokens`` are computed (none)."""
+        """Leading tokens no longer read once ``num_computed_tokens`` are computed."""
         return 0
 
     def new_step_starts(self) -> None:
-        """Hook run once per scheduler step (nothing to do by default)."""
+        """Hook run once per scheduler step."""
+
+    def check_invariants(self, nulls_only_leading: bool = True) -> None:
+        """Assert the invariants of the class docstring."""
+        assert set(self.num_cached_block) <= set(self.req_to_blocks)
+        for rid, ids in self.req_to_blocks.items():
+            held = [b for b in ids if b != NULL_BLOCK]
+            assert len(set(held)) == len(held), f"{rid!r} holds a block twice: {ids}"
+            num_leading_nulls = next((i for i, b in enumerate(ids) if b != NULL_BLOCK), len(ids))
+            assert not nulls_only_leading or len(held) == len(ids) - num_leading_nulls, (
+                f"{rid!r} has a null block after a live one: {ids}")
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: every block is kept until the request ends."""
 
     @classmethod
-    def find_longest_cache_hit(
-        cls, block_hashes: BlockHashList, max_length: int, kv_cache_group_ids: list[int],
-        block_pool: BlockPool, kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
-        alignment_tokens: int,
-    ) -> tuple[list[int], ...]:  # fmt: skip
-        """Walk the hash chain left to right and stop at the first miss; drop the last
-        hit for EAGLE (its hidden states must be recomputed), then trim to a multiple
-        of ``alignment_tokens``."""
-        hits: tuple[list[int], ...] = tuple([] for _ in kv_cache_group_ids)
+    def find_longest_cache_hit(cls, block_hashes: BlockHashList, max_length: int,
+                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
+        """Walk the hash chain left to right up to the first miss."""
+        hits: Hits = tuple([] for _ in group_ids)
         block_size = kv_cache_spec.block_size
         for block_hash in itertools.islice(block_hashes, max_length // block_size):
-            cached_ids = block_pool.get_cached_block(block_hash, kv_cache_group_ids)
+            cached_ids = pool.get_cached_block(block_hash, group_ids)
             if not cached_ids:
                 break
             for group_hits, block_id in zip(hits, cached_ids, strict=True):
@@ -227,29 +236,285 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if drop_eagle_block and hits[0]:
             for group_hits in hits:
                 group_hits.pop()
-        while block_size != alignment_tokens and len(hits[0]) * block_size % alignment_tokens:
-            for group_hits in hits:
-                group_hits.pop()
+        align_hits(hits, block_size, alignment_tokens)
         return hits
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading blocks whose ref count equals the number of tables (empty ones count)."""
-        blocks = self._blocks_of(running_request_id)
-        num_common = 0
-        for block_id in blocks:
-            if self.block_pool.ref_cnt[block_id] != len(self.req_to_blocks):
+        blocks = self._blocks_of(running_request_id)  # may add a table: count them after
+        num_tables = len(self.req_to_blocks)
+        return next((i for i, b in enumerate(blocks) if self.block_pool.ref_cnt[b] != num_tables),
+                    len(blocks))
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding window: a token reads the ``sliding_window`` tokens ending at itself."""
+
+    @staticmethod
+    def _num_blocks_for_hit(kv_cache_spec: KVCacheSpec, use_eagle: bool) -> int:
+        """Contiguous hits a window needs; EAGLE matches one more and drops it."""
+        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        return cdiv(kv_cache_spec.sliding_window - 1, kv_cache_spec.block_size) + use_eagle
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: BlockHashList, max_length: int,
+                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
+        """Scan right to left for the last run of hits that fills a window and ends where
+        an aligned hit can; a shorter run starting at block 0 also counts. Blocks before
+        the run are null."""
+        num_needed = cls._num_blocks_for_hit(kv_cache_spec, drop_eagle_block)
+        block_size = kv_cache_spec.block_size
+        max_num_blocks = max_length // block_size
+        hits = tuple([NULL_BLOCK] * max_num_blocks for _ in group_ids)
+        run = 0
+        for i in reversed(range(max_num_blocks)):
+            cached_ids = pool.get_cached_block(block_hashes[i], group_ids)
+            if not cached_ids:
+                run = 0
+                continue
+            end = i if drop_eagle_block else i + 1  # the hit's length in blocks after the drop
+            if run == 0 and block_size != alignment_tokens and end * block_size % alignment_tokens:
+                continue
+            for group_hits, block_id in zip(hits, cached_ids, strict=True):
+                group_hits[i] = block_id
+            run += 1
+            if run >= num_needed:
+                for group_hits in hits:
+                    del group_hits[i + run:]
                 break
-            num_common += 1
-        return num_common
+        else:
+            for group_hits in hits:
+                del group_hits[run:]
+            align_hits(hits, block_size, alignment_tokens)
+        if drop_eagle_block and hits[0]:
+            for group_hits in hits:
+                group_hits.pop()
+            align_hits(hits, block_size, alignment_tokens)
+        return hits
+
+    def reachable_block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+        """Only the window's blocks before each ``scheduler_block_size`` boundary (shifted by
+        one block with EAGLE) can serve a hit; None when that is every block."""
+        num_needed = self._num_blocks_for_hit(self.kv_cache_spec, self.use_eagle)
+        per_segment = self.scheduler_block_size // self.block_size
+        if num_needed >= per_segment:
+            return None
+        shift = int(self.use_eagle)
+        return [i >= shift and (i - shift) % per_segment >= per_segment - num_needed
+                for i in range(start_block, end_block)]
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens before the window of the next token."""
+        assert isinstance(self.kv_cache_spec, SlidingWindowSpec)
+        return max(0, num_computed_tokens - self.kv_cache_spec.sliding_window + 1)
 
 
-def get_manager_for_kv_cache_spec(
-    kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
-    kv_cache_group_id: int, scheduler_block_size: int,
-) -> SingleTypeKVCacheManager:  # fmt: skip
-    """The manager of the spec's group kind (only full attention so far)."""
-    if type(kv_cache_spec) is not FullAttentionSpec:
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    """Chunked local attention: a token reads only its own ``attention_chunk_size`` chunk."""
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: BlockHashList, max_length: int,
+                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
+        """Blocks before the chunk of token ``max_length`` hit as nulls; the chunk's own
+        blocks are matched left to right."""
+        assert isinstance(kv_cache_spec, ChunkedLocalAttentionSpec)
+        block_size, chunk_size = kv_cache_spec.block_size, kv_cache_spec.attention_chunk_size
+        if drop_eagle_block or block_size != alignment_tokens:
+            raise NotImplementedError("chunked local attention hits need no EAGLE drop and "
+                                      f"block_size={block_size} == alignment {alignment_tokens}")
+        num_nulls = max(max_length, 0) // chunk_size * chunk_size // block_size
+        hits = tuple([NULL_BLOCK] * num_nulls for _ in group_ids)
+        for i in range(num_nulls, max_length // block_size):
+            cached_ids = pool.get_cached_block(block_hashes[i], group_ids)
+            if not cached_ids:
+                break
+            for group_hits, block_id in zip(hits, cached_ids, strict=True):
+                group_hits.append(block_id)
+        return hits
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens of the chunks before the next token's chunk."""
+        assert isinstance(self.kv_cache_spec, ChunkedLocalAttentionSpec)
+        chunk_size = self.kv_cache_spec.attention_chunk_size
+        return num_computed_tokens // chunk_size * chunk_size
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """Mamba: a request needs only the state after its last computed token.
+
+    Modes "none"/"all": a block per ``block_size`` tokens plus ``num_speculative_blocks``,
+    older states freed as the request advances. Mode "align": only the running state
+    block (+ speculative blocks) is allocated, nulls before it; ``last_state_block_idx[r]``
+    is the state block of r's previous step, freed once passed, and
+    ``_allocated_block_reqs`` the requests given blocks already.
+    ``cached_blocks_this_step`` holds pool keys cached this step: their states may not be
+    written yet, so a hit on one is refused until ``new_step_starts``.
+    """
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any) -> None:
+        super().__init__(kv_cache_spec, *args)
+        assert isinstance(kv_cache_spec, MambaSpec)
+        self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
+        self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
+        self.cached_blocks_this_step: set[BlockHashWithGroupId] = set()
+        self.last_state_block_idx: dict[str, int] = {}
+        self._allocated_block_reqs: set[str] = set()
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: BlockHashList, max_length: int,
+                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
+        """The last cached state ending on an aligned boundary, nulls before it (no EAGLE
+        drop: draft models have no Mamba layers)."""
+        block_size = kv_cache_spec.block_size
+        for i in reversed(range(max_length // block_size)):
+            cached_ids = pool.get_cached_block(block_hashes[i], group_ids)
+            if cached_ids and (block_size == alignment_tokens
+                               or (i + 1) * block_size % alignment_tokens == 0):
+                return tuple([NULL_BLOCK] * i + [block_id] for block_id in cached_ids)
+        return tuple([] for _ in group_ids)
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[int], total_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False
+                                   ) -> int:
+        """As the base class, plus speculative blocks. A hit on a state cached this step
+        needs ``num_gpu_blocks + 1`` blocks: more than can be free, so it waits a step."""
+        if (len(new_computed_blocks) and self.block_pool.block_hash.get(new_computed_blocks[-1])
+                in self.cached_blocks_this_step):
+            return self.block_pool.num_gpu_blocks + 1
+        if self.mamba_cache_mode != "align":
+            return super().get_num_blocks_to_allocate(
+                request_id, num_tokens + self.block_size * self.num_speculative_blocks,
+                new_computed_blocks, total_computed_tokens, num_tokens_main_model,
+                apply_admission_cap)
+        # Align mode ignores lookahead tokens (they would break the alignment).
+        num_new = (cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+                   - len(new_computed_blocks) - len(self._blocks_of(request_id)))
+        if num_new > 0:  # a running request reuses its last step's speculative blocks
+            num_new = 1 + (0 if request_id in self._allocated_block_reqs
+                           else self.num_speculative_blocks)
+        return num_new + self._num_evictable(new_computed_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
+                            ) -> list[int]:
+        """As the base class plus speculative blocks; in align mode, nulls up to the new
+        state block, last step's speculative blocks moved up, and the blocks after it."""
+        num_spec = self.num_speculative_blocks
+        if self.mamba_cache_mode != "align":
+            return super().allocate_new_blocks(
+                request_id, num_tokens + self.block_size * num_spec, num_tokens_main_model)
+        req_blocks = self._blocks_of(request_id)
+        num_required = cdiv(num_tokens_main_model, self.block_size) + num_spec
+        num_held = len(req_blocks)
+        if num_required <= num_held:
+            return []
+        allocated_before = request_id in self._allocated_block_reqs
+        if allocated_before:
+            self.last_state_block_idx[request_id] = num_held - 1 - num_spec
+        elif num_held > 0:  # the last block holds the hit's state
+            self.last_state_block_idx[request_id] = num_held - 1
+        num_skipped = num_required - num_spec - 1
+        req_blocks.extend([NULL_BLOCK] * (num_skipped - num_held))
+        if allocated_before:
+            for i in range(num_held - num_spec, min(num_held, num_skipped)):
+                req_blocks.append(req_blocks[i])
+                req_blocks[i] = NULL_BLOCK
+        num_new = num_required - len(req_blocks)
+        if num_new > (1 if allocated_before else 1 + num_spec):
+            raise ValueError(f"request_id={request_id!r} would get {num_new} new Mamba blocks")
+        req_blocks.extend(self.block_pool.get_new_blocks(num_new))
+        self._allocated_block_reqs.add(request_id)
+        return req_blocks[num_held:]
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """As the base class; remember the keys cached in this step."""
+        rid = request.request_id
+        num_cached_before = self.num_cached_block.get(rid, 0)
+        super().cache_blocks(request, num_tokens)
+        num_cached_after = self.num_cached_block.get(rid, 0)
+        if num_cached_after > num_cached_before:
+            for block_id in self.req_to_blocks[rid][num_cached_before:num_cached_after]:
+                if (key := self.block_pool.block_hash.get(block_id)) is not None:
+                    self.cached_blocks_this_step.add(key)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[int]:
+        """As the base class; forget the align-mode bookkeeping too."""
+        self._allocated_block_reqs.discard(request_id)
+        self.last_state_block_idx.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        """As the base class, and in align mode free the previous step's state block."""
+        # NOTE: like vLLM, subtract a block count from a token count, for rejected drafts.
+        total_computed_tokens = max(0, total_computed_tokens - self.num_speculative_blocks)
+        super().remove_skipped_blocks(request_id, total_computed_tokens)
+        idx = self.last_state_block_idx.get(request_id)
+        if (self.mamba_cache_mode == "align" and idx is not None
+                and idx < cdiv(total_computed_tokens, self.block_size) - 1):
+            blocks = self._blocks_of(request_id)
+            if blocks[idx] != NULL_BLOCK:
+                self.block_pool.free_blocks([blocks[idx]])
+                blocks[idx] = NULL_BLOCK
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Every token but the last: only the latest state is read."""
+        return num_computed_tokens - 1
+
+    def new_step_starts(self) -> None:
+        """States cached in the last step are complete now."""
+        self.cached_blocks_this_step.clear()
+
+    def check_invariants(self, nulls_only_leading: bool = True) -> None:
+        """As the base class; align mode may null any block before the running state."""
+        super().check_invariants(self.mamba_cache_mode != "align")
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Cross attention: blocks for the encoder output, sized by ``num_encoder_tokens``,
+    private to the request and never cached."""
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        """Nothing to add: cross-attention blocks are never hits."""
+        if len(new_computed_blocks):
+            raise ValueError(f"new_computed_blocks={list(new_computed_blocks)} for cross attention")
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """Nothing: a KV connector loads no encoder output."""
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Refused: cross-attention blocks are never cached."""
+        raise ValueError("cross-attention blocks are never cached")
+
+
+MANAGER_CLASSES: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    MambaSpec: MambaManager,
+    CrossAttentionSpec: CrossAttentionManager,
+}
+
+
+def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_tokens: int,
+                                  max_model_len: int, block_pool: BlockPool, enable_caching: bool,
+                                  kv_cache_group_id: int, scheduler_block_size: int
+                                  ) -> SingleTypeKVCacheManager:
+    """The manager of the spec's kind; windowed kinds get their admission cap.
+    NotImplementedError for unmodelled spec types and for cross attention with caching."""
+    manager_cls = MANAGER_CLASSES.get(type(kv_cache_spec))
+    if manager_cls is None:
         raise NotImplementedError(f"no spec manager for {type(kv_cache_spec).__name__}")
-    return FullAttentionManager(
-        kv_cache_spec, block_pool, enable_caching, kv_cache_group_id, scheduler_block_size
-    )
+    if manager_cls is CrossAttentionManager and enable_caching:
+        raise NotImplementedError("prefix caching with a cross-attention group")
+    cap = None
+    if isinstance(kv_cache_spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+        cap = kv_cache_spec.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
+    return manager_cls(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
+                       scheduler_block_size, cap)
