@@ -1,6 +1,7 @@
 # kvcache: `make verify` (lint + typecheck + tests, one line each) and `make test`.
-# Both create .venv on first use; the vLLM 0.25.1 reference (CPU torch) is
-# installed into the same venv once, on the first target that needs it.
+# Both create .venv on first use; the test dependencies (CPU torch, the kernels'
+# triton, and the vLLM 0.25.1 reference) are installed into it once, on the
+# first target that needs them. Installer output goes to build/setup.log.
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -34,6 +35,7 @@ reference: $(REF_STAMP)
 
 $(REF_STAMP): | $(DEV_STAMP)
 	$(QUIET) $(PIP) torch==2.13.0
+	$(QUIET) $(PIP) -e '.[kernels]'
 	$(QUIET) $(PIP) --no-deps vllm==0.25.1
 	$(QUIET) $(PIP) $(VLLM_IMPORT_DEPS)
 	$(QUIET) $(PIP) --no-deps xgrammar

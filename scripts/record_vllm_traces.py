@@ -136,12 +136,13 @@ SCENARIOS = {
     "preempt_and_resume": scenario_preempt_and_resume,
 }
 
-# (name, seed, enable_caching, watermark, num_groups)
+# (name, seed, enable_caching, watermark, group kinds)
 RANDOM_TRACES = [
-    ("random_caching", 7, True, 0.0, 1),
-    ("random_caching_watermark", 11, True, 0.25, 1),
-    ("random_no_caching", 5, False, 0.1, 1),
-    ("random_two_groups", 3, True, 0.0, 2),
+    ("random_caching", 7, True, 0.0, ("full",)),
+    ("random_caching_watermark", 11, True, 0.25, ("full",)),
+    ("random_no_caching", 5, False, 0.1, ("full",)),
+    ("random_two_groups", 3, True, 0.0, ("full", "full")),
+    ("random_full_and_sliding_window", 4, True, 0.0, ("full", "sliding_window")),
 ]
 
 
@@ -155,7 +156,7 @@ def record_calls(config: ManagerConfig, calls: list[Call]) -> Lockstep:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "data")
-    parser.add_argument("--steps", type=int, default=30, help="steps per random trace")
+    parser.add_argument("--steps", type=int, default=25, help="steps per random trace")
     args = parser.parse_args()
 
     for name, make in SCENARIOS.items():
@@ -165,9 +166,9 @@ def main() -> None:
         write_trace(path, run.config_record(note=make.__doc__), run.records)
         print(f"{path.relative_to(ROOT)}: {len(run.records)} calls")
 
-    for name, seed, enable_caching, watermark, num_groups in RANDOM_TRACES:
+    for name, seed, enable_caching, watermark, group_kinds in RANDOM_TRACES:
         rng = random.Random(seed)
-        config = random_config(rng, enable_caching, watermark, num_groups)
+        config = random_config(rng, enable_caching, watermark, group_kinds=group_kinds)
         run = Lockstep(config, None)
         scheduler = RandomScheduler(rng, run)
         for _ in range(args.steps):

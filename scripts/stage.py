@@ -35,7 +35,8 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
         return f"typecheck: FAILED ({detail})"
     if stage == "tests":
         counts = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
-        final = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+        closing = r"\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s"
+        final = [line for line in output.splitlines() if re.search(closing, line)]
         if final:
             for number, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", final[-1]):
                 counts["errors" if word.startswith("error") else word] = int(number)
