@@ -15,8 +15,8 @@ import triton.language as tl
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@triton.jit
-def kv_write_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def kv_write_kernel(  # type: ignore[no-untyped-def]
     # Pointers to tensors
     key_ptr,  # [num_tokens, num_kv_heads, head_size]
     value_ptr,  # [num_tokens, num_kv_heads, head_size]
@@ -97,8 +97,9 @@ def kv_write(
     """
     # (1) check the layout the kernel assumes
     if key.dim() != 3:
-        raise ValueError(f"key must be [num_tokens, num_kv_heads, head_size], got shape "
-                         f"{tuple(key.shape)}")
+        raise ValueError(
+            f"key must be [num_tokens, num_kv_heads, head_size], got shape {tuple(key.shape)}"
+        )
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
     if k_cache.dim() != 4:
@@ -121,11 +122,16 @@ def kv_write(
     for name, tensor in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         if tensor.dtype != key.dtype:
             raise ValueError(f"{name} dtype {tensor.dtype} != key dtype {key.dtype}")
-    for name, tensor in (("key", key), ("value", value), ("k_cache", k_cache),
-                         ("v_cache", v_cache)):
+    for name, tensor in (
+        ("key", key),
+        ("value", value),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+    ):
         if tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
-            raise ValueError(f"{name}'s head_size dim must be contiguous, got strides "
-                             f"{tensor.stride()}")
+            raise ValueError(
+                f"{name}'s head_size dim must be contiguous, got strides {tensor.stride()}"
+            )
     if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64:
         raise ValueError(
             f"slot_mapping must be a [{num_tokens}] int64 tensor, got "

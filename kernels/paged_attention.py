@@ -33,8 +33,8 @@ import triton.language as tl
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@triton.jit
-def paged_attention_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def paged_attention_kernel(  # type: ignore[no-untyped-def]
     # Pointers to tensors
     query_ptr,  # [num_tokens, num_q_heads, head_size]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -103,9 +103,7 @@ def paged_attention_kernel(
     kv_start = tl.where(sliding_window > 0, tl.maximum(q_pos - sliding_window + 1, 0), 0)
     first_q_pos = context_len + q_block_in_req * BLOCK_M
     last_q_pos = tl.minimum(first_q_pos + BLOCK_M, seq_len) - 1
-    first_kv_pos = tl.where(
-        sliding_window > 0, tl.maximum(first_q_pos - sliding_window + 1, 0), 0
-    )
+    first_kv_pos = tl.where(sliding_window > 0, tl.maximum(first_q_pos - sliding_window + 1, 0), 0)
 
     # Load the query rows: [BLOCK_M * BLOCK_G, BLOCK_D], fp32 from here on.
     q_offs = (
@@ -126,9 +124,9 @@ def paged_attention_kernel(
         # Load only [first_kv_pos, last_q_pos]: left of it may be the null block,
         # right of it may not be written yet.
         mask_n = (offs_n >= first_kv_pos) & (offs_n <= last_q_pos)
-        block_id = tl.load(
-            block_table_row_ptr + offs_n // block_size, mask=mask_n, other=0
-        ).to(tl.int64)
+        block_id = tl.load(block_table_row_ptr + offs_n // block_size, mask=mask_n, other=0).to(
+            tl.int64
+        )
         block_offset = (offs_n % block_size).to(tl.int64)
         mask_n_d = mask_n[:, None] & mask_d[None, :]
         k_offs = (
@@ -174,6 +172,40 @@ def paged_attention_kernel(
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask_row_d)
 
 
+# Up to this many fp32 values in the [rows, BLOCK_N, BLOCK_D] products of one
+# tile: with 4 warps, ptxas fits them in registers on sm_90 without spilling.
+TILE_PRODUCT_BUDGET = 4096
+
+
+def launch_meta(
+    num_reqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    max_query_len: int,
+    block_n: int | None = None,
+) -> dict[str, int]:
+    """The meta-parameters ``paged_attention`` launches with.
+
+    A tile has ``BLOCK_M * BLOCK_G`` rows, at most 16: a decode batch
+    (``max_query_len == 1``) gets one token per program, a prefill up to
+    ``16 // BLOCK_G`` tokens sharing each K/V load.
+    """
+    block_g = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    block_m = min(triton.next_power_of_2(max_query_len), max(1, 16 // block_g))
+    block_d = triton.next_power_of_2(head_size)
+    if block_n is None:
+        block_n = min(64, max(1, TILE_PRODUCT_BUDGET // (block_m * block_g * block_d)))
+    return dict(
+        BLOCK_R=triton.next_power_of_2(num_reqs),
+        BLOCK_M=block_m,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -206,7 +238,8 @@ def paged_attention(
             blocks (1 for a pure decode batch); None reads it from
             ``query_start_loc``, a host sync on GPU.
         block_n: Key positions per tile, a power of 2 (default: as many as keep
-            the ``[rows, block_n, head_size]`` fp32 product near 8K values).
+            the ``[rows, block_n, head_size]`` fp32 product within
+            ``TILE_PRODUCT_BUDGET``).
 
     Returns:
         ``[num_tokens, num_q_heads, head_size]`` in ``query``'s dtype.
@@ -292,15 +325,9 @@ def paged_attention(
     if max_query_len is None:
         max_query_len = max(1, int((query_start_loc[1:] - query_start_loc[:-1]).max()))
 
-    # (3) launch: one program per (query block, KV head). A program's tile has
-    # BLOCK_M * BLOCK_G rows; up to 16 rows share each K/V tile load.
-    num_queries_per_kv = num_q_heads // num_kv_heads
-    block_g = triton.next_power_of_2(num_queries_per_kv)
-    block_m = min(triton.next_power_of_2(max_query_len), max(1, 16 // block_g))
-    block_d = triton.next_power_of_2(head_size)
-    if block_n is None:
-        block_n = min(64, max(1, 8192 // (block_m * block_g * block_d)))
-    num_q_blocks = num_tokens // block_m + num_reqs  # enough for any split into requests
+    # (3) launch: one program per (query block, KV head)
+    meta = launch_meta(num_reqs, num_q_heads, num_kv_heads, head_size, max_query_len, block_n)
+    num_q_blocks = num_tokens // meta["BLOCK_M"] + num_reqs  # enough for any split into requests
     paged_attention_kernel[(num_q_blocks, num_kv_heads)](
         query_ptr=query,
         k_cache_ptr=k_cache,
@@ -310,7 +337,7 @@ def paged_attention(
         seq_lens_ptr=seq_lens,
         out_ptr=out,
         num_reqs=num_reqs,
-        num_queries_per_kv=num_queries_per_kv,
+        num_queries_per_kv=num_q_heads // num_kv_heads,
         head_size=head_size,
         block_size=block_size,
         sliding_window=0 if sliding_window is None else sliding_window,
@@ -326,10 +353,6 @@ def paged_attention(
         stride_block_table_req=block_table.stride(0),
         stride_out_tok=out.stride(0),
         stride_out_head=out.stride(1),
-        BLOCK_R=triton.next_power_of_2(num_reqs),
-        BLOCK_M=block_m,
-        BLOCK_G=block_g,
-        BLOCK_D=block_d,
-        BLOCK_N=block_n,
+        **meta,
     )
     return out

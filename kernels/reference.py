@@ -16,9 +16,9 @@ import torch
 PAD_SLOT_ID = -1
 
 
-def map_to_kernel_blocks_ref(manager_block_ids: np.ndarray, blocks_per_manager_block: int) -> (
-    np.ndarray
-):
+def map_to_kernel_blocks_ref(
+    manager_block_ids: np.ndarray, blocks_per_manager_block: int
+) -> np.ndarray:
     """vLLM's ``BlockTable.map_to_kernel_blocks``: manager ids -> kernel block ids."""
     if blocks_per_manager_block == 1:
         return manager_block_ids

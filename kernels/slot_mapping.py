@@ -24,8 +24,8 @@ import triton.language as tl
 PAD_SLOT_ID = -1
 
 
-@triton.jit
-def slot_mapping_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def slot_mapping_kernel(  # type: ignore[no-untyped-def]
     # Pointers to tensors
     query_start_loc_ptr,  # [num_reqs + 1] int32
     positions_ptr,  # [num_tokens] int64
@@ -88,9 +88,7 @@ def map_to_kernel_blocks(block_table: torch.Tensor, blocks_per_manager_block: in
         block ids, the table ``paged_attention`` reads for a kernel-block cache.
     """
     if blocks_per_manager_block < 1:
-        raise ValueError(
-            f"blocks_per_manager_block must be >= 1, got {blocks_per_manager_block}"
-        )
+        raise ValueError(f"blocks_per_manager_block must be >= 1, got {blocks_per_manager_block}")
     if blocks_per_manager_block == 1:
         return block_table
     arange = torch.arange(

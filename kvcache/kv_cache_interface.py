@@ -77,7 +77,9 @@ class AttentionSpec(KVCacheSpec):
     num_kv_heads: int
     head_size: int
     dtype: Any
+    kv_quant_mode: int = 0
     page_size_padded: int | None = None
+    indexes_kv_by_block_stride: bool = False
 
     @property
     def real_page_size_bytes(self) -> int:

@@ -311,6 +311,11 @@ class KVCacheBlock:
         return make_block_hash_with_group_id(self._hash, self._group_id)
 
     @property
+    def _block_hash(self) -> BlockHashWithGroupId | None:
+        """vLLM's field name for the pool key (read-only here)."""
+        return self.block_hash
+
+    @property
     def block_hash_num_tokens(self) -> int | None:
         """Number of prefix tokens the cached hash covers."""
         return self._block_hash_num_tokens

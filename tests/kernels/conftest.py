@@ -16,9 +16,9 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from typing import Any  # noqa: E402
+from typing import Any
 
-from kernel_helpers import INTEGRITY_TOTALS, profile_name  # noqa: E402
+from kernel_helpers import INTEGRITY_TOTALS, profile_name
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

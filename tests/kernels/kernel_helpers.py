@@ -7,13 +7,14 @@ test modules of this directory, which pytest puts on ``sys.path``.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from hypothesis import HealthCheck, settings
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
 
-_COMMON: dict[str, object] = dict(
+_COMMON: dict[str, Any] = dict(
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

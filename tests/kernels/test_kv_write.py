@@ -90,8 +90,9 @@ def test_kv_write_int64_offsets() -> None:
     """
     block_size, num_kv_heads, head_size = 16, 2, 8
     num_blocks = (2**31 + 2**16) // (block_size * num_kv_heads * head_size)
-    k_cache = torch.empty(num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float16,
-                          device=DEVICE)
+    k_cache = torch.empty(
+        num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float16, device=DEVICE
+    )
     v_cache = torch.empty_like(k_cache)
     last_slot = num_blocks * block_size - 1
     slots = torch.tensor([last_slot, 3, last_slot - block_size - 5], dtype=torch.int64)

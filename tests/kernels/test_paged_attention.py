@@ -7,6 +7,7 @@ block table left of every sliding window, so any read of it shows up as NaN.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import hypothesis.strategies as st
 import pytest
@@ -21,7 +22,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @st.composite
-def batches(draw: st.DrawFn) -> dict[str, object]:
+def batches(draw: st.DrawFn) -> dict[str, Any]:
     """A mixed batch: decodes (query length 1), prefill chunks, whole prompts."""
     dtype = draw(st.sampled_from(DTYPES))
     block_size = draw(st.sampled_from([1, 2, 4, 5, 16]))
@@ -71,12 +72,14 @@ def batches(draw: st.DrawFn) -> dict[str, object]:
     )
 
 
-def check_against_reference(batch: dict[str, object], **kwargs: object) -> None:
-    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+def check_against_reference(batch: dict[str, Any], **kwargs: Any) -> None:
+    tensors: dict[str, Any] = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     options = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
-    expected = paged_attention_ref(**tensors, sliding_window=options["sliding_window"])  # type: ignore[arg-type]
+    expected = paged_attention_ref(**tensors, sliding_window=options["sliding_window"])
     out = paged_attention(
-        **{k: v.to(DEVICE) for k, v in tensors.items()}, **options, **kwargs  # type: ignore[arg-type]
+        **{k: v.to(DEVICE) for k, v in tensors.items()},
+        **options,
+        **kwargs,
     )
     query = tensors["query"]
     assert out.shape == query.shape and out.dtype == query.dtype
@@ -86,13 +89,13 @@ def check_against_reference(batch: dict[str, object], **kwargs: object) -> None:
 
 @KERNEL_SETTINGS
 @given(batches())
-def test_paged_attention_matches_reference(batch: dict[str, object]) -> None:
+def test_paged_attention_matches_reference(batch: dict[str, Any]) -> None:
     check_against_reference(batch)
 
 
 @KERNEL_SETTINGS
 @given(batches(), st.integers(1, 64))
-def test_paged_attention_any_max_query_len_hint(batch: dict[str, object], hint: int) -> None:
+def test_paged_attention_any_max_query_len_hint(batch: dict[str, Any], hint: int) -> None:
     """``max_query_len`` only sizes the query blocks: any value gives the same answer."""
     check_against_reference(batch, max_query_len=hint)
 
@@ -152,7 +155,7 @@ def test_paged_attention_int64_offsets() -> None:
     torch.testing.assert_close(out.cpu().double(), expected, atol=atol, rtol=rtol)
 
 
-def _good_args() -> dict[str, object]:
+def _good_args() -> dict[str, Any]:
     return dict(
         query=torch.zeros(2, 4, 8),
         k_cache=torch.zeros(3, 4, 2, 8),
@@ -163,7 +166,7 @@ def _good_args() -> dict[str, object]:
     )
 
 
-BAD_ARGUMENTS: list[tuple[Callable[[], dict[str, object]], str]] = [
+BAD_ARGUMENTS: list[tuple[Callable[[], dict[str, Any]], str]] = [
     (lambda: dict(query=torch.zeros(2, 32)), r"query must be \[num_tokens"),
     (lambda: dict(k_cache=torch.zeros(3, 4, 16)), r"k_cache must be \[num_blocks"),
     (lambda: dict(v_cache=torch.zeros(3, 4, 2, 4)), "v_cache shape"),
@@ -193,9 +196,9 @@ BAD_ARGUMENTS: list[tuple[Callable[[], dict[str, object]], str]] = [
 
 @pytest.mark.parametrize(("make_bad", "match"), BAD_ARGUMENTS)
 def test_paged_attention_rejects_bad_arguments(
-    make_bad: Callable[[], dict[str, object]], match: str
+    make_bad: Callable[[], dict[str, Any]], match: str
 ) -> None:
     with torch.device(DEVICE):
         args = _good_args() | make_bad()
     with pytest.raises(ValueError, match=match):
-        paged_attention(**args)  # type: ignore[arg-type]
+        paged_attention(**args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import hypothesis.strategies as st
 import numpy as np
@@ -19,14 +20,15 @@ BLOCK_SIZES = [(1, 1), (4, 4), (16, 16), (4, 2), (8, 2), (16, 4), (16, 1), (32, 
 
 
 @st.composite
-def batches(draw: st.DrawFn) -> dict[str, object]:
+def batches(draw: st.DrawFn) -> dict[str, Any]:
     """A batch as the model runner builds it: each request's new tokens sit at
     the end of its sequence; padding tokens (position 0) follow the last request."""
     manager_block_size, kernel_block_size = draw(st.sampled_from(BLOCK_SIZES))
     num_reqs = draw(st.integers(0, 4))
     max_num_blocks = draw(st.integers(1, 6))
     max_len = max_num_blocks * manager_block_size
-    query_lens, positions = [], []
+    query_lens: list[int] = []
+    positions: list[int] = []
     for _ in range(num_reqs):
         seq_len = draw(st.integers(1, max_len))
         query_len = draw(st.integers(0, min(seq_len, 12)))
@@ -54,13 +56,13 @@ def batches(draw: st.DrawFn) -> dict[str, object]:
     )
 
 
-def run_kernel(batch: dict[str, object]) -> np.ndarray:
+def run_kernel(batch: dict[str, Any]) -> np.ndarray:
     out = slot_mapping(
-        torch.from_numpy(batch["query_start_loc"]).to(DEVICE),  # type: ignore[arg-type]
-        torch.from_numpy(batch["positions"]).to(DEVICE),  # type: ignore[arg-type]
-        torch.from_numpy(batch["block_table"]).to(DEVICE),  # type: ignore[arg-type]
-        batch["manager_block_size"],  # type: ignore[arg-type]
-        batch["kernel_block_size"],  # type: ignore[arg-type]
+        torch.from_numpy(batch["query_start_loc"]).to(DEVICE),
+        torch.from_numpy(batch["positions"]).to(DEVICE),
+        torch.from_numpy(batch["block_table"]).to(DEVICE),
+        batch["manager_block_size"],
+        batch["kernel_block_size"],
     )
     assert out.dtype == torch.int64
     return out.cpu().numpy()
@@ -68,14 +70,14 @@ def run_kernel(batch: dict[str, object]) -> np.ndarray:
 
 @KERNEL_SETTINGS
 @given(batches())
-def test_slot_mapping_matches_vllm_formula(batch: dict[str, object]) -> None:
-    expected = slot_mapping_ref(**batch)  # type: ignore[arg-type]
+def test_slot_mapping_matches_vllm_formula(batch: dict[str, Any]) -> None:
+    expected = slot_mapping_ref(**batch)
     np.testing.assert_array_equal(run_kernel(batch), expected)
 
 
 def test_slot_mapping_worked_example() -> None:
     """Two requests, manager blocks of 4 split into kernel blocks of 2."""
-    batch = dict(
+    batch: dict[str, Any] = dict(
         query_start_loc=np.array([0, 3, 4], dtype=np.int32),
         positions=np.array([5, 6, 7, 2, 0, 0], dtype=np.int64),  # two padding tokens
         block_table=np.array([[9, 3, 0], [5, 0, 0]], dtype=np.int32),
@@ -85,13 +87,13 @@ def test_slot_mapping_worked_example() -> None:
     # pos 5 -> manager block 3 -> kernel block 3*2 + (5 % 4) // 2 = 6 -> slot 6*2 + 1 = 13
     expected = [13, 14, 15, 22, -1, -1]
     assert run_kernel(batch).tolist() == expected
-    assert slot_mapping_ref(**batch).tolist() == expected  # type: ignore[arg-type]
+    assert slot_mapping_ref(**batch).tolist() == expected
 
 
 def test_slot_mapping_int64_slots() -> None:
     """A block id near 2**31 times the block size only fits in int64."""
     block_id = 2**31 - 1
-    batch = dict(
+    batch: dict[str, Any] = dict(
         query_start_loc=np.array([0, 2], dtype=np.int32),
         positions=np.array([16, 17], dtype=np.int64),
         block_table=np.array([[0, block_id]], dtype=np.int32),
@@ -110,7 +112,7 @@ def test_map_to_kernel_blocks_matches_vllm(blocks_per_manager_block: int) -> Non
     np.testing.assert_array_equal(got.numpy(), expected)
 
 
-def _good_args() -> dict[str, object]:
+def _good_args() -> dict[str, Any]:
     return dict(
         query_start_loc=torch.tensor([0, 2], dtype=torch.int32, device=DEVICE),
         positions=torch.tensor([0, 1], dtype=torch.int64, device=DEVICE),
@@ -140,4 +142,4 @@ def test_slot_mapping_rejects_bad_arguments(
         args = _good_args()
         args[name] = make_bad()
     with pytest.raises(ValueError, match=match):
-        slot_mapping(**args)  # type: ignore[arg-type]
+        slot_mapping(**args)

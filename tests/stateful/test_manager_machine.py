@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import pprint
+import random
 from collections import deque
 from typing import Any, ClassVar
 
 import hypothesis.strategies as st
-from hypothesis import event, note, settings
+from hypothesis import event, note, seed, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -46,17 +48,17 @@ from kvcache import (
     sha256,
 )
 
-TOKENS = st.integers(0, 2)  # a tiny alphabet, so prefixes repeat and hits happen
+ALPHABET = 3  # token ids 0..2: a tiny alphabet, so prefixes repeat and hits happen
 MAX_LIVE_REQUESTS = 6
 MAX_PROMPT_LEN = 24
 WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 FINISHED_STATES = sorted(s for s in RequestStatus if RequestStatus.is_finished(s))
-# Weighted choices (repeats make the common case common): extra keys are rare
-# enough that unrelated requests still share prefixes.
+# Weighted choices (repeats make the common case common). Extra keys are drawn
+# for half the new requests only, so unrelated requests still share prefixes.
 EXTRA_KEYS: dict[str, list[Any]] = {
-    "lora": ["", "", "", "lora-a", "lora-b"],
-    "salt": ["", "", "", "salt"],
-    "num_mm": [0, 0, 0, 1, 2],
+    "lora": ["", "", "lora-a", "lora-b"],
+    "salt": ["", "salt"],
+    "num_mm": [0, 0, 1, 2],
 }
 LORA_IDS = {"lora-a": 1, "lora-b": 2}
 ADMISSION_MODES = ["async_load", "connector_not_ready", "sync", "sync", "sync", "sync"]
@@ -82,6 +84,20 @@ def events_of(events: list[Any]) -> list[tuple[str, dict[str, Any]]]:
 
 def stats_of(stats: Any) -> dict[str, Any] | None:
     return None if stats is None else dataclasses.asdict(stats)
+
+
+def draw_tokens(data: st.DataObject, min_size: int, max_size: int, label: str) -> list[int]:
+    """A token list drawn as its length and one integer (its base-3 digits): two
+    choices instead of one per token, so examples can run many more steps
+    before Hypothesis' per-example choice budget ends them."""
+    size = data.draw(st.integers(min_size, max_size), label=f"len({label})")
+    code = data.draw(st.integers(0, ALPHABET**size - 1), label=label)
+    return [code // ALPHABET**i % ALPHABET for i in range(size)]
+
+
+def by_arrival(request_ids: list[str]) -> list[str]:
+    """Request ids ("r<n>") oldest first."""
+    return sorted(request_ids, key=lambda rid: int(rid[1:]))
 
 
 def outcome(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, Any]:
@@ -128,19 +144,21 @@ class ManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.requests: dict[str, Request] = {}
+        self.live: dict[str, Request] = {}
         self.running: list[str] = []
         self.scheduled: dict[str, int] = {}
         self.external: dict[str, int] = {}
         self.deferred: deque[tuple[list[int], list[Any]]] = deque()
         self.families: set[tuple[tuple[int, ...], str, str, tuple[Any, ...]]] = set()
         self.next_id = 0
+        self.num_steps = 0
 
     # ------------------------------------------------------------ setup
 
     @initialize(
         num_blocks=st.integers(2, 24),
         block_size=st.integers(1, 4),
-        enable_caching=st.booleans(),
+        enable_caching=st.sampled_from([False, True, True]),
         watermark=st.sampled_from([0.0, 0.1, 0.3]),
         use_eagle=st.booleans(),
         log_stats=st.booleans(),
@@ -196,19 +214,19 @@ class ManagerMachine(RuleBasedStateMachine):
     def ids_with(self, *states: RequestStatus, computed: bool | None = None) -> list[str]:
         return sorted(
             rid
-            for rid, r in self.requests.items()
+            for rid, r in self.live.items()
             if r.status in states
             and (computed is None or (r.num_computed_tokens > 0) == computed)
         )
 
     def live_ids(self) -> list[str]:
-        return sorted(rid for rid, r in self.requests.items() if not r.is_finished())
+        return sorted(self.live)
 
     def idle_running_ids(self) -> list[str]:
         return sorted(rid for rid in self.running if rid not in self.scheduled)
 
     def can_add(self) -> bool:
-        return len(self.live_ids()) < MAX_LIVE_REQUESTS
+        return len(self.live) < MAX_LIVE_REQUESTS
 
     def has_fresh_waiting(self) -> bool:
         return bool(self.ids_with(*WAITING_STATES, computed=False))
@@ -229,7 +247,10 @@ class ManagerMachine(RuleBasedStateMachine):
         return bool(self.running)
 
     def has_live(self) -> bool:
-        return bool(self.live_ids())
+        return bool(self.live)
+
+    def query_turn(self) -> bool:
+        return self.num_steps % 3 == 0
 
     def has_requests(self) -> bool:
         return bool(self.requests)
@@ -295,9 +316,11 @@ class ManagerMachine(RuleBasedStateMachine):
         note(f"finish({request.request_id}, {status.name}, {how})")
         self.release(request, how)
         request.status = status
+        del self.live[request.request_id]
         self.remember(request)
 
     def start_running(self, request: Request, num_new_tokens: int) -> None:
+        self.remember(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request.request_id)
         self.scheduled[request.request_id] = num_new_tokens
@@ -318,24 +341,29 @@ class ManagerMachine(RuleBasedStateMachine):
         )
 
     def new_request(self, data: st.DataObject) -> None:
-        """Draw a request; half the time it extends a prefix of an earlier
-        sequence, with that sequence's LoRA, salt and multimodal items."""
+        """Draw a request; half the time it extends a prefix of a sequence run
+        earlier, with that sequence's LoRA, salt and multimodal items."""
         max_len = min(self.max_model_len - 1, MAX_PROMPT_LEN)
-        tail = data.draw(st.lists(TOKENS, min_size=1, max_size=max_len), label="tokens")
         if self.families and data.draw(st.booleans(), label="share_prefix"):
             base, lora_name, cache_salt, base_mm = data.draw(
                 st.sampled_from(sorted(self.families)), label="family"
             )
             cut = data.draw(st.integers(0, len(base)), label="cut")
+            # An empty tail repeats a prefix exactly: whole-prompt hits.
+            tail = draw_tokens(data, int(cut == 0), max_len, "tail")
             tokens = (list(base[:cut]) + tail)[:max_len]
             mm = [m for m in base_mm if m[1] + m[2] <= len(tokens)]
         else:
-            tokens = tail
-            lora_name = data.draw(st.sampled_from(EXTRA_KEYS["lora"]), label="lora")
-            cache_salt = data.draw(st.sampled_from(EXTRA_KEYS["salt"]), label="cache_salt")
+            tokens = draw_tokens(data, 1, max_len, "tokens")
+            lora_name = cache_salt = ""
             mm = []
             start = 0
-            for _ in range(data.draw(st.sampled_from(EXTRA_KEYS["num_mm"]), label="num_mm")):
+            num_mm = 0
+            if data.draw(st.booleans(), label="extra_keys"):
+                lora_name = data.draw(st.sampled_from(EXTRA_KEYS["lora"]), label="lora")
+                cache_salt = data.draw(st.sampled_from(EXTRA_KEYS["salt"]), label="cache_salt")
+                num_mm = data.draw(st.sampled_from(EXTRA_KEYS["num_mm"]), label="num_mm")
+            for _ in range(num_mm):
                 if start >= len(tokens):
                     break
                 offset = data.draw(st.integers(start, len(tokens) - 1), label="mm_offset")
@@ -362,8 +390,7 @@ class ManagerMachine(RuleBasedStateMachine):
             f"{rid} = Request({tokens}, lora={lora_name!r}, salt={cache_salt!r}, mm={mm}, "
             f"skip_reading_prefix_cache={skip_read})"
         )
-        self.requests[rid] = request
-        self.remember(request)
+        self.requests[rid] = self.live[rid] = request
 
     # ------------------------------------------------------------ admission
 
@@ -376,55 +403,73 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.has_fresh_waiting())
     @rule(data=st.data())
     def get_computed_blocks(self, data: st.DataObject) -> None:
-        """Admit a waiting request: find its prefix hits, then allocate_slots with
-        them: synchronously (maybe with connector tokens), with an async KV load,
-        or not at all (the connector is not ready)."""
-        rid = data.draw(st.sampled_from(self.ids_with(*WAITING_STATES, computed=False)))
-        request = self.requests[rid]
-        spec_hits, spec_num_hits = self.spec.get_computed_blocks(request)
-        impl_hits, impl_num_hits = self.impl.get_computed_blocks(request)
-        note(f"get_computed_blocks({rid}) -> {block_ids(spec_hits)}, {spec_num_hits}")
-        assert (block_ids(impl_hits), impl_num_hits) == (block_ids(spec_hits), spec_num_hits)
-        event("prefix hit", "yes" if spec_num_hits else "no")
-        mode = data.draw(st.sampled_from(ADMISSION_MODES), label="mode")
-        if mode == "connector_not_ready":
-            return
+        """Admit waiting requests in arrival order (the scheduler's waiting loop):
+        find each one's prefix hits, then allocate_slots with them, synchronously
+        (maybe with connector tokens) or for an async KV load; or pass over it
+        (the connector is not ready). The loop stops at the first refusal. The
+        step in flight may complete first."""
+        if self.scheduled and data.draw(st.booleans(), label="step_done"):
+            self.complete_step(data)
+        for rid in by_arrival(self.ids_with(*WAITING_STATES, computed=False)):
+            if not data.draw(st.booleans(), label=f"consider {rid}"):
+                continue
+            request = self.requests[rid]
+            spec_hits, spec_num_hits = self.spec.get_computed_blocks(request)
+            impl_hits, impl_num_hits = self.impl.get_computed_blocks(request)
+            note(f"get_computed_blocks({rid}) -> {block_ids(spec_hits)}, {spec_num_hits}")
+            assert (block_ids(impl_hits), impl_num_hits) == (block_ids(spec_hits), spec_num_hits)
+            event("prefix hit", "yes" if spec_num_hits else "no")
+            mode = data.draw(st.sampled_from(ADMISSION_MODES), label="mode")
+            if mode == "connector_not_ready":
+                continue
+            if not self.admit(data, request, (spec_hits, impl_hits), spec_num_hits, mode):
+                return
+
+    def admit(
+        self, data: st.DataObject, request: Request, hits: Any, num_hits: int, mode: str
+    ) -> bool:
         num_tokens = request.num_tokens
+        arguments: dict[str, Any] = {}
         if mode == "sync":
             # Hits and connector tokens leave at least the last token to compute.
-            num_external = data.draw(
-                st.just(0) | st.integers(0, num_tokens - 1 - spec_num_hits), label="external"
-            )
-            num_computed = spec_num_hits + num_external
+            num_external = 0
+            if data.draw(st.booleans(), label="unusual"):
+                num_external = data.draw(st.integers(0, num_tokens - 1 - num_hits), label="ext")
+                arguments.update(
+                    num_lookahead_tokens=data.draw(st.integers(0, 3), label="lookahead"),
+                    full_sequence_must_fit=data.draw(st.booleans(), label="full_seq_must_fit"),
+                    has_scheduled_reqs=data.draw(st.booleans(), label="has_scheduled_reqs"),
+                )
+            num_computed = num_hits + num_external
             num_new_tokens = self.draw_chunk(data, num_tokens - num_computed)
-            num_lookahead = data.draw(st.integers(0, 3), label="lookahead")
-            reserved_blocks = 0
         else:
-            num_external = data.draw(st.integers(1, num_tokens - spec_num_hits), label="external")
-            num_computed = spec_num_hits + num_external
-            num_new_tokens = num_lookahead = 0
-            reserved_blocks = data.draw(st.integers(0, 3), label="reserved")
+            num_external = data.draw(st.integers(1, num_tokens - num_hits), label="external")
+            num_computed = num_hits + num_external
+            num_new_tokens = 0
+            arguments.update(
+                delay_cache_blocks=True,
+                reserved_blocks=data.draw(st.integers(0, 3), label="reserved"),
+                full_sequence_must_fit=data.draw(st.booleans(), label="full_seq_must_fit"),
+                has_scheduled_reqs=data.draw(st.booleans(), label="has_scheduled_reqs"),
+            )
         granted = self.compare_allocation(
             request,
-            hits=(spec_hits, impl_hits),
+            hits=hits,
             num_new_tokens=num_new_tokens,
-            num_new_computed_tokens=spec_num_hits,
-            num_lookahead_tokens=num_lookahead,
+            num_new_computed_tokens=num_hits,
             num_external_computed_tokens=num_external,
-            delay_cache_blocks=mode == "async_load",
-            full_sequence_must_fit=data.draw(st.booleans(), label="full_sequence_must_fit"),
-            reserved_blocks=reserved_blocks,
-            has_scheduled_reqs=data.draw(st.booleans(), label="has_scheduled_reqs"),
+            **arguments,
         )
         if not granted:
-            return
+            return False
         request.num_computed_tokens = num_computed
         if mode == "async_load":
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            return
+            return True
         self.start_running(request, num_new_tokens)
         if num_external:
-            self.external[rid] = spec_num_hits
+            self.external[request.request_id] = num_hits
+        return True
 
     @precondition(lambda self: self.has_loading())
     @rule(data=st.data())
@@ -473,33 +518,47 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ running requests
 
-    @precondition(lambda self: self.has_idle_running())
-    @rule(data=st.data(), how=st.sampled_from(RELEASE_MODES))
-    def allocate_slots(self, data: st.DataObject, how: str) -> None:
-        """Schedule a running request's next chunk, or its decode with draft
-        tokens; when refused, preempt the newest running request and retry,
-        until it fits or the request preempted itself (the scheduler's loop)."""
-        request = self.requests[data.draw(st.sampled_from(self.idle_running_ids()))]
+    @precondition(lambda self: self.has_running())
+    @rule(data=st.data())
+    def allocate_slots(self, data: st.DataObject) -> None:
+        """Schedule running requests in queue order (the scheduler's running loop):
+        each one's next prefill chunk, or its decode with draft tokens. When
+        refused, preempt the newest running request and retry, until it fits or
+        the request preempted itself, which ends the loop. The step in flight
+        completes first, unless the scheduler runs ahead (async scheduling)."""
+        if not self.has_idle_running() or data.draw(st.booleans(), label="step_done"):
+            self.complete_step(data)
+        for rid in list(self.running):
+            if rid in self.scheduled or rid not in self.running:
+                continue
+            if not data.draw(st.booleans(), label=f"schedule {rid}"):
+                continue
+            if not self.schedule_running(data, self.requests[rid]):
+                return
+
+    def schedule_running(self, data: st.DataObject, request: Request) -> bool:
         computed, num_tokens = request.num_computed_tokens, request.num_tokens
         decoding = computed >= num_tokens - 1
         num_drafts = data.draw(st.integers(0, 3), label="drafts") if decoding else 0
         # The scheduler keeps positions below max_model_len (one token sampled per step).
         max_new = min(num_tokens + num_drafts - computed, self.max_model_len - computed - 1)
         num_new_tokens = self.draw_chunk(data, max_new)
-        arguments = dict(
-            num_new_tokens=num_new_tokens,
-            num_lookahead_tokens=data.draw(st.integers(0, 3), label="lookahead"),
-            delay_cache_blocks=data.draw(st.integers(0, 7), label="delay") == 7,
-            full_sequence_must_fit=data.draw(st.booleans(), label="full_sequence_must_fit"),
-            reserved_blocks=data.draw(st.sampled_from([0, 0, 1, 3]), label="reserved"),
-            has_scheduled_reqs=data.draw(st.booleans(), label="has_scheduled_reqs"),
-        )
+        arguments: dict[str, Any] = dict(num_new_tokens=num_new_tokens)
+        if data.draw(st.booleans(), label="unusual"):
+            arguments.update(
+                num_lookahead_tokens=data.draw(st.integers(0, 3), label="lookahead"),
+                delay_cache_blocks=data.draw(st.booleans(), label="delay_cache_blocks"),
+                full_sequence_must_fit=data.draw(st.booleans(), label="full_sequence_must_fit"),
+                reserved_blocks=data.draw(st.integers(0, 3), label="reserved"),
+                has_scheduled_reqs=data.draw(st.booleans(), label="has_scheduled_reqs"),
+            )
         while not self.compare_allocation(request, **arguments):
             victim = self.requests[self.running[-1]]
-            self.preempt_request(victim, how)
+            self.preempt_request(victim, data.draw(st.sampled_from(RELEASE_MODES), label="how"))
             if victim is request:
-                return
+                return False
         self.scheduled[request.request_id] = num_new_tokens
+        return True
 
     @precondition(lambda self: self.has_scheduled())
     @rule(data=st.data())
@@ -509,6 +568,9 @@ class ManagerMachine(RuleBasedStateMachine):
         request samples one token plus its accepted drafts (rejected drafts are
         un-computed). A connector load may have failed: the request then falls
         back to its first invalid block, whose blocks onwards may be evicted."""
+        self.complete_step(data)
+
+    def complete_step(self, data: st.DataObject) -> None:
         for rid in sorted(self.scheduled):
             request = self.requests[rid]
             num_scheduled = self.scheduled.pop(rid)
@@ -524,10 +586,7 @@ class ManagerMachine(RuleBasedStateMachine):
             num_drafts = computed + num_scheduled - num_tokens
             max_accepted = min(num_drafts, self.max_model_len - num_tokens - 1)
             num_accepted = data.draw(st.integers(0, max(max_accepted, 0)), label="accepted")
-            new_tokens = data.draw(
-                st.lists(TOKENS, min_size=num_accepted + 1, max_size=num_accepted + 1),
-                label="sampled",
-            )
+            new_tokens = draw_tokens(data, num_accepted + 1, num_accepted + 1, "sampled")
             request.num_computed_tokens = num_tokens + num_accepted
             request.append_output_token_ids(new_tokens)
             note(f"step {rid}: sampled {new_tokens}, {request.num_computed_tokens} computed")
@@ -576,6 +635,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.spec.block_pool.free_blocks(reversed(spec_blocks))
         self.impl.block_pool.free_blocks(reversed(impl_blocks))
 
+    @precondition(lambda self: self.query_turn())
     @rule(data=st.data())
     def evict_blocks(self, data: st.DataObject) -> None:
         """evict_blocks with any valid ids, the null block's included."""
@@ -588,12 +648,14 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ queries and housekeeping
 
+    @precondition(lambda self: self.query_turn())
     @rule()
     def new_step_starts(self) -> None:
         note("new_step_starts()")
         self.spec.new_step_starts()
         self.impl.new_step_starts()
 
+    @precondition(lambda self: self.query_turn())
     @rule()
     def reset_prefix_cache(self) -> None:
         spec_ok = self.spec.reset_prefix_cache()
@@ -602,6 +664,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert impl_ok == spec_ok
         event("reset_prefix_cache", str(spec_ok))
 
+    @precondition(lambda self: self.query_turn())
     @rule()
     def take_events(self) -> None:
         spec_events = events_of(self.spec.take_events())
@@ -609,6 +672,7 @@ class ManagerMachine(RuleBasedStateMachine):
         note(f"take_events() -> {[name for name, _ in spec_events]}")
         assert impl_events == spec_events
 
+    @precondition(lambda self: self.query_turn())
     @rule()
     def take_new_block_ids(self) -> None:
         spec_ids = self.spec.take_new_block_ids()
@@ -616,6 +680,7 @@ class ManagerMachine(RuleBasedStateMachine):
         note(f"take_new_block_ids() -> {spec_ids}")
         assert impl_ids == spec_ids
 
+    @precondition(lambda self: self.query_turn())
     @precondition(lambda self: self.has_live())
     @rule(data=st.data())
     def get_num_common_prefix_blocks(self, data: st.DataObject) -> None:
@@ -627,6 +692,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert impl_num == spec_num
         event("common prefix", "yes" if spec_num[0] else "no")
 
+    @precondition(lambda self: self.query_turn())
     @rule()
     def make_prefix_cache_stats(self) -> None:
         spec_stats = stats_of(self.spec.make_prefix_cache_stats())
@@ -634,6 +700,7 @@ class ManagerMachine(RuleBasedStateMachine):
         note(f"make_prefix_cache_stats() -> {spec_stats}")
         assert impl_stats == spec_stats
 
+    @precondition(lambda self: self.query_turn())
     @rule()
     def usage(self) -> None:
         spec_usage = self.spec.usage
@@ -641,6 +708,7 @@ class ManagerMachine(RuleBasedStateMachine):
         note(f"usage -> {spec_usage}")
         assert impl_usage == spec_usage
 
+    @precondition(lambda self: self.query_turn())
     @precondition(lambda self: self.has_requests())
     @rule(data=st.data())
     def get_block_ids(self, data: st.DataObject) -> None:
@@ -651,6 +719,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert impl_ids == spec_ids
         assert block_ids(self.impl.get_blocks(rid)) == block_ids(self.spec.get_blocks(rid))
 
+    @precondition(lambda self: self.query_turn())
     @precondition(lambda self: self.has_requests())
     @rule(data=st.data())
     def get_block_ids_for_computed_tokens(self, data: st.DataObject) -> None:
@@ -661,6 +730,7 @@ class ManagerMachine(RuleBasedStateMachine):
         note(f"get_block_ids_for_computed_tokens({rid}, {num_computed}) -> {spec_ids}")
         assert impl_ids == spec_ids
 
+    @precondition(lambda self: self.query_turn())
     @precondition(lambda self: self.has_live())
     @rule(data=st.data())
     def remove_skipped_blocks(self, data: st.DataObject) -> None:
@@ -673,6 +743,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ invalid calls
 
+    @precondition(lambda self: self.query_turn())
     @precondition(lambda self: self.has_live())
     @rule(data=st.data())
     def allocate_slots_without_tokens(self, data: st.DataObject) -> None:
@@ -683,6 +754,7 @@ class ManagerMachine(RuleBasedStateMachine):
         impl_out = outcome(self.impl.allocate_slots, request, 0)
         assert spec_out == impl_out == ("raise", ValueError)
 
+    @precondition(lambda self: self.query_turn())
     @rule(data=st.data())
     def evict_blocks_out_of_range(self, data: st.DataObject) -> None:
         """An id past the pool (with valid ones): ValueError in both, nothing evicted."""
@@ -699,11 +771,14 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def states_agree(self) -> None:
         self.counters["steps"] += 1
+        self.num_steps += 1
         spec_state = self.spec.abstract_state()
         impl_state = self.impl.abstract_state()
         assert impl_state == spec_state, "abstract states differ:\n" + state_diff(
             spec_state, impl_state
         )
+        # Not part of abstract_state, but the scheduler reads it as an attribute.
+        assert stats_of(self.impl.prefix_cache_stats) == stats_of(self.spec.prefix_cache_stats)
         self.spec.check_invariants()
         if not self.deferred:
             # kvcache's check counts holders in the tables only; popped blocks
@@ -712,8 +787,23 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 def test_manager_machine(stateful_settings: settings, record_property: Any) -> None:
-    """kvcache agrees with spec under the profile's budget (see conftest.py)."""
+    """kvcache agrees with spec under the profile's budget (see conftest.py).
+
+    Each run draws a fresh seed (or takes ``STATEFUL_SEED``) and names it on failure.
+    """
+    run_seed = int(os.environ.get("STATEFUL_SEED") or random.SystemRandom().getrandbits(64))
+
+    @seed(run_seed)
+    def machine() -> ManagerMachine:
+        return ManagerMachine()
+
     before = dict(ManagerMachine.counters)
-    run_state_machine_as_test(ManagerMachine, settings=stateful_settings)
-    for key, value in ManagerMachine.counters.items():
-        record_property(f"stateful_{key}", value - before[key])
+    try:
+        run_state_machine_as_test(machine, settings=stateful_settings)
+    except Exception as error:
+        error.add_note(f"reproduce with: STATEFUL_SEED={run_seed} (and the same profile)")
+        raise
+    finally:
+        record_property("stateful_seed", run_seed)
+        for key, value in ManagerMachine.counters.items():
+            record_property(f"stateful_{key}", value - before[key])
