@@ -210,6 +210,7 @@ class KVCacheManager:
             for m in managers
         )
         self._aligned_caching = isinstance(self.coordinator, HybridKVCacheCoordinator)
+        self._owners: dict[str, Request] = {}
         if os.environ.get(SELF_CHECK_ENV, "0") not in ("", "0"):
             enable_self_check(self)
 
@@ -333,6 +334,16 @@ class KVCacheManager:
                 f"new_computed_blocks has {len(new_computed_blocks.blocks)} groups, the "
                 f"manager {self.num_kv_cache_groups}"
             )
+        # One Request object per id until it is freed: a second object with a live
+        # id would silently share the first one's block table.
+        owner = self._owners.get(request.request_id)
+        if owner is not request:
+            if owner is not None:
+                raise ValueError(
+                    f"request_id {request.request_id!r} is already held by another Request "
+                    "object (duplicate request id); free the first one before reusing its id"
+                )
+            self._owners[request.request_id] = request
         if (
             self._fast_any
             and num_external_computed_tokens == 0
@@ -595,8 +606,14 @@ class KVCacheManager:
         return self.empty_kv_cache_blocks
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first (tails are evicted first)."""
+        """Release the request's blocks, tail first (tails are evicted first).
+
+        Freeing a request that holds nothing (e.g. aborted before its first
+        allocation) is a no-op, as in vLLM.
+        """
         self.coordinator.free(request.request_id)
+        if self._owners.get(request.request_id) is request:
+            del self._owners[request.request_id]
 
     def remove_skipped_blocks(
         self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -607,6 +624,8 @@ class KVCacheManager:
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Forget the request and return its blocks in allocation order; the caller
         must later ``block_pool.free_blocks`` them in reverse order."""
+        if self._owners.get(request.request_id) is request:
+            del self._owners[request.request_id]
         return self.coordinator.pop_blocks_for_free(request.request_id)
 
     def evict_blocks(self, block_ids: set[int]) -> None:

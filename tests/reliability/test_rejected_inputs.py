@@ -62,6 +62,11 @@ CASES: list[tuple[str, str, Callable[[K.KVCacheManager, K.Request], object]]] = 
         "new_computed_blocks",
         lambda m, r: m.allocate_slots(request("b"), 9, 0, K.KVCacheBlocks(((), ()))),
     ),
+    (
+        "duplicate request id",
+        "duplicate request id",
+        lambda m, r: m.allocate_slots(request("a"), 1),
+    ),
     ("evict out of range", "block_ids", lambda m, r: m.evict_blocks({12})),
     ("evict negative", "block_ids", lambda m, r: m.evict_blocks({-1})),
     (
