@@ -10,9 +10,11 @@ import os
 from typing import Any
 
 import torch
+import triton
 from hypothesis import HealthCheck, settings
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
+#: whether @triton.jit kernels run in the interpreter (TRITON_INTERPRET, read by Triton)
+INTERPRET: bool = triton.knobs.runtime.interpret
 
 _COMMON: dict[str, Any] = dict(
     deadline=None,

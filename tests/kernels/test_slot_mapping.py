@@ -65,7 +65,8 @@ def run_kernel(batch: dict[str, Any]) -> np.ndarray:
         batch["kernel_block_size"],
     )
     assert out.dtype == torch.int64
-    return out.cpu().numpy()
+    slots: np.ndarray = out.cpu().numpy()
+    return slots
 
 
 @KERNEL_SETTINGS
@@ -101,6 +102,18 @@ def test_slot_mapping_int64_slots() -> None:
         kernel_block_size=4,
     )
     assert run_kernel(batch).tolist() == [block_id * 16, block_id * 16 + 1]
+
+
+def test_slot_mapping_position_past_the_table_gets_the_pad_slot() -> None:
+    """An out-of-range position is not read from the next row (vLLM would): it gets -1."""
+    batch: dict[str, Any] = dict(
+        query_start_loc=np.array([0, 2, 3], dtype=np.int32),
+        positions=np.array([7, 8, 0], dtype=np.int64),  # row 0 covers positions 0..7
+        block_table=np.array([[4, 5], [6, 7]], dtype=np.int32),
+        manager_block_size=4,
+        kernel_block_size=4,
+    )
+    assert run_kernel(batch).tolist() == [23, -1, 24]
 
 
 @pytest.mark.parametrize("blocks_per_manager_block", [1, 2, 4])
