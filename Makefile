@@ -1,46 +1,47 @@
 # kvcache: `make verify` (lint + typecheck + tests, one line each) and `make test`.
 # Both create .venv on first use; the test dependencies (CPU torch, the kernels'
 # triton, and the vLLM 0.25.1 reference) are installed into it once, on the
-# first target that needs them. Installer output goes to build/setup.log.
+# first target that needs them (scripts/bootstrap.sh: one line per layer; the
+# installers' output goes to build/setup.log).
 
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check
-QUIET := bash scripts/quietly.sh build/setup.log --
 DEV_STAMP := $(VENV)/.stamp-dev
 REF_STAMP := $(VENV)/.stamp-vllm-0.25.1
+FUZZ_STAMP := $(VENV)/.stamp-fuzz
 
-# What importing vllm.v1.core needs, without vLLM's full (GPU) dependency set.
-VLLM_IMPORT_DEPS := numpy packaging regex psutil pyzmq urllib3 msgspec pydantic cbor2 \
-	transformers aiohttp requests openai-harmony openai pillow pybase64 cachetools \
-	cloudpickle uvloop py-cpuinfo prometheus_client "llguidance>=1.7.0,<1.8.0" apache-tvm-ffi
-
-LINT_PATHS := spec kvcache tests proofs kernels
+LINT_PATHS := spec kvcache tests proofs kernels scripts
 TYPED_PATHS := spec kvcache
 
 export PYTHONHASHSEED := 0
 export VLLM_LOGGING_LEVEL := ERROR
 export HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: setup reference lint typecheck test conformance verify traces clean distclean
+# Fuzzing campaigns (README, "Fuzzing campaigns"): the shared example database,
+# HypoFuzz processes per target, the dashboard's address, an optional time limit.
+FUZZ_DB ?= $(CURDIR)/.hypothesis/fuzz-db
+FUZZ_WORKERS ?= 1
+FUZZ_HOST ?= localhost
+FUZZ_PORT ?= 9999
+FUZZ_SECONDS ?=
+FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(FUZZ_HOST) \
+	FUZZ_PORT=$(FUZZ_PORT) FUZZ_SECONDS=$(FUZZ_SECONDS)
+
+.PHONY: setup reference lint typecheck test conformance verify traces fuzz fuzz-worker \
+	fuzz-dashboard clean distclean
 
 setup: $(DEV_STAMP)
 
 $(DEV_STAMP): pyproject.toml
-	$(QUIET) python3 -m venv $(VENV)
-	$(QUIET) $(PIP) -e '.[dev]'
-	touch $@
+	@bash scripts/bootstrap.sh dev $@
 
 reference: $(REF_STAMP)
 
 $(REF_STAMP): | $(DEV_STAMP)
-	$(QUIET) $(PIP) torch==2.13.0
-	$(QUIET) $(PIP) -e '.[kernels]'
-	$(QUIET) $(PIP) --no-deps vllm==0.25.1
-	$(QUIET) $(PIP) $(VLLM_IMPORT_DEPS)
-	$(QUIET) $(PIP) --no-deps xgrammar
-	$(QUIET) $(PY) -c "from vllm.v1.core.kv_cache_manager import KVCacheManager"
-	touch $@
+	@bash scripts/bootstrap.sh reference $@
+
+$(FUZZ_STAMP): | $(DEV_STAMP)
+	@bash scripts/bootstrap.sh fuzz $@
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
@@ -61,6 +62,30 @@ verify: $(REF_STAMP)
 
 traces: $(REF_STAMP)
 	$(PY) scripts/record_vllm_traces.py
+
+# HypoFuzz on this machine: one process per fuzz target plus the dashboard, until Ctrl-C.
+fuzz: $(FUZZ_STAMP)
+	@$(FUZZ_ENV) bash scripts/fuzz_campaign.sh all
+
+# More fuzzing against the same FUZZ_DB (another machine: FUZZ_DB=/shared/dir or redis://).
+fuzz-worker: $(FUZZ_STAMP)
+	@$(FUZZ_ENV) bash scripts/fuzz_campaign.sh workers
+
+fuzz-dashboard: $(FUZZ_STAMP)
+	@$(FUZZ_ENV) bash scripts/fuzz_campaign.sh dashboard
+
+# Kernel tests in the Triton interpreter on CPU (also part of `make test`).
+test-kernels: $(REF_STAMP)
+	$(PY) -m pytest -q tests/kernels
+
+# CUDA only: the kernel tests compiled for the GPU, then decode-attention bandwidth ratios.
+bench-kernels: $(REF_STAMP)
+	TRITON_INTERPRET=0 $(PY) -m kernels.bench
+
+# kvcache vs vLLM 0.25.1 vs spec on the same workloads (ratios, per-method us, scaling).
+bench: $(REF_STAMP)
+	$(QUIET) $(PIP) -e '.[bench]'
+	$(PY) -m kvcache bench --scaling --json build/bench.json --plot build/bench.png
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache .hypothesis

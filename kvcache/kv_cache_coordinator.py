@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
     CrossAttentionSpec,
@@ -431,11 +432,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache up to the last ``scheduler_block_size`` boundary (hits can only end
         there); EAGLE groups may also cache the block just past it."""
-        aligned = num_computed_tokens // self.scheduler_block_size * self.scheduler_block_size
         for manager in self.single_type_managers:
-            num_tokens = aligned
-            if manager.use_eagle and aligned > 0:
-                num_tokens = min(num_computed_tokens, aligned + manager.block_size)
+            num_tokens = kv_cache_math.num_tokens_to_cache(
+                num_computed_tokens,
+                self.scheduler_block_size,
+                manager.block_size,
+                manager.use_eagle,
+            )
             manager.cache_blocks(request, num_tokens, self.retention_interval)
 
     def _block_hashes_for(self, block_hashes: list[BlockHash], spec: KVCacheSpec) -> BlockHashList:

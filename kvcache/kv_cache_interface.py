@@ -13,6 +13,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcache import kv_cache_math
+
 _DTYPE_SIZES = {
     "float16": 2,
     "half": 2,
@@ -130,10 +132,6 @@ class FullAttentionSpec(AttentionSpec):
         )
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(a // -b)
-
-
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindowSpec(AttentionSpec):
     """Sliding-window attention: a token attends to the ``sliding_window`` tokens
@@ -166,8 +164,9 @@ class SlidingWindowSpec(AttentionSpec):
         """Most blocks one request holds at once: the window behind the computed
         tokens plus one step's tokens, plus one block for a window that starts
         mid-block (same bound vLLM uses to size the pool and gate admission)."""
-        num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
-        return _cdiv(num_tokens, self.block_size) + 1
+        return kv_cache_math.sliding_window_admission_blocks(
+            self.sliding_window, self.block_size, max_num_batched_tokens, max_model_len
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,8 +187,9 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         self, max_num_batched_tokens: int, max_model_len: int
     ) -> int:
         """Most blocks one request holds at once: one chunk plus one step's tokens."""
-        num_tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
-        return _cdiv(num_tokens, self.block_size)
+        return kv_cache_math.chunked_local_admission_blocks(
+            self.attention_chunk_size, self.block_size, max_num_batched_tokens, max_model_len
+        )
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from kvcache.kv_cache_interface import (
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
+from kvcache.kv_cache_math import admits
 from kvcache.kv_cache_utils import KVCacheBlock
 from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
@@ -391,7 +392,7 @@ class KVCacheManager:
                 num_tokens_main_model=full_num_tokens,
                 apply_admission_cap=True,
             )
-            if num_blocks_to_allocate + watermark_blocks > len(free_blocks):
+            if not admits(num_blocks_to_allocate, len(free_blocks), 0, watermark_blocks):
                 return None
 
         num_tokens_main_model = total_computed_tokens + num_new_tokens
@@ -409,7 +410,7 @@ class KVCacheManager:
             total_computed_tokens=num_local_computed_tokens + num_external_computed_tokens,
             num_tokens_main_model=num_tokens_main_model,
         )
-        if num_blocks_to_allocate + watermark_blocks > len(free_blocks) - reserved_blocks:
+        if not admits(num_blocks_to_allocate, len(free_blocks), reserved_blocks, watermark_blocks):
             return None
 
         # NOTE: "no hits" is told apart by identity with the shared empty

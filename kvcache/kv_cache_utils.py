@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, NewType, TypeAlias, overload
 
 import cbor2
 
+from kvcache.kv_cache_math import coarse_hash_index, num_coarse_hashes
+
 if TYPE_CHECKING:
     from kvcache.request import Request
 
@@ -250,7 +252,7 @@ class BlockHashListWithBlockSize:
         self.scale_factor = target_block_size // hash_block_size
 
     def __len__(self) -> int:
-        return len(self.block_hashes) // self.scale_factor
+        return num_coarse_hashes(len(self.block_hashes), self.scale_factor)
 
     @overload
     def __getitem__(self, idx: int) -> BlockHash: ...
@@ -274,7 +276,7 @@ class BlockHashListWithBlockSize:
             yield self._get_value_at(i)
 
     def _get_value_at(self, idx: int) -> BlockHash:
-        return self.block_hashes[(idx + 1) * self.scale_factor - 1]
+        return self.block_hashes[coarse_hash_index(idx, self.scale_factor)]
 
 
 BlockHashList: TypeAlias = list[BlockHash] | BlockHashListWithBlockSize

@@ -13,8 +13,9 @@ import itertools
 import operator
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -30,12 +31,57 @@ if TYPE_CHECKING:
     from kvcache.request import Request
 
 
+cdiv = kv_cache_math.cdiv
 _is_not_none = functools.partial(operator.is_not, None)
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of ints: the blocks needed for ``a`` tokens of ``b`` per block."""
-    return -(a // -b)
+class _CachedInAllGroups:
+    """Hashes cached in every one of ``kv_cache_group_ids``: the ``cached`` container
+    of the hit searches when several groups share a spec."""
+
+    def __init__(self, block_pool: BlockPool, kv_cache_group_ids: list[int]) -> None:
+        self._block_pool = block_pool
+        self._kv_cache_group_ids = kv_cache_group_ids
+
+    def __contains__(self, block_hash: object) -> bool:
+        return (
+            self._block_pool.get_cached_block(cast(BlockHash, block_hash), self._kv_cache_group_ids)
+            is not None
+        )
+
+
+def _cached_in(block_pool: BlockPool, kv_cache_group_ids: list[int]) -> Any:
+    """What the hit searches probe: the group's own hash map for one group (a dict
+    lookup), else a view that asks every group."""
+    if len(kv_cache_group_ids) == 1:
+        return block_pool.get_cached_block_map(kv_cache_group_ids[0])
+    return _CachedInAllGroups(block_pool, kv_cache_group_ids)
+
+
+def _hit_blocks(
+    block_hashes: BlockHashList,
+    first: int,
+    num_blocks: int,
+    kv_cache_group_ids: list[int],
+    block_pool: BlockPool,
+) -> tuple[list[KVCacheBlock], ...]:
+    """Per group, the null block before ``first``, then the blocks cached under
+    hashes ``[first, num_blocks)`` (a search found them all cached)."""
+    null = block_pool.null_block
+    if len(kv_cache_group_ids) == 1:
+        m = block_pool.get_cached_block_map(kv_cache_group_ids[0])
+        found: list[Any] = [m[block_hashes[i]] for i in range(first, num_blocks)]
+        if dict in set(map(type, found)):
+            # Some hash maps to several identical blocks: a hit takes the oldest.
+            found = [b if isinstance(b, KVCacheBlock) else next(iter(b.values())) for b in found]
+        return ([null] * first + found,)
+    computed = tuple([null] * first for _ in kv_cache_group_ids)
+    for i in range(first, num_blocks):
+        cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+        assert cached is not None
+        for group_blocks, block in zip(computed, cached, strict=True):
+            group_blocks.append(block)
+    return computed
 
 
 class SingleTypeKVCacheManager:
@@ -124,24 +170,24 @@ class SingleTypeKVCacheManager:
             num_tokens_main_model: ``num_tokens`` without lookahead (spec decode).
             apply_admission_cap: Apply the per-request admission cap (admission gate only).
         """
-        num_required_blocks = cdiv(num_tokens, self.block_size)
-        if apply_admission_cap and self._max_admission_blocks_per_request is not None:
-            num_required_blocks = min(num_required_blocks, self._max_admission_blocks_per_request)
+        num_required_blocks = kv_cache_math.num_required_blocks(
+            num_tokens,
+            self.block_size,
+            self._max_admission_blocks_per_request if apply_admission_cap else None,
+        )
         num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
         if request_id in self.num_cached_block:
             # A running request has no new hits; it may even hold more blocks than
             # needed (rejected draft tokens).
             if new_computed_blocks:
                 raise ValueError(f"request {request_id!r} is running: it cannot take prefix hits")
-            return max(num_required_blocks - num_req_blocks, 0)
+            return kv_cache_math.num_new_blocks(num_required_blocks, num_req_blocks, 0, 0, True)
         num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
-        num_new_blocks = max(
-            num_required_blocks
-            - max(num_skipped_blocks, len(new_computed_blocks) + num_req_blocks),
-            0,
+        num_new_blocks = kv_cache_math.num_new_blocks(
+            num_required_blocks, num_req_blocks, len(new_computed_blocks), num_skipped_blocks, False
         )
         # Skipped hit blocks are never touched, so they do not leave the free queue.
-        first_kept = max(0, num_skipped_blocks - num_req_blocks)
+        first_kept = kv_cache_math.num_skipped_hits(num_skipped_blocks, num_req_blocks)
         num_evictable = 0
         for block in new_computed_blocks[first_kept:]:
             if block.ref_cnt == 0 and not block.is_null:
@@ -288,24 +334,6 @@ class SingleTypeKVCacheManager:
             self.block_pool.release_blocks(blocks[::-1])
         self.pop_blocks_for_free(request_id)
 
-    def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
-        """Free blocks ``[first_block, last_block)`` right to left, replacing them
-        with the null block, stopping at the first position already null."""
-        blocks = self.req_to_blocks.get(request_id)
-        if blocks is None or first_block >= last_block:
-            return
-        freed = []
-        stop = min(last_block, len(blocks))
-        for i in range(stop - 1, first_block - 1, -1):
-            if blocks[i] is self._null_block:
-                break
-            freed.append(blocks[i])
-        if freed:
-            # Release first, then null out: a pool failure leaks nothing.
-            self.block_pool.release_blocks(freed)
-            for i in range(stop - len(freed), stop):
-                blocks[i] = self._null_block
-
     def remove_skipped_blocks(
         self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
@@ -314,11 +342,15 @@ class SingleTypeKVCacheManager:
         if num_skipped_tokens <= 0:
             return
         blocks = self.req_to_blocks[request_id]
-        num_skipped_blocks = min(num_skipped_tokens // self.block_size, len(blocks))
-        # The removal scans right to left up to the first null block, so a null
-        # last skipped position means nothing new to free (the common case).
-        if num_skipped_blocks and blocks[num_skipped_blocks - 1] is not self._null_block:
-            self._remove_blocks_in_range(request_id, 0, num_skipped_blocks)
+        # The removal scans right to left up to the first null block (nothing new
+        # to free when the last skipped position is null, the common case).
+        start, stop = kv_cache_math.skipped_blocks_to_free(
+            blocks, self._null_block, num_skipped_tokens // self.block_size
+        )
+        if start < stop:
+            # Release first, then null out: a pool failure leaks nothing.
+            self.block_pool.release_blocks(blocks[start:stop][::-1])
+            blocks[start:stop] = [self._null_block] * (stop - start)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens no future token attends to (0: keep everything)."""
@@ -373,39 +405,35 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         """Scan hashes left to right; the chain property makes the first miss final."""
         block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
         max_num_blocks = max_length // block_size
-        if len(kv_cache_group_ids) == 1:
-            # Common case, run at C speed: map the hashes through the group's dict
-            # and stop at the first miss (the chain makes every later hash a miss).
-            m = block_pool.get_cached_block_map(kv_cache_group_ids[0])
-            found: list[Any] = list(
-                itertools.takewhile(
-                    _is_not_none, map(m.get, itertools.islice(block_hashes, max_num_blocks))
-                )
+        if len(kv_cache_group_ids) > 1:
+            num_blocks = kv_cache_math.full_attention_hit_num_blocks(
+                cast(Sequence[BlockHash], block_hashes),
+                _CachedInAllGroups(block_pool, kv_cache_group_ids),
+                max_num_blocks,
+                drop_eagle_block,
+                block_size,
+                alignment_tokens,
             )
-            if dict in set(map(type, found)):
-                # Some hash maps to several identical blocks: a hit takes the oldest.
-                found = [
-                    b if isinstance(b, KVCacheBlock) else next(iter(b.values())) for b in found
-                ]
-            computed: tuple[list[KVCacheBlock], ...] = (found,)
-        else:
-            computed = tuple([] for _ in kv_cache_group_ids)
-            for i in range(min(max_num_blocks, len(block_hashes))):
-                cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
-                if cached is None:
-                    break
-                for group_blocks, block in zip(computed, cached, strict=True):
-                    group_blocks.append(block)
-        if drop_eagle_block and computed[0]:
-            for group_blocks in computed:
-                group_blocks.pop()
-        if block_size != alignment_tokens:
-            num_blocks = len(computed[0])
-            while num_blocks * block_size % alignment_tokens:
-                num_blocks -= 1
-            for group_blocks in computed:
-                del group_blocks[num_blocks:]
-        return computed
+            return _hit_blocks(block_hashes, 0, num_blocks, kv_cache_group_ids, block_pool)
+        # Common case, run at C speed: the scan of full_attention_hit_num_blocks
+        # through the group's dict, stopping at the first miss (the chain makes
+        # every later hash a miss), then its trim.
+        m = block_pool.get_cached_block_map(kv_cache_group_ids[0])
+        found: list[Any] = list(
+            itertools.takewhile(
+                _is_not_none, map(m.get, itertools.islice(block_hashes, max_num_blocks))
+            )
+        )
+        if drop_eagle_block or block_size != alignment_tokens:  # else the trim keeps all
+            del found[
+                kv_cache_math.trim_full_attention_hit(
+                    len(found), drop_eagle_block, block_size, alignment_tokens
+                ) :
+            ]
+        if dict in set(map(type, found)):
+            # Some hash maps to several identical blocks: a hit takes the oldest.
+            found = [b if isinstance(b, KVCacheBlock) else next(iter(b.values())) for b in found]
+        return (found,)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading blocks whose ref count equals the number of tracked requests."""
@@ -433,7 +461,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def _contiguous_blocks_for_hit(cls, window_size: int, block_size: int, use_eagle: bool) -> int:
         """Blocks that must be cached back to back for a hit: those holding the
         ``window_size - 1`` tokens before the next one (+1 for the EAGLE drop)."""
-        return cdiv(window_size - 1, block_size) + (1 if use_eagle else 0)
+        return kv_cache_math.num_contiguous_blocks_for_hit(window_size, block_size, use_eagle)
 
     @classmethod
     def find_longest_cache_hit(
@@ -456,62 +484,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         need = cls._contiguous_blocks_for_hit(
             kv_cache_spec.sliding_window, block_size, drop_eagle_block
         )
-        max_num_blocks = max_length // block_size
-        null = block_pool.null_block
-        computed = tuple([null] * max_num_blocks for _ in kv_cache_group_ids)
-        run = 0
-        match_found = False
-        # One group (the usual case): probe its map directly, no per-block list.
-        single_map = (
-            block_pool.get_cached_block_map(kv_cache_group_ids[0])
-            if len(kv_cache_group_ids) == 1
-            else None
+        first, num_blocks = kv_cache_math.sliding_window_hit_range(
+            cast(Sequence[BlockHash], block_hashes),
+            _cached_in(block_pool, kv_cache_group_ids),
+            max_length // block_size,
+            need,
+            drop_eagle_block,
+            block_size,
+            alignment_tokens,
         )
-        cached: list[KVCacheBlock] | None
-        for i in range(max_num_blocks - 1, -1, -1):
-            if single_map is not None:
-                found = single_map.get(block_hashes[i])
-                if found is None:
-                    run = 0
-                    continue
-                cached = [found if isinstance(found, KVCacheBlock) else next(iter(found.values()))]
-            else:
-                cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
-                if cached is None:
-                    run = 0
-                    continue
-            if run == 0 and block_size != alignment_tokens:
-                # A run must end where the hit (after the EAGLE drop) is aligned.
-                end = i if drop_eagle_block else i + 1
-                if end * block_size % alignment_tokens:
-                    continue
-            for group_blocks, block in zip(computed, cached, strict=True):
-                group_blocks[i] = block
-            run += 1
-            if run >= need:
-                for group_blocks in computed:
-                    del group_blocks[i + run :]
-                match_found = True
-                break
-        if not match_found:
-            # The scan reached block 0: the leading run (maybe empty) is the hit.
-            for group_blocks in computed:
-                del group_blocks[run:]
-            cls._align(computed, block_size, alignment_tokens)
-        if drop_eagle_block and computed[0]:
-            for group_blocks in computed:
-                group_blocks.pop()
-            cls._align(computed, block_size, alignment_tokens)
-        return computed
-
-    @staticmethod
-    def _align(computed: tuple[list[KVCacheBlock], ...], block_size: int, alignment: int) -> None:
-        """Drop trailing blocks until the hit length is a multiple of ``alignment``."""
-        num_blocks = len(computed[0])
-        while num_blocks * block_size % alignment:
-            num_blocks -= 1
-        for group_blocks in computed:
-            del group_blocks[num_blocks:]
+        return _hit_blocks(block_hashes, first, num_blocks, kv_cache_group_ids, block_pool)
 
     @classmethod
     def reachable_block_mask(
@@ -534,18 +516,15 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             raise NotImplementedError("prefix-cache retention intervals are not supported")
         block_size = kv_cache_spec.block_size
         need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size, use_eagle)
-        per_segment = alignment_tokens // block_size
-        if need >= per_segment:
-            return None
-        shift = 1 if use_eagle else 0
-        return [
-            i >= shift and (i - shift) % per_segment >= per_segment - need
-            for i in range(start_block, end_block)
-        ]
+        return kv_cache_math.sliding_window_reachable_mask(
+            start_block, end_block, need, alignment_tokens // block_size, use_eagle
+        )
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens left of the next token's window: ``computed - window + 1``."""
-        return max(0, num_computed_tokens - self.sliding_window + 1)
+        return kv_cache_math.num_skipped_tokens_sliding_window(
+            num_computed_tokens, self.sliding_window
+        )
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """0: leading positions are null blocks, so cascade attention cannot share them."""
@@ -581,21 +560,20 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
             raise NotImplementedError(
                 "chunked local attention supports neither EAGLE nor groups of other block sizes"
             )
-        block_size = kv_cache_spec.block_size
-        chunk = kv_cache_spec.attention_chunk_size
-        first_block = (max_length // chunk * chunk if max_length > 0 else 0) // block_size
-        computed = tuple([block_pool.null_block] * first_block for _ in kv_cache_group_ids)
-        for i in range(first_block, max_length // block_size):
-            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
-            if cached is None:
-                break
-            for group_blocks, block in zip(computed, cached, strict=True):
-                group_blocks.append(block)
-        return computed
+        first, num_blocks = kv_cache_math.chunked_local_hit_range(
+            cast(Sequence[BlockHash], block_hashes),
+            _cached_in(block_pool, kv_cache_group_ids),
+            max_length,
+            kv_cache_spec.attention_chunk_size,
+            kv_cache_spec.block_size,
+        )
+        return _hit_blocks(block_hashes, first, num_blocks, kv_cache_group_ids, block_pool)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens of the chunks before the one the next token falls in."""
-        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+        return kv_cache_math.num_skipped_tokens_chunked_local(
+            num_computed_tokens, self.attention_chunk_size
+        )
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """0: cascade attention does not apply to chunked local attention."""
@@ -635,26 +613,15 @@ class MambaManager(SingleTypeKVCacheManager):
     ) -> tuple[list[KVCacheBlock], ...]:
         """Rightmost cached state whose end is aligned, preceded by null blocks."""
         assert isinstance(kv_cache_spec, MambaSpec)
-        block_size = kv_cache_spec.block_size
-        computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
-        single_map = (
-            block_pool.get_cached_block_map(kv_cache_group_ids[0])
-            if len(kv_cache_group_ids) == 1
-            else None
+        num_blocks = kv_cache_math.mamba_hit_num_blocks(
+            cast(Sequence[BlockHash], block_hashes),
+            _cached_in(block_pool, kv_cache_group_ids),
+            max_length // kv_cache_spec.block_size,
+            kv_cache_spec.block_size,
+            alignment_tokens,
         )
-        for i in range(max_length // block_size - 1, -1, -1):
-            if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
-                continue  # a state that does not end on a boundary can never be a hit
-            if single_map is not None and block_hashes[i] not in single_map:
-                continue
-            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
-            if cached is None:
-                continue
-            for group_blocks, block in zip(computed, cached, strict=True):
-                group_blocks.extend([block_pool.null_block] * i)
-                group_blocks.append(block)
-            break
-        return computed
+        first = num_blocks - 1 if num_blocks else 0
+        return _hit_blocks(block_hashes, first, num_blocks, kv_cache_group_ids, block_pool)
 
     def remove_skipped_blocks(
         self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -707,19 +674,14 @@ class MambaManager(SingleTypeKVCacheManager):
                 apply_admission_cap=apply_admission_cap,
             )
         # Align mode ignores lookahead slots (draft models have no Mamba layers).
-        num_required_blocks = (
-            cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        num_new_blocks = kv_cache_math.mamba_align_num_new_blocks(
+            num_tokens_main_model,
+            self.block_size,
+            self.num_speculative_blocks,
+            len(new_computed_blocks),
+            len(self.req_to_blocks[request_id]),  # may create an entry, as in vLLM
+            request_id in self._allocated_block_reqs,
         )
-        num_new_blocks = (
-            num_required_blocks
-            - len(new_computed_blocks)
-            - len(self.req_to_blocks[request_id])  # may create an entry, as in vLLM
-        )
-        if num_new_blocks > 0:
-            if request_id in self._allocated_block_reqs:
-                num_new_blocks = 1
-            else:
-                num_new_blocks = 1 + self.num_speculative_blocks
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_new_blocks + num_evictable
 
@@ -768,7 +730,7 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """All but the last computed token: only the latest state is needed."""
-        return num_computed_tokens - 1
+        return kv_cache_math.num_skipped_tokens_mamba(num_computed_tokens)
 
     def cache_blocks(
         self, request: Request, num_tokens: int, retention_interval: int | None = None

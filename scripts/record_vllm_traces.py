@@ -1,37 +1,47 @@
 #!/usr/bin/env python3
-"""Record call traces from the real vLLM 0.25.1 into tests/data/*.jsonl.
+"""Record call traces from the real vLLM 0.25.1 into tests/data/.
 
-Each trace is a config line plus one line per call with vLLM's result (or the
-exception it raised) and the abstract state after the call (format:
-tests/conformance/trace.py). ``tests/conformance/test_trace_replay.py``
-replays them against kvcache, and against vLLM to prove they are still
-faithful. Two kinds of traces:
+Each trace holds vLLM's result (or the exception it raised) for every call and
+the abstract state after it (format: docs/trace-format.md).
+``tests/conformance/test_trace_replay.py`` replays them against kvcache, and
+against vLLM to prove they are still faithful. Three kinds of traces:
 
 * scripted scenarios, written out below call by call so that a reader can
   follow them (prefix hits and eviction order, preemption and resumption);
-* short random scheduler sequences (``conformance.driver.RandomScheduler``)
-  for a few fixed seeds.
+* short random scheduler sequences (``kvcache.kit.driver.RandomScheduler``)
+  for fixed seeds, one-group and hybrid layouts (``hybrid_*``);
+* small workload simulations on hybrid models (``hybrid_workload_*.jsonl.gz``),
+  as ``python -m kvcache record`` makes them.
 
 Usage: ``.venv/bin/python scripts/record_vllm_traces.py [--out tests/data]``
-(needs the reference: ``make conformance`` installs it).
+(``make traces``; needs the reference: ``make conformance`` installs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-from conformance.driver import Call, Lockstep, RandomScheduler, random_config  # noqa: E402
-from conformance.sides import ManagerConfig  # noqa: E402
-from conformance.trace import write_trace  # noqa: E402
+from kvcache.kit.config import ManagerConfig  # noqa: E402
+from kvcache.kit.driver import (  # noqa: E402
+    FAMILIES,
+    Call,
+    Lockstep,
+    RandomScheduler,
+    random_config,
+    record_reference,
+)
+from kvcache.kit.record import record_workload  # noqa: E402
+from kvcache.kit.trace import write_trace  # noqa: E402
+from kvcache.kit.workloads import make_workload  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def running(rid: str, num_computed_tokens: int) -> Call:
@@ -52,7 +62,7 @@ def admit(rid: str, num_new_tokens: int, num_hit_tokens: int, **extra: Any) -> l
 
 def scenario_prefix_hits_and_eviction() -> tuple[ManagerConfig, list[Call]]:
     """Two requests share a 2-block prefix; freeing and a big request evict tail first."""
-    config = ManagerConfig(num_blocks=8, block_sizes=(4,), max_model_len=64)
+    config = ManagerConfig.full_attention(num_blocks=8, block_size=4, max_model_len=64)
     shared = [7, 7, 1, 2, 3, 4, 5, 6]
     calls: list[Call] = [
         ("add_request", {"request_id": "a", "prompt_token_ids": [*shared, 9, 9], "max_tokens": 4}),
@@ -88,7 +98,9 @@ def scenario_prefix_hits_and_eviction() -> tuple[ManagerConfig, list[Call]]:
 def scenario_preempt_and_resume() -> tuple[ManagerConfig, list[Call]]:
     """Watermark refuses an admission; a decode that does not fit preempts a request whose
     blocks return only at the deferred free; the preempted request resumes from its cache."""
-    config = ManagerConfig(num_blocks=8, block_sizes=(2,), max_model_len=32, watermark=0.25)
+    config = ManagerConfig.full_attention(
+        num_blocks=8, block_size=2, max_model_len=32, watermark=0.25
+    )
     calls: list[Call] = [
         ("add_request", {"request_id": "x", "prompt_token_ids": [1, 2, 3, 4, 5, 6],
                          "max_tokens": 8, "lora": ["lora-a", 1]}),
@@ -136,48 +148,71 @@ SCENARIOS = {
     "preempt_and_resume": scenario_preempt_and_resume,
 }
 
-# (name, seed, enable_caching, watermark, group kinds)
-RANDOM_TRACES = [
-    ("random_caching", 7, True, 0.0, ("full",)),
-    ("random_caching_watermark", 11, True, 0.25, ("full",)),
-    ("random_no_caching", 5, False, 0.1, ("full",)),
-    ("random_two_groups", 3, True, 0.0, ("full", "full")),
-    ("random_full_and_sliding_window", 4, True, 0.0, ("full", "sliding_window")),
+# (file name, seed, layout family, caching, watermark); None: drawn by the seed.
+RANDOM_TRACES: list[tuple[str, int, str, bool | None, float | None]] = [
+    ("random_caching", 7, "full", True, 0.0),
+    ("random_caching_watermark", 11, "full", True, 0.25),
+    ("random_no_caching", 5, "full", False, 0.1),
+    ("random_two_groups", 4, "full+full", True, 0.0),
+    ("hybrid_full_swa", 3, "full+swa", True, 0.0),
+    ("hybrid_full_chunked", 3, "full+chunked", True, 0.0),
+    ("hybrid_full_mamba_align", 21, "full+mamba-align", True, 0.0),
+    ("hybrid_full_mamba_all", 1, "full+mamba-all", True, 0.1),
+    ("hybrid_full_cross", 8, "full+cross", False, 0.0),
+    ("hybrid_eagle_mixed_sizes", 10, "eagle-hybrid", True, 0.0),
+]
+
+# (file name, workload, requests): the scheduler simulation, recorded (a state every
+# 50th call: the pools have 1,024 blocks).
+WORKLOAD_TRACES = [
+    ("hybrid_workload_chat_swa", "chat-swa", 4),
+    ("hybrid_workload_chat_mamba", "chat-mamba", 4),
 ]
 
 
-def record_calls(config: ManagerConfig, calls: list[Call]) -> Lockstep:
-    run = Lockstep(config, None)
-    for op, args in calls:
-        run.call(op, **args)
-    return run
+def record_random(
+    seed: int, family_name: str, caching: bool | None, watermark: float | None, steps: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    family = dataclasses.replace(
+        FAMILIES[family_name], enable_caching=caching, watermark=watermark
+    )
+    rng = random.Random(seed)
+    run = Lockstep(random_config(rng, family), None, "vllm")
+    scheduler = RandomScheduler(rng, run)
+    for _ in range(steps):
+        scheduler.step()
+    scheduler.drain()
+    note = f"RandomScheduler, family {family_name}, seed {seed}, {steps} steps then drain"
+    return run.header(source=note, seed=seed), run.records
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "data")
-    parser.add_argument("--steps", type=int, default=25, help="steps per random trace")
+    parser.add_argument("--steps", type=int, default=40, help="steps per random trace")
     args = parser.parse_args()
+    written: list[tuple[Path, int, str]] = []
 
     for name, make in SCENARIOS.items():
         config, calls = make()
-        run = record_calls(config, calls)
-        path = args.out / f"{name}.jsonl"
-        write_trace(path, run.config_record(note=make.__doc__), run.records)
-        print(f"{path.relative_to(ROOT)}: {len(run.records)} calls")
+        header, records = record_reference(config, calls, "vllm", source=make.__doc__)
+        path = write_trace(args.out / f"{name}.jsonl", header, records)
+        written.append((path, len(records), config.layout))
 
-    for name, seed, enable_caching, watermark, group_kinds in RANDOM_TRACES:
-        rng = random.Random(seed)
-        config = random_config(rng, enable_caching, watermark, group_kinds=group_kinds)
-        run = Lockstep(config, None)
-        scheduler = RandomScheduler(rng, run)
-        for _ in range(args.steps):
-            scheduler.step()
-        scheduler.drain()
-        path = args.out / f"{name}.jsonl"
-        note = f"RandomScheduler, seed {seed}, {args.steps} steps then drain"
-        write_trace(path, run.config_record(seed=seed, note=note), run.records)
-        print(f"{path.relative_to(ROOT)}: {len(run.records)} calls")
+    for name, seed, family, caching, watermark in RANDOM_TRACES:
+        header, records = record_random(seed, family, caching, watermark, args.steps)
+        path = write_trace(args.out / f"{name}.jsonl", header, records)
+        written.append((path, len(records), ManagerConfig.from_record(header["config"]).layout))
+
+    for name, workload, num_requests in WORKLOAD_TRACES:
+        recording = record_workload(make_workload(workload, num_requests), "vllm", 50)
+        if recording.error is not None:
+            raise recording.error
+        path = write_trace(args.out / f"{name}.jsonl.gz", recording.header, recording.records)
+        written.append((path, len(recording.records), workload))
+
+    for path, num_records, what in written:
+        print(f"{path.relative_to(ROOT)}: {num_records} records ({what})")
 
 
 if __name__ == "__main__":

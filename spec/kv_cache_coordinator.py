@@ -8,6 +8,7 @@ from typing import NamedTuple
 from kvcache.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from kvcache.kv_cache_utils import BlockHash, BlockHashList, BlockHashListWithBlockSize
 from kvcache.request import Request
+from spec import pure
 from spec.block_pool import BlockPool
 from spec.single_type_kv_cache_manager import (
     CrossAttentionManager,
@@ -208,12 +209,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache up to the last ``scheduler_block_size`` boundary (EAGLE groups one block
         further, since their hits look one block past a boundary)."""
-        aligned = num_computed_tokens // self.scheduler_block_size * self.scheduler_block_size
         for m in self.single_type_managers:
-            num_tokens = aligned
-            if m.use_eagle and aligned > 0:
-                num_tokens = min(num_computed_tokens, aligned + m.block_size)
-            m.cache_blocks(request, num_tokens)
+            m.cache_blocks(request, pure.num_tokens_to_cache(
+                num_computed_tokens, self.scheduler_block_size, m.block_size, m.use_eagle))
 
     def _hashes_for(self, block_hashes: list[BlockHash], spec: KVCacheSpec) -> BlockHashList:
         """The request's hashes at the spec's block size."""

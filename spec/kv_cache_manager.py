@@ -18,9 +18,10 @@ from kvcache.kv_cache_interface import (
 from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
 from kvcache.request import Request, RequestStatus
+from spec import pure
 from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.kv_cache_coordinator import get_kv_cache_coordinator
-from spec.single_type_kv_cache_manager import cdiv
+from spec.pure import cdiv
 
 
 @dataclass
@@ -171,7 +172,8 @@ class KVCacheManager:
             num_full = min(request.num_tokens, self.max_model_len)
             num_needed = coordinator.get_num_blocks_to_allocate(
                 rid, num_full, hits, num_encoder_tokens, total_computed, num_full, True)
-            if num_needed + watermark_blocks > self.block_pool.get_num_free_blocks():
+            if not pure.admits(num_needed, self.block_pool.get_num_free_blocks(), 0,
+                               watermark_blocks):
                 return None
         num_tokens_main_model = total_computed + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens,
@@ -181,7 +183,8 @@ class KVCacheManager:
         num_needed = coordinator.get_num_blocks_to_allocate(
             rid, num_tokens_need_slot, hits, num_encoder_tokens, num_computed,
             num_tokens_main_model)
-        if num_needed + watermark_blocks > self.block_pool.get_num_free_blocks() - reserved_blocks:
+        if not pure.admits(num_needed, self.block_pool.get_num_free_blocks(), reserved_blocks,
+                           watermark_blocks):
             return None
         # NOTE: an identity test, as in vLLM: a distinct empty KVCacheBlocks does add.
         if hits is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens > 0:

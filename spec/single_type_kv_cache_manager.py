@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from kvcache.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -14,17 +13,14 @@ from kvcache.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from kvcache.kv_cache_utils import BlockHashList, BlockHashWithGroupId
+from kvcache.kv_cache_utils import BlockHash, BlockHashList, BlockHashWithGroupId
 from kvcache.request import Request
+from spec import pure
 from spec.block_pool import NULL_BLOCK, BlockPool
+from spec.pure import cdiv
 
 Hits = tuple[list[int], ...]
 """Per group of a lookup, the hit block ids (NULL_BLOCK where skipped)."""
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division."""
-    return -(a // -b)
 
 
 def check_no_hits(request_id: str, new_computed_blocks: Sequence[int]) -> None:
@@ -34,11 +30,28 @@ def check_no_hits(request_id: str, new_computed_blocks: Sequence[int]) -> None:
                          f"must be empty, got {list(new_computed_blocks)}")
 
 
-def align_hits(hits: Hits, block_size: int, alignment_tokens: int) -> None:
-    """Drop trailing hits until their length is a multiple of ``alignment_tokens``."""
-    while block_size != alignment_tokens and len(hits[0]) * block_size % alignment_tokens:
-        for group_hits in hits:
-            group_hits.pop()
+class CachedInAllGroups:
+    """The hashes cached in every one of ``group_ids``: the ``cached`` of the searches."""
+
+    def __init__(self, pool: BlockPool, group_ids: list[int]) -> None:
+        self.pool = pool
+        self.group_ids = group_ids
+
+    def __contains__(self, block_hash: object) -> bool:
+        return self.pool.get_cached_block(cast(BlockHash, block_hash), self.group_ids) is not None
+
+
+def hit_blocks(block_hashes: Sequence[BlockHash], first: int, num_blocks: int,
+               group_ids: list[int], pool: BlockPool) -> Hits:
+    """Per group, NULL_BLOCK before ``first``, then the blocks cached under the hashes
+    of ``[first, num_blocks)`` (which a search found cached)."""
+    hits = tuple([NULL_BLOCK] * first for _ in group_ids)
+    for block_hash in block_hashes[first:num_blocks]:
+        cached_ids = pool.get_cached_block(block_hash, group_ids)
+        assert cached_ids is not None
+        for group_hits, block_id in zip(hits, cached_ids, strict=True):
+            group_hits.append(block_id)
+    return hits
 
 
 class SingleTypeKVCacheManager:
@@ -83,16 +96,18 @@ class SingleTypeKVCacheManager:
                                    num_tokens_main_model: int, apply_admission_cap: bool = False
                                    ) -> int:
         """Free blocks needed to give the request ``num_tokens`` slots and take its hits."""
-        num_required = cdiv(num_tokens, self.block_size)
-        if apply_admission_cap and self.max_admission_blocks_per_request is not None:
-            num_required = min(num_required, self.max_admission_blocks_per_request)
+        num_required = pure.num_required_blocks(
+            num_tokens, self.block_size,
+            self.max_admission_blocks_per_request if apply_admission_cap else None)
         num_held = len(self.req_to_blocks.get(request_id, ()))
         if request_id in self.num_cached_block:
             check_no_hits(request_id, new_computed_blocks)
-            return max(num_required - num_held, 0)
+            return pure.num_new_blocks(num_required, num_held, 0, 0, True)
         num_skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
-        num_new = max(num_required - max(num_skipped, len(new_computed_blocks) + num_held), 0)
-        return num_new + self._num_evictable(new_computed_blocks[max(0, num_skipped - num_held):])
+        num_new = pure.num_new_blocks(num_required, num_held, len(new_computed_blocks),
+                                      num_skipped, False)
+        return num_new + self._num_evictable(
+            new_computed_blocks[pure.num_skipped_hits(num_skipped, num_held):])
 
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
                                   num_local_computed_tokens: int,
@@ -190,18 +205,17 @@ class SingleTypeKVCacheManager:
         if num_skipped_tokens <= 0:
             return
         blocks = self._blocks_of(request_id)
-        freed: list[int] = []
-        for i in reversed(range(min(num_skipped_tokens // self.block_size, len(blocks)))):
-            if blocks[i] == NULL_BLOCK:
-                break  # the rest was nulled by an earlier call
-            freed.append(blocks[i])
-            blocks[i] = NULL_BLOCK
+        # The scan stops at a null: the rest was nulled by an earlier call.
+        start, stop = pure.skipped_blocks_to_free(blocks, NULL_BLOCK,
+                                                  num_skipped_tokens // self.block_size)
+        freed = blocks[start:stop][::-1]
+        blocks[start:stop] = [NULL_BLOCK] * (stop - start)
         if freed:
             self.block_pool.free_blocks(freed)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens no longer read once ``num_computed_tokens`` are computed."""
-        return 0
+        return pure.num_skipped_tokens_full_attention(num_computed_tokens)
 
     def new_step_starts(self) -> None:
         """Hook run once per scheduler step."""
@@ -225,19 +239,12 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                                group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
                                drop_eagle_block: bool, alignment_tokens: int) -> Hits:
         """Walk the hash chain left to right up to the first miss."""
-        hits: Hits = tuple([] for _ in group_ids)
-        block_size = kv_cache_spec.block_size
-        for block_hash in itertools.islice(block_hashes, max_length // block_size):
-            cached_ids = pool.get_cached_block(block_hash, group_ids)
-            if not cached_ids:
-                break
-            for group_hits, block_id in zip(hits, cached_ids, strict=True):
-                group_hits.append(block_id)
-        if drop_eagle_block and hits[0]:
-            for group_hits in hits:
-                group_hits.pop()
-        align_hits(hits, block_size, alignment_tokens)
-        return hits
+        max_num_blocks = max_length // kv_cache_spec.block_size
+        block_hashes = block_hashes[:max_num_blocks]
+        num_blocks = pure.full_attention_hit_num_blocks(
+            block_hashes, CachedInAllGroups(pool, group_ids), max_num_blocks, drop_eagle_block,
+            kv_cache_spec.block_size, alignment_tokens)
+        return hit_blocks(block_hashes, 0, num_blocks, group_ids, pool)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading blocks whose ref count equals the number of tables (empty ones count)."""
@@ -254,7 +261,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def _num_blocks_for_hit(kv_cache_spec: KVCacheSpec, use_eagle: bool) -> int:
         """Contiguous hits a window needs; EAGLE matches one more and drops it."""
         assert isinstance(kv_cache_spec, SlidingWindowSpec)
-        return cdiv(kv_cache_spec.sliding_window - 1, kv_cache_spec.block_size) + use_eagle
+        return pure.num_contiguous_blocks_for_hit(kv_cache_spec.sliding_window,
+                                                  kv_cache_spec.block_size, use_eagle)
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: BlockHashList, max_length: int,
@@ -263,51 +271,26 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Scan right to left for the last run of hits that fills a window and ends where
         an aligned hit can; a shorter run starting at block 0 also counts. Blocks before
         the run are null."""
-        num_needed = cls._num_blocks_for_hit(kv_cache_spec, drop_eagle_block)
-        block_size = kv_cache_spec.block_size
-        max_num_blocks = max_length // block_size
-        hits = tuple([NULL_BLOCK] * max_num_blocks for _ in group_ids)
-        run = 0
-        for i in reversed(range(max_num_blocks)):
-            cached_ids = pool.get_cached_block(block_hashes[i], group_ids)
-            if not cached_ids:
-                run = 0
-                continue
-            end = i if drop_eagle_block else i + 1  # the hit's length in blocks after the drop
-            if run == 0 and block_size != alignment_tokens and end * block_size % alignment_tokens:
-                continue
-            for group_hits, block_id in zip(hits, cached_ids, strict=True):
-                group_hits[i] = block_id
-            run += 1
-            if run >= num_needed:
-                for group_hits in hits:
-                    del group_hits[i + run:]
-                break
-        else:
-            for group_hits in hits:
-                del group_hits[run:]
-            align_hits(hits, block_size, alignment_tokens)
-        if drop_eagle_block and hits[0]:
-            for group_hits in hits:
-                group_hits.pop()
-            align_hits(hits, block_size, alignment_tokens)
-        return hits
+        max_num_blocks = max_length // kv_cache_spec.block_size
+        block_hashes = block_hashes[:max_num_blocks]
+        first, num_blocks = pure.sliding_window_hit_range(
+            block_hashes, CachedInAllGroups(pool, group_ids), max_num_blocks,
+            cls._num_blocks_for_hit(kv_cache_spec, drop_eagle_block), drop_eagle_block,
+            kv_cache_spec.block_size, alignment_tokens)
+        return hit_blocks(block_hashes, first, num_blocks, group_ids, pool)
 
     def reachable_block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
         """Only the window's blocks before each ``scheduler_block_size`` boundary (shifted by
         one block with EAGLE) can serve a hit; None when that is every block."""
-        num_needed = self._num_blocks_for_hit(self.kv_cache_spec, self.use_eagle)
-        per_segment = self.scheduler_block_size // self.block_size
-        if num_needed >= per_segment:
-            return None
-        shift = int(self.use_eagle)
-        return [i >= shift and (i - shift) % per_segment >= per_segment - num_needed
-                for i in range(start_block, end_block)]
+        return pure.sliding_window_reachable_mask(
+            start_block, end_block, self._num_blocks_for_hit(self.kv_cache_spec, self.use_eagle),
+            self.scheduler_block_size // self.block_size, self.use_eagle)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the window of the next token."""
         assert isinstance(self.kv_cache_spec, SlidingWindowSpec)
-        return max(0, num_computed_tokens - self.kv_cache_spec.sliding_window + 1)
+        return pure.num_skipped_tokens_sliding_window(num_computed_tokens,
+                                                      self.kv_cache_spec.sliding_window)
 
 
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
@@ -324,21 +307,16 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         if drop_eagle_block or block_size != alignment_tokens:
             raise NotImplementedError("chunked local attention hits need no EAGLE drop and "
                                       f"block_size={block_size} == alignment {alignment_tokens}")
-        num_nulls = max(max_length, 0) // chunk_size * chunk_size // block_size
-        hits = tuple([NULL_BLOCK] * num_nulls for _ in group_ids)
-        for i in range(num_nulls, max_length // block_size):
-            cached_ids = pool.get_cached_block(block_hashes[i], group_ids)
-            if not cached_ids:
-                break
-            for group_hits, block_id in zip(hits, cached_ids, strict=True):
-                group_hits.append(block_id)
-        return hits
+        block_hashes = block_hashes[:max(max_length, 0) // block_size]
+        first, num_blocks = pure.chunked_local_hit_range(
+            block_hashes, CachedInAllGroups(pool, group_ids), max_length, chunk_size, block_size)
+        return hit_blocks(block_hashes, first, num_blocks, group_ids, pool)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens of the chunks before the next token's chunk."""
         assert isinstance(self.kv_cache_spec, ChunkedLocalAttentionSpec)
-        chunk_size = self.kv_cache_spec.attention_chunk_size
-        return num_computed_tokens // chunk_size * chunk_size
+        return pure.num_skipped_tokens_chunked_local(num_computed_tokens,
+                                                     self.kv_cache_spec.attention_chunk_size)
 
 
 class MambaManager(SingleTypeKVCacheManager):
@@ -368,13 +346,12 @@ class MambaManager(SingleTypeKVCacheManager):
                                drop_eagle_block: bool, alignment_tokens: int) -> Hits:
         """The last cached state ending on an aligned boundary, nulls before it (no EAGLE
         drop: draft models have no Mamba layers)."""
-        block_size = kv_cache_spec.block_size
-        for i in reversed(range(max_length // block_size)):
-            cached_ids = pool.get_cached_block(block_hashes[i], group_ids)
-            if cached_ids and (block_size == alignment_tokens
-                               or (i + 1) * block_size % alignment_tokens == 0):
-                return tuple([NULL_BLOCK] * i + [block_id] for block_id in cached_ids)
-        return tuple([] for _ in group_ids)
+        max_num_blocks = max_length // kv_cache_spec.block_size
+        block_hashes = block_hashes[:max_num_blocks]
+        num_blocks = pure.mamba_hit_num_blocks(
+            block_hashes, CachedInAllGroups(pool, group_ids), max_num_blocks,
+            kv_cache_spec.block_size, alignment_tokens)
+        return hit_blocks(block_hashes, max(num_blocks - 1, 0), num_blocks, group_ids, pool)
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[int], total_computed_tokens: int,
@@ -391,11 +368,10 @@ class MambaManager(SingleTypeKVCacheManager):
                 new_computed_blocks, total_computed_tokens, num_tokens_main_model,
                 apply_admission_cap)
         # Align mode ignores lookahead tokens (they would break the alignment).
-        num_new = (cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
-                   - len(new_computed_blocks) - len(self._blocks_of(request_id)))
-        if num_new > 0:  # a running request reuses its last step's speculative blocks
-            num_new = 1 + (0 if request_id in self._allocated_block_reqs
-                           else self.num_speculative_blocks)
+        num_new = pure.mamba_align_num_new_blocks(
+            num_tokens_main_model, self.block_size, self.num_speculative_blocks,
+            len(new_computed_blocks), len(self._blocks_of(request_id)),
+            request_id in self._allocated_block_reqs)
         return num_new + self._num_evictable(new_computed_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
@@ -462,7 +438,7 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Every token but the last: only the latest state is read."""
-        return num_computed_tokens - 1
+        return pure.num_skipped_tokens_mamba(num_computed_tokens)
 
     def new_step_starts(self) -> None:
         """States cached in the last step are complete now."""

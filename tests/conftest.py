@@ -5,7 +5,12 @@ Hypothesis profiles (pick one with ``HYPOTHESIS_PROFILE``; ``make`` uses ``ci``)
 * ``dev``     — quick local runs (the default outside ``make``);
 * ``ci``      — what ``make verify`` / CI run: derandomized, so a CI failure
   reproduces with the same command;
-* ``nightly`` — long fuzzing runs.
+* ``nightly`` — long fuzzing runs;
+* ``fuzz``    — ``make fuzz`` (HypoFuzz): the example database is
+  ``$KVCACHE_FUZZ_DB``, a directory (default ``.hypothesis/fuzz-db``; put it
+  on a shared mount for several machines) or ``redis://HOST:PORT/DB`` (needs
+  the ``redis`` package); ``KVCACHE_FUZZ_PHASES=reuse`` only replays what the
+  database holds.
 """
 
 from __future__ import annotations
@@ -33,6 +38,32 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def fuzz_database(location: str) -> Any:
+    """The example database at ``location``: a directory or a ``redis://`` URL."""
+    if location.startswith("redis://"):
+        import redis
+        from hypothesis.extra.redis import RedisExampleDatabase
+
+        return RedisExampleDatabase(redis.Redis.from_url(location))
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    return DirectoryBasedExampleDatabase(location)
+
+
+if os.environ.get("HYPOTHESIS_PROFILE") == "fuzz":
+    from hypothesis import Phase
+
+    _phases = os.environ.get("KVCACHE_FUZZ_PHASES", "")
+    settings.register_profile(
+        "fuzz",
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        database=fuzz_database(os.environ.get("KVCACHE_FUZZ_DB", ".hypothesis/fuzz-db")),
+        phases=[Phase[name] for name in _phases.split(",")] if _phases else tuple(Phase),
+    )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 EXPECTED_VLLM_VERSION = "0.25.1"
@@ -45,20 +76,20 @@ def in_ci() -> bool:
 
 @pytest.fixture(scope="session")
 def vllm_reference() -> ModuleType:
-    """The conformance adapter around the real vLLM 0.25.1.
+    """The kit's adapter around the real vLLM 0.25.1 (``kvcache.kit.vllm_side``).
 
     Fails under CI when vLLM cannot be imported (the reference must be there);
     skips locally, where ``make conformance`` installs it.
     """
     reason = None
     try:
-        from conformance import vllm_adapter
+        from kvcache.kit import vllm_side
     except Exception as exc:  # ImportError, or vLLM failing at import time
         reason = f"vLLM {EXPECTED_VLLM_VERSION} is not importable: {type(exc).__name__}: {exc}"
     else:
-        if vllm_adapter.VLLM_VERSION != EXPECTED_VLLM_VERSION:
+        if vllm_side.VLLM_VERSION != EXPECTED_VLLM_VERSION:
             reason = (
-                f"vLLM {vllm_adapter.VLLM_VERSION} is installed; the reference is "
+                f"vLLM {vllm_side.VLLM_VERSION} is installed; the reference is "
                 f"{EXPECTED_VLLM_VERSION}"
             )
     if reason is not None:
@@ -66,31 +97,31 @@ def vllm_reference() -> ModuleType:
         if in_ci():
             pytest.fail(f"{reason}; CI requires it: {hint}", pytrace=False)
         pytest.skip(f"{reason}; {hint}")
-    return vllm_adapter
+    return vllm_side
+
+
+IMPL_ENV = "KVCACHE_CONFORMANCE_IMPL"
 
 
 @pytest.fixture(scope="session")
 def subject_impl() -> str:
-    """Name of the implementation under test (``$KVCACHE_CONFORMANCE_IMPL``, default kvcache)."""
-    from conformance.sides import subject_impl as impl
+    """The implementation under test: ``$KVCACHE_CONFORMANCE_IMPL`` (any ``--impl``
+    name of ``python -m kvcache``: a package, ``module:factory``, ``spec``), default
+    kvcache."""
+    from kvcache.kit.sides import resolve_adapter
 
-    name = impl()
-    if name != "vllm":
-        import importlib
-
-        try:
-            module = importlib.import_module(name)
-        except Exception as exc:
-            pytest.fail(f"implementation {name!r} is not importable: {exc!r}", pytrace=False)
-        if not hasattr(module, "KVCacheManager"):
-            pytest.fail(f"implementation {name!r} has no KVCacheManager", pytrace=False)
+    name = os.environ.get(IMPL_ENV, "kvcache")
+    try:
+        resolve_adapter(name)
+    except ValueError as exc:
+        pytest.fail(f"{IMPL_ENV}={name!r}: {exc}", pytrace=False)
     return name
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Print the conformance counts (sequences, calls, mismatches) when any ran."""
+    """Print the conformance counts (sequences per family, calls, mismatches) when any ran."""
     import sys
 
-    driver = sys.modules.get("conformance.driver")
-    if driver is not None and driver.STATS.sequences:
-        terminalreporter.write_line(driver.STATS.summary())
+    module = sys.modules.get("conformance.test_conformance")
+    if module is not None and module.STATS.sequences:
+        terminalreporter.write_line(module.STATS.summary())

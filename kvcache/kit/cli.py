@@ -1,15 +1,25 @@
-"""``python -m kvcache``: benchmark and simulate KV-cache managers.
+"""``python -m kvcache`` (also the ``kvcache`` command): put a KV-cache manager on trial.
 
-Run ``python -m kvcache --help`` for the commands.
+Commands: ``record`` a trace, ``replay`` one against an implementation,
+``fuzz`` an implementation against the oracle or vLLM, ``bench`` and
+``simulate``. Run ``python -m kvcache COMMAND --help`` for each.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from kvcache.kit.workloads import WORKLOAD_NAMES
+
+IMPL_HELP = (
+    "implementation: kvcache, spec (the oracle), vllm (the installed vLLM), a package "
+    "with a KVCacheManager, or module:factory (see README, 'Check your own implementation')"
+)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -87,13 +97,152 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layouts() -> list[str]:
+    from kvcache.kit.driver import FAMILIES
+
+    return list(FAMILIES)
+
+
+def _cmd_record(args: argparse.Namespace) -> int:
+    from kvcache.kit.trace import write_trace
+
+    out = Path(args.out)
+    if args.workload == "random":
+        from kvcache.kit.record import record_random
+
+        if args.layout not in _layouts():
+            raise ValueError(f"--layout {args.layout!r}; choose from {', '.join(_layouts())}")
+        header, records = record_random(args.layout, args.seed, args.impl)
+        write_trace(out, header, records)
+        what = f"a random {args.layout} sequence (seed {args.seed})"
+        error = None
+    else:
+        from kvcache.kit.record import record_workload
+        from kvcache.kit.workloads import make_workload
+
+        workload = make_workload(args.workload, args.requests, args.seed)
+        state_every = args.state_every
+        if state_every < 0:  # auto: every call on small pools, sparser on big ones
+            state_every = 1 if workload.num_blocks <= 256 else 500
+        recording = record_workload(workload, args.impl, state_every)
+        header, records, error = recording.header, recording.records, recording.error
+        write_trace(out, header, records)
+        steps = f", {recording.result.steps} steps" if recording.result else ""
+        what = f"workload {args.workload} ({len(workload.requests)} requests{steps})"
+    info = header["recorded_with"]
+    size = out.stat().st_size
+    print(
+        f"recorded {len(records)} records of {what} on {info['impl']} "
+        f"{info['version'] or ''} to {out} ({size / 1024:.0f} KiB)".replace("  ", " ")
+    )
+    if error is not None:
+        print(
+            f"error: the run stopped: {type(error).__name__}: {error} "
+            f"(the trace ends with that call)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _print_divergence(
+    path: Path, trace: Any, impl: str, result: Any, context: int, full_states: bool
+) -> None:
+    from kvcache.kit.driver import describe_call, describe_calls
+    from kvcache.kit.trace import short, state_diff
+
+    mismatch = result.mismatch
+    limit = 10**9 if full_states else 1500
+    print(f"{path}: DIVERGES on {impl}")
+    if mismatch.index < 0:
+        print(f"  building the manager: {mismatch.detail}")
+        return
+    record = trace.records[mismatch.index]
+    print(f"  at record #{mismatch.index} of {len(trace.records)}:")
+    print(describe_call(mismatch.index, record).replace("  #", "    #", 1))
+    print("  " + mismatch.detail.replace("\n", "\n  "))
+    first = max(0, mismatch.index - context)
+    if mismatch.index > first:
+        print(f"  preceding calls (results as recorded on {trace.recorded_with}):")
+        print(textwrap.indent(describe_calls(trace.records[first : mismatch.index], first), "  "))
+    expected, observed = mismatch.expected_state, mismatch.observed_state
+    if expected is None:
+        print("  states: the trace holds no state for this call")
+    elif observed is None:
+        print(f"  states: {impl} has no abstract_state(); expected state after the call:")
+        print("    " + short(expected, limit))
+    else:
+        print(f"  state after the call, expected (from the trace):\n    {short(expected, limit)}")
+        print(f"  state after the call, observed ({impl}):\n    {short(observed, limit)}")
+        diff = state_diff(expected, observed)
+        print("  differences:" + ("\n" + "\n".join("  " + d for d in diff) if diff else " none"))
+    if not full_states:
+        print("  (--full-states prints the states uncut)")
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from kvcache.kit.driver import replay_trace
+    from kvcache.kit.trace import read_trace
+
+    traces = [read_trace(path) for path in args.traces]  # all readable before any replay
+    diverged = 0
+    for path, trace in zip(args.traces, traces, strict=True):
+        result = replay_trace(trace, args.impl)
+        if result.mismatch is None:
+            compared = "results and states" if result.states_compared else "results"
+            print(
+                f"{path}: {len(trace.records)} records ({trace.config.layout}, recorded on "
+                f"{trace.recorded_with}) replay identically on {args.impl} ({compared} compared)"
+            )
+            continue
+        diverged += 1
+        _print_divergence(Path(path), trace, args.impl, result, args.context, args.full_states)
+    return 1 if diverged else 0
+
+
+def _cmd_fuzz(args: argparse.Namespace) -> int:
+    from kvcache.kit.fuzz import fuzz
+
+    families = args.layouts.split(",") if args.layouts else None
+    seconds = None if args.sequences and args.minutes is None else 60.0 * (args.minutes or 1.0)
+    outcome = fuzz(
+        args.impl,
+        reference=args.reference,
+        families=families,
+        seconds=seconds,
+        max_sequences=args.sequences,
+        seed=args.seed,
+        out=Path(args.out) if args.out else None,
+        shrink_s=args.shrink_seconds,
+    )
+    stats = outcome.stats
+    print(
+        f"fuzz {args.impl} vs {args.reference}, seed {args.seed}: {stats.sequences} sequences "
+        f"[{stats.layout_summary()}], {stats.calls} calls in {outcome.seconds:.0f} s"
+    )
+    if outcome.harness_error:
+        print(f"error: {outcome.harness_error}", file=sys.stderr)
+        return 2
+    if outcome.counterexample is None:
+        print(f"no divergence: {args.impl} matches {args.reference} on every call")
+        return 0
+    print(
+        f"DIVERGENCE: a counterexample of {outcome.counterexample_calls} calls is in "
+        f"{outcome.counterexample}\nreproduce it: python -m kvcache replay "
+        f"{outcome.counterexample} --impl {args.impl}"
+    )
+    return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m kvcache``."""
     parser = argparse.ArgumentParser(
         prog="python -m kvcache",
-        description="kvcache: a verified reference of vLLM 0.25.1's KV-cache manager. "
-        "Implementations (--impl) are kvcache, spec, vllm (the real package, when "
-        "installed) or module:factory for your own.",
+        description="kvcache: a verified reference of vLLM 0.25.1's KV-cache manager, and "
+        "a kit to put any KV-cache manager on trial: record traces, replay them, fuzz.",
+        epilog="Implementations (--impl): kvcache, spec (the oracle), vllm (the installed "
+        "vLLM), a package with a KVCacheManager, or module:factory, where factory has "
+        "KVCacheManager's constructor signature. Trace format: docs/trace-format.md.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -126,11 +275,110 @@ def build_parser() -> argparse.ArgumentParser:
         description="Hit rate, usage, preemptions, free blocks and queue lengths over time.",
     )
     p.add_argument("--workload", default="chat", choices=WORKLOAD_NAMES)
-    p.add_argument("--impl", default="kvcache", help="kvcache, spec, vllm or module:factory")
+    p.add_argument("--impl", default="kvcache", help=IMPL_HELP)
     p.add_argument("--requests", type=int, default=2000, help="requests in the workload")
     p.add_argument("--rows", type=int, default=20, help="table rows to print")
     p.add_argument("--plot", default="", help="draw usage/free/queues to this PNG")
     p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser(
+        "record",
+        help="record a scheduler simulation (or a random sequence) as a trace",
+        description="Run a workload through the scheduler simulation (kvcache.kit.workloads."
+        "simulate) on one implementation and write every manager call, with its arguments, "
+        "its result and the abstract state after it, as a trace (JSON Lines; gzip when "
+        "--out ends in .gz; format: docs/trace-format.md). Record on vllm to capture the "
+        "reference's behaviour, then replay the trace on any implementation.",
+        epilog="example: python -m kvcache record --impl vllm --workload chat-swa "
+        "--requests 20 --out chat-swa.jsonl.gz",
+    )
+    p.add_argument("--impl", default="vllm", help=IMPL_HELP + " (default: vllm)")
+    p.add_argument(
+        "--workload",
+        default="chat",
+        choices=[*WORKLOAD_NAMES, "random"],
+        help="what to run: a benchmark workload, or 'random' for one random scheduler "
+        "sequence of --layout (default: chat)",
+    )
+    p.add_argument("--requests", type=int, default=20, help="requests in the workload (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="workload / sequence seed (default 0)")
+    p.add_argument(
+        "--layout",
+        default="full+swa",
+        metavar="LAYOUT",
+        help="layout family of --workload random (default full+swa); one of: "
+        + ", ".join(_layouts()),
+    )
+    p.add_argument(
+        "--state-every",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="store the abstract state after every N-th call (0: never; default: every "
+        "call for pools up to 256 blocks, else every 500th)",
+    )
+    p.add_argument("--out", required=True, help="trace file to write (.jsonl or .jsonl.gz)")
+    p.set_defaults(func=_cmd_record)
+
+    p = sub.add_parser(
+        "replay",
+        help="replay traces on an implementation; report the first divergence",
+        description="Replay each trace's calls on one implementation and compare every "
+        "result, every exception and (where the trace holds one) the abstract state with "
+        "what the trace recorded. At the first divergence print the call, the preceding "
+        "calls, and both states. Exit status: 0 all identical, 1 a divergence, 2 a trace "
+        "that cannot be read.",
+        epilog="example: python -m kvcache replay tests/data/*.jsonl --impl mypkg.manager:make",
+    )
+    p.add_argument("traces", nargs="+", type=Path, metavar="TRACE", help="trace files")
+    p.add_argument("--impl", default="kvcache", help=IMPL_HELP + " (default: kvcache)")
+    p.add_argument(
+        "--context", type=int, default=8, metavar="N", help="preceding calls shown (default 8)"
+    )
+    p.add_argument("--full-states", action="store_true", help="print states uncut")
+    p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser(
+        "fuzz",
+        help="run random scheduler sequences against the oracle or vLLM",
+        description="Run random scheduler-like call sequences (every layout family: full "
+        "attention, sliding window, chunked local, Mamba, cross attention, their hybrids, "
+        "mixed block sizes, EAGLE) on --impl and on --reference in lockstep, comparing "
+        "every result and the abstract state after every call. On the first divergence, "
+        "shrink it to a minimal call sequence and write it as a trace that `replay` "
+        "reproduces. Progress goes to stderr. Exit status: 0 no divergence, 1 a "
+        "counterexample written, 2 a usage or harness error.",
+        epilog="example: python -m kvcache fuzz --impl mypkg.manager:make --minutes 5",
+    )
+    p.add_argument("--impl", default="kvcache", help=IMPL_HELP + " (default: kvcache)")
+    p.add_argument(
+        "--reference",
+        default="spec",
+        help="what --impl must match: spec (the oracle, default) or vllm (the real vLLM)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="time budget (default 1, or none with --sequences)",
+    )
+    p.add_argument("--sequences", type=int, default=None, help="stop after this many sequences")
+    p.add_argument("--seed", type=int, default=0, help="run seed (default 0): same seed, same run")
+    p.add_argument(
+        "--layouts",
+        default="",
+        metavar="A,B,...",
+        help="layout families to cycle through (default: all): " + ", ".join(_layouts()),
+    )
+    p.add_argument(
+        "--out",
+        default="",
+        help="counterexample file (default counterexample-<impl>-seed<N>.jsonl)",
+    )
+    p.add_argument(
+        "--shrink-seconds", type=float, default=60.0, help="time to shrink a failure (default 60)"
+    )
+    p.set_defaults(func=_cmd_fuzz)
     return parser
 
 
@@ -139,6 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except ValueError as exc:
+    except ValueError as exc:  # TraceError is one: bad traces, bad names, bad arguments
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

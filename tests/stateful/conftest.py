@@ -18,7 +18,12 @@ _COMMON: dict[str, Any] = dict(
     deadline=None,
     derandomize=False,
     print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.large_base_example,
+        HealthCheck.data_too_large,
+    ],
 )
 # ci: about 75 s on one core of a 2-core runner; nightly: 10x the examples, 1.5x the steps.
 settings.register_profile("stateful-ci", max_examples=600, stateful_step_count=200, **_COMMON)
