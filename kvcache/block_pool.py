@@ -36,10 +36,6 @@ from kvcache.kv_events import (
 if TYPE_CHECKING:
     from kvcache.request import Request
 
-# A hash maps to one block (the common case, no inner container) or, when
-# identical blocks were cached separately, to {block_id: block} in insertion order.
-_CachedBlocks = KVCacheBlock | dict[int, KVCacheBlock]
-
 
 class BlockHashToBlockMap:
     """Prefix-cache map: pool key -> cached block(s), per KV-cache group.
@@ -47,81 +43,93 @@ class BlockHashToBlockMap:
     NOTE: identical blocks cached by different requests are not merged, because
     block tables are append-only: a request keeps the ids it was given. A hit
     returns the oldest block cached under the key.
+
+    Layout: ``group_maps[g][hash]`` is always that oldest block, so a hit search
+    is one C-level dict lookup per block; younger duplicates wait, oldest first,
+    in ``extras[g][hash]`` and the next one is promoted when the oldest leaves.
     """
 
     def __init__(self) -> None:
-        self.group_maps: dict[int, dict[BlockHash, _CachedBlocks]] = {}
+        self.group_maps: dict[int, dict[BlockHash, KVCacheBlock]] = {}
+        self.extras: dict[int, dict[BlockHash, dict[int, KVCacheBlock]]] = {}
 
-    def group_map(self, group_id: int) -> dict[BlockHash, _CachedBlocks]:
-        """The (hash -> blocks) map of one group, created on first use."""
+    def group_map(self, group_id: int) -> dict[BlockHash, KVCacheBlock]:
+        """The (hash -> oldest block) map of one group, created on first use."""
         m = self.group_maps.get(group_id)
         if m is None:
             m = self.group_maps[group_id] = {}
+            self.extras[group_id] = {}
         return m
 
     def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
         """The oldest block cached under ``key``, or None."""
         m = self.group_maps.get(get_group_id(key))
-        blocks = None if m is None else m.get(get_block_hash(key))
-        if blocks is None or isinstance(blocks, KVCacheBlock):
-            return blocks
-        return next(iter(blocks.values()))
+        return None if m is None else m.get(get_block_hash(key))
 
     def contain(self, key: BlockHashWithGroupId, block_id: int) -> bool:
         """Whether ``key`` maps to block ``block_id``."""
-        m = self.group_maps.get(get_group_id(key))
-        blocks = None if m is None else m.get(get_block_hash(key))
-        if blocks is None:
-            return False
-        if isinstance(blocks, KVCacheBlock):
-            return blocks.block_id == block_id
-        return block_id in blocks
+        return any(b.block_id == block_id for b in self.get_blocks(key))
+
+    def get_blocks(self, key: BlockHashWithGroupId) -> list[KVCacheBlock]:
+        """All blocks cached under ``key``, oldest first."""
+        group_id, h = get_group_id(key), get_block_hash(key)
+        m = self.group_maps.get(group_id)
+        first = None if m is None else m.get(h)
+        if first is None:
+            return []
+        return [first, *self.extras[group_id].get(h, {}).values()]
 
     def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
         """Add ``block`` under ``key`` (after any block already there)."""
-        self.insert_raw(self.group_map(get_group_id(key)), get_block_hash(key), block)
+        self.insert_raw(get_group_id(key), get_block_hash(key), block)
 
-    @staticmethod
-    def insert_raw(m: dict[BlockHash, _CachedBlocks], h: BlockHash, block: KVCacheBlock) -> None:
-        """Add ``block`` under hash ``h`` of group map ``m``."""
-        blocks = m.get(h)
-        if blocks is None:
+    def insert_raw(self, group_id: int, h: BlockHash, block: KVCacheBlock) -> None:
+        """Add ``block`` under hash ``h`` of group ``group_id``."""
+        m = self.group_map(group_id)
+        if h not in m:
             m[h] = block
-        elif isinstance(blocks, KVCacheBlock):
-            m[h] = {blocks.block_id: blocks, block.block_id: block}
         else:
-            blocks[block.block_id] = block
+            self.extras[group_id].setdefault(h, {})[block.block_id] = block
 
     def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
         """Remove block ``block_id`` from ``key``; return it, or None if absent."""
-        m = self.group_maps.get(get_group_id(key))
-        return None if m is None else self.pop_raw(m, get_block_hash(key), block_id)
+        return self.pop_raw(get_group_id(key), get_block_hash(key), block_id)
 
-    @staticmethod
-    def pop_raw(
-        m: dict[BlockHash, _CachedBlocks], h: BlockHash, block_id: int
-    ) -> KVCacheBlock | None:
-        """Remove block ``block_id`` from hash ``h`` of group map ``m``."""
-        blocks = m.get(h)
-        if blocks is None:
+    def pop_raw(self, group_id: int, h: BlockHash, block_id: int) -> KVCacheBlock | None:
+        """Remove block ``block_id`` from hash ``h`` of group ``group_id``."""
+        m = self.group_maps.get(group_id)
+        if m is None:
             return None
-        if isinstance(blocks, KVCacheBlock):
-            if blocks.block_id != block_id:
-                return None
-            del m[h]
-            return blocks
-        block = blocks.pop(block_id, None)
-        if not blocks:
-            del m[h]
+        first = m.get(h)
+        if first is None:
+            return None
+        extras = self.extras[group_id]
+        younger = extras.get(h)
+        if first.block_id == block_id:
+            if younger:
+                # Promote the next oldest duplicate.
+                next_id = next(iter(younger))
+                m[h] = younger.pop(next_id)
+                if not younger:
+                    del extras[h]
+            else:
+                del m[h]
+            return first
+        if younger is None:
+            return None
+        block = younger.pop(block_id, None)
+        if not younger:
+            del extras[h]
         return block
 
     def items(self) -> list[tuple[BlockHashWithGroupId, list[KVCacheBlock]]]:
         """Every (pool key, blocks oldest first) pair. For tests and tools."""
         out = []
         for group_id, m in self.group_maps.items():
-            for h, blocks in m.items():
-                listed = [blocks] if isinstance(blocks, KVCacheBlock) else list(blocks.values())
-                out.append((make_block_hash_with_group_id(h, group_id), listed))
+            extras = self.extras[group_id]
+            for h, first in m.items():
+                blocks = [first, *extras.get(h, {}).values()]
+                out.append((make_block_hash_with_group_id(h, group_id), blocks))
         return out
 
     def __len__(self) -> int:
@@ -190,16 +198,14 @@ class BlockPool:
         found = []
         for group_id in kv_cache_group_ids:
             m = group_maps.get(group_id)
-            blocks = None if m is None else m.get(block_hash)
-            if blocks is None:
+            block = None if m is None else m.get(block_hash)
+            if block is None:
                 return None
-            found.append(
-                blocks if isinstance(blocks, KVCacheBlock) else next(iter(blocks.values()))
-            )
+            found.append(block)
         return found
 
-    def get_cached_block_map(self, group_id: int) -> dict[BlockHash, _CachedBlocks]:
-        """The raw (hash -> block or {id: block}) map of one group, for hit loops."""
+    def get_cached_block_map(self, group_id: int) -> dict[BlockHash, KVCacheBlock]:
+        """The raw (hash -> oldest cached block) map of one group, for hit loops."""
         return self.cached_block_hash_to_block.group_map(group_id)
 
     # ------------------------------------------------------------ caching
@@ -246,8 +252,7 @@ class BlockPool:
                 f"only {len(block_hashes)} block hashes"
             )
         new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
-        m = self.cached_block_hash_to_block.group_map(kv_cache_group_id)
-        insert = BlockHashToBlockMap.insert_raw
+        insert = self.cached_block_hash_to_block.insert_raw
         events = self.enable_kv_cache_events
         stored: list[ExternalBlockHash] = []
         for i, blk in enumerate(new_full_blocks):
@@ -261,7 +266,7 @@ class BlockPool:
             blk._hash = h
             blk._group_id = kv_cache_group_id
             blk._block_hash_num_tokens = (num_cached_blocks + i + 1) * block_size
-            insert(m, h, blk)
+            insert(kv_cache_group_id, h, blk)
             if events:
                 stored.append(maybe_convert_block_hash(h))
         if events:
@@ -363,8 +368,7 @@ class BlockPool:
             return False
         group_id = block._group_id
         block.reset_hash()
-        m = self.cached_block_hash_to_block.group_maps.get(group_id)
-        if m is None or BlockHashToBlockMap.pop_raw(m, h, block.block_id) is None:
+        if self.cached_block_hash_to_block.pop_raw(group_id, h, block.block_id) is None:
             return False
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(
