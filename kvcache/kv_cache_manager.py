@@ -26,6 +26,7 @@ from kvcache.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
     FullAttentionManager,
+    MambaManager,
     SlidingWindowManager,
     cdiv,
 )
@@ -209,6 +210,9 @@ class KVCacheManager:
         self._simple_managers = tuple(
             type(m) in (FullAttentionManager, SlidingWindowManager, ChunkedLocalAttentionManager)
             for m in managers
+        )
+        self._mamba_align = tuple(
+            isinstance(m, MambaManager) and m.mamba_cache_mode == "align" for m in managers
         )
         self._aligned_caching = isinstance(self.coordinator, HybridKVCacheCoordinator)
         self._owners: dict[str, Request] = {}
@@ -547,6 +551,10 @@ class KVCacheManager:
             )
         required = 0
         empty: tuple[KVCacheBlock, ...] = ()
+        mamba_align = self._mamba_align
+        # Align-mode Mamba groups whose table is already long enough: they count
+        # their (non-positive) shortfall, as vLLM's formula does, and allocate nothing.
+        mamba_done = 0
         for i, manager in enumerate(managers):
             if simple[i] and request_id in manager.num_cached_block:
                 blocks = manager.req_to_blocks.get(request_id)
@@ -555,6 +563,21 @@ class KVCacheManager:
                 )
                 if n > 0:
                     required += n
+            elif (
+                mamba_align[i]
+                and request_id in manager._allocated_block_reqs  # type: ignore[attr-defined]
+                and request_id in manager.req_to_blocks
+            ):
+                n = (
+                    -(num_tokens_main_model // -manager.block_size)
+                    + manager.num_speculative_blocks  # type: ignore[attr-defined]
+                    - len(manager.req_to_blocks[request_id])
+                )
+                if n <= 0:
+                    required += n
+                    mamba_done |= 1 << i
+                else:
+                    required += 1  # a running align request takes one new state block
             else:
                 required += manager.get_num_blocks_to_allocate(
                     request_id,
@@ -582,6 +605,8 @@ class KVCacheManager:
                         manager.new_block_ids.extend([b.block_id for b in new_blocks])
                 else:
                     new_blocks = []
+            elif mamba_done >> i & 1:
+                new_blocks = []
             else:
                 new_blocks = manager.allocate_new_blocks(
                     request_id, num_tokens_need_slot, num_tokens_main_model
