@@ -27,9 +27,7 @@ _COMMON: dict[str, Any] = dict(
 )
 # ci: about 75 s on one core of a 2-core runner; nightly: 10x the examples, 1.5x the steps.
 settings.register_profile("stateful-ci", max_examples=600, stateful_step_count=200, **_COMMON)
-settings.register_profile(
-    "stateful-nightly", max_examples=6000, stateful_step_count=300, **_COMMON
-)
+settings.register_profile("stateful-nightly", max_examples=6000, stateful_step_count=300, **_COMMON)
 
 
 def profile_name() -> str:

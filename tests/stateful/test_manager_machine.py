@@ -218,8 +218,7 @@ class ManagerMachine(RuleBasedStateMachine):
         return sorted(
             rid
             for rid, r in self.live.items()
-            if r.status in states
-            and (computed is None or (r.num_computed_tokens > 0) == computed)
+            if r.status in states and (computed is None or (r.num_computed_tokens > 0) == computed)
         )
 
     def live_ids(self) -> list[str]:
@@ -448,7 +447,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self, data: st.DataObject, request: Request, hits: Any, num_hits: int, mode: str
     ) -> bool:
         num_tokens = request.num_tokens
-        arguments: dict[str, Any] = {}
+        # The scheduler passes has_scheduled_reqs=bool(self.running) (enables the watermark).
+        arguments: dict[str, Any] = dict(has_scheduled_reqs=bool(self.running))
         if mode == "sync":
             # Hits and connector tokens leave at least the last token to compute.
             num_external = 0
