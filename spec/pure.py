@@ -1,0 +1,361 @@
+"""The spec's pure arithmetic: block counts, skipped tokens, hit searches, admission.
+
+The managers call these functions; each one's docstring states its contract as PEP 316
+``pre:``/``post:`` lines, which ``proofs/`` checks with CrossHair, and ``proofs/manifest.py``
+pairs each with its kvcache twin (``kvcache.kv_cache_math``) for ``crosshair diffbehavior``.
+
+A hit search reads the request's hashes and ``cached``, anything whose ``in`` says
+whether a hash is cached in every searched group (a set, a dict, a pool view).
+Helpers named ``_…`` exist for the contracts only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Container, Hashable, Sequence
+from typing import TypeVar
+
+H = TypeVar("H", bound=Hashable)
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------- contract helpers
+
+
+def _all_cached(block_hashes: Sequence[H], cached: Container[H], start: int, end: int) -> bool:
+    """Whether blocks ``[start, end)`` are all cached."""
+    return all(block_hashes[i] in cached for i in range(start, end))
+
+
+def _aligned(num_blocks: int, block_size: int, alignment_tokens: int) -> bool:
+    """Whether ``num_blocks`` blocks end on an ``alignment_tokens`` boundary."""
+    return num_blocks * block_size % alignment_tokens == 0
+
+
+def _align_down(num_tokens: int, alignment_tokens: int) -> int:
+    """The last ``alignment_tokens`` boundary at or before ``num_tokens``."""
+    return num_tokens - num_tokens % alignment_tokens
+
+
+# ---------------------------------------------------------------- block counts
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the blocks of ``b`` tokens that hold ``a`` tokens.
+
+    pre: b > 0
+    post: (__return__ - 1) * b < a <= __return__ * b
+    """
+    return -(a // -b)
+
+
+def num_required_blocks(num_tokens: int, block_size: int, admission_cap: int | None) -> int:
+    """Blocks for ``num_tokens`` tokens, at most ``admission_cap`` (None: no cap).
+
+    pre: num_tokens >= 0 and block_size > 0
+    pre: admission_cap is None or admission_cap >= 0
+    post: __return__ * block_size >= num_tokens or __return__ == admission_cap
+    post: (__return__ - 1) * block_size < num_tokens or __return__ == 0
+    post: admission_cap is None or __return__ <= admission_cap
+    """
+    num_required = cdiv(num_tokens, block_size)
+    if admission_cap is not None:
+        num_required = min(num_required, admission_cap)
+    return num_required
+
+
+def num_new_blocks(num_required: int, num_held: int, num_hits: int, num_skipped: int,
+                   is_running: bool) -> int:
+    """Fresh blocks that bring a table to ``num_required`` blocks: after what it holds
+    (a running request), or after its skipped positions or its held blocks plus hits.
+
+    pre: num_required >= 0 and num_held >= 0 and num_hits >= 0 and num_skipped >= 0
+    post: __return__ >= 0
+    post: _fills(num_required, _table_len(num_held, num_hits, num_skipped, is_running), __return__)
+    """
+    if is_running:
+        return max(num_required - num_held, 0)
+    return max(num_required - max(num_skipped, num_hits + num_held), 0)
+
+
+def _table_len(num_held: int, num_hits: int, num_skipped: int, is_running: bool) -> int:
+    """A table's length before fresh blocks: skipped positions are nulls."""
+    return num_held if is_running else max(num_skipped, num_held + num_hits)
+
+
+def _fills(num_required: int, table_len: int, num_new: int) -> bool:
+    """Whether ``num_new`` fresh blocks bring the table to ``num_required``, none spare."""
+    return table_len + num_new >= num_required and (num_new == 0
+                                                    or table_len + num_new == num_required)
+
+
+def num_skipped_hits(num_skipped: int, num_held: int) -> int:
+    """How many leading hits land on skipped positions (they are never touched): hit j
+    goes to position ``num_held + j``.
+
+    pre: num_skipped >= 0 and num_held >= 0
+    post: __return__ >= 0 and num_held + __return__ >= num_skipped
+    post: __return__ == 0 or num_held + __return__ == num_skipped
+    """
+    return max(0, num_skipped - num_held)
+
+
+def mamba_align_num_new_blocks(num_tokens_main_model: int, block_size: int, num_spec: int,
+                               num_hits: int, num_held: int, allocated_before: bool) -> int:
+    """Align-mode Mamba: one new state block (plus ``num_spec`` speculative blocks on
+    the first allocation) when the table is short, else the (<= 0) shortfall, as vLLM.
+
+    pre: num_tokens_main_model >= 0 and block_size > 0
+    pre: num_spec >= 0 and num_hits >= 0 and num_held >= 0
+    post: __return__ <= 1 + num_spec
+    post: __return__ <= 0 or __return__ == (1 if allocated_before else 1 + num_spec)
+    post: __return__ > 0 or num_hits + num_held >= cdiv(num_tokens_main_model, block_size)
+    """
+    num_new = cdiv(num_tokens_main_model, block_size) + num_spec - num_hits - num_held
+    if num_new > 0:  # a running request reuses its last step's speculative blocks
+        num_new = 1 + (0 if allocated_before else num_spec)
+    return num_new
+
+
+# ---------------------------------------------------------------- skipped tokens
+
+
+def num_skipped_tokens_full_attention(num_computed_tokens: int) -> int:
+    """Full attention skips nothing.
+
+    pre: num_computed_tokens >= 0
+    post: __return__ == 0
+    """
+    return 0
+
+
+def num_skipped_tokens_sliding_window(num_computed_tokens: int, sliding_window: int) -> int:
+    """Tokens before the window of the next token: it reads ``sliding_window - 1`` back.
+
+    pre: num_computed_tokens >= 0 and sliding_window >= 1
+    post: 0 <= __return__ <= num_computed_tokens
+    post: num_computed_tokens - __return__ == min(num_computed_tokens, sliding_window - 1)
+    post: __return__ <= num_skipped_tokens_sliding_window(num_computed_tokens + 1, sliding_window)
+    """
+    return max(0, num_computed_tokens - sliding_window + 1)
+
+
+def num_skipped_tokens_chunked_local(num_computed_tokens: int, chunk_size: int) -> int:
+    """Tokens of the chunks before the next token's chunk.
+
+    pre: num_computed_tokens >= 0 and chunk_size >= 1
+    post: __return__ % chunk_size == 0
+    post: 0 <= num_computed_tokens - __return__ < chunk_size
+    post: __return__ <= num_skipped_tokens_chunked_local(num_computed_tokens + 1, chunk_size)
+    """
+    return num_computed_tokens // chunk_size * chunk_size
+
+
+def num_skipped_tokens_mamba(num_computed_tokens: int) -> int:
+    """Every token but the last: only the latest state is read.
+
+    pre: num_computed_tokens >= 0
+    post: num_computed_tokens - __return__ == 1
+    """
+    return num_computed_tokens - 1
+
+
+def skipped_blocks_to_free(blocks: Sequence[T], null: T, num_skipped: int) -> tuple[int, int]:
+    """``(start, stop)``: the skipped blocks still live, freed right to left. The scan
+    stops at the first null, which an earlier removal left.
+
+    pre: num_skipped >= 0
+    post: 0 <= __return__[0] <= __return__[1] == min(num_skipped, len(blocks))
+    post: all(blocks[i] != null for i in range(__return__[0], __return__[1]))
+    post: __return__[0] == __return__[1] or __return__[0] == 0 or blocks[__return__[0] - 1] == null
+    """
+    stop = min(num_skipped, len(blocks))
+    start = stop
+    while start > 0 and blocks[start - 1] != null:
+        start -= 1
+    return start, stop
+
+
+# ---------------------------------------------------------------- sliding-window hits
+
+
+def num_contiguous_blocks_for_hit(sliding_window: int, block_size: int, use_eagle: bool) -> int:
+    """Contiguous cached blocks a sliding-window hit needs: those holding the
+    ``sliding_window - 1`` tokens before the next token; EAGLE matches one more.
+
+    pre: sliding_window >= 1 and block_size >= 1
+    post: (__return__ - use_eagle) * block_size >= sliding_window - 1
+    post: (__return__ - use_eagle - 1) * block_size < sliding_window - 1
+    """
+    return cdiv(sliding_window - 1, block_size) + use_eagle
+
+
+def sliding_window_reachable_mask(start_block: int, end_block: int, num_needed: int,
+                                  per_segment: int, use_eagle: bool) -> list[bool] | None:
+    """Which of blocks ``[start_block, end_block)`` a hit can read: hits end on segment
+    boundaries (one block further with EAGLE) and read the ``num_needed`` blocks before
+    the end. None when that is every block.
+
+    pre: 0 <= start_block and num_needed >= 0 and per_segment >= 1
+    post: (__return__ is None) == (num_needed >= per_segment)
+    post: __return__ is None or len(__return__) == max(0, end_block - start_block)
+    post: __return__ is None or _reads(__return__, start_block, num_needed, per_segment, use_eagle)
+    """
+    if num_needed >= per_segment:
+        return None
+    shift = int(use_eagle)
+    return [i >= shift and (i - shift) % per_segment >= per_segment - num_needed
+            for i in range(start_block, end_block)]
+
+
+def _reads(mask: list[bool], start_block: int, num_needed: int, per_segment: int,
+           use_eagle: bool) -> bool:
+    """Whether ``mask[k]`` says exactly if a hit ending at a segment boundary ``e`` reads
+    block ``start_block + k``; that hit reads ``[e - num_needed + use_eagle, e + use_eagle)``."""
+    return all(m == any(e - num_needed + use_eagle <= block < e + use_eagle
+                        for e in range(per_segment, block + num_needed + per_segment + 1,
+                                       per_segment))
+               for block, m in enumerate(mask, start_block))
+
+
+# ---------------------------------------------------------------- hit searches
+
+
+def align_num_hit_blocks(num_blocks: int, block_size: int, alignment_tokens: int) -> int:
+    """The longest prefix of ``num_blocks`` hit blocks that ends on an alignment boundary.
+
+    pre: num_blocks >= 0 and block_size >= 1 and alignment_tokens >= 1
+    post: 0 <= __return__ <= num_blocks
+    post: _aligned(__return__, block_size, alignment_tokens)
+    post: all(m * block_size % alignment_tokens for m in range(__return__ + 1, num_blocks + 1))
+    """
+    while block_size != alignment_tokens and num_blocks * block_size % alignment_tokens:
+        num_blocks -= 1
+    return num_blocks
+
+
+def full_attention_hit_num_blocks(block_hashes: Sequence[H], cached: Container[H],
+                                  max_num_blocks: int, drop_eagle_block: bool, block_size: int,
+                                  alignment_tokens: int) -> int:
+    """Full attention: the leading cached blocks (the hash chain makes the first miss
+    final), less the EAGLE block, aligned.
+
+    pre: max_num_blocks >= 0 and block_size >= 1 and alignment_tokens >= 1
+    post: 0 <= __return__ <= min(max_num_blocks, len(block_hashes))
+    post: _all_cached(block_hashes, cached, 0, __return__)
+    post: _aligned(__return__, block_size, alignment_tokens)
+    post: not any(_aligned(m, block_size, alignment_tokens) and _all_cached(block_hashes, cached, 0, m + drop_eagle_block) for m in range(__return__ + 1, min(max_num_blocks, len(block_hashes)) - drop_eagle_block + 1))
+    """  # noqa: E501
+    num_blocks = 0
+    for block_hash in itertools.islice(block_hashes, max_num_blocks):
+        if block_hash not in cached:
+            break
+        num_blocks += 1
+    if drop_eagle_block and num_blocks:
+        num_blocks -= 1
+    return align_num_hit_blocks(num_blocks, block_size, alignment_tokens)
+
+
+def sliding_window_hit_range(block_hashes: Sequence[H], cached: Container[H],
+                             max_num_blocks: int, num_needed: int, drop_eagle_block: bool,
+                             block_size: int, alignment_tokens: int) -> tuple[int, int]:
+    """Sliding window: ``(first, num_blocks)``, the hit is ``num_blocks`` blocks whose
+    ``[first, num_blocks)`` are cached and the rest null. Scans right to left for the
+    last run of ``num_needed`` cached blocks that ends where an aligned hit can; a
+    shorter run from block 0 also counts. EAGLE drops the last block.
+
+    pre: 0 <= max_num_blocks <= len(block_hashes) and num_needed >= 0
+    pre: block_size >= 1 and alignment_tokens >= 1
+    post: 0 <= __return__[0] <= __return__[1] <= max_num_blocks
+    post: _all_cached(block_hashes, cached, __return__[0], __return__[1])
+    post: _aligned(__return__[1], block_size, alignment_tokens)
+    post: __return__[0] == 0 or __return__[1] - __return__[0] + drop_eagle_block >= num_needed
+    """
+    run = 0
+    for i in reversed(range(max_num_blocks)):
+        if block_hashes[i] not in cached:
+            run = 0
+            continue
+        end = i if drop_eagle_block else i + 1  # the hit's length in blocks after the drop
+        if run == 0 and block_size != alignment_tokens and end * block_size % alignment_tokens:
+            continue
+        run += 1
+        if run >= num_needed:
+            first, num_blocks = i, i + run
+            break
+    else:
+        first, num_blocks = 0, align_num_hit_blocks(run, block_size, alignment_tokens)
+    if drop_eagle_block and num_blocks:
+        num_blocks = align_num_hit_blocks(num_blocks - 1, block_size, alignment_tokens)
+    return min(first, num_blocks), num_blocks
+
+
+def chunked_local_hit_range(block_hashes: Sequence[H], cached: Container[H], max_length: int,
+                            chunk_size: int, block_size: int) -> tuple[int, int]:
+    """Chunked local attention: ``(first, num_blocks)``: blocks before the chunk of
+    token ``max_length`` are null, the chunk's own blocks hit left to right.
+
+    pre: max_length >= 0 and chunk_size >= 1 and block_size >= 1
+    pre: max_length // block_size <= len(block_hashes)
+    post: 0 <= __return__[0] <= __return__[1] <= max_length // block_size
+    post: __return__[0] * block_size <= max_length // chunk_size * chunk_size
+    post: _all_cached(block_hashes, cached, __return__[0], __return__[1])
+    post: __return__[1] == max_length // block_size or block_hashes[__return__[1]] not in cached
+    """
+    first = max(max_length, 0) // chunk_size * chunk_size // block_size
+    num_blocks = first
+    for i in range(first, max_length // block_size):
+        if block_hashes[i] not in cached:
+            break
+        num_blocks += 1
+    return first, num_blocks
+
+
+def mamba_hit_num_blocks(block_hashes: Sequence[H], cached: Container[H], max_num_blocks: int,
+                         block_size: int, alignment_tokens: int) -> int:
+    """Mamba: the hit ends at the last cached state on an aligned boundary (0: none).
+
+    pre: 0 <= max_num_blocks <= len(block_hashes)
+    pre: block_size >= 1 and alignment_tokens >= 1
+    post: 0 <= __return__ <= max_num_blocks
+    post: __return__ == 0 or block_hashes[__return__ - 1] in cached
+    post: _aligned(__return__, block_size, alignment_tokens)
+    post: not any(block_hashes[m - 1] in cached and _aligned(m, block_size, alignment_tokens) for m in range(__return__ + 1, max_num_blocks + 1))
+    """  # noqa: E501
+    for i in reversed(range(max_num_blocks)):
+        if block_hashes[i] in cached and (block_size == alignment_tokens
+                                          or (i + 1) * block_size % alignment_tokens == 0):
+            return i + 1
+    return 0
+
+
+def num_tokens_to_cache(num_computed_tokens: int, scheduler_block_size: int, block_size: int,
+                        use_eagle: bool) -> int:
+    """Hybrid caching: up to the last scheduler-block boundary (hits end only there);
+    an EAGLE group one block further, since its hits look one block past a boundary.
+
+    pre: num_computed_tokens >= 0 and scheduler_block_size >= 1 and block_size >= 1
+    post: __return__ <= num_computed_tokens
+    post: 0 <= __return__ - _align_down(num_computed_tokens, scheduler_block_size)
+    post: __return__ - _align_down(num_computed_tokens, scheduler_block_size) <= block_size
+    post: use_eagle or __return__ % scheduler_block_size == 0
+    """
+    aligned = num_computed_tokens // scheduler_block_size * scheduler_block_size
+    if use_eagle and aligned > 0:
+        return min(num_computed_tokens, aligned + block_size)
+    return aligned
+
+
+# ---------------------------------------------------------------- admission
+
+
+def admits(num_blocks: int, num_free_blocks: int, num_reserved_blocks: int,
+           num_watermark_blocks: int) -> bool:
+    """``allocate_slots``' gate: the free queue can give ``num_blocks`` and still keep
+    the blocks reserved for other in-flight requests and the watermark.
+
+    pre: num_free_blocks >= 0 and num_reserved_blocks >= 0 and num_watermark_blocks >= 0
+    post: __return__ == (num_free_blocks - num_blocks >= num_reserved_blocks + num_watermark_blocks)
+    post: not __return__ or num_blocks <= num_free_blocks
+    """
+    return num_blocks + num_watermark_blocks <= num_free_blocks - num_reserved_blocks
