@@ -8,7 +8,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEV_STAMP := $(VENV)/.stamp-dev
 REF_STAMP := $(VENV)/.stamp-vllm-0.25.1
-FUZZ_STAMP := $(VENV)/.stamp-fuzz
+FUZZ_VENV := .venv-fuzz
+FUZZ_STAMP := $(FUZZ_VENV)/.stamp-fuzz
+BENCH_STAMP := $(VENV)/.stamp-bench
 
 LINT_PATHS := spec kvcache tests proofs kernels scripts
 TYPED_PATHS := spec kvcache
@@ -28,7 +30,7 @@ FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(F
 	FUZZ_PORT=$(FUZZ_PORT) FUZZ_SECONDS=$(FUZZ_SECONDS)
 
 .PHONY: setup reference lint typecheck test conformance verify traces fuzz fuzz-worker \
-	fuzz-dashboard clean distclean
+	fuzz-dashboard test-kernels bench-kernels bench clean distclean
 
 setup: $(DEV_STAMP)
 
@@ -40,8 +42,11 @@ reference: $(REF_STAMP)
 $(REF_STAMP): | $(DEV_STAMP)
 	@bash scripts/bootstrap.sh reference $@
 
-$(FUZZ_STAMP): | $(DEV_STAMP)
+$(FUZZ_STAMP): pyproject.toml
 	@bash scripts/bootstrap.sh fuzz $@
+
+$(BENCH_STAMP): | $(REF_STAMP)
+	@bash scripts/bootstrap.sh bench $@
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
@@ -83,8 +88,7 @@ bench-kernels: $(REF_STAMP)
 	TRITON_INTERPRET=0 $(PY) -m kernels.bench
 
 # kvcache vs vLLM 0.25.1 vs spec on the same workloads (ratios, per-method us, scaling).
-bench: $(REF_STAMP)
-	$(QUIET) $(PIP) -e '.[bench]'
+bench: $(BENCH_STAMP)
 	$(PY) -m kvcache bench --scaling --json build/bench.json --plot build/bench.png
 
 clean:
@@ -92,4 +96,4 @@ clean:
 	find . -name __pycache__ -type d -prune -not -path './$(VENV)/*' -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(FUZZ_VENV)

@@ -28,8 +28,8 @@ from typing import Any
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-from kvcache.kit.config import ManagerConfig  # noqa: E402
-from kvcache.kit.driver import (  # noqa: E402
+from kvcache.kit.config import ManagerConfig
+from kvcache.kit.driver import (
     FAMILIES,
     Call,
     Lockstep,
@@ -37,25 +37,34 @@ from kvcache.kit.driver import (  # noqa: E402
     random_config,
     record_reference,
 )
-from kvcache.kit.record import record_workload  # noqa: E402
-from kvcache.kit.trace import write_trace  # noqa: E402
-from kvcache.kit.workloads import make_workload  # noqa: E402
+from kvcache.kit.record import record_workload
+from kvcache.kit.trace import write_trace
+from kvcache.kit.workloads import make_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def running(rid: str, num_computed_tokens: int) -> Call:
-    return ("update_request", {"request_id": rid, "status": "RUNNING",
-                               "num_computed_tokens": num_computed_tokens})
+    return (
+        "update_request",
+        {"request_id": rid, "status": "RUNNING", "num_computed_tokens": num_computed_tokens},
+    )
 
 
 def admit(rid: str, num_new_tokens: int, num_hit_tokens: int, **extra: Any) -> list[Call]:
     """The scheduler's admission of a waiting request: lookup, allocate, mark running."""
     return [
         ("get_computed_blocks", {"request_id": rid}),
-        ("allocate_slots", {"request_id": rid, "num_new_tokens": num_new_tokens,
-                            "num_new_computed_tokens": num_hit_tokens,
-                            "new_computed_blocks": "last", **extra}),
+        (
+            "allocate_slots",
+            {
+                "request_id": rid,
+                "num_new_tokens": num_new_tokens,
+                "num_new_computed_tokens": num_hit_tokens,
+                "new_computed_blocks": "last",
+                **extra,
+            },
+        ),
         running(rid, num_hit_tokens + num_new_tokens),
     ]
 
@@ -80,8 +89,10 @@ def scenario_prefix_hits_and_eviction() -> tuple[ManagerConfig, list[Call]]:
         ("update_request", {"request_id": "b", "status": "FINISHED_STOPPED"}),
         ("free", {"request_id": "b"}),
         ("reset_prefix_cache", {}),
-        ("add_request", {"request_id": "c", "prompt_token_ids": list(range(20, 44)),
-                         "max_tokens": 2}),
+        (
+            "add_request",
+            {"request_id": "c", "prompt_token_ids": list(range(20, 44)), "max_tokens": 2},
+        ),
         *admit("c", 24, 0),
         ("take_events", {}),
         ("reset_prefix_cache", {}),
@@ -102,26 +113,61 @@ def scenario_preempt_and_resume() -> tuple[ManagerConfig, list[Call]]:
         num_blocks=8, block_size=2, max_model_len=32, watermark=0.25
     )
     calls: list[Call] = [
-        ("add_request", {"request_id": "x", "prompt_token_ids": [1, 2, 3, 4, 5, 6],
-                         "max_tokens": 8, "lora": ["lora-a", 1]}),
+        (
+            "add_request",
+            {
+                "request_id": "x",
+                "prompt_token_ids": [1, 2, 3, 4, 5, 6],
+                "max_tokens": 8,
+                "lora": ["lora-a", 1],
+            },
+        ),
         *admit("x", 6, 0, has_scheduled_reqs=False),
         ("append_output_token_ids", {"request_id": "x", "token_ids": [0]}),
         ("update_request", {"request_id": "x", "num_computed_tokens": 6}),
-        ("add_request", {"request_id": "y", "prompt_token_ids": [1, 2, 3, 4, 9],
-                         "max_tokens": 8, "cache_salt": "salt-x"}),
+        (
+            "add_request",
+            {
+                "request_id": "y",
+                "prompt_token_ids": [1, 2, 3, 4, 9],
+                "max_tokens": 8,
+                "cache_salt": "salt-x",
+            },
+        ),
         ("get_computed_blocks", {"request_id": "y"}),
         # 3 blocks + 2 watermark blocks > 4 free: refused while x is scheduled.
-        ("allocate_slots", {"request_id": "y", "num_new_tokens": 5,
-                            "new_computed_blocks": "last", "has_scheduled_reqs": True}),
-        ("allocate_slots", {"request_id": "y", "num_new_tokens": 5,
-                            "new_computed_blocks": "last", "has_scheduled_reqs": False}),
+        (
+            "allocate_slots",
+            {
+                "request_id": "y",
+                "num_new_tokens": 5,
+                "new_computed_blocks": "last",
+                "has_scheduled_reqs": True,
+            },
+        ),
+        (
+            "allocate_slots",
+            {
+                "request_id": "y",
+                "num_new_tokens": 5,
+                "new_computed_blocks": "last",
+                "has_scheduled_reqs": False,
+            },
+        ),
         running("y", 5),
         ("append_output_token_ids", {"request_id": "y", "token_ids": 1}),
         # x's decode with 2 lookahead slots needs 2 blocks; 1 is free.
         ("allocate_slots", {"request_id": "x", "num_new_tokens": 1, "num_lookahead_tokens": 2}),
         ("pop_blocks_for_free", {"request_id": "y", "handle": 0}),
-        ("update_request", {"request_id": "y", "status": "PREEMPTED", "num_computed_tokens": 0,
-                            "num_preemptions": 1}),
+        (
+            "update_request",
+            {
+                "request_id": "y",
+                "status": "PREEMPTED",
+                "num_computed_tokens": 0,
+                "num_preemptions": 1,
+            },
+        ),
         ("allocate_slots", {"request_id": "x", "num_new_tokens": 1, "num_lookahead_tokens": 2}),
         ("free_blocks", {"handle": 0}),
         ("allocate_slots", {"request_id": "x", "num_new_tokens": 1, "num_lookahead_tokens": 2}),
@@ -173,9 +219,7 @@ WORKLOAD_TRACES = [
 def record_random(
     seed: int, family_name: str, caching: bool | None, watermark: float | None, steps: int
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    family = dataclasses.replace(
-        FAMILIES[family_name], enable_caching=caching, watermark=watermark
-    )
+    family = dataclasses.replace(FAMILIES[family_name], enable_caching=caching, watermark=watermark)
     rng = random.Random(seed)
     run = Lockstep(random_config(rng, family), None, "vllm")
     scheduler = RandomScheduler(rng, run)

@@ -46,7 +46,22 @@ def fuzz_database(location: str) -> Any:
         import redis
         from hypothesis.extra.redis import RedisExampleDatabase
 
-        return RedisExampleDatabase(redis.Redis.from_url(location))
+        class SharedRedisDatabase(RedisExampleDatabase):
+            """Equal to any other on the same URL, as directory databases are by path
+            (HypoFuzz skips a test whose database differs from the default one)."""
+
+            def __eq__(self, other: object) -> bool:
+                # not isinstance(other, SharedRedisDatabase): the class is made anew
+                # each time pytest imports this conftest (HypoFuzz collects twice)
+                url = getattr(other, "url", None)
+                return isinstance(other, RedisExampleDatabase) and url == self.url
+
+            def __hash__(self) -> int:
+                return hash(self.url)
+
+        database = SharedRedisDatabase(redis.Redis.from_url(location))
+        database.url = location
+        return database
     from hypothesis.database import DirectoryBasedExampleDatabase
 
     return DirectoryBasedExampleDatabase(location)

@@ -104,9 +104,8 @@ def test_random_sequences_match_vllm(
     STATS.add(stats)
     print(f"\n{stats.summary()} in {stats.seconds:.1f}s")
     assert not failures, report(failures, subject_impl)
-    required = REQUIRED_PATHS + (REQUIRED_WITH_CACHING if family.enable_caching is not False else [])
-    if "cross" in family.kinds:  # caching is off beside cross attention
-        required = REQUIRED_PATHS
+    caching = family.enable_caching is not False and "cross" not in family.kinds
+    required = REQUIRED_PATHS + (REQUIRED_WITH_CACHING if caching else [])
     missing = [path for path in required if stats.events[path] == 0]
     assert not missing, f"the driver never reached {missing}: {dict(stats.events)}"
 

@@ -1,0 +1,217 @@
+"""What a KV-cache manager is built from, as plain data every adapter understands.
+
+``ManagerConfig`` holds vLLM 0.25.1's ``KVCacheManager`` constructor arguments
+plus the KV-cache groups (``GroupConfig``): one per group, each a kind (full
+attention, sliding window, chunked local attention, Mamba, cross attention),
+a block size and the kind's parameters. Adapters (``kvcache.kit.sides``) turn a
+config into their own ``KVCacheConfig``; traces store it in their header.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+GROUP_KINDS = ("full", "sliding_window", "chunked_local", "mamba", "cross_attention")
+MAMBA_CACHE_MODES = ("none", "all", "align")
+HASH_FNS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """One KV-cache group.
+
+    Attributes:
+        kind: full | sliding_window | chunked_local | mamba | cross_attention.
+        block_size: Tokens per block.
+        sliding_window: Window of a sliding_window group.
+        attention_chunk_size: Chunk of a chunked_local group.
+        mamba_cache_mode: none | all | align, for a mamba group.
+        num_speculative_blocks: Extra state blocks of a mamba group (speculative decoding).
+        is_eagle_group: vLLM's ``KVCacheGroupSpec.is_eagle_group``.
+        num_kv_heads: Attention heads; groups with equal specs must differ here.
+    """
+
+    kind: str
+    block_size: int
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    mamba_cache_mode: str = "none"
+    num_speculative_blocks: int = 0
+    is_eagle_group: bool = False
+    num_kv_heads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"group kind={self.kind!r}; expected one of {', '.join(GROUP_KINDS)}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size!r}; expected a positive int")
+        if self.kind == "sliding_window" and not self.sliding_window:
+            raise ValueError("a sliding_window group needs sliding_window")
+        if self.kind == "chunked_local" and not self.attention_chunk_size:
+            raise ValueError("a chunked_local group needs attention_chunk_size")
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(f"mamba_cache_mode={self.mamba_cache_mode!r}")
+
+    @property
+    def label(self) -> str:
+        """Short name for reports: full, swa, chunked, mamba-align, cross, ..."""
+        if self.kind == "sliding_window":
+            return "swa"
+        if self.kind == "chunked_local":
+            return "chunked"
+        if self.kind == "mamba":
+            return f"mamba-{self.mamba_cache_mode}"
+        if self.kind == "cross_attention":
+            return "cross"
+        return "full"
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    """Everything needed to build the same ``KVCacheManager`` in every implementation.
+
+    The keyword arguments are vLLM 0.25.1's; ``scheduler_block_size`` and
+    ``hash_block_size`` follow vLLM's engine (LCM and, when caching with several
+    groups, GCD of the group block sizes) unless overridden.
+    """
+
+    num_blocks: int
+    groups: tuple[GroupConfig, ...]
+    max_model_len: int
+    enable_caching: bool = True
+    watermark: float = 0.0
+    log_stats: bool = True
+    enable_kv_cache_events: bool = True
+    use_eagle: bool = False
+    max_num_batched_tokens: int | None = None
+    hash_fn: str = "sha256"
+    head_size: int = 8
+    scheduler_block_size_override: int | None = None
+    hash_block_size_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("a manager config needs at least one group")
+        if self.hash_fn not in HASH_FNS:
+            raise ValueError(f"hash_fn={self.hash_fn!r}; expected one of {', '.join(HASH_FNS)}")
+
+    @classmethod
+    def full_attention(
+        cls, num_blocks: int, block_size: int, max_model_len: int, **kwargs: Any
+    ) -> ManagerConfig:
+        """One full-attention group: the core case."""
+        return cls(num_blocks, (GroupConfig("full", block_size),), max_model_len, **kwargs)
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(g.block_size for g in self.groups)
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """LCM of the group block sizes (vLLM's ``resolve_kv_cache_block_sizes``)."""
+        if self.scheduler_block_size_override is not None:
+            return self.scheduler_block_size_override
+        return math.lcm(*self.block_sizes)
+
+    @property
+    def hash_block_size(self) -> int:
+        """GCD of the group block sizes when caching with several groups, else the
+        scheduler block size."""
+        if self.hash_block_size_override is not None:
+            return self.hash_block_size_override
+        if len(self.groups) == 1 or not self.enable_caching:
+            return self.scheduler_block_size
+        return math.gcd(*self.block_sizes)
+
+    @property
+    def layout(self) -> str:
+        """The groups' kinds as a label: ``full``, ``full+swa``, ``full+mamba-align``."""
+        return "+".join(g.label for g in self.groups)
+
+    @property
+    def has_eagle(self) -> bool:
+        return self.use_eagle or any(g.is_eagle_group for g in self.groups)
+
+    @property
+    def has_mixed_block_sizes(self) -> bool:
+        return len(set(self.block_sizes)) > 1
+
+    def manager_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``KVCacheManager(kv_cache_config, **kwargs)``."""
+        return {
+            "max_model_len": self.max_model_len,
+            "scheduler_block_size": self.scheduler_block_size,
+            "hash_block_size": self.hash_block_size,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "enable_caching": self.enable_caching,
+            "use_eagle": self.use_eagle,
+            "log_stats": self.log_stats,
+            "enable_kv_cache_events": self.enable_kv_cache_events,
+            "watermark": self.watermark,
+        }
+
+    def to_record(self) -> dict[str, Any]:
+        """JSON form (the ``config`` of a trace header)."""
+        record = asdict(self)
+        record["groups"] = [asdict(g) for g in self.groups]
+        return record
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> ManagerConfig:
+        """Inverse of ``to_record``.
+
+        Raises:
+            ValueError: unknown or missing fields, or values out of range.
+        """
+        if not isinstance(record, Mapping):
+            raise ValueError(f"config must be an object, got {type(record).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(record) - names)
+        if unknown:
+            raise ValueError(f"unknown config field(s) {unknown}")
+        groups = record.get("groups")
+        if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
+            raise ValueError("config.groups must be a list of objects")
+        group_names = {f.name for f in fields(GroupConfig)}
+        built = []
+        for i, group in enumerate(groups):
+            bad = sorted(set(group) - group_names)
+            if bad:
+                raise ValueError(f"unknown field(s) {bad} in config.groups[{i}]")
+            try:
+                built.append(GroupConfig(**group))
+            except TypeError as exc:
+                raise ValueError(f"config.groups[{i}]: {exc}") from None
+        try:
+            return cls(**{**record, "groups": tuple(built)})
+        except TypeError as exc:
+            raise ValueError(f"config: {exc}") from None
+
+    @classmethod
+    def from_workload(cls, workload: Any) -> ManagerConfig:
+        """The config ``kvcache.kit.adapters.make_impl`` builds for a ``Workload``."""
+        groups = tuple(
+            GroupConfig(
+                kind=g.kind,
+                block_size=g.block_size,
+                sliding_window=g.sliding_window,
+                attention_chunk_size=g.attention_chunk_size,
+                mamba_cache_mode=g.mamba_cache_mode,
+            )
+            for g in workload.groups
+        )
+        return cls(
+            num_blocks=workload.num_blocks,
+            groups=groups,
+            max_model_len=workload.max_model_len,
+            enable_caching=workload.enable_caching,
+            max_num_batched_tokens=workload.token_budget,
+            log_stats=False,
+            enable_kv_cache_events=False,
+            head_size=64,
+            scheduler_block_size_override=workload.scheduler_block_size,
+            hash_block_size_override=workload.hash_block_size,
+        )

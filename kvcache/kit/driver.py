@@ -1,0 +1,1101 @@
+"""Random scheduler-like call sequences run in lockstep on a reference and a subject.
+
+``Lockstep`` sends every call to the reference (vLLM 0.25.1, or the ``spec``
+oracle) and to the subject, compares results, exceptions and the abstract state
+after each call, and records the reference's view as a trace.
+``RandomScheduler`` decides the calls the way vLLM's ``Scheduler`` would make
+them (``vllm/v1/core/sched/scheduler.py``): prefix lookups only for waiting
+requests with no computed tokens, chunked prefill (split at block multiples
+when a Mamba group caches in "align" mode), decode with draft tokens and
+lookahead slots, encoder tokens for cross attention, preemption when an
+allocation fails, async KV loads (``delay_cache_blocks``), deferred frees,
+plus the admin calls (evict, reset, events, stats). ``shrink`` cuts a failing
+sequence down to a minimal replayable trace; ``replay_trace`` replays one.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcache.kit.config import GroupConfig, ManagerConfig
+from kvcache.kit.sides import HarnessError, Side, make_side
+from kvcache.kit.trace import (
+    Trace,
+    canon_state,
+    make_header,
+    results_equal,
+    short,
+    state_diff,
+    write_trace,
+)
+
+# ---------------------------------------------------------------- outcomes
+
+
+def outcome(side: Side, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"ok": result}`` or ``{"raises": type name, "message": text}``.
+
+    A ``HarnessError`` (a call the harness cannot express) is not an outcome;
+    it propagates.
+    """
+    try:
+        return {"ok": side.call(op, args)}
+    except HarnessError:
+        raise
+    except Exception as exc:
+        return {"raises": type(exc).__name__, "message": str(exc)[:300]}
+
+
+# Where vLLM only asserts, an implementation may validate (docs/divergences.md).
+SUBJECT_FOR_ASSERT = ("ValueError", "NotImplementedError")
+
+
+def compare_outcomes(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> tuple[bool, str]:
+    """Whether ``actual`` conforms to the reference outcome ``expected``.
+
+    Returns ``(ok, note)``: ``note`` is ``"assert->ValueError"`` when the
+    reference's ``AssertionError`` met the subject's ``ValueError`` or
+    ``NotImplementedError`` (allowed, counted), else a description of the
+    difference, else ``""``.
+    """
+    if "raises" in expected:
+        if "raises" not in actual:
+            return False, f"expected {expected['raises']}, got result {short(actual['ok'])}"
+        if expected["raises"] == actual["raises"]:
+            return True, ""
+        if expected["raises"] == "AssertionError" and actual["raises"] in SUBJECT_FOR_ASSERT:
+            return True, "assert->" + str(actual["raises"])
+        return False, (
+            f"expected {expected['raises']}, got {actual['raises']}: {actual.get('message')}"
+        )
+    if "raises" in actual:
+        return False, (
+            f"expected {short(expected.get('ok'))}, got {actual['raises']}: {actual.get('message')}"
+        )
+    if not results_equal(expected.get("ok"), actual["ok"]):
+        return False, f"expected {short(expected.get('ok'))}, got {short(actual['ok'])}"
+    return True, ""
+
+
+class Mismatch(Exception):
+    """The subject diverged from the reference at call ``index`` (-1: construction).
+
+    ``expected_state`` / ``observed_state`` are the canonical states after the
+    call when the divergence is in the state (or both states are known).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        op: str,
+        args: Mapping[str, Any],
+        detail: str,
+        expected_state: Mapping[str, Any] | None = None,
+        observed_state: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(f"call #{index} {op}({short(dict(args), 300)}): {detail}")
+        self.index = index
+        self.op = op
+        self.call_args = dict(args)
+        self.detail = detail
+        self.expected_state = expected_state
+        self.observed_state = observed_state
+
+
+class DriverError(Exception):
+    """The reference itself disagreed with what the driver expected (a harness bug)."""
+
+
+@dataclass
+class Stats:
+    """What the runs did, for the summary lines."""
+
+    sequences: int = 0
+    calls: int = 0
+    mismatching_sequences: int = 0
+    assert_as_value_error: int = 0
+    events: Counter[str] = field(default_factory=Counter)
+    layouts: Counter[str] = field(default_factory=Counter)
+    hybrid: int = 0
+    with_eagle: int = 0
+    with_mixed_block_sizes: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: Stats) -> None:
+        self.sequences += other.sequences
+        self.calls += other.calls
+        self.mismatching_sequences += other.mismatching_sequences
+        self.assert_as_value_error += other.assert_as_value_error
+        self.events.update(other.events)
+        self.layouts.update(other.layouts)
+        self.hybrid += other.hybrid
+        self.with_eagle += other.with_eagle
+        self.with_mixed_block_sizes += other.with_mixed_block_sizes
+        self.seconds += other.seconds
+
+    def count_config(self, family: str, config: ManagerConfig) -> None:
+        self.layouts[family] += 1
+        self.hybrid += len(config.groups) > 1
+        self.with_eagle += config.has_eagle
+        self.with_mixed_block_sizes += config.has_mixed_block_sizes
+
+    def layout_summary(self) -> str:
+        parts = [f"{name} {n}" for name, n in sorted(self.layouts.items(), key=lambda kv: -kv[1])]
+        return (
+            ", ".join(parts) + f"; {self.hybrid} hybrid, {self.with_eagle} with EAGLE, "
+            f"{self.with_mixed_block_sizes} with mixed block sizes"
+        )
+
+    def summary(self, label: str = "conformance") -> str:
+        return (
+            f"{label}: {self.sequences} sequences [{self.layout_summary()}], "
+            f"{self.calls} calls, {self.mismatching_sequences} mismatches "
+            f"({self.assert_as_value_error} vLLM asserts met by ValueError)"
+        )
+
+
+# ---------------------------------------------------------------- lockstep
+
+
+class Lockstep:
+    """Runs each call on the reference and (when given) the subject, and compares."""
+
+    def __init__(
+        self,
+        config: ManagerConfig,
+        subject: str | None,
+        reference: str = "vllm",
+        hash_seed: str = "0",
+        stats: Stats | None = None,
+        record_state: bool = True,
+    ) -> None:
+        self.config = config
+        self.hash_seed = hash_seed
+        self.reference_name = reference
+        self.reference = make_side(reference, config, hash_seed)
+        self.subject_name = subject
+        self.subject: Side | None = None
+        self.records: list[dict[str, Any]] = []
+        self.stats = stats if stats is not None else Stats()
+        self.record_state = record_state
+        if subject is not None:
+            try:
+                self.subject = make_side(subject, config, hash_seed)
+            except Exception as exc:
+                raise Mismatch(
+                    -1, "KVCacheManager", {}, f"{subject} cannot build the manager: {exc!r}"
+                ) from exc
+
+    def header(self, **extra: Any) -> dict[str, Any]:
+        """The trace header of the reference's records."""
+        return make_header(
+            self.config,
+            self.reference_name,
+            self.reference.adapter.version,
+            self.hash_seed,
+            **extra,
+        )
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        """One call on both sides; returns the reference's outcome.
+
+        Raises:
+            Mismatch: the subject's outcome or state differs from the reference's.
+        """
+        index = len(self.records)
+        expected = outcome(self.reference, op, args)
+        record: dict[str, Any] = {"op": op, "args": args, **expected}
+        record.pop("message", None)
+        self.records.append(record)
+        self.stats.calls += 1
+        self.observe(op, expected)
+        if self.subject is not None:
+            actual = outcome(self.subject, op, args)
+            ok, note = compare_outcomes(expected, actual)
+            if not ok:
+                raise Mismatch(index, op, args, note)
+            if note:
+                self.stats.assert_as_value_error += 1
+        state = self.check_state(index, op, args)
+        if self.record_state and state is not None and op != "add_request":
+            record["state"] = state
+        return expected
+
+    def ok(self, op: str, **args: Any) -> Any:
+        """A call the reference must accept; returns its result."""
+        expected = self.call(op, **args)
+        if "raises" in expected:
+            raise DriverError(
+                f"{self.reference_name} raised {expected['raises']} on {op}({args}): "
+                f"{expected.get('message')}"
+            )
+        return expected["ok"]
+
+    def raises(self, op: str, **args: Any) -> str:
+        """A call the reference must reject; returns the exception type name."""
+        expected = self.call(op, **args)
+        if "raises" not in expected:
+            raise DriverError(f"{self.reference_name} accepted {op}({args}) -> {expected}")
+        return str(expected["raises"])
+
+    def check_state(
+        self, index: int = -1, op: str = "<init>", args: Mapping[str, Any] | None = None
+    ) -> dict[str, Any] | None:
+        """Compare abstract states and free counts; returns the reference's
+        canonical state when recording (else None)."""
+        expected_raw = self.reference.raw_state()
+        if self.subject is not None:
+            diff: list[str] = []
+            actual_raw = self.subject.raw_state()
+            expected = observed = None
+            if expected_raw is not None and actual_raw is not None and expected_raw != actual_raw:
+                expected, observed = canon_state(expected_raw), canon_state(actual_raw)
+                diff = state_diff(expected, observed)
+            free_ref = self.reference.num_free_blocks()
+            free_sub = self.subject.num_free_blocks()
+            if free_ref != free_sub:
+                diff.append(f"  get_num_free_blocks(): expected {free_ref}, got {free_sub}")
+            if not diff:
+                broken = self.subject.check_invariants()
+                if broken:
+                    diff.append("  " + broken)
+            if diff:
+                raise Mismatch(
+                    index,
+                    op,
+                    args or {},
+                    "state differs after the call:\n" + "\n".join(diff),
+                    expected,
+                    observed,
+                )
+        if self.record_state and expected_raw is not None:
+            return canon_state(expected_raw)
+        return None
+
+    def observe(self, op: str, expected: Mapping[str, Any]) -> None:
+        """Count the paths the reference took, so tests can check the driver reaches them."""
+        events = self.stats.events
+        events[op] += 1
+        if "raises" in expected:
+            events["raises:" + str(expected["raises"])] += 1
+            return
+        result = expected["ok"]
+        if op == "get_computed_blocks" and result["num_computed_tokens"] > 0:
+            events["prefix_hit"] += 1
+        elif op == "allocate_slots" and result is None:
+            events["allocate_none"] += 1
+        elif op == "reset_prefix_cache":
+            events[f"reset_{result}"] += 1
+        elif op == "take_events":
+            for event in result:
+                events["event:" + event["type"]] += 1
+
+
+# ---------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family of random configs: the group layout and the knobs held fixed.
+
+    ``kinds`` are layout tokens: full, swa, chunked, mamba-align, mamba-all,
+    mamba-none, mamba (any mode), cross. ``enable_caching`` / ``watermark``
+    None: drawn at random. ``eagle``: probability of ``use_eagle``.
+    ``mixed_block_sizes``: groups may have different block sizes.
+    """
+
+    name: str
+    kinds: tuple[str, ...]
+    enable_caching: bool | None = None
+    watermark: float | None = None
+    eagle: float = 0.15
+    mixed_block_sizes: bool = True
+
+
+#: Every family the kit knows, by name (fuzz ``--layouts``; the conformance tests).
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in [
+        Family("full", ("full",)),
+        Family("full+full", ("full", "full")),
+        Family("swa", ("swa",)),
+        Family("chunked", ("chunked",)),
+        Family("mamba", ("mamba",)),
+        Family("full+swa", ("full", "swa")),
+        Family("full+chunked", ("full", "chunked")),
+        Family("full+mamba-align", ("full", "mamba-align")),
+        Family("full+mamba-all", ("full", "mamba-all")),
+        Family("full+mamba-none", ("full", "mamba-none")),
+        Family("full+cross", ("full", "cross"), enable_caching=False),
+        Family("full+swa+mamba", ("full", "swa", "mamba")),
+        Family("full+swa+swa", ("full", "swa", "swa")),
+        Family("swa+mamba", ("swa", "mamba")),
+        Family("full+swa+cross", ("full", "swa", "cross"), enable_caching=False),
+        Family("eagle-hybrid", ("full", "swa", "mamba-align"), eagle=1.0),
+    ]
+}
+
+
+def random_group(rng: random.Random, token: str, block_size: int, index: int) -> GroupConfig:
+    heads = index + 1  # groups of one kind and block size still differ (vLLM needs that)
+    if token == "swa":
+        return GroupConfig(
+            "sliding_window", block_size, sliding_window=rng.randint(1, 12), num_kv_heads=heads
+        )
+    if token == "chunked":
+        return GroupConfig(
+            "chunked_local", block_size, attention_chunk_size=rng.randint(1, 12), num_kv_heads=heads
+        )
+    if token.startswith("mamba"):
+        mode = token.partition("-")[2] or rng.choice(["none", "all", "align", "align"])
+        return GroupConfig(
+            "mamba",
+            block_size,
+            mamba_cache_mode=mode,
+            num_speculative_blocks=rng.choice([0, 0, 1, 2]),
+            num_kv_heads=heads,
+        )
+    if token == "cross":
+        return GroupConfig("cross_attention", block_size, num_kv_heads=heads)
+    return GroupConfig("full", block_size, num_kv_heads=heads)
+
+
+def random_config(rng: random.Random, family: Family) -> ManagerConfig:
+    """A small random config of ``family``: tiny pools and blocks, so that hits,
+    evictions and preemptions happen.
+
+    vLLM asserts on chunked local attention with EAGLE, or next to groups of
+    other block sizes, when caching (docs/divergences.md); cross attention needs
+    caching off: neither is generated.
+    """
+    kinds = family.kinds
+    caching = family.enable_caching
+    if caching is None:
+        caching = rng.random() < 0.85
+    if "cross" in kinds:
+        caching = False
+    watermark = family.watermark
+    if watermark is None:
+        watermark = rng.choice([0.0, 0.0, 0.1, 0.25])
+    chunked_with_caching = caching and "chunked" in kinds
+    if len(kinds) == 1:
+        block_sizes = [rng.randint(1, 4)]
+        num_blocks = rng.randint(2, 24)
+    else:
+        base = rng.choice([1, 2]) if family.mixed_block_sizes else rng.randint(1, 4)
+        mixed = family.mixed_block_sizes and not chunked_with_caching and rng.random() < 0.6
+        block_sizes = [base * (rng.choice([1, 2, 4]) if mixed else 1) for _ in kinds]
+        num_blocks = rng.randint(3, 28) if rng.random() < 0.6 else rng.randint(30, 60)
+    groups = [
+        random_group(rng, t, b, i) for i, (t, b) in enumerate(zip(kinds, block_sizes, strict=True))
+    ]
+    eagle_ok = not chunked_with_caching
+    if len(kinds) > 1 and eagle_ok and rng.random() < 0.2:
+        groups = [
+            GroupConfig(**{**g.__dict__, "is_eagle_group": rng.random() < 0.4}) for g in groups
+        ]
+    return ManagerConfig(
+        num_blocks=num_blocks,
+        groups=tuple(groups),
+        max_model_len=rng.choice([64, 64, rng.randint(6, 24)]),
+        enable_caching=caching,
+        watermark=watermark,
+        log_stats=rng.random() < 0.9,
+        enable_kv_cache_events=rng.random() < 0.9,
+        use_eagle=eagle_ok and rng.random() < family.eagle,
+        max_num_batched_tokens=rng.choice([None, 32]),
+        hash_fn=rng.choice(["sha256", "sha256", "sha256", "sha256_cbor", "xxhash"]),
+    )
+
+
+# ---------------------------------------------------------------- random driver
+
+
+@dataclass
+class Req:
+    """The driver's (scheduler's) view of one request."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_tokens: int
+    max_tokens: int
+    num_output_tokens: int = 0
+    status: str = "WAITING"
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class RandomScheduler:
+    """Makes the calls a vLLM scheduler would, with random choices at each step."""
+
+    MAX_LIVE_REQUESTS = 6
+
+    def __init__(self, rng: random.Random, run: Lockstep) -> None:
+        self.rng = rng
+        self.run = run
+        self.config = config = run.config
+        self.block_size = config.scheduler_block_size
+        self.live: dict[str, Req] = {}
+        self.running: list[str] = []
+        self.all_ids: list[str] = []
+        self.added: list[dict[str, Any]] = []
+        self.deferred: list[int] = []
+        self.next_handle = 0
+        self.lookahead = 0 if rng.random() < 0.6 else rng.randint(1, 3)
+        self.full_sequence_must_fit = rng.random() < 0.3
+        self.stems = [
+            [rng.randrange(3) for _ in range(rng.randint(0, 3 * self.block_size + 1))]
+            for _ in range(3)
+        ]
+        mamba = [g for g in config.groups if g.kind == "mamba"]
+        # vLLM's scheduler splits prefill chunks at block multiples when a Mamba
+        # group caches in "align" mode (Scheduler._mamba_block_aligned_split).
+        self.mamba_align = any(g.mamba_cache_mode == "align" for g in mamba)
+        # Draft tokens need a speculative state block each in every Mamba group.
+        self.max_draft_tokens = min((g.num_speculative_blocks for g in mamba), default=3)
+        self.encoder_decoder = any(g.kind == "cross_attention" for g in config.groups)
+
+    # ------------------------------------------------------------ helpers
+
+    def waiting(self) -> list[str]:
+        return [r for r, q in self.live.items() if q.status in ("WAITING", "PREEMPTED")]
+
+    def remote(self) -> list[str]:
+        return [r for r, q in self.live.items() if q.status == "WAITING_FOR_REMOTE_KVS"]
+
+    def chunk(self, remaining: int) -> int:
+        """Tokens scheduled out of ``remaining``: often all, else a random chunk."""
+        if remaining <= 1 or self.rng.random() < 0.6:
+            return remaining
+        return self.rng.randint(1, remaining)
+
+    def lookahead_tokens(self) -> int:
+        return self.lookahead if self.rng.random() < 0.9 else self.rng.randint(0, 3)
+
+    def mamba_split(self, req: Req, num_new_tokens: int, num_new_computed_tokens: int = 0) -> int:
+        """vLLM's block-aligned prefill split for Mamba "align" caching (without the
+        Marconi common-prefix hint, which needs coordinator internals)."""
+        if not self.mamba_align:
+            return num_new_tokens
+        num_computed = req.num_computed_tokens + num_new_computed_tokens
+        if num_computed >= max(req.num_prompt_tokens, req.num_tokens - 1):
+            return num_new_tokens  # decoding
+        bs = self.block_size
+        last_cache_position = req.num_tokens - req.num_tokens % bs
+        if self.config.use_eagle:
+            last_cache_position = max(last_cache_position - bs, 0)
+        after = num_computed + num_new_tokens
+        if after < last_cache_position:
+            return num_new_tokens // bs * bs
+        if num_computed < last_cache_position < after:
+            return last_cache_position - num_computed
+        return num_new_tokens
+
+    # ------------------------------------------------------------ actions
+
+    def step(self) -> None:
+        rng = self.rng
+        actions: list[tuple[float, Callable[[], None]]] = [
+            (0.5, self.evict_blocks),
+            (0.25, self.reset_prefix_cache),
+            (1.5, lambda: self.run.ok("take_events")),
+            (0.8, lambda: self.run.ok("take_new_block_ids")),
+            (0.4, lambda: self.run.ok("new_step_starts")),
+            (0.5, lambda: self.run.ok("make_prefix_cache_stats")),
+            (0.4, lambda: self.run.ok("usage")),
+            (0.2, self.invalid_call),
+        ]
+        if len(self.live) < self.MAX_LIVE_REQUESTS:
+            actions.append((3.0, self.add_request))
+        if self.waiting():
+            actions.append((4.0, self.schedule_waiting))
+        if self.running:
+            actions.append((6.0, self.schedule_running))
+            actions.append((0.8, self.preempt_random))
+            actions.append((1.0, self.common_prefix))
+            actions.append((0.3, self.remove_skipped_blocks))
+        if self.remote():
+            actions.append((2.0, self.finish_remote_load))
+        if self.live:
+            actions.append((1.0, self.finish_random))
+            actions.append((0.8, self.query_blocks))
+        if self.deferred:
+            actions.append((1.0, self.drain_deferred))
+        weights = [w for w, _ in actions]
+        rng.choices([a for _, a in actions], weights)[0]()
+
+    def add_request(self) -> None:
+        rng = self.rng
+        request_id = f"r{len(self.all_ids)}"
+        if self.added and rng.random() < 0.15:
+            args = dict(rng.choice(self.added), request_id=request_id)
+        else:
+            stem = rng.choice(self.stems)
+            tail = [rng.randrange(3) for _ in range(rng.randint(0, 2 * self.block_size + 1))]
+            prompt = (stem + tail)[: self.config.max_model_len - 1] or [rng.randrange(3)]
+            args = {"request_id": request_id, "prompt_token_ids": prompt}
+            args["max_tokens"] = rng.randint(1, 12)
+            if rng.random() < 0.15:
+                args["lora"] = rng.choice([["lora-a", 1], ["lora-b", 2]])
+            if rng.random() < 0.1:
+                args["cache_salt"] = rng.choice(["salt-x", "salt-y"])
+            if rng.random() < 0.15:
+                args["mm_features"] = self.random_mm_features(len(prompt))
+            if rng.random() < 0.05:
+                args["skip_reading_prefix_cache"] = True
+        self.added.append(args)
+        self.all_ids.append(request_id)
+        self.run.ok("add_request", **args)
+        prompt_len = len(args["prompt_token_ids"])
+        self.live[request_id] = Req(request_id, prompt_len, prompt_len, args["max_tokens"])
+
+    def random_mm_features(self, prompt_len: int) -> list[list[Any]]:
+        """1-2 sorted, non-overlapping placeholder ranges inside the prompt."""
+        features: list[list[Any]] = []
+        start = 0
+        for _ in range(self.rng.randint(1, 2)):
+            if start >= prompt_len:
+                break
+            offset = self.rng.randint(start, prompt_len - 1)
+            length = self.rng.randint(1, min(2 * self.block_size, prompt_len - offset))
+            features.append([self.rng.choice(["img-0", "img-1"]), offset, length])
+            start = offset + length
+        return features
+
+    def schedule_waiting(self) -> None:
+        """Admit a waiting or preempted request (the scheduler's WAITING loop)."""
+        rng = self.rng
+        req = self.live[rng.choice(self.waiting())]
+        rid = req.request_id
+        if req.num_computed_tokens == 0:
+            hit = self.run.ok("get_computed_blocks", request_id=rid)
+            num_hit_tokens = hit["num_computed_tokens"]
+            which = "last"
+        else:  # after an async KV load: no new lookup
+            num_hit_tokens = 0
+            which = "empty"
+        num_external = 0
+        load_async = False
+        room = req.num_tokens - req.num_computed_tokens - num_hit_tokens
+        if req.num_computed_tokens == 0 and rng.random() < 0.15:
+            if rng.random() < 0.4 and room >= 1:
+                load_async = True
+                num_external = rng.randint(1, room)
+            elif room >= 2:
+                num_external = rng.randint(1, room - 1)
+            if self.mamba_align:  # connectors hand over whole blocks of Mamba state
+                bs = self.block_size
+                num_external = (num_hit_tokens + num_external) // bs * bs - num_hit_tokens
+                num_external = max(num_external, 0)
+                load_async = load_async and num_external > 0
+        total = req.num_computed_tokens + num_hit_tokens + num_external
+        num_new_tokens = 0
+        if not load_async:
+            num_new_tokens = self.mamba_split(
+                req, self.chunk(req.num_tokens - total), num_hit_tokens + num_external
+            )
+            if num_new_tokens == 0:
+                return  # no block-aligned chunk fits: vLLM leaves it waiting
+        has_scheduled = bool(self.running) if rng.random() < 0.85 else rng.random() < 0.5
+        ok, blocks = self.allocate(
+            rid,
+            num_new_tokens=num_new_tokens,
+            num_new_computed_tokens=num_hit_tokens,
+            new_computed_blocks=which,
+            num_lookahead_tokens=0 if load_async else self.lookahead_tokens(),
+            num_external_computed_tokens=num_external,
+            delay_cache_blocks=load_async or rng.random() < 0.05,
+            num_encoder_tokens=rng.randint(1, 12) if self.encoder_decoder else 0,
+            full_sequence_must_fit=self.full_sequence_must_fit != (rng.random() < 0.1),
+            reserved_blocks=0 if rng.random() < 0.85 else rng.randint(1, 3),
+            has_scheduled_reqs=has_scheduled,
+        )
+        if not ok or blocks is None:
+            return
+        if load_async:
+            req.status = "WAITING_FOR_REMOTE_KVS"
+            req.num_computed_tokens = total
+            self.run.ok(
+                "update_request", request_id=rid, status=req.status, num_computed_tokens=total
+            )
+            return
+        req.status = "RUNNING"
+        self.running.append(rid)
+        self.computed(req, num_new_tokens, total, num_draft_tokens=0)
+
+    def schedule_running(self) -> None:
+        """Schedule a running request: a prefill chunk, or a decode with drafts."""
+        rng = self.rng
+        rid = rng.choice(self.running)
+        req = self.live[rid]
+        remaining = req.num_tokens - req.num_computed_tokens
+        cap = self.config.max_model_len - req.num_computed_tokens - 1
+        num_new_tokens = self.mamba_split(req, min(self.chunk(remaining), cap))
+        num_draft_tokens = 0
+        if remaining == 1 and rng.random() < (0.4 if self.lookahead else 0.1):
+            num_draft_tokens = min(rng.randint(1, 3), cap - num_new_tokens, self.max_draft_tokens)
+            num_draft_tokens = max(num_draft_tokens, 0)
+        if num_new_tokens <= 0:
+            return
+        while True:
+            ok, blocks = self.allocate(
+                rid,
+                num_new_tokens=num_new_tokens + num_draft_tokens,
+                num_lookahead_tokens=self.lookahead_tokens(),
+            )
+            if not ok:
+                return
+            if blocks is not None:
+                break
+            if rng.random() < 0.3:
+                return  # the scheduler gives up on this request for this step
+            victim = self.running[-1] if rng.random() < 0.7 else rng.choice(self.running)
+            self.preempt(victim)
+            if victim == rid:
+                return
+        self.computed(
+            req, num_new_tokens + num_draft_tokens, req.num_computed_tokens, num_draft_tokens
+        )
+
+    def allocate(self, rid: str, **args: Any) -> tuple[bool, Any]:
+        """``allocate_slots``; returns (ok, block ids or None).
+
+        vLLM's admission check undercounts a few hybrid cases (external tokens
+        beside Mamba and sliding-window groups), so the pool can run dry
+        inside ``allocate_slots``: ValueError "Cannot get N free blocks".
+        kvcache must do the same; the driver then aborts the request, as an
+        engine would after the error.
+        """
+        expected = self.run.call("allocate_slots", request_id=rid, **args)
+        if "raises" not in expected:
+            return True, expected["ok"]
+        if expected["raises"] != "ValueError":
+            raise DriverError(
+                f"{self.run.reference_name} raised {expected['raises']} on "
+                f"allocate_slots({rid}, {args}): {expected.get('message')}"
+            )
+        self.run.stats.events["allocate_pool_ran_dry"] += 1
+        self.finish(rid, "FINISHED_ABORTED")
+        return False, None
+
+    def computed(
+        self, req: Req, num_scheduled: int, num_computed_before: int, num_draft_tokens: int
+    ) -> None:
+        """After a step: advance computed tokens, and sample if the prefill is done."""
+        rng = self.rng
+        num_computed = num_computed_before + num_scheduled
+        if num_computed < req.num_tokens:
+            req.num_computed_tokens = num_computed
+            self.run.ok(
+                "update_request",
+                request_id=req.request_id,
+                status=req.status,
+                num_computed_tokens=num_computed,
+            )
+            return
+        num_accepted = rng.randint(0, num_draft_tokens)
+        num_computed -= num_draft_tokens - num_accepted
+        req.num_computed_tokens = num_computed
+        self.run.ok(
+            "update_request",
+            request_id=req.request_id,
+            status=req.status,
+            num_computed_tokens=num_computed,
+        )
+        new_tokens = [rng.randrange(2) for _ in range(num_accepted + 1)]
+        self.run.ok(
+            "append_output_token_ids",
+            request_id=req.request_id,
+            token_ids=new_tokens[0] if len(new_tokens) == 1 and rng.random() < 0.5 else new_tokens,
+        )
+        req.num_tokens += len(new_tokens)
+        req.num_output_tokens += len(new_tokens)
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            self.finish(req.request_id, "FINISHED_LENGTH_CAPPED")
+        elif rng.random() < 0.05:
+            self.finish(req.request_id, "FINISHED_STOPPED")
+
+    def free_request_blocks(self, rid: str) -> None:
+        """``free``, or ``pop_blocks_for_free`` now and ``free_blocks`` later."""
+        if self.rng.random() < 0.75:
+            self.run.ok("free", request_id=rid)
+            return
+        handle = self.next_handle
+        self.next_handle += 1
+        self.run.ok("pop_blocks_for_free", request_id=rid, handle=handle)
+        self.deferred.append(handle)
+
+    def preempt(self, rid: str) -> None:
+        req = self.live[rid]
+        self.running.remove(rid)
+        self.free_request_blocks(rid)
+        req.status = "PREEMPTED"
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.run.ok(
+            "update_request",
+            request_id=rid,
+            status="PREEMPTED",
+            num_computed_tokens=0,
+            num_preemptions=req.num_preemptions,
+        )
+
+    def preempt_random(self) -> None:
+        self.preempt(self.rng.choice(self.running))
+
+    def finish(self, rid: str, status: str) -> None:
+        self.live.pop(rid)
+        if rid in self.running:
+            self.running.remove(rid)
+        self.run.ok("update_request", request_id=rid, status=status)
+        self.free_request_blocks(rid)
+
+    def finish_random(self) -> None:
+        self.finish(self.rng.choice(sorted(self.live)), "FINISHED_ABORTED")
+
+    def finish_remote_load(self) -> None:
+        """The connector reports an async KV load done (sometimes with failed blocks)."""
+        rng = self.rng
+        req = self.live[rng.choice(self.remote())]
+        rid = req.request_id
+        if rng.random() < 0.8:
+            self.run.ok("cache_blocks", request_id=rid, num_computed_tokens=req.num_computed_tokens)
+            if req.num_computed_tokens == req.num_tokens:
+                req.num_computed_tokens = req.num_tokens - 1
+        else:  # invalid blocks: keep the longest valid block-aligned prefix
+            bs = self.block_size
+            num_valid_blocks = min(req.num_computed_tokens, req.num_tokens - 1) // bs
+            req.num_computed_tokens = rng.randint(0, num_valid_blocks) * bs
+            self.run.ok(
+                "update_request", request_id=rid, num_computed_tokens=req.num_computed_tokens
+            )
+            if req.num_computed_tokens:
+                self.run.ok(
+                    "cache_blocks", request_id=rid, num_computed_tokens=req.num_computed_tokens
+                )
+            else:
+                self.run.ok("free", request_id=rid)
+        req.status = "PREEMPTED" if req.num_preemptions else "WAITING"
+        self.run.ok(
+            "update_request",
+            request_id=rid,
+            status=req.status,
+            num_computed_tokens=req.num_computed_tokens,
+        )
+
+    def drain_deferred(self) -> None:
+        for _ in range(self.rng.randint(1, len(self.deferred))):
+            self.run.ok("free_blocks", handle=self.deferred.pop(0))
+
+    def evict_blocks(self) -> None:
+        n = self.config.num_blocks
+        block_ids = sorted(self.rng.sample(range(n), self.rng.randint(1, min(3, n))))
+        self.run.ok("evict_blocks", block_ids=block_ids)
+
+    def reset_prefix_cache(self) -> None:
+        self.run.ok("reset_prefix_cache")
+
+    def common_prefix(self) -> None:
+        if self.rng.random() < 0.05:
+            rid = self.rng.choice(self.all_ids)  # vLLM then records an empty entry
+        else:
+            rid = self.rng.choice(self.running)
+        self.run.ok("get_num_common_prefix_blocks", request_id=rid)
+
+    def remove_skipped_blocks(self) -> None:
+        req = self.live[self.rng.choice(self.running)]
+        self.run.ok(
+            "remove_skipped_blocks",
+            request_id=req.request_id,
+            total_computed_tokens=req.num_computed_tokens,
+            num_prompt_tokens=req.num_prompt_tokens,
+        )
+
+    def query_blocks(self) -> None:
+        req = self.live[self.rng.choice(sorted(self.live))]
+        op = self.rng.choice(["get_block_ids", "get_blocks", "get_block_ids_for_computed_tokens"])
+        if op == "get_block_ids_for_computed_tokens":
+            self.run.ok(op, request_id=req.request_id, num_computed_tokens=req.num_computed_tokens)
+        else:
+            self.run.ok(op, request_id=req.request_id)
+
+    def invalid_call(self) -> None:
+        """Calls vLLM rejects before changing anything."""
+        if self.live and self.rng.random() < 0.5:
+            rid = self.rng.choice(sorted(self.live))
+            self.run.raises("allocate_slots", request_id=rid, num_new_tokens=0)
+        else:
+            bad_id = self.config.num_blocks + self.rng.randint(0, 3)
+            self.run.raises("evict_blocks", block_ids=[bad_id])
+
+    def drain(self) -> None:
+        """Finish everything, then check the pool comes back whole."""
+        for rid in sorted(self.live):
+            self.finish(rid, "FINISHED_ABORTED")
+        while self.deferred:
+            self.run.ok("free_blocks", handle=self.deferred.pop(0))
+        for op in ("take_events", "take_new_block_ids", "make_prefix_cache_stats", "usage"):
+            self.run.ok(op)
+        self.run.ok("reset_prefix_cache")
+        self.run.ok("take_events")
+
+
+@dataclass
+class SequenceResult:
+    """One random sequence: its seed, config, calls, and the first mismatch if any."""
+
+    seed: int
+    family: str
+    config: ManagerConfig
+    run: Lockstep | None
+    mismatch: Mismatch | None
+
+
+def run_sequence(
+    seed: int,
+    family: Family | str,
+    subject: str | None,
+    reference: str = "vllm",
+    stats: Stats | None = None,
+    num_steps: tuple[int, int] = (20, 120),
+    record_state: bool = False,
+    rng: random.Random | None = None,
+) -> SequenceResult:
+    """Generate and run one seeded random sequence of ``family`` in lockstep.
+
+    ``rng`` replaces ``random.Random(seed)`` as the source of every choice
+    (Hypothesis passes its own, so that it can shrink and mutate the choices).
+    """
+    if isinstance(family, str):
+        family = FAMILIES[family]
+    stats = stats if stats is not None else Stats()
+    rng = rng if rng is not None else random.Random(seed)
+    config = random_config(rng, family)
+    stats.sequences += 1
+    stats.count_config(family.name, config)
+    run: Lockstep | None = None
+    mismatch = None
+    try:
+        run = Lockstep(config, subject, reference, stats=stats, record_state=record_state)
+        run.check_state()
+        scheduler = RandomScheduler(rng, run)
+        for _ in range(rng.randint(*num_steps)):
+            scheduler.step()
+        scheduler.drain()
+    except Mismatch as exc:
+        mismatch = exc
+    if mismatch is not None:
+        stats.mismatching_sequences += 1
+    return SequenceResult(seed, family.name, config, run, mismatch)
+
+
+# ---------------------------------------------------------------- replay and shrinking
+
+
+Call = tuple[str, dict[str, Any]]
+
+
+def replay_lockstep(
+    config: ManagerConfig,
+    calls: Sequence[Call],
+    subject: str,
+    reference: str,
+    allowed_raises: Sequence[bool],
+    hash_seed: str = "0",
+) -> tuple[bool, Mismatch | None, Lockstep | None]:
+    """Replay ``calls`` in lockstep; returns (valid, mismatch, run).
+
+    The sequence is invalid when the reference rejects a call it accepted in
+    the original (``allowed_raises[i]`` is False) or the harness cannot make it.
+    """
+    try:
+        run = Lockstep(config, subject, reference, hash_seed, record_state=False)
+        run.check_state()
+    except Mismatch as exc:
+        return True, exc, None
+    for i, (op, args) in enumerate(calls):
+        try:
+            expected = run.call(op, **args)
+        except HarnessError:
+            return False, None, run
+        except Mismatch as exc:
+            return True, exc, run
+        if "raises" in expected and not allowed_raises[i]:
+            return False, None, run
+    return True, None, run
+
+
+def shrink(
+    config: ManagerConfig,
+    calls: Sequence[Call],
+    subject: str,
+    reference: str,
+    hash_seed: str = "0",
+    budget_s: float = 60.0,
+) -> list[Call]:
+    """Greedy chunk-removal shrinking of a failing call list (delta debugging).
+
+    Keeps a candidate when it is still a valid sequence for the reference and
+    still mismatches at a call of the same op.
+    """
+    records = list(calls)
+    allowed = [True] * len(records)
+    _, exc, run = replay_lockstep(config, records, subject, reference, allowed, hash_seed)
+    if exc is None or run is None:
+        return records if exc is None else []
+    mismatch_op = exc.op
+    records = records[: exc.index + 1]
+    raised = ["raises" in r for r in run.records[: exc.index + 1]]
+    deadline = time.monotonic() + budget_s
+    chunk = max(1, len(records) // 2)
+    while chunk >= 1 and time.monotonic() < deadline:
+        changed = False
+        i = 0
+        while i < len(records) and time.monotonic() < deadline:
+            candidate = records[:i] + records[i + chunk :]
+            candidate_raised = raised[:i] + raised[i + chunk :]
+            valid, exc, _ = replay_lockstep(
+                config, candidate, subject, reference, candidate_raised, hash_seed
+            )
+            if valid and exc is not None and exc.op == mismatch_op:
+                records = candidate[: exc.index + 1]
+                raised = candidate_raised[: exc.index + 1]
+                changed = True
+            else:
+                i += chunk
+        if not changed:
+            chunk //= 2
+    return records
+
+
+def record_reference(
+    config: ManagerConfig,
+    calls: Sequence[Call],
+    reference: str = "vllm",
+    hash_seed: str = "0",
+    **extra: Any,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run ``calls`` on the reference alone; returns (trace header, records with states)."""
+    run = Lockstep(config, None, reference, hash_seed)
+    for op, args in calls:
+        run.call(op, **args)
+    return run.header(**extra), run.records
+
+
+def write_counterexample(
+    result: SequenceResult,
+    subject: str,
+    reference: str,
+    path: Path,
+    shrink_budget_s: float = 60.0,
+    **extra: Any,
+) -> tuple[Path, int]:
+    """Shrink a mismatching sequence and write it as a replayable trace.
+
+    Returns the path and the number of calls kept.
+    """
+    assert result.mismatch is not None
+    calls: list[Call] = []
+    if result.run is not None:
+        calls = [(r["op"], r["args"]) for r in result.run.records]
+    hash_seed = result.run.hash_seed if result.run is not None else "0"
+    small = shrink(result.config, calls, subject, reference, hash_seed, shrink_budget_s)
+    header, records = record_reference(
+        result.config,
+        small,
+        reference,
+        hash_seed,
+        source=f"random sequence: family {result.family}, seed {result.seed}, shrunk",
+        note=f"{subject} diverges from {reference} at the last call",
+        **extra,
+    )
+    write_trace(path, header, records)
+    return path, len(records)
+
+
+def describe_call(index: int, record: Mapping[str, Any]) -> str:
+    args = ", ".join(f"{k}={short(v, 120)}" for k, v in record["args"].items())
+    result = f"raises {record['raises']}" if "raises" in record else short(record.get("ok"), 160)
+    return f"  #{index:<4} {record['op']}({args}) -> {result}"
+
+
+def describe_calls(calls: Sequence[Mapping[str, Any]], first_index: int = 0) -> str:
+    """A trace's calls as a readable program, one line each."""
+    return "\n".join(describe_call(first_index + i, r) for i, r in enumerate(calls))
+
+
+@dataclass
+class ReplayResult:
+    """A replay: the first divergence (or None), how far it got, what it compared."""
+
+    mismatch: Mismatch | None
+    num_replayed: int
+    states_compared: bool
+
+
+def replay_trace(trace: Trace, impl: str) -> ReplayResult:
+    """Replay a trace on ``impl`` alone, comparing with the recorded outcomes and
+    states; stops at the first divergence."""
+    try:
+        side = make_side(impl, trace.config, trace.hash_seed)
+    except ValueError:
+        raise
+    except Exception as exc:
+        mismatch = Mismatch(-1, "KVCacheManager", {}, f"construction failed: {exc!r}")
+        return ReplayResult(mismatch, 0, False)
+    states_compared = False
+    for index, record in enumerate(trace.records):
+        op, args = record["op"], record["args"]
+        expected: dict[str, Any] = {k: record[k] for k in ("ok", "raises") if k in record}
+        try:
+            actual = outcome(side, op, args)
+        except HarnessError as exc:
+            return ReplayResult(
+                Mismatch(index, op, args, f"the trace cannot be replayed: {exc}"),
+                index,
+                states_compared,
+            )
+        ok, note = compare_outcomes(expected, actual)
+        if not ok:
+            return ReplayResult(
+                Mismatch(index, op, args, note, record.get("state"), side.state()),
+                index,
+                states_compared,
+            )
+        if "state" not in record:
+            continue
+        # The checks Lockstep.check_state makes, against the recorded state.
+        observed = side.state()
+        diff = []
+        if observed is not None:
+            states_compared = True
+            diff = state_diff(record["state"], observed)
+        free_queue = record["state"].get("free_queue")
+        if isinstance(free_queue, list) and len(free_queue) != side.num_free_blocks():
+            diff.append(
+                f"  get_num_free_blocks(): expected {len(free_queue)}, got {side.num_free_blocks()}"
+            )
+        if not diff:
+            broken = side.check_invariants()
+            if broken:
+                diff.append("  " + broken)
+        if diff:
+            return ReplayResult(
+                Mismatch(
+                    index,
+                    op,
+                    args,
+                    "state differs after the call:\n" + "\n".join(diff),
+                    record["state"],
+                    observed,
+                ),
+                index,
+                states_compared,
+            )
+    return ReplayResult(None, len(trace.records), states_compared)

@@ -1,0 +1,169 @@
+"""Fuzz an implementation against a reference with random scheduler sequences.
+
+Each sequence draws a config from one layout family (``driver.FAMILIES``:
+full attention, sliding window, chunked local, Mamba, cross attention and their
+hybrids, EAGLE on and off) and runs ``driver.RandomScheduler`` in lockstep on
+the reference (``spec`` by default, or ``vllm``) and the subject. The first
+divergence is shrunk (delta debugging over the calls) and written as a trace
+that ``python -m kvcache replay`` reproduces.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from kvcache.kit.driver import (
+    FAMILIES,
+    DriverError,
+    SequenceResult,
+    Stats,
+    run_sequence,
+    write_counterexample,
+)
+from kvcache.kit.sides import resolve_adapter
+
+SEEDS_PER_RUN_SEED = 1_000_000  # sequence i of --seed S has seed S * 1e6 + i
+
+
+@dataclass
+class FuzzOutcome:
+    """What a fuzz run did: its counts, and the counterexample if it found one."""
+
+    stats: Stats = field(default_factory=Stats)
+    failure: SequenceResult | None = None
+    counterexample: Path | None = None
+    counterexample_calls: int = 0
+    harness_error: str | None = None
+    seconds: float = 0.0
+
+
+class Progress:
+    """A one-line progress bar on a terminal; a line every ``every_s`` seconds elsewhere."""
+
+    WIDTH = 24
+
+    def __init__(self, stream: TextIO, total_s: float | None, total_n: int | None) -> None:
+        self.stream = stream
+        self.total_s = total_s
+        self.total_n = total_n
+        self.tty = stream.isatty()
+        self.started = time.monotonic()
+        self.last = 0.0
+        self.every_s = 0.25 if self.tty else 10.0
+
+    def fraction(self, done: int) -> float:
+        parts = []
+        if self.total_s:
+            parts.append((time.monotonic() - self.started) / self.total_s)
+        if self.total_n:
+            parts.append(done / self.total_n)
+        return min(1.0, max(parts, default=0.0))
+
+    def update(self, stats: Stats, family: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.every_s:
+            return
+        self.last = now
+        filled = int(self.fraction(stats.sequences) * self.WIDTH)
+        elapsed = int(now - self.started)
+        line = (
+            f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {elapsed // 60}:{elapsed % 60:02d} "
+            f"{stats.sequences} sequences, {stats.calls} calls, "
+            f"{stats.mismatching_sequences} divergences ({family})"
+        )
+        if self.tty:
+            self.stream.write("\r" + line.ljust(100)[:100])
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        self.stream.write(("\n" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
+
+def default_out(subject: str, seed: int) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", subject)
+    return Path(f"counterexample-{safe}-seed{seed}.jsonl")
+
+
+def fuzz(
+    subject: str,
+    reference: str = "spec",
+    families: Sequence[str] | None = None,
+    seconds: float | None = 60.0,
+    max_sequences: int | None = None,
+    seed: int = 0,
+    out: Path | None = None,
+    shrink_s: float = 60.0,
+    stream: TextIO | None = None,
+) -> FuzzOutcome:
+    """Run sequences until time or count runs out or the subject diverges.
+
+    Args:
+        subject: The implementation under test (an implementation name).
+        reference: What it must match: ``spec`` (default) or ``vllm``.
+        families: Layout families to cycle through (default: all).
+        seconds: Time budget (None: no limit).
+        max_sequences: Sequence budget (None: no limit).
+        seed: Run seed; sequence ``i`` uses seed ``seed * 1e6 + i``.
+        out: Where to write the counterexample (default
+            ``counterexample-<subject>-seed<seed>.jsonl``).
+        shrink_s: Time budget for shrinking the counterexample.
+        stream: Where progress goes (default stderr).
+    """
+    names = list(families) if families else list(FAMILIES)
+    unknown = [name for name in names if name not in FAMILIES]
+    if unknown:
+        raise ValueError(
+            f"unknown layout famil{'ies' if len(unknown) > 1 else 'y'} {unknown}; "
+            f"choose from {', '.join(FAMILIES)}"
+        )
+    if seconds is None and max_sequences is None:
+        raise ValueError("give a time or a sequence budget")
+    resolve_adapter(subject)  # a bad name is a usage error, not a divergence
+    resolve_adapter(reference)
+    result = FuzzOutcome()
+    progress = Progress(stream or sys.stderr, seconds, max_sequences)
+    deadline = None if seconds is None else time.monotonic() + seconds
+    index = 0
+    family = names[0]
+    while True:
+        if max_sequences is not None and index >= max_sequences:
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        family = names[index % len(names)]
+        sequence_seed = seed * SEEDS_PER_RUN_SEED + index
+        try:
+            sequence = run_sequence(sequence_seed, family, subject, reference, result.stats)
+        except DriverError as exc:
+            result.harness_error = (
+                f"sequence seed {sequence_seed} ({family}): the reference {reference} rejected "
+                f"a call the driver expected it to accept: {exc}"
+            )
+            break
+        index += 1
+        progress.update(result.stats, family)
+        if sequence.mismatch is not None:
+            result.failure = sequence
+            break
+    progress.update(result.stats, family, force=True)
+    result.seconds = time.monotonic() - progress.started
+    if result.failure is not None:
+        failure = result.failure
+        progress.message(
+            f"{subject} diverges from {reference} (family {failure.family}, "
+            f"seed {failure.seed}):\n  {failure.mismatch}\nshrinking (up to {shrink_s:.0f} s)..."
+        )
+        path = out or default_out(subject, failure.seed)
+        result.counterexample, result.counterexample_calls = write_counterexample(
+            failure, subject, reference, path, shrink_s, fuzz_seed=seed
+        )
+    return result

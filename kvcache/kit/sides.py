@@ -1,0 +1,435 @@
+"""Adapters and sides: how the kit builds and drives one implementation.
+
+An **implementation name** (``--impl``) is one of
+
+* ``kvcache`` — this package; ``spec`` — the executable oracle;
+* ``vllm`` — the installed vLLM (the 0.25.1 reference, or a newer release);
+* ``module:attr`` — your own: ``attr`` is a *manager factory* or an ``Adapter``;
+* ``package`` — a package whose ``KVCacheManager`` is a manager factory.
+
+A **manager factory** is any callable with vLLM's constructor signature,
+``factory(kv_cache_config, *, max_model_len, scheduler_block_size,
+hash_block_size, max_num_batched_tokens, enable_caching, use_eagle, log_stats,
+enable_kv_cache_events, watermark) -> manager`` — a ``KVCacheManager`` class
+itself is one. It receives kvcache's vocabulary (``kvcache.KVCacheConfig``,
+``kvcache.Request``: the same fields as vLLM's) and must return an object with
+vLLM 0.25.1's method set (``get_computed_blocks``, ``allocate_slots``, ``free``,
+``pop_blocks_for_free``, ``evict_blocks``, ``reset_prefix_cache``,
+``take_events``, ``take_new_block_ids``, ``get_num_common_prefix_blocks``,
+``new_step_starts``, ``make_prefix_cache_stats``, ``usage``, ``get_blocks``,
+``get_block_ids``, ``get_block_ids_for_computed_tokens``, ``cache_blocks``,
+``remove_skipped_blocks``, ``empty_kv_cache_blocks``, and
+``block_pool.free_blocks`` / ``block_pool.get_num_free_blocks``). Optional:
+``abstract_state()`` (docs/contract.md) — with it the whole state is compared
+after every call, without it only results; ``check_invariants()``.
+
+An **Adapter** subclass is for an implementation with another vocabulary
+(``kvcache.kit.vllm_side.VllmAdapter`` builds vLLM's own config and requests).
+
+A ``Side`` is one adapter's manager plus its requests, driven by named calls
+with JSON arguments (the ops of a trace) and returning canonical results.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+from kvcache.kit.config import GroupConfig, ManagerConfig
+from kvcache.kit.trace import canon, canon_state
+
+BUILTIN_IMPLS = ("kvcache", "spec", "vllm")
+
+
+class HarnessError(Exception):
+    """A call the harness itself cannot make (unknown request id, unknown op)."""
+
+
+def with_hash_seed(seed: str, init: Callable[[], None]) -> None:
+    """Run ``init`` (an ``init_none_hash`` call) with ``PYTHONHASHSEED=seed``."""
+    old = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = seed
+    try:
+        init()
+    finally:
+        if old is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = old
+
+
+def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -> Any:
+    """``group`` as a spec of ``lib`` (``kvcache.kv_cache_interface`` or vLLM's, which
+    name their classes alike)."""
+    common = {
+        "block_size": group.block_size,
+        "num_kv_heads": group.num_kv_heads,
+        "head_size": head_size,
+        "dtype": dtype,
+    }
+    if group.kind == "sliding_window":
+        return lib.SlidingWindowSpec(**common, sliding_window=group.sliding_window)
+    if group.kind == "chunked_local":
+        return lib.ChunkedLocalAttentionSpec(
+            **common, attention_chunk_size=group.attention_chunk_size
+        )
+    if group.kind == "mamba":
+        return lib.MambaSpec(
+            block_size=group.block_size,
+            shapes=((2,),),
+            dtypes=(dtype,),
+            mamba_cache_mode=group.mamba_cache_mode,
+            num_speculative_blocks=group.num_speculative_blocks,
+        )
+    if group.kind == "cross_attention":
+        return lib.CrossAttentionSpec(**common)
+    return lib.FullAttentionSpec(**common)
+
+
+def build_kv_cache_config(lib: Any, config: ManagerConfig, dtype: Any) -> Any:
+    """``lib.KVCacheConfig`` for ``config``: one group per ``GroupConfig``."""
+    groups = [
+        lib.KVCacheGroupSpec(
+            [f"layers.{i}"],
+            build_group_spec(lib, group, config.head_size, dtype),
+            is_eagle_group=group.is_eagle_group,
+        )
+        for i, group in enumerate(config.groups)
+    ]
+    return lib.KVCacheConfig(
+        num_blocks=config.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+    )
+
+
+class Adapter:
+    """How to build one implementation's manager and requests (kvcache's vocabulary).
+
+    Subclass it for an implementation with its own config and request types
+    (see ``VllmAdapter``); otherwise pass a manager factory.
+    """
+
+    def __init__(self, name: str, factory: Callable[..., Any], version: str | None = None):
+        self.name = name
+        self.factory = factory
+        self.version = version
+        self.kv_cache_interface = importlib.import_module("kvcache.kv_cache_interface")
+        self.request_module = importlib.import_module("kvcache.request")
+        self.kv_cache_utils = importlib.import_module("kvcache.kv_cache_utils")
+
+    def hash_fn(self, name: str) -> Callable[[Any], bytes]:
+        fn: Callable[[Any], bytes] = self.kv_cache_utils.get_hash_fn_by_name(name)
+        return fn
+
+    def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
+        """Initialise ``NONE_HASH`` for ``config.hash_fn`` under ``PYTHONHASHSEED``."""
+        hash_fn = self.hash_fn(config.hash_fn)
+        with_hash_seed(hash_seed, lambda: self.kv_cache_utils.init_none_hash(hash_fn))
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        return self.factory(kv_cache_config, **config.manager_kwargs())
+
+    def build_request(self, config: ManagerConfig, args: Mapping[str, Any]) -> Any:
+        """A request for the fields of a trace's request record."""
+        rq = self.request_module
+        lora = args.get("lora")
+        return rq.Request(
+            request_id=args["request_id"],
+            prompt_token_ids=list(args["prompt_token_ids"]),
+            sampling_params=None,
+            pooling_params=None,
+            arrival_time=0.0,
+            mm_features=[
+                rq.MultiModalFeatureSpec(
+                    identifier=identifier,
+                    mm_position=rq.PlaceholderRange(offset=offset, length=length),
+                    modality="image",
+                    data=None,
+                )
+                for identifier, offset, length in args.get("mm_features") or []
+            ],
+            lora_request=(
+                None if lora is None else rq.LoRARequest(lora[0], lora[1], lora_path="/x")
+            ),
+            cache_salt=args.get("cache_salt"),
+            block_hasher=self.kv_cache_utils.get_request_block_hasher(
+                config.hash_block_size, self.hash_fn(config.hash_fn)
+            ),
+            skip_reading_prefix_cache=bool(args.get("skip_reading_prefix_cache", False)),
+        )
+
+    def status(self, name: str) -> Any:
+        """The ``RequestStatus`` member called ``name``."""
+        return self.request_module.RequestStatus[name]
+
+    def abstract_state(self, manager: Any) -> dict[str, Any] | None:
+        """docs/contract.md's state, or None when the manager cannot tell it."""
+        fn = getattr(manager, "abstract_state", None)
+        return None if fn is None else dict(fn())
+
+
+class Side:
+    """An adapter's manager plus its requests, driven by ``call(op, args)``."""
+
+    def __init__(self, adapter: Adapter, config: ManagerConfig, hash_seed: str = "0") -> None:
+        self.adapter = adapter
+        self.name = adapter.name
+        self.config = config
+        self.requests: dict[str, Any] = {}
+        self.last_computed: dict[str, Any] = {}
+        self.popped: dict[int, list[Any]] = {}
+        #: The raw return value of the last get_computed_blocks / allocate_slots.
+        self.last_raw: Any = None
+        adapter.init_hashes(config, hash_seed)
+        self.manager = adapter.build_manager(config)
+
+    # ------------------------------------------------------------ driving
+
+    def call(self, op: str, args: Mapping[str, Any]) -> Any:
+        """Run one named call and return its canonical result (exceptions propagate)."""
+        handler = getattr(self, "op_" + op, None)
+        if handler is None:
+            raise HarnessError(f"unknown op {op!r}")
+        return handler(args)
+
+    def raw_state(self) -> dict[str, Any] | None:
+        return self.adapter.abstract_state(self.manager)
+
+    def state(self) -> dict[str, Any] | None:
+        """Canonical abstract state, or None when the implementation has none."""
+        raw = self.raw_state()
+        return None if raw is None else canon_state(raw)
+
+    def num_free_blocks(self) -> int:
+        return int(self.manager.block_pool.get_num_free_blocks())
+
+    def check_invariants(self) -> str | None:
+        """The implementation's own ``check_invariants()`` failure, if it has one."""
+        fn = getattr(self.manager, "check_invariants", None)
+        if fn is None:
+            return None
+        try:
+            fn()
+        except AssertionError as exc:
+            return f"{self.name} check_invariants() failed: {exc}"
+        return None
+
+    def request(self, args: Mapping[str, Any]) -> Any:
+        try:
+            return self.requests[args["request_id"]]
+        except KeyError:
+            raise HarnessError(f"unknown request {args.get('request_id')!r}") from None
+
+    @staticmethod
+    def block_id(block: Any) -> int:
+        """Id of a block object (kvcache, vLLM) or of an int block (spec)."""
+        return block if isinstance(block, int) else int(block.block_id)
+
+    # ------------------------------------------------------------ requests
+
+    def op_add_request(self, args: Mapping[str, Any]) -> Any:
+        request_id = args["request_id"]
+        if request_id in self.requests:
+            raise HarnessError(f"request {request_id!r} added twice")
+        request = self.adapter.build_request(self.config, args)
+        self.requests[request_id] = request
+        return canon(list(request.block_hashes))
+
+    def op_append_output_token_ids(self, args: Mapping[str, Any]) -> Any:
+        request = self.request(args)
+        token_ids = args["token_ids"]
+        num_hashes = len(request.block_hashes)
+        request.append_output_token_ids(
+            token_ids if isinstance(token_ids, int) else list(token_ids)
+        )
+        return canon(list(request.block_hashes)[num_hashes:])  # the blocks it completed
+
+    def op_update_request(self, args: Mapping[str, Any]) -> Any:
+        request = self.request(args)
+        if "status" in args:
+            request.status = self.adapter.status(args["status"])
+        if "num_computed_tokens" in args:
+            request.num_computed_tokens = args["num_computed_tokens"]
+        if "num_preemptions" in args:
+            request.num_preemptions = args["num_preemptions"]
+        return None
+
+    # ------------------------------------------------------------ manager calls
+
+    def op_get_computed_blocks(self, args: Mapping[str, Any]) -> Any:
+        blocks, num_computed_tokens = self.manager.get_computed_blocks(self.request(args))
+        self.last_computed[args["request_id"]] = blocks
+        self.last_raw = (blocks, num_computed_tokens)
+        return {
+            "block_ids": canon(blocks.get_block_ids()),
+            "num_computed_tokens": num_computed_tokens,
+        }
+
+    def op_allocate_slots(self, args: Mapping[str, Any]) -> Any:
+        request = self.request(args)
+        which = args.get("new_computed_blocks", "none")
+        if which == "last":
+            if args["request_id"] not in self.last_computed:
+                raise HarnessError(f"no get_computed_blocks result for {args['request_id']!r}")
+            new_computed_blocks = self.last_computed[args["request_id"]]
+        elif which == "empty":
+            new_computed_blocks = self.manager.empty_kv_cache_blocks
+        else:
+            new_computed_blocks = None
+        blocks = self.manager.allocate_slots(
+            request,
+            args["num_new_tokens"],
+            num_new_computed_tokens=args.get("num_new_computed_tokens", 0),
+            new_computed_blocks=new_computed_blocks,
+            num_lookahead_tokens=args.get("num_lookahead_tokens", 0),
+            num_external_computed_tokens=args.get("num_external_computed_tokens", 0),
+            delay_cache_blocks=args.get("delay_cache_blocks", False),
+            num_encoder_tokens=args.get("num_encoder_tokens", 0),
+            full_sequence_must_fit=args.get("full_sequence_must_fit", False),
+            reserved_blocks=args.get("reserved_blocks", 0),
+            has_scheduled_reqs=args.get("has_scheduled_reqs", True),
+        )
+        self.last_raw = blocks
+        return None if blocks is None else canon(blocks.get_block_ids())
+
+    def op_free(self, args: Mapping[str, Any]) -> Any:
+        self.manager.free(self.request(args))
+        return None
+
+    def op_pop_blocks_for_free(self, args: Mapping[str, Any]) -> Any:
+        blocks = list(self.manager.pop_blocks_for_free(self.request(args)))
+        self.popped[args["handle"]] = blocks
+        return [self.block_id(b) for b in blocks]
+
+    def op_free_blocks(self, args: Mapping[str, Any]) -> Any:
+        """``block_pool.free_blocks(reversed(popped))``, as the scheduler's deferred free."""
+        try:
+            blocks = self.popped.pop(args["handle"])
+        except KeyError:
+            raise HarnessError(f"unknown popped-blocks handle {args['handle']!r}") from None
+        self.manager.block_pool.free_blocks(reversed(blocks))
+        return None
+
+    def op_evict_blocks(self, args: Mapping[str, Any]) -> Any:
+        self.manager.evict_blocks(set(args["block_ids"]))
+        return None
+
+    def op_reset_prefix_cache(self, args: Mapping[str, Any]) -> Any:
+        return bool(self.manager.reset_prefix_cache())
+
+    def op_take_events(self, args: Mapping[str, Any]) -> Any:
+        return canon(list(self.manager.take_events()))
+
+    def op_take_new_block_ids(self, args: Mapping[str, Any]) -> Any:
+        return canon(list(self.manager.take_new_block_ids()))
+
+    def op_get_num_common_prefix_blocks(self, args: Mapping[str, Any]) -> Any:
+        return canon(list(self.manager.get_num_common_prefix_blocks(args["request_id"])))
+
+    def op_new_step_starts(self, args: Mapping[str, Any]) -> Any:
+        self.manager.new_step_starts()
+        return None
+
+    def op_make_prefix_cache_stats(self, args: Mapping[str, Any]) -> Any:
+        return canon(self.manager.make_prefix_cache_stats())
+
+    def op_usage(self, args: Mapping[str, Any]) -> Any:
+        return float(self.manager.usage)
+
+    def op_get_num_free_blocks(self, args: Mapping[str, Any]) -> Any:
+        return self.num_free_blocks()
+
+    def op_get_block_ids(self, args: Mapping[str, Any]) -> Any:
+        return canon(self.manager.get_block_ids(args["request_id"]))
+
+    def op_get_blocks(self, args: Mapping[str, Any]) -> Any:
+        return canon(self.manager.get_blocks(args["request_id"]).get_block_ids(allow_none=True))
+
+    def op_get_block_ids_for_computed_tokens(self, args: Mapping[str, Any]) -> Any:
+        return canon(
+            self.manager.get_block_ids_for_computed_tokens(
+                args["request_id"], args["num_computed_tokens"]
+            )
+        )
+
+    def op_cache_blocks(self, args: Mapping[str, Any]) -> Any:
+        self.manager.cache_blocks(self.request(args), args["num_computed_tokens"])
+        return None
+
+    def op_remove_skipped_blocks(self, args: Mapping[str, Any]) -> Any:
+        self.manager.remove_skipped_blocks(
+            args["request_id"], args["total_computed_tokens"], args.get("num_prompt_tokens")
+        )
+        return None
+
+
+# ---------------------------------------------------------------- implementation names
+
+#: Extra named adapters (name -> zero-argument constructor).
+ADAPTERS: dict[str, Callable[[], Adapter]] = {}
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvcache")
+    except PackageNotFoundError:
+        return "dev"
+
+
+def resolve_adapter(name: str) -> Adapter:
+    """The adapter an implementation name (``--impl``) stands for.
+
+    Raises:
+        ValueError: the name is unknown, or its module or factory cannot be loaded.
+    """
+    if name in ADAPTERS:
+        return ADAPTERS[name]()
+    if name == "kvcache":
+        import kvcache
+
+        return Adapter("kvcache", kvcache.KVCacheManager, _package_version())
+    if name == "spec":
+        import spec
+
+        return Adapter("spec", spec.KVCacheManager, _package_version())
+    if name == "vllm":
+        try:
+            from kvcache.kit.vllm_side import VllmAdapter
+        except Exception as exc:
+            raise ValueError(
+                f"impl='vllm': vLLM cannot be imported here ({type(exc).__name__}: {exc}); "
+                "`make reference` installs the 0.25.1 reference into .venv"
+            ) from None
+        return VllmAdapter()
+    module_name, sep, attr = name.partition(":")
+    if not module_name or (sep and not attr):
+        raise ValueError(
+            f"impl={name!r}: use kvcache, spec, vllm, a package name or module:factory"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ValueError(
+            f"impl={name!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc}); "
+            "is it on PYTHONPATH?"
+        ) from None
+    target = getattr(module, attr or "KVCacheManager", None)
+    if target is None:
+        what = f"no attribute {attr!r}" if attr else "no KVCacheManager"
+        raise ValueError(f"impl={name!r}: module {module_name!r} has {what}")
+    if isinstance(target, Adapter):
+        return target
+    if isinstance(target, type) and issubclass(target, Adapter):
+        return cast(Callable[[], Adapter], target)()
+    if not callable(target):
+        raise ValueError(f"impl={name!r}: {attr or 'KVCacheManager'} is not callable")
+    return Adapter(name, target, getattr(module, "__version__", None))
+
+
+def make_side(name: str, config: ManagerConfig, hash_seed: str = "0") -> Side:
+    """A fresh side for implementation ``name`` (see ``resolve_adapter``)."""
+    return Side(resolve_adapter(name), config, hash_seed)

@@ -1,0 +1,133 @@
+"""The reference adapter: the installed vLLM's ``KVCacheManager`` (0.25.1 is the reference).
+
+Builds vLLM's own config (specs with ``torch.float16``), requests
+(``SamplingParams``, ``LoRARequest``, ``MultiModalFeatureSpec``, the block
+hasher from ``get_request_block_hasher`` over ``vllm.utils.hashing``) from the
+same trace arguments that ``Adapter`` turns into kvcache objects, and reads the
+abstract state of docs/contract.md out of vLLM's internals. A newer vLLM works
+as long as those internals keep their names; if not, only results are compared.
+
+Importing this module imports vLLM (and torch): a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import torch
+import vllm
+import vllm.utils.hashing as vllm_hashing
+import vllm.v1.kv_cache_interface as vllm_kv_cache_interface
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core import kv_cache_utils as vllm_kv_cache_utils
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.request import Request, RequestStatus
+
+from kvcache.kit.config import ManagerConfig
+from kvcache.kit.sides import Adapter, build_kv_cache_config, with_hash_seed
+
+VLLM_VERSION: str = vllm.__version__
+REFERENCE_VLLM_VERSION = "0.25.1"
+
+
+def vllm_hash_fn(name: str) -> Callable[[Any], bytes]:
+    """vLLM's hash function called ``name`` (sha256, sha256_cbor, xxhash, xxhash_cbor)."""
+    fn: Callable[[Any], bytes] = getattr(vllm_hashing, name)
+    return fn
+
+
+def build_request(
+    args: Mapping[str, Any], hash_block_size: int, hash_fn: Callable[[Any], bytes]
+) -> Request:
+    """vLLM's ``Request`` for the fields of a trace's request record."""
+    lora = args.get("lora")
+    skip = bool(args.get("skip_reading_prefix_cache", False))
+    return Request(
+        request_id=args["request_id"],
+        prompt_token_ids=list(args["prompt_token_ids"]),
+        sampling_params=SamplingParams(
+            max_tokens=int(args.get("max_tokens") or 16),
+            skip_reading_prefix_cache=True if skip else None,
+        ),
+        pooling_params=None,
+        arrival_time=0.0,
+        mm_features=[
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=identifier,
+                mm_position=PlaceholderRange(offset=offset, length=length),
+            )
+            for identifier, offset, length in args.get("mm_features") or []
+        ],
+        lora_request=None if lora is None else LoRARequest(lora[0], lora[1], lora_path="/x"),
+        cache_salt=args.get("cache_salt"),
+        block_hasher=vllm_kv_cache_utils.get_request_block_hasher(hash_block_size, hash_fn),
+    )
+
+
+def abstract_state(manager: KVCacheManager) -> dict[str, Any]:
+    """docs/contract.md's abstract state, read from vLLM's pool and managers."""
+    pool = manager.block_pool
+    single_type_managers = manager.coordinator.single_type_managers
+    cached: dict[bytes, list[int]] = {}
+    for key, blocks in pool.cached_block_hash_to_block._cache.items():
+        if isinstance(blocks, KVCacheBlock):
+            cached[bytes(key)] = [blocks.block_id]
+        else:  # dict block_id -> block, oldest first
+            cached[bytes(key)] = list(blocks)
+    return {
+        "num_blocks": pool.num_gpu_blocks,
+        "free_queue": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        "ref_cnt": {b.block_id: b.ref_cnt for b in pool.blocks if not b.is_null and b.ref_cnt != 0},
+        "block_hash": {
+            b.block_id: bytes(b.block_hash) for b in pool.blocks if b.block_hash is not None
+        },
+        "cached": cached,
+        "req_to_blocks": [
+            {rid: [b.block_id for b in blocks] for rid, blocks in m.req_to_blocks.items()}
+            for m in single_type_managers
+        ],
+        "num_cached_block": [dict(m.num_cached_block) for m in single_type_managers],
+        "new_block_ids": [list(m.new_block_ids) for m in single_type_managers],
+    }
+
+
+class VllmAdapter(Adapter):
+    """vLLM's ``KVCacheManager``, built from vLLM's own vocabulary."""
+
+    def __init__(self) -> None:
+        self.name = "vllm"
+        self.factory = KVCacheManager
+        self.version = VLLM_VERSION
+        self._state_readable = True
+
+    def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
+        hash_fn = vllm_hash_fn(config.hash_fn)
+        with_hash_seed(hash_seed, lambda: vllm_kv_cache_utils.init_none_hash(hash_fn))
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        kv_cache_config = build_kv_cache_config(vllm_kv_cache_interface, config, torch.float16)
+        return KVCacheManager(kv_cache_config, **config.manager_kwargs())
+
+    def build_request(self, config: ManagerConfig, args: Mapping[str, Any]) -> Any:
+        return build_request(args, config.hash_block_size, vllm_hash_fn(config.hash_fn))
+
+    def status(self, name: str) -> Any:
+        return RequestStatus[name]
+
+    def abstract_state(self, manager: Any) -> dict[str, Any] | None:
+        if not self._state_readable:
+            return None
+        try:
+            return abstract_state(manager)
+        except AttributeError:  # a vLLM whose internals moved: compare results only
+            self._state_readable = False
+            return None

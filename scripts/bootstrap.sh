@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Usage: scripts/bootstrap.sh dev|reference|fuzz|bench STAMP
+#
+# Installs one layer of the test environment into .venv, quietly: the
+# installers' output goes to build/setup.log and one summary line is printed
+# (on failure: the log's tail and the step that failed). Touches STAMP on
+# success, so make runs each layer once.
+#   dev        python3 -m venv .venv; pip install -e '.[dev]'
+#   reference  CPU torch and triton (the kernels extra), vLLM 0.25.1 without its
+#              GPU dependencies, plus the few packages `import vllm.v1.core` needs
+#   fuzz       a venv of its own, .venv-fuzz, with pip install -e '.[fuzz]' (HypoFuzz
+#              and the Hypothesis it works with)
+#   bench      pip install -e '.[bench]' (matplotlib)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+layer=${1:?usage: bootstrap.sh dev|reference|fuzz|bench STAMP}
+stamp=${2:?usage: bootstrap.sh dev|reference|fuzz|bench STAMP}
+log=build/setup.log
+venv=.venv
+mkdir -p build
+started=$SECONDS
+
+# What importing vllm.v1.core needs, without vLLM's full (GPU) dependency set.
+vllm_import_deps=(numpy packaging regex psutil pyzmq urllib3 msgspec pydantic cbor2
+    transformers aiohttp requests openai-harmony openai pillow pybase64 cachetools
+    cloudpickle uvloop py-cpuinfo prometheus_client "llguidance>=1.7.0,<1.8.0" apache-tvm-ffi)
+
+step() {  # step DESCRIPTION COMMAND...: run quietly, or fail with the log's tail
+    local what=$1
+    shift
+    echo "### $what: $*" >>"$log"
+    if ! "$@" >>"$log" 2>&1; then
+        tail -n 40 "$log"
+        echo "$layer: FAILED at '$what' (full log: $log)"
+        exit 1
+    fi
+}
+pip_install() { "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@"; }
+
+case $layer in
+dev)
+    step "create .venv" python3 -m venv "$venv"
+    step "dev tools" pip_install -e '.[dev]'
+    summary="ruff, mypy, pytest, hypothesis, crosshair in .venv"
+    ;;
+reference)
+    step "CPU torch" pip_install torch==2.13.0
+    step "triton (kernels extra)" pip_install -e '.[kernels]'
+    step "vLLM 0.25.1" pip_install --no-deps vllm==0.25.1
+    step "vLLM's import dependencies" pip_install "${vllm_import_deps[@]}"
+    step "xgrammar" pip_install --no-deps xgrammar
+    step "import check" "$venv/bin/python" -c \
+        "from vllm.v1.core.kv_cache_manager import KVCacheManager"
+    summary="vLLM 0.25.1 reference, CPU torch, triton in .venv"
+    ;;
+fuzz)
+    venv=.venv-fuzz
+    step "create .venv-fuzz" python3 -m venv "$venv"
+    step "HypoFuzz (fuzz extra)" pip_install -e '.[fuzz]'
+    summary="HypoFuzz in .venv-fuzz"
+    ;;
+bench)
+    step "matplotlib (bench extra)" pip_install -e '.[bench]'
+    summary="matplotlib in .venv"
+    ;;
+*)
+    echo "unknown layer $layer (dev, reference, fuzz or bench)"
+    exit 2
+    ;;
+esac
+touch "$stamp"
+echo "setup $layer: $summary ($((SECONDS - started)) s; log: $log)"

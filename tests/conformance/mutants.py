@@ -1,0 +1,39 @@
+"""kvcache with one realistic bug each, plugged in as third-party manager factories.
+
+Each class has ``KVCacheManager``'s constructor signature, so
+``conformance.mutants:FreeInAllocationOrder`` is an implementation name like any
+other (``kvcache.kit.sides.resolve_adapter``): the harness must catch each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kvcache
+
+
+class FreeInAllocationOrder(kvcache.KVCacheManager):
+    """Bug: ``free`` releases blocks head first, so a chain's head is evicted first."""
+
+    def free(self, request: Any) -> None:
+        self.block_pool.free_blocks(self.pop_blocks_for_free(request))
+
+
+class IgnoresWatermark(kvcache.KVCacheManager):
+    """Bug: admissions never keep the watermark free."""
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        kwargs["has_scheduled_reqs"] = False
+        return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+
+
+class StatsCountPreemptedAsNew(kvcache.KVCacheManager):
+    """Bug: a preempted request's lookup is counted as a new request's."""
+
+    def get_computed_blocks(self, request: Any) -> Any:
+        num_preemptions = request.num_preemptions
+        request.num_preemptions = 0
+        try:
+            return super().get_computed_blocks(request)
+        finally:
+            request.num_preemptions = num_preemptions
