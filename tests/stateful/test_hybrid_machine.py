@@ -1,0 +1,324 @@
+"""Model-based test of hybrid ``kvcache.KVCacheManager`` layouts against spec.
+
+``HybridMachine`` is ``ManagerMachine`` (``test_manager_machine.py``: the same
+scheduler rules, one per manager operation, and the same whole-state
+comparison) with a layout drawn by its ``@initialize``: one to three KV-cache
+groups from full attention, sliding window, chunked local attention, Mamba
+(``none``/``all``/``align``, with speculative blocks) and cross attention, block
+sizes 1, 2, 4 (times 1 or 2 per group), EAGLE and per-group ``is_eagle_group``
+flags. The managers get ``hash_block_size`` = GCD and ``scheduler_block_size`` =
+LCM of the group block sizes, as vLLM's hybrid coordinator does.
+
+The layout follows vLLM 0.25.1's rules (as ``/tmp/hd/spec_diff_ext.py``):
+chunked local attention only with one block size and without EAGLE; cross
+attention only with prefix caching off, and ``num_encoder_tokens`` passed to
+every ``allocate_slots``; Mamba ``align`` only with prefill chunks ending at a
+``scheduler_block_size`` multiple (the machine schedules whole prompts, and
+computes connector tokens instead of loading them: Mamba align counts no blocks
+for them yet takes some, so the pool can run dry mid-allocation, in vLLM too).
+
+Hybrid invariants checked after every step, besides spec's and kvcache's own:
+
+* no block id is held by two groups (the pool keys include the group id, so a
+  cache hit never shares a block across groups): non-null ids are disjoint;
+* skipped positions hold the null block, and only they: nulls are a prefix of
+  every table, except Mamba ``align``, which nulls its old states in place;
+* ``get_num_blocks_to_allocate`` predicts what an admission takes: for a
+  request holding no blocks, the free queue shrinks by exactly the predicted
+  count (new blocks plus hit blocks touched off the free queue). It is checked
+  only there: a running request first frees skipped blocks, a running
+  Mamba-align request counts a non-positive shortfall, and Mamba align counts
+  no blocks for connector tokens although the base class's
+  ``allocate_external_computed_blocks`` takes them (all as vLLM 0.25.1,
+  ``vllm/v1/core/single_type_kv_cache_manager.py`` ``MambaManager``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from itertools import combinations
+from typing import Any, ClassVar
+
+import hypothesis.strategies as st
+from hypothesis import assume, event, note, seed, settings
+from hypothesis.stateful import initialize, invariant, run_state_machine_as_test
+
+from kvcache import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    Request,
+    SlidingWindowSpec,
+    get_request_block_hasher,
+    sha256,
+)
+
+from .test_manager_machine import ManagerMachine
+
+KINDS = ["full", "full", "swa", "swa", "chunk", "mamba", "cross"]
+MAMBA_MODES = ["none", "all", "align", "align"]
+# Examples of the CI profile for this machine (it shares the step count).
+CI_EXAMPLES = 400
+
+
+def layer_spec(kind: str, block_size: int, index: int, options: dict[str, Any]) -> Any:
+    heads = dict(num_kv_heads=1 + index, head_size=8, dtype="float16")
+    if kind == "full":
+        return FullAttentionSpec(block_size=block_size, **heads)
+    if kind == "swa":
+        return SlidingWindowSpec(block_size=block_size, **heads, **options)
+    if kind == "chunk":
+        return ChunkedLocalAttentionSpec(block_size=block_size, **heads, **options)
+    if kind == "cross":
+        return CrossAttentionSpec(block_size=block_size, **heads)
+    return MambaSpec(block_size=block_size, shapes=((2,),), dtypes=("float16",), **options)
+
+
+class HybridMachine(ManagerMachine):
+    """``ManagerMachine`` over a drawn hybrid layout, with the hybrid invariants."""
+
+    counters: ClassVar[dict[str, int]] = {"steps": 0, "examples": 0}
+
+    @initialize(
+        # Small pools half the time: eviction (of hits too) needs a pool under pressure.
+        num_blocks=st.one_of(st.integers(3, 10), st.integers(3, 40)),
+        base_block_size=st.sampled_from([1, 2, 4]),
+        watermark=st.sampled_from([0.0, 0.0, 0.1]),
+        log_stats=st.booleans(),
+        max_model_len=st.integers(8, 48),
+        max_num_batched_tokens=st.integers(2, 48),
+        data=st.data(),
+    )
+    def init_managers(
+        self,
+        num_blocks: int,
+        base_block_size: int,
+        watermark: float,
+        log_stats: bool,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        data: st.DataObject,
+    ) -> None:
+        self.counters["examples"] += 1
+        kinds = data.draw(st.lists(st.sampled_from(KINDS), min_size=1, max_size=3), label="kinds")
+        has_chunk = "chunk" in kinds
+        layout: list[tuple[str, int, dict[str, Any]]] = []
+        for kind in kinds:
+            block_size = base_block_size
+            if not has_chunk and kind != "chunk":
+                block_size *= data.draw(st.sampled_from([1, 1, 2]), label="block_factor")
+            options: dict[str, Any] = {}
+            if kind == "swa":
+                options["sliding_window"] = data.draw(st.integers(1, 10), label="window")
+            elif kind == "chunk":
+                options["attention_chunk_size"] = base_block_size * data.draw(
+                    st.integers(1, 3), label="chunk_factor"
+                )
+            elif kind == "mamba":
+                options["mamba_cache_mode"] = data.draw(st.sampled_from(MAMBA_MODES), label="mode")
+                options["num_speculative_blocks"] = data.draw(
+                    st.sampled_from([0, 0, 1, 2]), label="spec_blocks"
+                )
+            layout.append((kind, block_size, options))
+        sizes = [b for _, b, _ in layout]
+        scheduler_block_size = math.lcm(*sizes)
+        hash_block_size = math.gcd(*sizes)
+        has_cross = "cross" in kinds
+        enable_caching = not has_cross and data.draw(
+            st.sampled_from([False, True, True, True]), label="caching"
+        )
+        use_eagle = not has_chunk and data.draw(st.booleans(), label="use_eagle")
+        eagle_flags = [
+            not has_chunk and data.draw(st.sampled_from([False, False, True]), label="eagle_group")
+            for _ in layout
+        ]
+        self.align = any(o.get("mamba_cache_mode") == "align" for _, _, o in layout)
+        # vLLM refuses to start unless the pool holds one max_model_len sequence.
+        max_model_len = max(2, min(max_model_len, (num_blocks - 1) // len(layout) * min(sizes)))
+        if self.align:
+            max_num_batched_tokens = max_model_len  # whole prompts: chunks end aligned
+        kwargs: dict[str, Any] = dict(
+            max_model_len=max_model_len,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_caching=enable_caching,
+            use_eagle=use_eagle,
+            log_stats=log_stats,
+            enable_kv_cache_events=True,
+            watermark=watermark,
+        )
+        note(f"layout={layout}, is_eagle_group={eagle_flags}")
+        note(f"KVCacheManager(num_blocks={num_blocks}, {kwargs})")
+        event("layout", "+".join(sorted(k + o.get("mamba_cache_mode", "") for k, _, o in layout)))
+
+        def config() -> KVCacheConfig:
+            groups = [
+                KVCacheGroupSpec([f"layer.{i}"], layer_spec(kind, b, i, o), is_eagle_group=flag)
+                for i, ((kind, b, o), flag) in enumerate(zip(layout, eagle_flags, strict=True))
+            ]
+            return KVCacheConfig(num_blocks, [], groups)
+
+        spec_out: Any
+        impl_out: Any
+        try:
+            spec_out = self.spec_manager_cls(config(), **kwargs)
+        except Exception as error:
+            spec_out = error
+        try:
+            impl_out = self.impl_manager_cls(config(), **kwargs)
+        except Exception as error:
+            impl_out = error
+        if isinstance(spec_out, Exception) or isinstance(impl_out, Exception):
+            assert type(spec_out) is type(impl_out), f"construction: {spec_out!r} vs {impl_out!r}"
+            note(f"both refuse the layout: {spec_out!r}")
+            assume(False)
+        self.spec, self.impl = spec_out, impl_out
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = scheduler_block_size  # the unit of hits and of failed loads
+        self.max_model_len = max_model_len
+        self.token_budget = max_num_batched_tokens
+        self.has_cross = has_cross
+        self.encoder_tokens: dict[str, int] = {}
+        self.hasher = get_request_block_hasher(hash_block_size, sha256)
+        for _ in range(data.draw(st.integers(1, 3), label="num_first_requests")):
+            self.new_request(data)
+
+    # ------------------------------------------------------------ layout-specific steps
+
+    def new_request(self, data: st.DataObject) -> None:
+        super().new_request(data)
+        if self.has_cross:
+            rid = f"r{self.next_id - 1}"
+            self.encoder_tokens[rid] = data.draw(st.integers(1, 12), label="encoder_tokens")
+
+    def draw_chunk(self, data: st.DataObject, num_wanted: int) -> int:
+        if self.align:  # Mamba align: prefill chunks must end at an aligned position
+            return min(num_wanted, self.token_budget)
+        return super().draw_chunk(data, num_wanted)
+
+    def admit(
+        self, data: st.DataObject, request: Request, hits: Any, num_hits: int, mode: str
+    ) -> bool:
+        if self.align:  # no connector loads with Mamba align (see compare_allocation)
+            mode = "sync"
+        return super().admit(data, request, hits, num_hits, mode)
+
+    def compare_allocation(self, request: Request, **kwargs: Any) -> bool:
+        rid = request.request_id
+        if self.has_cross:
+            kwargs["num_encoder_tokens"] = self.encoder_tokens[rid]
+        if self.align and kwargs.get("num_external_computed_tokens"):
+            # Mamba align counts no blocks for connector tokens but takes them, so
+            # the pool can run dry mid-allocation (vLLM too): compute them instead.
+            kwargs["num_new_tokens"] += kwargs.pop("num_external_computed_tokens")
+        holds_nothing = all(
+            rid not in m.num_cached_block and not m.req_to_blocks.get(rid)
+            for m in self.impl.coordinator.single_type_managers
+        )
+        predicted = self.predict_allocation(request, kwargs) if holds_nothing else None
+        free_before = len(self.impl.block_pool.free_block_queue._queue)
+        granted = super().compare_allocation(request, **kwargs)
+        if granted and predicted is not None:
+            taken = free_before - len(self.impl.block_pool.free_block_queue._queue)
+            note(f"get_num_blocks_to_allocate -> {predicted}; allocation took {taken}")
+            assert taken == predicted, f"predicted {predicted} blocks, allocation took {taken}"
+            event("prediction checked")
+        return granted
+
+    def predict_allocation(self, request: Request, kwargs: dict[str, Any]) -> int:
+        """get_num_blocks_to_allocate on both coordinators, as allocate_slots calls it."""
+        spec_hits, impl_hits = kwargs.get("hits", (None, None))
+        spec_hits = spec_hits if spec_hits is not None else self.spec.empty_kv_cache_blocks
+        impl_hits = impl_hits if impl_hits is not None else self.impl.empty_kv_cache_blocks
+        computed = (
+            request.num_computed_tokens
+            + kwargs.get("num_new_computed_tokens", 0)
+            + kwargs.get("num_external_computed_tokens", 0)
+        )
+        main = min(computed, self.max_model_len) + kwargs.get("num_new_tokens", 0)
+        arguments = dict(
+            request_id=request.request_id,
+            num_tokens=min(main + kwargs.get("num_lookahead_tokens", 0), self.max_model_len),
+            num_encoder_tokens=kwargs.get("num_encoder_tokens", 0),
+            total_computed_tokens=computed,
+            num_tokens_main_model=main,
+        )
+        spec_num = self.spec.coordinator.get_num_blocks_to_allocate(
+            new_computed_blocks=spec_hits.blocks, **arguments
+        )
+        impl_num = self.impl.coordinator.get_num_blocks_to_allocate(
+            new_computed_blocks=impl_hits.blocks, **arguments
+        )
+        assert impl_num == spec_num
+        return spec_num
+
+    def fail_kv_load(self, data: st.DataObject, request: Request, num_hit_tokens: int) -> None:
+        """``_update_requests_with_invalid_blocks``: from the first invalid
+        (scheduler-sized) block on, every group's blocks may be evicted."""
+        first_loaded = num_hit_tokens // self.block_size
+        last_loaded = (request.num_computed_tokens - 1) // self.block_size
+        if last_loaded < first_loaded:
+            return
+        first_invalid = data.draw(st.integers(first_loaded, last_loaded), label="first_invalid")
+        request.num_computed_tokens = first_invalid * self.block_size
+        tables = self.spec.get_block_ids(request.request_id)
+        to_evict = {
+            block
+            for (_, block_size, _), table in zip(self.layout, tables, strict=True)
+            for block in table[first_invalid * self.block_size // block_size :]
+            if block
+        }
+        evict = data.draw(st.booleans(), label="fail_policy")
+        note(f"kv load of {request.request_id} failed at block {first_invalid}, evict={evict}")
+        if evict:
+            note(f"evict_blocks({to_evict})")
+            self.spec.evict_blocks(to_evict)
+            self.impl.evict_blocks(to_evict)
+
+    # ------------------------------------------------------------ the invariant
+
+    @invariant()
+    def states_agree(self) -> None:
+        super().states_agree()
+        tables = self.spec_state["req_to_blocks"]
+        held = [{b for table in group.values() for b in table if b} for group in tables]
+        for (i, a), (j, b) in combinations(enumerate(held), 2):
+            assert not a & b, f"groups {i} and {j} both hold blocks {sorted(a & b)}"
+        for (kind, _, options), group in zip(self.layout, tables, strict=True):
+            if kind == "mamba" and options["mamba_cache_mode"] == "align":
+                continue
+            for rid, table in group.items():
+                num_null = next((k for k, b in enumerate(table) if b), len(table))
+                assert all(table[num_null:]), (
+                    f"{kind} table of {rid} has null blocks after real ones: {table}"
+                )
+
+
+def test_hybrid_machine(stateful_settings: settings, record_property: Any) -> None:
+    """kvcache agrees with spec on hybrid layouts under the profile's budget."""
+    run_seed = int(os.environ.get("STATEFUL_SEED") or random.SystemRandom().getrandbits(64))
+    examples = stateful_settings.max_examples * CI_EXAMPLES // 600
+
+    @seed(run_seed)
+    def machine() -> HybridMachine:
+        return HybridMachine()
+
+    before = dict(HybridMachine.counters)
+    try:
+        run_state_machine_as_test(
+            machine, settings=settings(stateful_settings, max_examples=examples)
+        )
+    except Exception as error:
+        error.add_note(f"reproduce with: STATEFUL_SEED={run_seed} (and the same profile)")
+        raise
+    finally:
+        record_property("stateful_seed", run_seed)
+        for key, value in HybridMachine.counters.items():
+            record_property(f"stateful_{key}", value - before[key])
