@@ -29,7 +29,7 @@ FUZZ_SECONDS ?=
 FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(FUZZ_HOST) \
 	FUZZ_PORT=$(FUZZ_PORT) FUZZ_SECONDS=$(FUZZ_SECONDS)
 
-.PHONY: setup reference lint typecheck test conformance verify traces fuzz fuzz-worker \
+.PHONY: setup reference lint typecheck test conformance verify proofs traces fuzz fuzz-worker \
 	fuzz-dashboard test-kernels bench-kernels bench clean distclean
 
 setup: $(DEV_STAMP)
@@ -64,6 +64,7 @@ verify: $(REF_STAMP)
 	@$(PY) scripts/stage.py lint -- $(VENV)/bin/ruff check $(LINT_PATHS)
 	@$(PY) scripts/stage.py typecheck -- $(VENV)/bin/mypy --strict $(TYPED_PATHS)
 	@$(PY) scripts/stage.py tests -- $(PY) -m pytest -q -p no:cacheprovider
+	@$(PY) scripts/stage.py proofs -- $(PY) -m proofs.run
 
 traces: $(REF_STAMP)
 	$(PY) scripts/record_vllm_traces.py
@@ -78,6 +79,11 @@ fuzz-worker: $(FUZZ_STAMP)
 
 fuzz-dashboard: $(FUZZ_STAMP)
 	@$(FUZZ_ENV) bash scripts/fuzz_campaign.sh dashboard
+
+# CrossHair contracts and diffbehavior pairs, plus the bounded exhaustive kvcache-vs-spec
+# search (proofs/manifest.py), in at most 330 s on 2 cores: a counterexample fails, a timeout does not.
+proofs: $(DEV_STAMP)
+	$(PY) -m proofs.run
 
 # Kernel tests in the Triton interpreter on CPU (also part of `make test`).
 test-kernels: $(REF_STAMP)

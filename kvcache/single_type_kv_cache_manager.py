@@ -69,12 +69,8 @@ def _hit_blocks(
     hashes ``[first, num_blocks)`` (a search found them all cached)."""
     null = block_pool.null_block
     if len(kv_cache_group_ids) == 1:
-        m = block_pool.get_cached_block_map(kv_cache_group_ids[0])
-        found: list[Any] = [m[block_hashes[i]] for i in range(first, num_blocks)]
-        if dict in set(map(type, found)):
-            # Some hash maps to several identical blocks: a hit takes the oldest.
-            found = [b if isinstance(b, KVCacheBlock) else next(iter(b.values())) for b in found]
-        return ([null] * first + found,)
+        m = block_pool.get_cached_block_map(kv_cache_group_ids[0])  # hash -> oldest block
+        return ([null] * first + [m[block_hashes[i]] for i in range(first, num_blocks)],)
     computed = tuple([null] * first for _ in kv_cache_group_ids)
     for i in range(first, num_blocks):
         cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run one ``make verify`` stage quietly and print ONE summary line.
 
-Usage: ``scripts/stage.py lint|typecheck|tests -- COMMAND...``
+Usage: ``scripts/stage.py lint|typecheck|tests|proofs -- COMMAND...``
 
 The command's full output goes to ``build/<stage>.log``; on failure its tail is
 printed above the summary line. The exit status is the command's (pytest's
@@ -52,6 +52,13 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
         if rc == 5:
             line += " (no tests ran)"
         return line
+    if stage == "proofs":
+        found = re.findall(r"^\d+ properties in .*$", output, re.MULTILINE)
+        exhaustive = re.findall(r"^.*exhaustive.*depth.*$", output, re.MULTILINE)
+        detail = found[-1] if found else f"rc={rc}"
+        if exhaustive:
+            detail += "; " + exhaustive[-1].strip()
+        return f"proofs: {'ok' if rc == 0 else 'FAILED'} ({detail})"
     return f"{stage}: {'ok' if rc == 0 else f'FAILED (rc={rc})'}"
 
 

@@ -1,0 +1,454 @@
+"""Bounded exhaustive comparison of kvcache with spec (assumed perfect).
+
+Every sequence of scheduler calls up to depth k, over tiny layouts, breadth first.
+A state is both managers plus the requests (one ``Request`` object shared by both,
+as the scheduler would); states are deduplicated by the spec's ``abstract_state()``
+plus each request's tokens, computed-token count and status, so depth k covers every
+call sequence of length <= k. After every manager call both sides must return the
+same thing (ids, not block objects; or raise the same error type), have equal
+``abstract_state()`` and pass ``check_invariants()``; after every step the block
+tables must satisfy the slot facts of ``proofs/slots.py`` (below).
+
+Calls (one step each; ``a``/``b`` are the two request slots):
+  add(slot, prompt)          a request arrives (no manager call);
+  admit(slot, chunk)         get_computed_blocks, then allocate_slots with the hits and
+                             1 or all remaining tokens, as the scheduler admits;
+  run(slot, chunk)           allocate_slots for a running request: 1 or all remaining
+                             tokens (a decode step is the 1 token sampled last step);
+  free(slot)                 free (the request finishes, any state);
+  preempt(slot)              free, back to waiting with nothing computed;
+  evict(block)               evict_blocks({block});
+  reset                      reset_prefix_cache;
+  new_step                   new_step_starts.
+A granted allocation completes its step at once: the tokens are computed; when that
+reaches the request's length, each token of the alphabet is sampled in its own branch,
+and a request reaching ``max_model_len`` finishes (free). ``take_new_block_ids`` and
+``take_events`` are drained and compared after every step.
+
+Slot facts, per KV-cache group: every live token (computed, not skipped by the
+group's attention) has a slot inside the pool and outside the null block, and two
+requests' tokens share a slot only when both computed the same full prefix block.
+
+``python -m proofs.exhaustive [budget_s]`` prints one line per layout.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvcache
+import spec
+from kvcache import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    Request,
+    RequestStatus,
+    SlidingWindowSpec,
+    get_request_block_hasher,
+    sha256,
+)
+from proofs.slots import live_token_slot, share_slot
+from spec import pure
+
+ALPHABET = (0, 1)
+PROMPTS = ((0, 1), (0, 1, 1), (1,))
+SLOTS = ("a", "b")
+CHUNKS = ("one", "all")
+MAX_MODEL_LEN = 4
+WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+ATTN: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
+
+Action = tuple[Any, ...]
+
+
+class Mismatch(AssertionError):
+    """kvcache and spec disagree, or an invariant or slot fact fails."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One tiny configuration of the managers."""
+
+    name: str
+    specs: tuple[KVCacheSpec, ...]
+    num_blocks: int
+    enable_caching: bool = True
+    watermark: float = 0.0
+
+    @property
+    def block_size(self) -> int:
+        """The hash and scheduler block size (the smallest group block size)."""
+        return min(s.block_size for s in self.specs)
+
+    def managers(self) -> tuple[Any, Any]:
+        """A fresh (spec, kvcache) manager pair."""
+        groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(self.specs)]
+        kwargs: dict[str, Any] = {
+            "max_model_len": MAX_MODEL_LEN, "scheduler_block_size": self.block_size,
+            "hash_block_size": self.block_size, "enable_caching": self.enable_caching,
+            "enable_kv_cache_events": True, "watermark": self.watermark,
+        }
+        return (spec.KVCacheManager(KVCacheConfig(self.num_blocks, [], groups), **kwargs),
+                kvcache.KVCacheManager(KVCacheConfig(self.num_blocks, [], groups), **kwargs))
+
+
+def _full(block_size: int) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block_size, **ATTN)
+
+
+LAYOUTS = (
+    Layout("full attention, block 1, 3 blocks", (_full(1),), 4),
+    Layout("full attention, block 2, 3 blocks", (_full(2),), 4),
+    Layout("full attention, block 1, 3 blocks, caching off", (_full(1),), 4, enable_caching=False),
+    Layout("full attention, block 1, 2 blocks, watermark 1", (_full(1),), 3, watermark=0.34),
+    Layout("full + sliding window 2, block 1, 4 blocks",
+           (_full(1), SlidingWindowSpec(block_size=1, sliding_window=2, **ATTN)), 5),
+)
+
+
+@dataclass
+class State:
+    """Both managers and the live requests (by slot), and the calls that led here."""
+
+    spec: Any
+    impl: Any
+    requests: dict[str, Request]
+    path: tuple[str, ...] = ()
+    abstract: dict[str, Any] | None = None
+    """The spec's ``abstract_state()`` as of the last check (None: stale)."""
+
+    def key(self) -> tuple[Any, ...]:
+        """Canonical: the spec's abstract state and each request's tokens, computed
+        count and status."""
+        requests = tuple((slot, tuple(r.all_token_ids), r.num_computed_tokens, int(r.status))
+                         for slot, r in sorted(self.requests.items()))
+        abstract = self.spec.abstract_state() if self.abstract is None else self.abstract
+        return _freeze(abstract), requests
+
+
+def _freeze(value: Any) -> Any:
+    """Hashable, order-independent form of nested dicts and lists."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _ids(value: Any) -> Any:
+    """Block objects and KVCacheBlocks -> ids, recursively, so results compare."""
+    if value is None or isinstance(value, bool | int | str | bytes):
+        return value
+    if hasattr(value, "get_block_ids"):
+        return value.get_block_ids()
+    if hasattr(value, "block_id"):
+        return value.block_id
+    if isinstance(value, list | tuple):
+        return type(value)(_ids(v) for v in value)
+    return repr(value)
+
+
+@dataclass
+class Explorer:
+    """Breadth-first search over one layout."""
+
+    layout: Layout
+    hasher: Callable[[Request], list[Any]] = field(init=False)
+    seen: set[tuple[Any, ...]] = field(default_factory=set)
+    num_calls: int = 0
+
+    def __post_init__(self) -> None:
+        self.hasher = get_request_block_hasher(self.layout.block_size, sha256)
+
+    # ------------------------------------------------------------ calls
+
+    def call(self, state: State, what: str, name: str, *args: Any, check: bool = True,
+             **kwargs: Any) -> Any:
+        """``name`` on both managers (same arguments but each side's own hits); compare
+        the results, then (unless ``check`` is False: the caller checks after its next
+        call) the abstract states and the invariants. Returns both results."""
+        self.num_calls += 1
+        state.abstract = None
+        spec_hits = kwargs.pop("spec_hits", None)
+        impl_hits = kwargs.pop("impl_hits", None)
+        extra_spec = {"new_computed_blocks": spec_hits} if spec_hits is not None else {}
+        extra_impl = {"new_computed_blocks": impl_hits} if impl_hits is not None else {}
+        spec_out = _outcome(getattr(state.spec, name), *args, **kwargs, **extra_spec)
+        impl_out = _outcome(getattr(state.impl, name), *args, **kwargs, **extra_impl)
+        if _ids(spec_out[1]) != _ids(impl_out[1]) or spec_out[0] != impl_out[0]:
+            raise Mismatch(f"{what}: spec -> {_show(spec_out)}, kvcache -> {_show(impl_out)}")
+        if check:
+            self.check(state, what)
+        return spec_out[1], impl_out[1]
+
+    def check(self, state: State, what: str) -> None:
+        """Equal abstract states, and both sides' invariants."""
+        spec_state, impl_state = state.spec.abstract_state(), state.impl.abstract_state()
+        if spec_state != impl_state:
+            diff = {k: (spec_state[k], impl_state.get(k)) for k in spec_state
+                    if spec_state[k] != impl_state.get(k)}
+            raise Mismatch(f"{what}: abstract_state differs (spec, kvcache): {diff}")
+        for side, manager in (("spec", state.spec), ("kvcache", state.impl)):
+            try:
+                manager.check_invariants()
+            except AssertionError as exc:
+                raise Mismatch(f"{what}: {side}.check_invariants(): {exc}") from exc
+        state.abstract = spec_state
+
+    # ------------------------------------------------------------ the search
+
+    def actions(self, state: State) -> Iterator[Action]:
+        """Every call the scheduler could make next."""
+        for slot in SLOTS:
+            request = state.requests.get(slot)
+            if request is None:
+                for prompt in PROMPTS:
+                    yield ("add", slot, prompt)
+                continue
+            if request.status in WAITING:
+                for chunk in CHUNKS:
+                    yield ("admit", slot, chunk)
+            elif request.num_computed_tokens < request.num_tokens:
+                for chunk in CHUNKS:
+                    yield ("run", slot, chunk)
+            yield ("free", slot)
+            if request.status == RequestStatus.RUNNING:
+                yield ("preempt", slot)
+        for block_id in range(self.layout.num_blocks):
+            yield ("evict", block_id)
+        yield ("reset",)
+        yield ("new_step",)
+
+    def freeze(self, state: State) -> bytes:
+        """``state`` as bytes (``thaw`` makes an independent copy): faster than deepcopy.
+        The requests' hasher (a closure) is left out and put back by ``thaw``."""
+        state.abstract = None
+        for request in state.requests.values():
+            request._block_hasher = None
+        try:
+            return pickle.dumps(state, pickle.HIGHEST_PROTOCOL)
+        finally:
+            for request in state.requests.values():
+                request._block_hasher = self.hasher
+
+    def thaw(self, frozen: bytes) -> State:
+        """A fresh copy of a frozen state."""
+        state: State = pickle.loads(frozen)
+        for request in state.requests.values():
+            request._block_hasher = self.hasher
+        return state
+
+    def apply(self, frozen: bytes, action: Action) -> list[State]:
+        """The successors of the frozen state after ``action`` (several when a token is
+        sampled)."""
+        state = self.thaw(frozen)
+        state.path = (*state.path, _describe(action))
+        what = " -> ".join(state.path)
+        kind = action[0]
+        if kind == "add":
+            _, slot, prompt = action
+            # The slot names the request: a new one may reuse a finished one's id.
+            state.requests[slot] = Request(slot, list(prompt), block_hasher=self.hasher)
+            return [state]
+        if kind in ("admit", "run"):
+            return self.schedule(state, action, what)
+        if kind in ("free", "preempt"):
+            request = state.requests[action[1]]
+            self.call(state, what, "free", request)
+            if kind == "free":
+                del state.requests[action[1]]
+            else:
+                request.status = RequestStatus.PREEMPTED
+                request.num_computed_tokens = 0
+                request.num_preemptions += 1
+        elif kind == "evict":
+            self.call(state, what, "evict_blocks", {action[1]})
+        elif kind == "reset":
+            self.call(state, what, "reset_prefix_cache")
+        else:
+            self.call(state, what, "new_step_starts")
+        self.drain(state, what)
+        return [state]
+
+    def schedule(self, state: State, action: Action, what: str) -> list[State]:
+        """``admit`` or ``run``: allocate, and if granted, complete the step."""
+        kind, slot, chunk = action
+        request = state.requests[slot]
+        hits: dict[str, Any] = {}
+        num_hits = 0
+        if kind == "admit":
+            (spec_hits, num_hits), (impl_hits, _) = self.call(
+                state, what, "get_computed_blocks", request)
+            hits = {"spec_hits": spec_hits, "impl_hits": impl_hits,
+                    "num_new_computed_tokens": num_hits}
+        num_left = request.num_tokens - request.num_computed_tokens - num_hits
+        num_new = 1 if chunk == "one" else num_left
+        granted, _ = self.call(state, what, "allocate_slots", request, num_new, **hits)
+        if granted is None:
+            self.drain(state, what)
+            return [state]
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens += num_hits + num_new
+        if request.num_computed_tokens < request.num_tokens:
+            self.drain(state, what)
+            return [state]
+        successors = []
+        frozen = self.freeze(state)
+        for token in ALPHABET:
+            branch = self.thaw(frozen)
+            branch.path = (*branch.path, f"sample {token}")
+            branch_request = branch.requests[slot]
+            branch_request.append_output_token_ids(token)
+            if branch_request.num_tokens >= MAX_MODEL_LEN:
+                self.call(branch, what, "free", branch_request)
+                del branch.requests[slot]
+            self.drain(branch, what)
+            successors.append(branch)
+        return successors
+
+    def drain(self, state: State, what: str) -> None:
+        """The per-step queues (new block ids, events), then the slot facts. Taking
+        events changes no abstract state, so one check covers both calls."""
+        self.call(state, what, "take_new_block_ids", check=False)
+        self.call(state, what, "take_events")
+        check_slots(state, self.layout, what)
+
+    def explore(self, deadline: float, max_depth: int) -> tuple[int, bool]:
+        """Deepen until ``max_depth``, the deadline or no new state; return the last
+        depth fully explored and whether the reachable states are exhausted."""
+        root_spec, root_impl = self.layout.managers()
+        frontier = [State(root_spec, root_impl, {})]
+        self.seen = {frontier[0].key()}
+        for depth in range(1, max_depth + 1):
+            next_frontier = []
+            for state in frontier:
+                frozen = self.freeze(state)
+                for action in self.actions(state):
+                    if time.monotonic() > deadline:
+                        return depth - 1, False
+                    for successor in self.apply(frozen, action):
+                        key = successor.key()
+                        if key not in self.seen:
+                            self.seen.add(key)
+                            next_frontier.append(successor)
+            frontier = next_frontier
+            if not frontier:
+                return depth, True
+        return max_depth, False
+
+
+def check_slots(state: State, layout: Layout, what: str) -> None:
+    """The slot facts (module docstring) on every group's block tables."""
+    for group, group_spec in enumerate(layout.specs):
+        block_size = group_spec.block_size
+        live: list[tuple[str, Request, list[int], int]] = []
+        for slot, request in sorted(state.requests.items()):
+            table = state.spec.get_block_ids(request.request_id)[group]
+            num_computed = request.num_computed_tokens
+            first = 0
+            if isinstance(group_spec, SlidingWindowSpec):
+                first = pure.num_skipped_tokens_sliding_window(num_computed,
+                                                               group_spec.sliding_window)
+            for pos in range(first, num_computed):
+                if pos >= len(table) * block_size or not table[pos // block_size] > 0:
+                    raise Mismatch(f"{what}: {slot}'s live token {pos} has no block in group "
+                                   f"{group}: table {table}")
+                token_slot = live_token_slot(table, pos, block_size, layout.num_blocks)
+                if not block_size <= token_slot < layout.num_blocks * block_size:
+                    raise Mismatch(f"{what}: {slot}'s live token {pos} has slot {token_slot}, "
+                                   f"outside blocks 1..{layout.num_blocks - 1}")
+                live.append((slot, request, table, pos))
+        for i, (slot_a, req_a, table_a, pos_a) in enumerate(live):
+            for slot_b, req_b, table_b, pos_b in live[i + 1:]:
+                if slot_a == slot_b or not share_slot(table_a, pos_a, table_b, pos_b,
+                                                      block_size):
+                    continue
+                end = (pos_a // block_size + 1) * block_size
+                if (pos_a != pos_b or req_a.all_token_ids[:end] != req_b.all_token_ids[:end]
+                        or end > min(req_a.num_computed_tokens, req_b.num_computed_tokens)):
+                    raise Mismatch(f"{what}: {slot_a}@{pos_a} and {slot_b}@{pos_b} share a slot "
+                                   f"in group {group} without sharing a computed prefix block")
+
+
+def _outcome(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    try:
+        return "ok", fn(*args, **kwargs)
+    except Exception as exc:  # compared by type: both sides must fail alike
+        return "raise", type(exc).__name__
+
+
+def _show(out: tuple[str, Any]) -> str:
+    return f"{out[0]} {_ids(out[1])!r}"
+
+
+def _describe(action: Action) -> str:
+    kind, *args = action
+    return f"{kind}({', '.join(map(str, args))})"
+
+
+@dataclass
+class Report:
+    """The outcome for one layout."""
+
+    layout: str
+    depth: int
+    exhausted: bool
+    num_states: int
+    num_calls: int
+    seconds: float
+    mismatch: str | None = None
+
+    def line(self) -> str:
+        """One line for the run's output."""
+        status = "counterexample" if self.mismatch else (
+            f"exhausted at depth {self.depth}" if self.exhausted else f"depth {self.depth}")
+        return (f"{self.layout}: {status}, {self.num_states} states, {self.num_calls} calls, "
+                f"{self.seconds:.0f}s")
+
+
+def run(budget_s: float, max_depth: int) -> list[Report]:
+    """Explore every layout, the budget split evenly (time a layout leaves unused
+    goes to the next ones)."""
+    reports = []
+    start = time.monotonic()
+    for i, layout in enumerate(LAYOUTS):
+        remaining = budget_s - (time.monotonic() - start)
+        deadline = time.monotonic() + remaining / (len(LAYOUTS) - i)
+        explorer = Explorer(layout)
+        t0 = time.monotonic()
+        mismatch = None
+        depth, exhausted = 0, False
+        try:
+            depth, exhausted = explorer.explore(deadline, max_depth)
+        except Mismatch as exc:
+            mismatch = str(exc)
+        reports.append(Report(layout.name, depth, exhausted, len(explorer.seen),
+                              explorer.num_calls, time.monotonic() - t0, mismatch))
+    return reports
+
+
+def main(argv: list[str]) -> int:
+    """Print one line per layout (and each counterexample); 1 on a counterexample."""
+    from proofs.manifest import EXHAUSTIVE
+
+    budget_s = float(argv[0]) if argv else EXHAUSTIVE.budget_s
+    reports = run(budget_s, EXHAUSTIVE.max_depth)
+    for report in reports:
+        print(report.line())
+        if report.mismatch:
+            print(f"  {report.mismatch}")
+    depth = min(r.depth for r in reports)
+    print(f"TOTAL depth {depth} states {sum(r.num_states for r in reports)} "
+          f"calls {sum(r.num_calls for r in reports)}")
+    return 1 if any(r.mismatch for r in reports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,172 @@
+"""Every property ``proofs/run.py`` checks, in one place.
+
+* ``CONTRACTS``: functions whose PEP 316 docstring contract (``pre:``/``post:``)
+  ``crosshair check`` verifies: the spec's pure arithmetic (``spec/pure.py``), the
+  kvcache functions the spec has no twin of, and the kernels' slot arithmetic
+  (``proofs/slots.py``).
+* ``PAIRS``: twin functions ``crosshair diffbehavior`` compares on a domain: each pure
+  function the spec and kvcache both run (``spec.pure`` and ``kvcache.kv_cache_math``,
+  called by the managers), and the slot formula of the reference against the kernel's.
+  ``domain`` is the shared precondition (diffbehavior ignores ``pre:``); outside it
+  both wrappers in ``proofs/pairs.py`` return None.
+* ``EXHAUSTIVE``: the bounded exhaustive comparison of the two managers
+  (``proofs/exhaustive.py``).
+
+Budgets are CPU seconds: per condition for contracts (a function with three
+``post:`` lines that CrossHair cannot prove spends three times its budget), per pair
+for diffbehavior, in all for the exhaustive search.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Contract:
+    """``crosshair check`` of one function's docstring contract."""
+
+    target: str
+    """Dotted path of the function."""
+    budget_s: float = 4.0
+    """CPU seconds per condition (``--per_condition_timeout``)."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    """``crosshair diffbehavior`` of two functions with one signature."""
+
+    name: str
+    """Also the stem of the wrappers ``proofs.pairs.<name>__oracle`` / ``__subject``."""
+    oracle: str
+    """Dotted path of the reference (spec, or the reference formula)."""
+    subject: str
+    """Dotted path of the implementation (kvcache, or the kernel formula)."""
+    domain: Callable[..., bool]
+    """The arguments both are specified for."""
+    budget_s: float = 8.0
+    """CPU seconds for the whole comparison (``--per_condition_timeout``)."""
+    types: Mapping[str, Any] | None = None
+    """Concrete annotations for generic parameters (``Sequence[H]`` -> ``list[int]``)."""
+
+
+@dataclass(frozen=True)
+class Exhaustive:
+    """The bounded exhaustive comparison of kvcache with spec."""
+
+    min_depth: int = 5
+    """Below this depth in any layout, the property counts as timed out."""
+    max_depth: int = 12
+    """Stop deepening here even with time left."""
+    budget_s: float = 200.0
+    """Wall seconds for all layouts together (one core; CrossHair has the other)."""
+
+
+def _nonneg(*values: int) -> bool:
+    return all(v >= 0 for v in values)
+
+
+def _hashes(block_hashes: Sequence[Any], max_num_blocks: int) -> bool:
+    return 0 <= max_num_blocks <= len(block_hashes)
+
+
+def _split(block_table: list[int], pos: int, manager_bs: int, kernel_bs: int) -> bool:
+    return (kernel_bs >= 1 and manager_bs >= kernel_bs and manager_bs % kernel_bs == 0
+            and 0 <= pos < len(block_table) * manager_bs)
+
+
+S, K = "spec.pure", "kvcache.kv_cache_math"
+INT_BLOCKS = {"blocks": list[int], "null": int}
+INT_HASHES = {"block_hashes": list[int], "cached": set[int]}
+
+CONTRACTS: tuple[Contract, ...] = (
+    # block counts
+    Contract(f"{S}.cdiv"),
+    Contract(f"{S}.num_required_blocks"),
+    Contract(f"{S}.num_new_blocks"),
+    Contract(f"{S}.num_skipped_hits"),
+    Contract(f"{S}.mamba_align_num_new_blocks"),
+    Contract(f"{K}.sliding_window_admission_blocks"),
+    Contract(f"{K}.chunked_local_admission_blocks"),
+    # skipped tokens per group kind
+    Contract(f"{S}.num_skipped_tokens_full_attention"),
+    Contract(f"{S}.num_skipped_tokens_sliding_window"),
+    Contract(f"{S}.num_skipped_tokens_chunked_local"),
+    Contract(f"{S}.num_skipped_tokens_mamba"),
+    Contract(f"{S}.skipped_blocks_to_free", budget_s=3.0),
+    # sliding-window caching
+    Contract(f"{S}.num_contiguous_blocks_for_hit"),
+    Contract(f"{S}.sliding_window_reachable_mask", budget_s=3.0),
+    # hit searches over a container of cached hashes
+    Contract(f"{S}.align_num_hit_blocks", budget_s=3.0),
+    Contract(f"{S}.full_attention_hit_num_blocks", budget_s=3.0),
+    Contract(f"{S}.sliding_window_hit_range", budget_s=3.0),
+    Contract(f"{S}.chunked_local_hit_range", budget_s=3.0),
+    Contract(f"{S}.mamba_hit_num_blocks", budget_s=3.0),
+    Contract(f"{S}.num_tokens_to_cache"),
+    # hash re-slicing (BlockHashListWithBlockSize)
+    Contract(f"{K}.coarse_hash_index"),
+    Contract(f"{K}.num_coarse_hashes"),
+    # admission gate
+    Contract(f"{S}.admits"),
+    # slot arithmetic of the kernels
+    Contract("proofs.slots.slot"),
+    Contract("proofs.slots.live_token_slot"),
+    Contract("proofs.slots.share_slot"),
+    Contract("proofs.slots.map_to_kernel_blocks", budget_s=3.0),
+    Contract("proofs.slots.reference_slot"),
+    Contract("proofs.slots.kernel_slot"),
+    Contract("proofs.slots.padded_slot_mapping", budget_s=3.0),
+)
+
+PAIRS: tuple[Pair, ...] = (
+    Pair("cdiv", f"{S}.cdiv", f"{K}.cdiv", lambda a, b: b > 0),
+    Pair("num_required_blocks", f"{S}.num_required_blocks", f"{K}.num_required_blocks",
+         lambda n, bs, cap: n >= 0 and bs > 0 and (cap is None or cap >= 0)),
+    Pair("num_new_blocks", f"{S}.num_new_blocks", f"{K}.num_new_blocks",
+         lambda req, held, hits, skipped, running: _nonneg(req, held, hits, skipped)),
+    Pair("num_skipped_hits", f"{S}.num_skipped_hits", f"{K}.num_skipped_hits", _nonneg),
+    Pair("mamba_align_num_new_blocks", f"{S}.mamba_align_num_new_blocks",
+         f"{K}.mamba_align_num_new_blocks",
+         lambda n, bs, spec, hits, held, before: bs > 0 and _nonneg(n, spec, hits, held)),
+    Pair("num_skipped_tokens_sliding_window", f"{S}.num_skipped_tokens_sliding_window",
+         f"{K}.num_skipped_tokens_sliding_window", lambda n, window: n >= 0 and window >= 1),
+    Pair("num_skipped_tokens_chunked_local", f"{S}.num_skipped_tokens_chunked_local",
+         f"{K}.num_skipped_tokens_chunked_local", lambda n, chunk: n >= 0 and chunk >= 1),
+    Pair("num_skipped_tokens_mamba", f"{S}.num_skipped_tokens_mamba",
+         f"{K}.num_skipped_tokens_mamba", _nonneg),
+    Pair("skipped_blocks_to_free", f"{S}.skipped_blocks_to_free",
+         f"{K}.skipped_blocks_to_free", lambda blocks, null, n: n >= 0, types=INT_BLOCKS),
+    Pair("num_contiguous_blocks_for_hit", f"{S}.num_contiguous_blocks_for_hit",
+         f"{K}.num_contiguous_blocks_for_hit", lambda window, bs, eagle: window >= 1 and bs >= 1),
+    Pair("sliding_window_reachable_mask", f"{S}.sliding_window_reachable_mask",
+         f"{K}.sliding_window_reachable_mask",
+         lambda start, end, need, per_segment, eagle: _nonneg(start, need) and per_segment >= 1),
+    Pair("align_num_hit_blocks", f"{S}.align_num_hit_blocks", f"{K}.align_num_hit_blocks",
+         lambda n, bs, alignment: n >= 0 and bs >= 1 and alignment >= 1),
+    Pair("full_attention_hit_num_blocks", f"{S}.full_attention_hit_num_blocks",
+         f"{K}.full_attention_hit_num_blocks",
+         lambda hashes, cached, n, eagle, bs, alignment: n >= 0 and bs >= 1 and alignment >= 1,
+         types=INT_HASHES),
+    Pair("sliding_window_hit_range", f"{S}.sliding_window_hit_range",
+         f"{K}.sliding_window_hit_range",
+         lambda hashes, cached, n, need, eagle, bs, alignment: (
+             _hashes(hashes, n) and need >= 0 and bs >= 1 and alignment >= 1), types=INT_HASHES),
+    Pair("chunked_local_hit_range", f"{S}.chunked_local_hit_range",
+         f"{K}.chunked_local_hit_range",
+         lambda hashes, cached, length, chunk, bs: (
+             length >= 0 and chunk >= 1 and bs >= 1 and length // bs <= len(hashes)),
+         types=INT_HASHES),
+    Pair("mamba_hit_num_blocks", f"{S}.mamba_hit_num_blocks", f"{K}.mamba_hit_num_blocks",
+         lambda hashes, cached, n, bs, alignment: (
+             _hashes(hashes, n) and bs >= 1 and alignment >= 1), types=INT_HASHES),
+    Pair("num_tokens_to_cache", f"{S}.num_tokens_to_cache", f"{K}.num_tokens_to_cache",
+         lambda n, scheduler_bs, bs, eagle: n >= 0 and scheduler_bs >= 1 and bs >= 1),
+    Pair("admits", f"{S}.admits", f"{K}.admits",
+         lambda n, free, reserved, watermark: _nonneg(free, reserved, watermark)),
+    Pair("slot_formula", "proofs.slots.reference_slot", "proofs.slots.kernel_slot", _split),
+)
+
+EXHAUSTIVE = Exhaustive()

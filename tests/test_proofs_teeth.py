@@ -1,0 +1,109 @@
+"""The proofs have teeth: a planted bug in a copy of a checked function is caught.
+
+Each test copies the real source file into a temporary module, plants one bug with
+a textual edit (asserted to apply), and runs the same CrossHair command as
+``proofs/run.py`` with a small budget; CrossHair must report a counterexample. The
+last test plants a bug in kvcache itself (in memory) and runs the exhaustive search.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def plant(tmp_path: Path, source: str, module: str, original: str, bug: str) -> None:
+    """Write ``source`` (a repo file) with ``original`` replaced by ``bug`` as ``module``."""
+    text = (ROOT / source).read_text()
+    assert text.count(original) == 1, f"{original!r} is not in {source} exactly once"
+    (tmp_path / f"{module}.py").write_text(text.replace(original, bug))
+
+
+def crosshair(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m crosshair ARGS`` seeing the planted modules and the repo."""
+    env = {**os.environ, "PYTHONHASHSEED": "0",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    return subprocess.run([sys.executable, "-m", "crosshair", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def check_contract(tmp_path: Path, target: str) -> str:
+    """``crosshair check`` the planted target; assert it finds a counterexample."""
+    result = crosshair(tmp_path, "check", "--per_condition_timeout=6", "--per_path_timeout=2",
+                       target)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert ": error: " in result.stdout, result.stdout
+    return result.stdout
+
+
+def test_cdiv_off_by_one_breaks_its_contract(tmp_path: Path) -> None:
+    plant(tmp_path, "spec/pure.py", "planted_pure", "    return -(a // -b)\n",
+          "    return a // b + 1\n")
+    assert "false when calling cdiv" in check_contract(tmp_path, "planted_pure.cdiv")
+
+
+def test_sliding_window_rule_with_window_not_window_minus_one(tmp_path: Path) -> None:
+    plant(tmp_path, "spec/pure.py", "planted_pure",
+          "return cdiv(sliding_window - 1, block_size) + use_eagle",
+          "return cdiv(sliding_window, block_size) + use_eagle")
+    out = check_contract(tmp_path, "planted_pure.num_contiguous_blocks_for_hit")
+    assert "num_contiguous_blocks_for_hit" in out
+
+
+def test_slot_formula_with_floor_division_for_the_offset(tmp_path: Path) -> None:
+    plant(tmp_path, "proofs/slots.py", "planted_slots",
+          "return block_table[pos // block_size] * block_size + pos % block_size",
+          "return block_table[pos // block_size] * block_size + pos // block_size")
+    assert "false when calling slot" in check_contract(tmp_path, "planted_slots.slot")
+
+
+def test_skipped_tokens_of_a_window_off_by_one(tmp_path: Path) -> None:
+    plant(tmp_path, "spec/pure.py", "planted_pure",
+          "return max(0, num_computed_tokens - sliding_window + 1)",
+          "return max(0, num_computed_tokens - sliding_window)")
+    check_contract(tmp_path, "planted_pure.num_skipped_tokens_sliding_window")
+
+
+def test_diffbehavior_finds_a_kvcache_gate_that_differs_from_spec(tmp_path: Path) -> None:
+    """The admission gate with ``<`` for ``<=`` in (a copy of) kvcache's module."""
+    plant(tmp_path, "kvcache/kv_cache_math.py", "planted_math",
+          "return num_blocks + num_watermark_blocks <= num_free_blocks - num_reserved_blocks",
+          "return num_blocks + num_watermark_blocks < num_free_blocks - num_reserved_blocks")
+    (tmp_path / "planted_pair.py").write_text(
+        "import planted_math\n"
+        "import spec.pure\n"
+        "from proofs.manifest import PAIRS\n"
+        "from proofs.pairs import restricted\n"
+        "(pair,) = [p for p in PAIRS if p.name == 'admits']\n"
+        "oracle = restricted(spec.pure.admits, pair.domain)\n"
+        "subject = restricted(planted_math.admits, pair.domain)\n")
+    result = crosshair(tmp_path, "diffbehavior", "--per_condition_timeout=6",
+                       "--max_uninteresting_iterations=50", "planted_pair.oracle",
+                       "planted_pair.subject")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Given:" in result.stdout
+
+
+def test_exhaustive_search_finds_a_manager_freeing_heads_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvcache's ``free`` releasing a request's blocks head first (spec: tail first)."""
+    from kvcache.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    from proofs import exhaustive
+
+    def free_head_first(self: SingleTypeKVCacheManager, request_id: str) -> None:
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks:
+            self.block_pool.release_blocks(list(blocks))
+        self.pop_blocks_for_free(request_id)
+
+    monkeypatch.setattr(SingleTypeKVCacheManager, "free", free_head_first)
+    explorer = exhaustive.Explorer(exhaustive.LAYOUTS[0])
+    with pytest.raises(exhaustive.Mismatch, match="free_queue"):
+        explorer.explore(time.monotonic() + 20, max_depth=6)
