@@ -13,7 +13,7 @@ FUZZ_STAMP := $(FUZZ_VENV)/.stamp-fuzz
 BENCH_STAMP := $(VENV)/.stamp-bench
 
 LINT_PATHS := spec kvcache tests proofs kernels scripts
-TYPED_PATHS := spec kvcache
+TYPED_PATHS := spec kvcache kernels proofs
 
 export PYTHONHASHSEED := 0
 export VLLM_LOGGING_LEVEL := ERROR
