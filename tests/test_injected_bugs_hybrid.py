@@ -194,7 +194,13 @@ def test_unpatched_hybrid_machine_passes_the_budget(
 # Not reached on BUDGET (nor on 600 examples): the later group's free hit blocks
 # must sit at the free queue's front, ahead of everything an earlier group's
 # connector blocks take. Kept so a machine that reaches it shows (xpass).
-NOT_YET_CAUGHT = {"external allocation interleaved with hits per group"}
+# The Mamba-align leak is caught in an isolated run of this file but was missed
+# in a full-suite run on a fresh clone (the budget reaches align-mode decodes
+# past a block boundary only in some runs), so it is not yet a guaranteed catch.
+NOT_YET_CAUGHT = {
+    "external allocation interleaved with hits per group",
+    "Mamba align keeps the previous state",
+}
 
 
 @pytest.mark.parametrize(
