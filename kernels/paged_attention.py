@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.checks import check_block_table
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -290,19 +292,7 @@ def paged_attention(
             f"seq_lens must be a [{num_reqs}] int32 tensor, got "
             f"shape={tuple(seq_lens.shape)} dtype={seq_lens.dtype}"
         )
-    if block_table.dim() != 2 or block_table.dtype != torch.int32:
-        raise ValueError(
-            "block_table must be a 2-D int32 tensor, got "
-            f"shape={tuple(block_table.shape)} dtype={block_table.dtype}"
-        )
-    if block_table.shape[0] < num_reqs:
-        raise ValueError(
-            f"block_table has {block_table.shape[0]} rows, fewer than num_reqs={num_reqs}"
-        )
-    if block_table.numel() > 0 and block_table.shape[1] > 1 and block_table.stride(1) != 1:
-        raise ValueError(
-            f"block_table's last dim must be contiguous, got strides {block_table.stride()}"
-        )
+    check_block_table(block_table, num_reqs)
     for name, tensor in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()}")

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.checks import check_block_table
+
 PAD_SLOT_ID = -1
 
 
@@ -140,19 +142,7 @@ def slot_mapping(
             f"shape={tuple(positions.shape)} dtype={positions.dtype}"
         )
     num_reqs = query_start_loc.shape[0] - 1
-    if block_table.dim() != 2 or block_table.dtype != torch.int32:
-        raise ValueError(
-            "block_table must be a 2-D int32 tensor, got "
-            f"shape={tuple(block_table.shape)} dtype={block_table.dtype}"
-        )
-    if block_table.shape[0] < num_reqs:
-        raise ValueError(
-            f"block_table has {block_table.shape[0]} rows, fewer than num_reqs={num_reqs}"
-        )
-    if block_table.numel() > 0 and block_table.shape[1] > 1 and block_table.stride(1) != 1:
-        raise ValueError(
-            f"block_table's last dim must be contiguous, got strides {block_table.stride()}"
-        )
+    check_block_table(block_table, num_reqs)
     for name, tensor in (("query_start_loc", query_start_loc), ("positions", positions)):
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()}")
