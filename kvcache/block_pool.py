@@ -383,11 +383,17 @@ class BlockPool:
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add one reference to each block (a prefix hit), taking free ones out of
         the free queue. As in vLLM, the null block's count moves too."""
-        queue = self.free_block_queue._queue
+        taken = 0
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
-                del queue[block.block_id]
+                # Unlink from the free queue (inlined FreeKVCacheBlockQueue.remove).
+                prev, nxt = block.prev_free_block, block.next_free_block
+                prev.next_free_block = nxt  # type: ignore[union-attr]
+                nxt.prev_free_block = prev  # type: ignore[union-attr]
+                block.prev_free_block = block.next_free_block = None
+                taken += 1
             block.ref_cnt += 1
+        self.free_block_queue.num_free_blocks -= taken
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in eviction-priority order.
@@ -423,16 +429,27 @@ class BlockPool:
         """``free_blocks`` without the argument checks, for the managers' own
         (always valid) releases on the hot path."""
         unhashed = []
-        queue = self.free_block_queue._queue
+        queue = self.free_block_queue
+        tail = queue.fake_free_list_tail
+        last = tail.prev_free_block
+        appended = 0
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:
                 if block._hash is None:
                     unhashed.append(block)
                 else:
-                    queue[block.block_id] = block
+                    # Link at the back (inlined FreeKVCacheBlockQueue.append_n).
+                    last.next_free_block = block  # type: ignore[union-attr]
+                    block.prev_free_block = last
+                    last = block
+                    appended += 1
+        if appended:
+            last.next_free_block = tail  # type: ignore[union-attr]
+            tail.prev_free_block = last
+            queue.num_free_blocks += appended
         if unhashed:
-            self.free_block_queue.prepend_n(unhashed)
+            queue.prepend_n(unhashed)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Drop the given blocks' hashes from the prefix cache (blocks in use stay
@@ -488,7 +505,19 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Assert the class invariants (O(pool size); for tests and self-checks)."""
-        free = self.free_block_queue.get_all_free_blocks()
+        queue = self.free_block_queue
+        free: list[KVCacheBlock] = []
+        prev, block = queue.fake_free_list_head, queue.fake_free_list_head.next_free_block
+        while block is not queue.fake_free_list_tail:
+            assert block is not None, "free queue list is cut"
+            assert block.prev_free_block is prev, f"block {block.block_id}: broken back link"
+            assert len(free) < self.num_gpu_blocks, "free queue list has a cycle"
+            free.append(block)
+            prev, block = block, block.next_free_block
+        assert queue.fake_free_list_tail.prev_free_block is prev, "free queue tail link broken"
+        assert len(free) == queue.num_free_blocks, (
+            f"free queue counts {queue.num_free_blocks} blocks but links {len(free)}"
+        )
         free_ids = {b.block_id for b in free}
         assert len(free_ids) == len(free), "free queue holds a block twice"
         assert 0 not in free_ids, "null block in the free queue"
@@ -498,6 +527,10 @@ class BlockPool:
                 f"{block.block_id in free_ids}"
             )
             assert block.ref_cnt >= 0
+            if block.ref_cnt:
+                assert block.prev_free_block is None and block.next_free_block is None, (
+                    f"block {block.block_id} is in use but still linked into the free queue"
+                )
         mapped = {}
         for key, blocks in self.cached_block_hash_to_block.items():
             assert blocks, f"empty entry for {key!r}"

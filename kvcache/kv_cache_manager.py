@@ -7,7 +7,7 @@ import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 from kvcache.kv_cache_coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
 from kvcache.kv_cache_interface import (
@@ -214,6 +214,10 @@ class KVCacheManager:
         self._mamba_align = tuple(
             isinstance(m, MambaManager) and m.mamba_cache_mode == "align" for m in managers
         )
+        self._skip_plan = tuple(
+            (m, isinstance(m, MambaManager) and m.mamba_cache_mode == "align")
+            for m in self.coordinator._skipping_managers
+        )
         self._aligned_caching = isinstance(self.coordinator, HybridKVCacheCoordinator)
         self._owners: dict[str, Request] = {}
         if os.environ.get(SELF_CHECK_ENV, "0") not in ("", "0"):
@@ -376,7 +380,7 @@ class KVCacheManager:
         else:
             new_computed_block_list = self.empty_kv_cache_blocks.blocks
         coordinator = self.coordinator
-        free_blocks = self.block_pool.free_block_queue._queue
+        free_queue = self.block_pool.free_block_queue
 
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         total_computed_tokens = min(
@@ -396,7 +400,7 @@ class KVCacheManager:
                 num_tokens_main_model=full_num_tokens,
                 apply_admission_cap=True,
             )
-            if not admits(num_blocks_to_allocate, len(free_blocks), 0, watermark_blocks):
+            if not admits(num_blocks_to_allocate, free_queue.num_free_blocks, 0, watermark_blocks):
                 return None
 
         num_tokens_main_model = total_computed_tokens + num_new_tokens
@@ -414,7 +418,8 @@ class KVCacheManager:
             total_computed_tokens=num_local_computed_tokens + num_external_computed_tokens,
             num_tokens_main_model=num_tokens_main_model,
         )
-        if not admits(num_blocks_to_allocate, len(free_blocks), reserved_blocks, watermark_blocks):
+        num_free = free_queue.num_free_blocks
+        if not admits(num_blocks_to_allocate, num_free, reserved_blocks, watermark_blocks):
             return None
 
         # NOTE: "no hits" is told apart by identity with the shared empty
@@ -492,7 +497,7 @@ class KVCacheManager:
         if has_scheduled_reqs and self.watermark_blocks and request.status in _WATERMARKED:
             required += self.watermark_blocks
         pool = self.block_pool
-        if required > len(pool.free_block_queue._queue) - reserved_blocks:
+        if required > pool.free_block_queue.num_free_blocks - reserved_blocks:
             return None
         if req_blocks is None:
             # Created only on success, where vLLM's allocate_new_blocks creates it.
@@ -545,10 +550,36 @@ class KVCacheManager:
         total_computed_tokens = min(num_computed_tokens, max_model_len)
         num_tokens_main_model = total_computed_tokens + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, max_model_len)
-        for manager in coordinator._skipping_managers:
-            manager.remove_skipped_blocks(
-                request_id, total_computed_tokens, request.num_prompt_tokens
-            )
+        for manager, align in self._skip_plan:
+            if align:
+                # Align-mode Mamba: return early when its removal would free
+                # nothing (the last skipped position and the previous state
+                # are already null), the case of most decode steps.
+                mamba = cast(MambaManager, manager)
+                null = mamba._null_block
+                bs = mamba.block_size
+                n_computed = max(0, total_computed_tokens - mamba.num_speculative_blocks)
+                if n_computed > 1:
+                    table = mamba.req_to_blocks[request_id]  # creates an entry, as the call does
+                    stop = min((n_computed - 1) // bs, len(table))
+                    if stop > 0 and table[stop - 1] is not null:
+                        mamba.remove_skipped_blocks(
+                            request_id, total_computed_tokens, request.num_prompt_tokens
+                        )
+                        continue
+                idx = mamba.last_state_block_idx.get(request_id)
+                if (
+                    idx is not None
+                    and idx < -(n_computed // -bs) - 1
+                    and mamba.req_to_blocks[request_id][idx] is not null
+                ):
+                    mamba.remove_skipped_blocks(
+                        request_id, total_computed_tokens, request.num_prompt_tokens
+                    )
+            else:
+                manager.remove_skipped_blocks(
+                    request_id, total_computed_tokens, request.num_prompt_tokens
+                )
         required = 0
         empty: tuple[KVCacheBlock, ...] = ()
         mamba_align = self._mamba_align
@@ -590,7 +621,7 @@ class KVCacheManager:
         if has_scheduled_reqs and self.watermark_blocks and request.status in _WATERMARKED:
             required += self.watermark_blocks
         pool = self.block_pool
-        if required > len(pool.free_block_queue._queue) - reserved_blocks:
+        if required > pool.free_block_queue.num_free_blocks - reserved_blocks:
             return None
         new_blocks_by_group = []
         any_new = False

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType, TypeAlias, overload
@@ -304,6 +303,8 @@ class KVCacheBlock:
     _group_id: int = 0
     _block_hash_num_tokens: int | None = None
     is_null: bool = False
+    prev_free_block: KVCacheBlock | None = None
+    next_free_block: KVCacheBlock | None = None
 
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:
@@ -351,26 +352,34 @@ class FreeKVCacheBlockQueue:
     never be hit, so reuse it first); callers free a request's blocks tail
     first so that, among blocks freed together, the tail of a chain goes first.
 
-    NOTE: backed by ``collections.OrderedDict`` (C linked list keyed by block
-    id) rather than vLLM's hand-written list of block pointers: same order,
-    O(1) ``remove``, and fewer Python-level attribute writes per operation.
+    A doubly linked list threaded through the blocks themselves
+    (``prev_free_block`` / ``next_free_block``, between two sentinel blocks),
+    as in vLLM: every operation touches only the blocks it moves and their
+    neighbours, so its cost does not grow with the pool. A block is in the
+    queue exactly when its links are set.
+
+    NOTE: an ``OrderedDict`` keyed by block id was measured first: faster on
+    small pools, but its inserts slow down ~3x at 10^6 blocks (the hash
+    table's cache misses), which made ``free`` grow with the pool.
     """
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
-        self._queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (block.block_id, block) for block in blocks
-        )
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Number of blocks in the queue."""
-        return len(self._queue)
+        self.num_free_blocks = len(blocks)
+        self.fake_free_list_head = KVCacheBlock(block_id=-1)
+        self.fake_free_list_tail = KVCacheBlock(block_id=-1)
+        prev = self.fake_free_list_head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = prev
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return self.num_free_blocks
 
     def __contains__(self, block: KVCacheBlock) -> bool:
-        return self._queue.get(block.block_id) is block
+        return block.prev_free_block is not None
 
     def popleft(self) -> KVCacheBlock:
         """Remove and return the front block.
@@ -378,9 +387,9 @@ class FreeKVCacheBlockQueue:
         Raises:
             ValueError: if the queue is empty.
         """
-        if not self._queue:
+        if self.num_free_blocks == 0:
             raise ValueError("No free blocks available")
-        return self._queue.popitem(last=False)[1]
+        return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Remove and return the ``n`` front blocks, front first.
@@ -388,10 +397,22 @@ class FreeKVCacheBlockQueue:
         Raises:
             ValueError: if fewer than ``n`` blocks are free or ``n`` is negative.
         """
-        if n < 0 or n > len(self._queue):
-            raise ValueError(f"cannot pop n={n} blocks from {len(self._queue)} free blocks")
-        pop = self._queue.popitem
-        return [pop(last=False)[1] for _ in range(n)]
+        if n < 0 or n > self.num_free_blocks:
+            raise ValueError(f"cannot pop n={n} blocks from {self.num_free_blocks} free blocks")
+        head = self.fake_free_list_head
+        block = head.next_free_block
+        out = []
+        for _ in range(n):
+            assert block is not None
+            out.append(block)
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = nxt
+        assert block is not None
+        head.next_free_block = block
+        block.prev_free_block = head
+        self.num_free_blocks -= n
+        return out
 
     def remove(self, block: KVCacheBlock) -> None:
         """Remove ``block`` from anywhere in the queue.
@@ -399,27 +420,55 @@ class FreeKVCacheBlockQueue:
         Raises:
             RuntimeError: if the block is not in the queue.
         """
-        if self._queue.pop(block.block_id, None) is None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
             raise RuntimeError(f"remove() called on a block not in the free queue: {block}")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the back (evicted last)."""
-        self._queue[block.block_id] = block
+        self.append_n((block,))
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Put ``blocks`` at the back, in order."""
-        queue = self._queue
+        tail = self.fake_free_list_tail
+        last = tail.prev_free_block
+        assert last is not None
+        n = 0
         for block in blocks:
-            queue[block.block_id] = block
+            last.next_free_block = block
+            block.prev_free_block = last
+            last = block
+            n += 1
+        last.next_free_block = tail
+        tail.prev_free_block = last
+        self.num_free_blocks += n
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` at the front, keeping their order (``blocks[0]`` goes first)."""
-        queue = self._queue
-        move = queue.move_to_end
-        for block in reversed(blocks):
-            queue[block.block_id] = block
-            move(block.block_id, last=False)
+        if not blocks:
+            return
+        head = self.fake_free_list_head
+        first = head.next_free_block
+        assert first is not None
+        prev = head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = first
+        first.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks, front (next evicted) first. For tests and tools."""
-        return list(self._queue.values())
+        out = []
+        block = self.fake_free_list_head.next_free_block
+        tail = self.fake_free_list_tail
+        while block is not None and block is not tail:
+            out.append(block)
+            block = block.next_free_block
+        return out

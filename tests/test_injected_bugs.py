@@ -114,11 +114,10 @@ def evict_leaving_map_entry(self: BlockPool, block: Any) -> bool:
 def release_unhashed_to_back(self: BlockPool, ordered_blocks: Iterable[Any]) -> None:
     """Queues every released block at the back, so blocks that can never hit
     outlive cached ones."""
-    queue = self.free_block_queue._queue
     for block in ordered_blocks:
         block.ref_cnt -= 1
         if block.ref_cnt == 0 and not block.is_null:
-            queue[block.block_id] = block
+            self.free_block_queue.append(block)
 
 
 def common_prefix_counting_first(self: FullAttentionManager, running_request_id: str) -> int:

@@ -223,10 +223,10 @@ class HybridMachine(ManagerMachine):
             for m in self.impl.coordinator.single_type_managers
         )
         predicted = self.predict_allocation(request, kwargs) if holds_nothing else None
-        free_before = len(self.impl.block_pool.free_block_queue._queue)
+        free_before = self.impl.block_pool.free_block_queue.num_free_blocks
         granted = super().compare_allocation(request, **kwargs)
         if granted and predicted is not None:
-            taken = free_before - len(self.impl.block_pool.free_block_queue._queue)
+            taken = free_before - self.impl.block_pool.free_block_queue.num_free_blocks
             note(f"get_num_blocks_to_allocate -> {predicted}; allocation took {taken}")
             assert taken == predicted, f"predicted {predicted} blocks, allocation took {taken}"
             event("prediction checked")
