@@ -27,6 +27,7 @@ from kvcache.single_type_kv_cache_manager import (
     CrossAttentionManager,
     FullAttentionManager,
     MambaManager,
+    SingleTypeKVCacheManager,
     SlidingWindowManager,
     cdiv,
 )
@@ -214,10 +215,19 @@ class KVCacheManager:
         self._mamba_align = tuple(
             isinstance(m, MambaManager) and m.mamba_cache_mode == "align" for m in managers
         )
-        self._skip_plan = tuple(
-            (m, isinstance(m, MambaManager) and m.mamba_cache_mode == "align")
-            for m in self.coordinator._skipping_managers
-        )
+        # Per skipping group, how allocate_slots' fast path tests for "nothing to
+        # remove" before calling remove_skipped_blocks: True for align-mode Mamba,
+        # False for kinds using the base removal (sliding window, chunked local),
+        # None (always call) for anything else, e.g. a subclass with its own removal.
+        def skip_test(m: SingleTypeKVCacheManager) -> bool | None:
+            removal = type(m).remove_skipped_blocks
+            if removal is SingleTypeKVCacheManager.remove_skipped_blocks:
+                return False
+            if removal is MambaManager.remove_skipped_blocks:
+                return cast(MambaManager, m).mamba_cache_mode == "align" or None
+            return None
+
+        self._skip_plan = tuple((m, skip_test(m)) for m in self.coordinator._skipping_managers)
         self._aligned_caching = isinstance(self.coordinator, HybridKVCacheCoordinator)
         self._owners: dict[str, Request] = {}
         if os.environ.get(SELF_CHECK_ENV, "0") not in ("", "0"):
@@ -576,10 +586,21 @@ class KVCacheManager:
                     mamba.remove_skipped_blocks(
                         request_id, total_computed_tokens, request.num_prompt_tokens
                     )
-            else:
+            elif align is None:
                 manager.remove_skipped_blocks(
                     request_id, total_computed_tokens, request.num_prompt_tokens
                 )
+            else:
+                # Sliding window / chunked local: the base removal, called only
+                # when the last skipped position still holds a live block.
+                num_skipped = manager.get_num_skipped_tokens(total_computed_tokens)
+                if num_skipped > 0:
+                    table = manager.req_to_blocks[request_id]  # creates an entry, as the call does
+                    stop = min(num_skipped // manager.block_size, len(table))
+                    if stop > 0 and table[stop - 1] is not manager._null_block:
+                        manager.remove_skipped_blocks(
+                            request_id, total_computed_tokens, request.num_prompt_tokens
+                        )
         required = 0
         empty: tuple[KVCacheBlock, ...] = ()
         mamba_align = self._mamba_align
