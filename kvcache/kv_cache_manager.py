@@ -215,6 +215,13 @@ class KVCacheManager:
         self._mamba_align = tuple(
             isinstance(m, MambaManager) and m.mamba_cache_mode == "align" for m in managers
         )
+        # Per group for _allocate_running_any: 0 simple kind, 1 align-mode Mamba, 2 other.
+        self._group_plan = tuple(
+            (0 if simple else 1 if align else 2, m)
+            for m, simple, align in zip(
+                managers, self._simple_managers, self._mamba_align, strict=True
+            )
+        )
         # Per skipping group, how allocate_slots' fast path tests for "nothing to
         # remove" before calling remove_skipped_blocks: True for align-mode Mamba,
         # False for kinds using the base removal (sliding window, chunked local),
@@ -553,7 +560,6 @@ class KVCacheManager:
         """
         coordinator = self.coordinator
         managers = coordinator.single_type_managers
-        simple = self._simple_managers
         request_id = request.request_id
         max_model_len = self.max_model_len
         num_computed_tokens = request.num_computed_tokens
@@ -603,23 +609,26 @@ class KVCacheManager:
                         )
         required = 0
         empty: tuple[KVCacheBlock, ...] = ()
-        mamba_align = self._mamba_align
-        # Align-mode Mamba groups whose table is already long enough: they count
-        # their (non-positive) shortfall, as vLLM's formula does, and allocate nothing.
-        mamba_done = 0
-        for i, manager in enumerate(managers):
-            if simple[i] and request_id in manager.num_cached_block:
+        # Per group, what the allocation step does: a count of blocks to take
+        # (simple kinds), 0 for nothing (align-mode Mamba with a long-enough
+        # table), or None to call the manager's own allocate_new_blocks.
+        plan: list[int | None] = []
+        for kind, manager in self._group_plan:
+            if kind == 0 and request_id in manager.num_cached_block:
                 blocks = manager.req_to_blocks.get(request_id)
                 n = -(num_tokens_need_slot // -manager.block_size) - (
                     len(blocks) if blocks is not None else 0
                 )
                 if n > 0:
                     required += n
+                plan.append(max(n, 0))
             elif (
-                mamba_align[i]
+                kind == 1
                 and request_id in manager._allocated_block_reqs  # type: ignore[attr-defined]
                 and request_id in manager.req_to_blocks
             ):
+                # A running align request counts its (possibly negative) shortfall,
+                # as vLLM's formula does, or the one new state block it takes.
                 n = (
                     -(num_tokens_main_model // -manager.block_size)
                     + manager.num_speculative_blocks  # type: ignore[attr-defined]
@@ -627,9 +636,10 @@ class KVCacheManager:
                 )
                 if n <= 0:
                     required += n
-                    mamba_done |= 1 << i
+                    plan.append(0)
                 else:
-                    required += 1  # a running align request takes one new state block
+                    required += 1
+                    plan.append(None)
             else:
                 required += manager.get_num_blocks_to_allocate(
                     request_id,
@@ -639,31 +649,34 @@ class KVCacheManager:
                     num_tokens_main_model,
                     False,
                 )
+                plan.append(-1 if kind == 0 else None)
         if has_scheduled_reqs and self.watermark_blocks and request.status in _WATERMARKED:
             required += self.watermark_blocks
         pool = self.block_pool
         if required > pool.free_block_queue.num_free_blocks - reserved_blocks:
             return None
-        new_blocks_by_group = []
+        new_blocks_by_group: list[list[KVCacheBlock]] = []
         any_new = False
-        for i, manager in enumerate(managers):
-            if simple[i]:
-                req_blocks = manager.req_to_blocks[request_id]
-                n = -(num_tokens_need_slot // -manager.block_size) - len(req_blocks)
-                if n > 0:
-                    new_blocks = pool.get_new_blocks(n)
-                    req_blocks.extend(new_blocks)
-                    if manager._tracks_new_block_ids:
-                        manager.new_block_ids.extend([b.block_id for b in new_blocks])
-                else:
-                    new_blocks = []
-            elif mamba_done >> i & 1:
-                new_blocks = []
-            else:
+        for (kind, manager), count in zip(self._group_plan, plan, strict=True):
+            if count is None:
                 new_blocks = manager.allocate_new_blocks(
                     request_id, num_tokens_need_slot, num_tokens_main_model
                 )
-            any_new = any_new or bool(new_blocks)
+                any_new = any_new or bool(new_blocks)
+            elif kind == 0:
+                req_blocks = manager.req_to_blocks[request_id]
+                if count < 0:  # not tracked before this call: count against the table now
+                    count = -(num_tokens_need_slot // -manager.block_size) - len(req_blocks)
+                if count > 0:
+                    new_blocks = pool.get_new_blocks(count)
+                    req_blocks.extend(new_blocks)
+                    if manager._tracks_new_block_ids:
+                        manager.new_block_ids.extend([b.block_id for b in new_blocks])
+                    any_new = True
+                else:
+                    new_blocks = []
+            else:
+                new_blocks = []
             new_blocks_by_group.append(new_blocks)
         if self.enable_caching and not delay_cache_blocks:
             num_tokens_to_cache = min(total_computed_tokens + num_new_tokens, request.num_tokens)
