@@ -3,7 +3,8 @@
 Behaviour matches vLLM 0.25.1's ``BlockPool`` (see the class docstring for the
 eviction order); the data structures differ: the prefix-cache map is split per
 KV-cache group and keyed by the raw ``BlockHash``, so lookups never build
-``hash + group id`` keys, and the free queue is an ``OrderedDict``.
+``hash + group id`` keys. The free queue is a linked list threaded through
+the blocks, as in vLLM, with its hot operations (touch, release) inlined here.
 """
 
 from __future__ import annotations
