@@ -1,9 +1,9 @@
 """The stateful machine has teeth: each plausible bug, planted in kvcache, is caught.
 
 Every test monkeypatches one kvcache method (or constant) with a small buggy
-version written here, runs ``ManagerMachine`` (kvcache against spec) on a fixed,
-derandomized budget and expects it to fail. The control runs the same budget
-unpatched and must pass. Nothing in kvcache/ or spec/ is edited.
+version written here, runs ``ManagerMachine`` (kvcache against spec) on a fixed
+budget (``tests/injected_harness.py``) and expects it to fail. The control runs
+the same budget unpatched and must pass. Nothing in kvcache/ or spec/ is edited.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
-from hypothesis.errors import HypothesisException
-from hypothesis.stateful import run_state_machine_as_test
+from injected_harness import budget, machine_failure, raised_in
 from stateful.test_manager_machine import ManagerMachine
 
 import kvcache.kv_cache_manager as kv_cache_manager
@@ -26,43 +24,14 @@ from kvcache import (
     SingleTypeKVCacheManager,
 )
 
-# The same examples for every test (derandomized), no shrinking: a caught bug
-# stops at its first failing example.
-BUDGET = settings(
-    max_examples=150,
-    stateful_step_count=150,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    phases=[Phase.generate],
-    suppress_health_check=list(HealthCheck),
-)
-
-
-def machine_failure() -> BaseException | None:
-    """Run the machine on BUDGET; the error it raised, or None if it passed."""
-    try:
-        run_state_machine_as_test(ManagerMachine, settings=BUDGET)
-    except HypothesisException:
-        raise  # a health check or misuse is not a caught bug
-    except Exception as error:
-        return error
-    return None
-
-
-def raised_in(error: BaseException) -> str:
-    """Path of the frame that raised ``error``."""
-    tb = error.__traceback__
-    assert tb is not None
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb.tb_frame.f_code.co_filename
+# The same examples for every test and every run (tests/injected_harness.py).
+BUDGET = budget(max_examples=150)
 
 
 @pytest.fixture(scope="module")
 def control_failure() -> BaseException | None:
     """The unpatched machine's outcome on BUDGET (run once per module)."""
-    return machine_failure()
+    return machine_failure(ManagerMachine, BUDGET)
 
 
 # ---------------------------------------------------------------- the bugs
@@ -210,7 +179,7 @@ def test_machine_catches(
     if control_failure is not None:
         pytest.fail(f"the unpatched machine fails already: {control_failure!r}")
     BUGS[bug](monkeypatch)
-    error = machine_failure()
+    error = machine_failure(ManagerMachine, BUDGET)
     assert error is not None, f"the machine missed: {bug}"
     # A failure inside spec would be the machine's or the oracle's fault, not a catch.
     assert "/spec/" not in raised_in(error), f"{bug}: spec raised {error!r}"

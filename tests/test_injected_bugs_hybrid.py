@@ -2,11 +2,14 @@
 
 As ``tests/test_injected_bugs.py``, for ``HybridMachine``
 (``tests/stateful/test_hybrid_machine.py``): every test monkeypatches one
-kvcache method with a small buggy version written here, runs the machine on a
-fixed, derandomized budget and expects it to fail; the control runs the same
-budget unpatched and must pass. The patched methods are ones kvcache's inlined
-fast paths (``_allocate_running_full``/``_allocate_running_any``) also call, so
-the bugs are live on every path. Nothing in kvcache/ or spec/ is edited.
+kvcache method with a small buggy version written here, replays the machine's
+directed programs and runs it on a fixed budget (``tests/injected_harness.py``),
+and expects a failure; the control runs the same unpatched and must pass. Each
+bug here fails one of the directed programs (a situation the budget reaches
+only by luck, if at all), whatever the budget draws. The patched methods are
+ones kvcache's inlined fast paths (``_allocate_running_full``/
+``_allocate_running_any``) also call, so the bugs are live on every path.
+Nothing in kvcache/ or spec/ is edited.
 """
 
 from __future__ import annotations
@@ -15,10 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
-from hypothesis.errors import HypothesisException
-from hypothesis.stateful import run_state_machine_as_test
-from stateful.test_hybrid_machine import HybridMachine
+from injected_harness import budget, machine_failure, raised_in
+from stateful.test_hybrid_machine import PROGRAMS, HybridMachine
 
 from kvcache import (
     FullAttentionSpec,
@@ -29,41 +30,20 @@ from kvcache import (
     SlidingWindowManager,
 )
 
-BUDGET = settings(
-    max_examples=200,
-    stateful_step_count=150,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    phases=[Phase.generate],
-    suppress_health_check=list(HealthCheck),
-)
+# The machine's directed programs, then the same examples for every test and
+# every run (tests/injected_harness.py).
+BUDGET = budget(max_examples=200)
+DIRECTED = [PROGRAMS[name] for name in sorted(PROGRAMS)]
 
 
-def machine_failure() -> BaseException | None:
-    """Run the machine on BUDGET; the error it raised, or None if it passed."""
-    try:
-        run_state_machine_as_test(HybridMachine, settings=BUDGET)
-    except HypothesisException:
-        raise  # a health check or misuse is not a caught bug
-    except Exception as error:
-        return error
-    return None
-
-
-def raised_in(error: BaseException) -> str:
-    """Path of the frame that raised ``error``."""
-    tb = error.__traceback__
-    assert tb is not None
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb.tb_frame.f_code.co_filename
+def hybrid_machine_failure() -> BaseException | None:
+    return machine_failure(HybridMachine, BUDGET, DIRECTED)
 
 
 @pytest.fixture(scope="module")
 def control_failure() -> BaseException | None:
-    """The unpatched machine's outcome on BUDGET (run once per module)."""
-    return machine_failure()
+    """The unpatched machine's outcome (run once per module)."""
+    return hybrid_machine_failure()
 
 
 # ---------------------------------------------------------------- the bugs
@@ -191,34 +171,16 @@ def test_unpatched_hybrid_machine_passes_the_budget(
     assert control_failure is None
 
 
-# Not reached on BUDGET (nor on 600 examples): the later group's free hit blocks
-# must sit at the free queue's front, ahead of everything an earlier group's
-# connector blocks take. Kept so a machine that reaches it shows (xpass).
-# The Mamba-align leak is caught in an isolated run of this file but was missed
-# in a full-suite run on a fresh clone (the budget reaches align-mode decodes
-# past a block boundary only in some runs), so it is not yet a guaranteed catch.
-NOT_YET_CAUGHT = {
-    "external allocation interleaved with hits per group",
-    "Mamba align keeps the previous state",
-}
-
-
-@pytest.mark.parametrize(
-    "bug",
-    [
-        pytest.param(bug, marks=pytest.mark.xfail(reason="not reached yet", strict=False))
-        if bug in NOT_YET_CAUGHT
-        else bug
-        for bug in sorted(BUGS)
-    ],
-)
+@pytest.mark.parametrize("bug", sorted(BUGS))
 def test_hybrid_machine_catches(
     bug: str, monkeypatch: pytest.MonkeyPatch, control_failure: BaseException | None
 ) -> None:
     if control_failure is not None:
         pytest.fail(f"the unpatched machine fails already: {control_failure!r}")
     BUGS[bug](monkeypatch)
-    error = machine_failure()
+    error = hybrid_machine_failure()
     assert error is not None, f"the machine missed: {bug}"
-    # A failure inside spec would be the machine's or the oracle's fault, not a catch.
+    # A failure inside spec would be the machine's or the oracle's fault, not a catch;
+    # one in the replay itself, a program gone astray (its steps or targets).
     assert "/spec/" not in raised_in(error), f"{bug}: spec raised {error!r}"
+    assert not raised_in(error).endswith("programs.py"), f"{bug}: {error!r}"

@@ -31,6 +31,12 @@ Hybrid invariants checked after every step, besides spec's and kvcache's own:
   no blocks for connector tokens although the base class's
   ``allocate_external_computed_blocks`` takes them (all as vLLM 0.25.1,
   ``vllm/v1/core/single_type_kv_cache_manager.py`` ``MambaManager``).
+
+``PROGRAMS`` are directed examples: situations the random search reaches only
+now and then, each a fixed program of the machine's own rules replayed by
+``test_hybrid_program`` (``programs.py``): one group's external blocks taken
+after every group's hits, a later kind shortening an earlier kind's hit, an
+align-mode Mamba request decoding past a cached state.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from itertools import combinations
 from typing import Any, ClassVar
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import assume, event, note, seed, settings
 from hypothesis.stateful import initialize, invariant, run_state_machine_as_test
 
@@ -53,11 +60,13 @@ from kvcache import (
     KVCacheGroupSpec,
     MambaSpec,
     Request,
+    RequestStatus,
     SlidingWindowSpec,
     get_request_block_hasher,
     sha256,
 )
 
+from .programs import Seq, Step, replay, tokens
 from .test_manager_machine import ManagerMachine
 
 KINDS = ["full", "full", "swa", "swa", "chunk", "mamba", "cross"]
@@ -301,6 +310,91 @@ class HybridMachine(ManagerMachine):
                 )
 
 
+# ---------------------------------------------------------------- directed programs
+# Situations that take several coordinated steps, which the random search meets
+# only now and then (and which examples a derandomized budget runs changes with
+# any edit of the machine): each one pinned down as a program of the machine's
+# own rules (``programs.py``). Unscripted draws take their simplest value.
+
+
+def start(num_blocks: int, block_size: int, kinds: list[str], **draws: Any) -> Step:
+    """init_managers with caching on, no watermark, the longest model the pool allows."""
+    args = dict(
+        num_blocks=num_blocks,
+        base_block_size=block_size,
+        watermark=0.0,
+        log_stats=False,
+        max_model_len=48,
+        max_num_batched_tokens=48,
+    )
+    return Step("init_managers", args, {"kinds": kinds, "caching": True, **draws})
+
+
+def admit(*rids: str, expect: Any = None, **draws: Any) -> Step:
+    """get_computed_blocks admitting ``rids`` (the mode and chunk as ``draws`` say)."""
+    considered = {f"consider {rid}": True for rid in rids}
+    return Step("get_computed_blocks", {}, {**considered, **draws}, expect=expect)
+
+
+def finish(rid: str, expect: Any = None) -> Step:
+    """free(rid) with free(): every group's blocks, tail first, group by group."""
+    args = dict(status=RequestStatus.FINISHED_STOPPED, how="free")
+    return Step("free", args, {None: rid}, expect=expect)
+
+
+def extend(prompt: list[int], tail: list[int]) -> Step:
+    """add_request: ``prompt`` (an earlier request's, no extra keys) plus ``tail``."""
+    family = (tuple(prompt), "", "", ())
+    draws = {"share_prefix": True, "family": family, "repeat": False, "cut": len(prompt)}
+    return Step("add_request", {}, {**draws, **tokens("tail", tail)})
+
+
+def computed(rid: str, num_tokens: int) -> Any:
+    """An expectation: request ``rid`` has ``num_tokens`` computed tokens."""
+    return lambda m: m.requests[rid].num_computed_tokens == num_tokens
+
+
+PROGRAMS: dict[str, list[Step]] = {
+    # Two full-attention groups (block size 1, 10 free blocks). r0 and r1 fill
+    # the pool; r0 ends first, so the queue starts with its blocks: group 0's
+    # [2, 1], then group 1's [4, 3]. r2 extends r0's prompt with one connector
+    # token: group 0 touches its hits [1, 2], and only then may any group take
+    # an external block, or group 0 takes block 4, group 1's untouched hit.
+    "one group's external blocks after every group's hits": [
+        start(11, 1, ["full", "full"], num_first_requests=2, **tokens("tokens", [0, 0], [1, 1, 1])),
+        admit("r0", "r1", mode="sync", whole=True),
+        finish("r0"),
+        finish("r1", expect=lambda m: m.spec_state["free_queue"][:4] == [2, 1, 4, 3]),
+        extend([0, 0], [2, 2]),
+        admit("r2", mode="sync", unusual=True, ext=1, whole=True, expect=computed("r2", 3)),
+    ],
+    # Two sliding windows (2 and 3 tokens, block size 1). Group 1 loses the block
+    # of position 4: group 0 hits 4 tokens, group 1 only 3, and group 0 must be
+    # searched again at 3 (its block of position 3, not 4).
+    "a later kind shortens an earlier kind's hit": [
+        start(13, 1, ["swa", "swa"], window=Seq(2, 3), **tokens("tokens", [0, 1, 2, 0])),
+        admit("r0", mode="sync", whole=True),
+        finish("r0"),
+        Step("evict_blocks", {}, {"ids": [8]}),  # group 1's last block of r0
+        extend([0, 1, 2, 0], [1]),
+        admit("r1", mode="sync", whole=True, expect=computed("r1", 3)),
+    ],
+    # Full attention and align-mode Mamba (block size 2). r1 hits r0's cached
+    # Mamba state (4 tokens), then decodes 5 tokens: each state block it has
+    # passed (the hit's first) must be freed.
+    "align-mode Mamba decodes past a cached state": [
+        start(13, 2, ["full", "mamba"], mode="align", **tokens("tokens", [0, 0, 0, 0])),
+        admit("r0"),
+        Step("new_step_starts"),  # r0's state is written: it may be hit now
+        finish("r0"),
+        extend([0, 0, 0, 0], [1]),
+        admit("r1", expect=computed("r1", 4)),
+        *[Step("allocate_slots", {}, {"schedule r1": True})] * 4,
+        Step("decode", expect=computed("r1", 9)),
+    ],
+}
+
+
 def test_hybrid_machine(stateful_settings: settings, record_property: Any) -> None:
     """kvcache agrees with spec on hybrid layouts under the profile's budget."""
     run_seed = int(os.environ.get("STATEFUL_SEED") or random.SystemRandom().getrandbits(64))
@@ -322,3 +416,9 @@ def test_hybrid_machine(stateful_settings: settings, record_property: Any) -> No
         record_property("stateful_seed", run_seed)
         for key, value in HybridMachine.counters.items():
             record_property(f"stateful_{key}", value - before[key])
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_hybrid_program(name: str) -> None:
+    """kvcache agrees with spec on each directed program."""
+    replay(HybridMachine, PROGRAMS[name])

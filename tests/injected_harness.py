@@ -1,0 +1,71 @@
+"""What the injected-bug tests share: run a stateful machine on a fixed budget.
+
+``tests/test_injected_bugs.py`` (``ManagerMachine``) and
+``tests/test_injected_bugs_hybrid.py`` (``HybridMachine``) plant one bug at a
+time in kvcache and expect ``machine_failure`` to return an error; unpatched,
+it must return None.
+
+The budget is the same examples on every run, whatever else the process ran
+before: shrinking and the example database are off, and the seed is pinned
+(``@seed``). ``derandomize`` alone would seed Hypothesis with a digest of the
+machine class's source, so any edit of the class, even of a comment, would
+draw other examples and a bug caught late in the budget could come and go.
+Situations too rare for a budget to be sure of are the machine's directed
+programs (``tests/stateful/programs.py``), replayed before the budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import HealthCheck, Phase, seed, settings
+from hypothesis.errors import HypothesisException
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+from stateful.programs import Step, replay
+
+SEED = 0
+
+
+def budget(max_examples: int, stateful_step_count: int = 150) -> settings:
+    """A fixed budget: the first failing example stops it (no shrinking)."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=stateful_step_count,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+def machine_failure(
+    machine_cls: type[RuleBasedStateMachine],
+    budget: settings,
+    programs: Sequence[Sequence[Step]] = (),
+) -> BaseException | None:
+    """Replay ``programs``, then run the machine on ``budget``; the first error
+    raised, or None if all passed."""
+
+    @seed(SEED)
+    def machine() -> RuleBasedStateMachine:
+        return machine_cls()
+
+    try:
+        for program in programs:
+            replay(machine_cls, list(program))
+        run_state_machine_as_test(machine, settings=budget)
+    except HypothesisException:
+        raise  # a health check or misuse is not a caught bug
+    except Exception as error:
+        return error
+    return None
+
+
+def raised_in(error: BaseException) -> str:
+    """Path of the frame that raised ``error``."""
+    tb = error.__traceback__
+    assert tb is not None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename
