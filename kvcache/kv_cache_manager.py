@@ -563,9 +563,14 @@ class KVCacheManager:
         request_id = request.request_id
         max_model_len = self.max_model_len
         num_computed_tokens = request.num_computed_tokens
-        total_computed_tokens = min(num_computed_tokens, max_model_len)
+        # (Conditional expressions rather than min/max: this runs every decode step.)
+        total_computed_tokens = (
+            num_computed_tokens if num_computed_tokens < max_model_len else max_model_len
+        )
         num_tokens_main_model = total_computed_tokens + num_new_tokens
-        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, max_model_len)
+        num_tokens_need_slot = num_tokens_main_model + num_lookahead_tokens
+        if num_tokens_need_slot > max_model_len:
+            num_tokens_need_slot = max_model_len
         for manager, align in self._skip_plan:
             if align:
                 # Align-mode Mamba: return early when its removal would free
@@ -574,10 +579,14 @@ class KVCacheManager:
                 mamba = cast(MambaManager, manager)
                 null = mamba._null_block
                 bs = mamba.block_size
-                n_computed = max(0, total_computed_tokens - mamba.num_speculative_blocks)
+                n_computed = total_computed_tokens - mamba.num_speculative_blocks
+                if n_computed < 0:
+                    n_computed = 0
                 if n_computed > 1:
                     table = mamba.req_to_blocks[request_id]  # creates an entry, as the call does
-                    stop = min((n_computed - 1) // bs, len(table))
+                    stop = (n_computed - 1) // bs
+                    if stop > len(table):
+                        stop = len(table)
                     if stop > 0 and table[stop - 1] is not null:
                         mamba.remove_skipped_blocks(
                             request_id, total_computed_tokens, request.num_prompt_tokens
@@ -602,7 +611,9 @@ class KVCacheManager:
                 num_skipped = manager.get_num_skipped_tokens(total_computed_tokens)
                 if num_skipped > 0:
                     table = manager.req_to_blocks[request_id]  # creates an entry, as the call does
-                    stop = min(num_skipped // manager.block_size, len(table))
+                    stop = num_skipped // manager.block_size
+                    if stop > len(table):
+                        stop = len(table)
                     if stop > 0 and table[stop - 1] is not manager._null_block:
                         manager.remove_skipped_blocks(
                             request_id, total_computed_tokens, request.num_prompt_tokens
@@ -621,7 +632,7 @@ class KVCacheManager:
                 )
                 if n > 0:
                     required += n
-                plan.append(max(n, 0))
+                plan.append(n if n > 0 else 0)
             elif (
                 kind == 1
                 and request_id in manager._allocated_block_reqs  # type: ignore[attr-defined]
@@ -679,19 +690,27 @@ class KVCacheManager:
                 new_blocks = []
             new_blocks_by_group.append(new_blocks)
         if self.enable_caching and not delay_cache_blocks:
-            num_tokens_to_cache = min(total_computed_tokens + num_new_tokens, request.num_tokens)
+            num_tokens_to_cache = request.num_tokens
+            if num_tokens_main_model < num_tokens_to_cache:
+                num_tokens_to_cache = num_tokens_main_model
             if self._aligned_caching:
                 step = coordinator.scheduler_block_size
                 aligned = num_tokens_to_cache // step * step
+                for manager in managers:
+                    n = aligned
+                    if manager.use_eagle and aligned > 0:
+                        n = min(num_tokens_to_cache, aligned + manager.block_size)
+                    # Same early exit as cache_blocks, without the call.
+                    if n // manager.block_size > manager.num_cached_block.get(request_id, 0):
+                        manager.cache_blocks(request, n, coordinator.retention_interval)
             else:
-                aligned = num_tokens_to_cache
-            for manager in managers:
-                n = aligned
-                if self._aligned_caching and manager.use_eagle and aligned > 0:
-                    n = min(num_tokens_to_cache, aligned + manager.block_size)
-                # Same early exit as cache_blocks, without the call.
-                if n // manager.block_size > manager.num_cached_block.get(request_id, 0):
-                    manager.cache_blocks(request, n, coordinator.retention_interval)
+                for manager in managers:
+                    if num_tokens_to_cache // manager.block_size > manager.num_cached_block.get(
+                        request_id, 0
+                    ):
+                        manager.cache_blocks(
+                            request, num_tokens_to_cache, coordinator.retention_interval
+                        )
         if any_new:
             return KVCacheBlocks(tuple(new_blocks_by_group))
         return self.empty_kv_cache_blocks
