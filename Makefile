@@ -11,6 +11,7 @@ REF_STAMP := $(VENV)/.stamp-vllm-0.25.1
 FUZZ_VENV := .venv-fuzz
 FUZZ_STAMP := $(FUZZ_VENV)/.stamp-fuzz
 BENCH_STAMP := $(VENV)/.stamp-bench
+MUTATION_STAMP := $(VENV)/.stamp-mutation
 
 LINT_PATHS := spec kvcache tests proofs kernels scripts
 TYPED_PATHS := spec kvcache kernels proofs
@@ -30,7 +31,7 @@ FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(F
 	FUZZ_PORT=$(FUZZ_PORT) FUZZ_SECONDS=$(FUZZ_SECONDS)
 
 .PHONY: setup reference lint typecheck test conformance verify proofs traces fuzz fuzz-worker \
-	fuzz-dashboard test-kernels bench-kernels bench clean distclean
+	fuzz-dashboard test-kernels bench-kernels bench mutation clean distclean
 
 setup: $(DEV_STAMP)
 
@@ -47,6 +48,9 @@ $(FUZZ_STAMP): pyproject.toml
 
 $(BENCH_STAMP): | $(REF_STAMP)
 	@bash scripts/bootstrap.sh bench $@
+
+$(MUTATION_STAMP): | $(DEV_STAMP)
+	@bash scripts/bootstrap.sh mutation $@
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
@@ -97,8 +101,17 @@ bench-kernels: $(REF_STAMP)
 bench: $(BENCH_STAMP)
 	$(PY) -m kvcache bench --scaling --json build/bench.json --plot build/bench.png
 
+# mutmut over kvcache/*.py (not the kit) with the quick test selection of [tool.mutmut]
+# (HYPOTHESIS_PROFILE=mutation): counts and score against docs/mutation.md, which lists the
+# equivalent mutants. Long (see docs/mutation.md), so not part of verify. MUTANTS="name ..."
+# re-runs only those mutants, keeping the other results.
+MUTATION_WORKERS ?= 2
+MUTANTS ?=
+mutation: $(MUTATION_STAMP)
+	@$(PY) scripts/mutation.py run --workers $(MUTATION_WORKERS) $(MUTANTS)
+
 clean:
-	rm -rf build .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf build .pytest_cache .mypy_cache .ruff_cache .hypothesis mutants
 	find . -name __pycache__ -type d -prune -not -path './$(VENV)/*' -exec rm -rf {} +
 
 distclean: clean

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: scripts/bootstrap.sh dev|reference|fuzz|bench STAMP
+# Usage: scripts/bootstrap.sh dev|reference|fuzz|bench|mutation STAMP
 #
 # Installs one layer of the test environment into .venv, quietly: the
 # installers' output goes to build/setup.log and one summary line is printed
@@ -11,10 +11,11 @@
 #   fuzz       a venv of its own, .venv-fuzz, with pip install -e '.[fuzz]' (HypoFuzz
 #              and the Hypothesis it works with)
 #   bench      pip install -e '.[bench]' (matplotlib)
+#   mutation   pip install -e '.[mutation]' (mutmut, for `make mutation`)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-layer=${1:?usage: bootstrap.sh dev|reference|fuzz|bench STAMP}
-stamp=${2:?usage: bootstrap.sh dev|reference|fuzz|bench STAMP}
+layer=${1:?usage: bootstrap.sh dev|reference|fuzz|bench|mutation STAMP}
+stamp=${2:?usage: bootstrap.sh dev|reference|fuzz|bench|mutation STAMP}
 log=build/setup.log
 venv=.venv
 mkdir -p build
@@ -63,8 +64,12 @@ bench)
     step "matplotlib (bench extra)" pip_install -e '.[bench]'
     summary="matplotlib in .venv"
     ;;
+mutation)
+    step "mutmut (mutation extra)" pip_install -e '.[mutation]'
+    summary="mutmut in .venv"
+    ;;
 *)
-    echo "unknown layer $layer (dev, reference, fuzz or bench)"
+    echo "unknown layer $layer (dev, reference, fuzz, bench or mutation)"
     exit 2
     ;;
 esac

@@ -6,6 +6,8 @@ Hypothesis profiles (pick one with ``HYPOTHESIS_PROFILE``; ``make`` uses ``ci``)
 * ``ci``      — what ``make verify`` / CI run: derandomized, so a CI failure
   reproduces with the same command;
 * ``nightly`` — long fuzzing runs;
+* ``mutation`` — ``make mutation`` (mutmut, ``docs/mutation.md``): few examples,
+  derandomized, no example database, so every mutant meets the same inputs;
 * ``fuzz``    — ``make fuzz`` (HypoFuzz): the example database is
   ``$KVCACHE_FUZZ_DB``, a directory (default ``.hypothesis/fuzz-db``; put it
   on a shared mount for several machines) or ``redis://HOST:PORT/DB`` (needs
@@ -20,7 +22,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.register_profile(
@@ -29,6 +31,15 @@ settings.register_profile(
     deadline=None,
     derandomize=True,
     print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "mutation",
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile(

@@ -1,8 +1,10 @@
 """Hypothesis profiles of the stateful tests, and a report of the steps they ran.
 
-``HYPOTHESIS_PROFILE`` (default ``ci``) picks ``stateful-ci`` or
-``stateful-nightly``. The profiles carry a ``stateful-`` prefix and are applied
-to the machines only (never ``load_profile``-ed), so they cannot clobber the
+``HYPOTHESIS_PROFILE`` (default ``ci``) picks ``stateful-ci``,
+``stateful-nightly`` or ``stateful-mutation`` (``make mutation``: a short,
+derandomized run per mutant, no example database; it pins ``STATEFUL_SEED``, default 0,
+and ``MUTATION_EXAMPLES`` sets its budget). The profiles carry a ``stateful-``
+prefix and are applied to the machines only (never ``load_profile``-ed), so they cannot clobber the
 global profiles of ``tests/conftest.py``.
 """
 
@@ -12,8 +14,9 @@ import os
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
+MUTATION_EXAMPLES = int(os.getenv("MUTATION_EXAMPLES", "20"))
 _COMMON: dict[str, Any] = dict(
     deadline=None,
     derandomize=False,
@@ -28,11 +31,23 @@ _COMMON: dict[str, Any] = dict(
 # ci: about 75 s on one core of a 2-core runner; nightly: 10x the examples, 1.5x the steps.
 settings.register_profile("stateful-ci", max_examples=600, stateful_step_count=200, **_COMMON)
 settings.register_profile("stateful-nightly", max_examples=6000, stateful_step_count=300, **_COMMON)
+# mutation: 1-2 s per machine, the same examples every run (docs/mutation.md).
+settings.register_profile(
+    "stateful-mutation",
+    max_examples=MUTATION_EXAMPLES,
+    stateful_step_count=100,
+    phases=[Phase.explicit, Phase.generate],  # a failure kills the mutant: no need to shrink it
+    **{**_COMMON, "derandomize": True, "database": None},
+)
+
+
+if os.getenv("HYPOTHESIS_PROFILE") == "mutation":
+    os.environ.setdefault("STATEFUL_SEED", "0")
 
 
 def profile_name() -> str:
     name = os.getenv("HYPOTHESIS_PROFILE", "ci")
-    return name if name in ("ci", "nightly") else "ci"
+    return name if name in ("ci", "nightly", "mutation") else "ci"
 
 
 @pytest.fixture
