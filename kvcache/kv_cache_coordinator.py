@@ -540,27 +540,21 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         one other kind without EAGLE, unrolled: full attention's hit bounds the
         other kind's search, whose answer is final (full attention's hits are
         prefix-closed, so trimming them to it never shortens it)."""
-        block_pool = self.block_pool
-        alignment = self.scheduler_block_size
-        full_hits = full.manager_cls.find_longest_cache_hit(
-            block_hashes=self._block_hashes_for(block_hashes, full.spec),
-            max_length=max_cache_hit_length,
-            kv_cache_group_ids=full.group_ids,
-            block_pool=block_pool,
-            kv_cache_spec=full.spec,
-            drop_eagle_block=False,
-            alignment_tokens=alignment,
-        )
+
+        def search(group: SpecGroup, max_length: int) -> tuple[list[KVCacheBlock], ...]:
+            return group.manager_cls.find_longest_cache_hit(
+                block_hashes=self._block_hashes_for(block_hashes, group.spec),
+                max_length=max_length,
+                kv_cache_group_ids=group.group_ids,
+                block_pool=self.block_pool,
+                kv_cache_spec=group.spec,
+                drop_eagle_block=False,
+                alignment_tokens=self.scheduler_block_size,
+            )
+
+        full_hits = search(full, max_cache_hit_length)
         full_length = len(full_hits[0]) * full.spec.block_size
-        other_hits = other.manager_cls.find_longest_cache_hit(
-            block_hashes=self._block_hashes_for(block_hashes, other.spec),
-            max_length=full_length,
-            kv_cache_group_ids=other.group_ids,
-            block_pool=block_pool,
-            kv_cache_spec=other.spec,
-            drop_eagle_block=False,
-            alignment_tokens=alignment,
-        )
+        other_hits = search(other, full_length)
         hit_length = len(other_hits[0]) * other.spec.block_size
         num_full_blocks = hit_length // full.spec.block_size
         hit_blocks_by_group: list[list[KVCacheBlock]] = [[]] * len(self.single_type_managers)
