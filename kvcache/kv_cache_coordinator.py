@@ -428,17 +428,6 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if group.use_eagle:
                 for gid in group.group_ids:
                     self.single_type_managers[gid].use_eagle = True
-        # Full attention plus one other kind, no EAGLE (the common hybrid model):
-        # find_longest_cache_hit takes a straight-line path (see _find_pair_hit).
-        first, *rest = self.attention_groups
-        self._full_pair: tuple[SpecGroup, SpecGroup] | None = (
-            (first, rest[0])
-            if len(rest) == 1
-            and isinstance(first.spec, FullAttentionSpec)
-            and not first.use_eagle
-            and not rest[0].use_eagle
-            else None
-        )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache up to the last ``scheduler_block_size`` boundary (hits can only end
@@ -472,8 +461,6 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             ``num_uncached_common_prefix_tokens`` (how much longer the best
             single-kind hit was).
         """
-        if self._full_pair is not None:
-            return self._find_pair_hit(block_hashes, max_cache_hit_length, *self._full_pair)
         hit_length = max_cache_hit_length
         longest_hit_length = 0
         hit_blocks_by_group: list[list[KVCacheBlock] | None] = [None] * len(
@@ -528,43 +515,6 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     del full_blocks[num_blocks:]
         self.num_uncached_common_prefix_tokens = longest_hit_length - hit_length
         return tuple(b if b is not None else [] for b in hit_blocks_by_group), hit_length
-
-    def _find_pair_hit(
-        self,
-        block_hashes: list[BlockHash],
-        max_cache_hit_length: int,
-        full: SpecGroup,
-        other: SpecGroup,
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """The fixed point of ``find_longest_cache_hit`` for full attention plus
-        one other kind without EAGLE, unrolled: full attention's hit bounds the
-        other kind's search, whose answer is final (full attention's hits are
-        prefix-closed, so trimming them to it never shortens it)."""
-
-        def search(group: SpecGroup, max_length: int) -> tuple[list[KVCacheBlock], ...]:
-            return group.manager_cls.find_longest_cache_hit(
-                block_hashes=self._block_hashes_for(block_hashes, group.spec),
-                max_length=max_length,
-                kv_cache_group_ids=group.group_ids,
-                block_pool=self.block_pool,
-                kv_cache_spec=group.spec,
-                drop_eagle_block=False,
-                alignment_tokens=self.scheduler_block_size,
-            )
-
-        full_hits = search(full, max_cache_hit_length)
-        full_length = len(full_hits[0]) * full.spec.block_size
-        other_hits = search(other, full_length)
-        hit_length = len(other_hits[0]) * other.spec.block_size
-        num_full_blocks = hit_length // full.spec.block_size
-        hit_blocks_by_group: list[list[KVCacheBlock]] = [[]] * len(self.single_type_managers)
-        for group_id, blocks in zip(full.group_ids, full_hits, strict=True):
-            del blocks[num_full_blocks:]
-            hit_blocks_by_group[group_id] = blocks
-        for group_id, blocks in zip(other.group_ids, other_hits, strict=True):
-            hit_blocks_by_group[group_id] = blocks
-        self.num_uncached_common_prefix_tokens = max(full_length, hit_length) - hit_length
-        return tuple(hit_blocks_by_group), hit_length
 
     def find_longest_cache_hit_per_group(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int

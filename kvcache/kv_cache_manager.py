@@ -7,9 +7,9 @@ import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, overload
 
-from kvcache.kv_cache_coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
+from kvcache.kv_cache_coordinator import get_kv_cache_coordinator
 from kvcache.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -23,12 +23,6 @@ from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
 from kvcache.request import Request, RequestStatus
 from kvcache.single_type_kv_cache_manager import (
-    ChunkedLocalAttentionManager,
-    CrossAttentionManager,
-    FullAttentionManager,
-    MambaManager,
-    SingleTypeKVCacheManager,
-    SlidingWindowManager,
     cdiv,
 )
 
@@ -198,44 +192,6 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
-        # NOTE: one full-attention group (the common deployment) gets an inlined
-        # path for running requests in allocate_slots; see _allocate_running_full.
-        managers = self.coordinator.single_type_managers
-        self._fast_manager: FullAttentionManager | None = (
-            managers[0]
-            if len(managers) == 1 and type(managers[0]) is FullAttentionManager
-            else None
-        )
-        # Other layouts without cross attention get a less specialised inlined path.
-        self._fast_any = not any(isinstance(m, CrossAttentionManager) for m in managers)
-        self._simple_managers = tuple(
-            type(m) in (FullAttentionManager, SlidingWindowManager, ChunkedLocalAttentionManager)
-            for m in managers
-        )
-        self._mamba_align = tuple(
-            isinstance(m, MambaManager) and m.mamba_cache_mode == "align" for m in managers
-        )
-        # Per group for _allocate_running_any: 0 simple kind, 1 align-mode Mamba, 2 other.
-        self._group_plan = tuple(
-            (0 if simple else 1 if align else 2, m)
-            for m, simple, align in zip(
-                managers, self._simple_managers, self._mamba_align, strict=True
-            )
-        )
-        # Per skipping group, how allocate_slots' fast path tests for "nothing to
-        # remove" before calling remove_skipped_blocks: True for align-mode Mamba,
-        # False for kinds using the base removal (sliding window, chunked local),
-        # None (always call) for anything else, e.g. a subclass with its own removal.
-        def skip_test(m: SingleTypeKVCacheManager) -> bool | None:
-            removal = type(m).remove_skipped_blocks
-            if removal is SingleTypeKVCacheManager.remove_skipped_blocks:
-                return False
-            if removal is MambaManager.remove_skipped_blocks:
-                return cast(MambaManager, m).mamba_cache_mode == "align" or None
-            return None
-
-        self._skip_plan = tuple((m, skip_test(m)) for m in self.coordinator._skipping_managers)
-        self._aligned_caching = isinstance(self.coordinator, HybridKVCacheCoordinator)
         self._owners: dict[str, Request] = {}
         if os.environ.get(SELF_CHECK_ENV, "0") not in ("", "0"):
             enable_self_check(self)
@@ -370,28 +326,6 @@ class KVCacheManager:
                     "object (duplicate request id); free the first one before reusing its id"
                 )
             self._owners[request.request_id] = request
-        if (
-            self._fast_any
-            and num_external_computed_tokens == 0
-            and not full_sequence_must_fit
-            and (
-                new_computed_blocks is None
-                or new_computed_blocks.blocks is self.empty_kv_cache_blocks.blocks
-            )
-            and num_new_computed_tokens == 0
-        ):
-            return (
-                self._allocate_running_full
-                if self._fast_manager is not None
-                else self._allocate_running_any
-            )(
-                request,
-                num_new_tokens,
-                num_lookahead_tokens,
-                delay_cache_blocks,
-                reserved_blocks,
-                has_scheduled_reqs,
-            )
         if new_computed_blocks is not None:
             new_computed_block_list = new_computed_blocks.blocks
         else:
@@ -478,242 +412,6 @@ class KVCacheManager:
             f"{counts['num_external_computed_tokens']} + num_new_tokens "
             f"{counts['num_new_tokens']}), beyond max_model_len={self.max_model_len}"
         )
-
-    def _allocate_running_full(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_lookahead_tokens: int,
-        delay_cache_blocks: bool,
-        reserved_blocks: int,
-        has_scheduled_reqs: bool,
-    ) -> KVCacheBlocks | None:
-        """``allocate_slots`` for one full-attention group with no new hits and no
-        external tokens (decode steps and later prefill chunks), inlined.
-
-        Same results and state changes as the general path: full attention skips
-        nothing, registers no hits, and needs ``cdiv(tokens, block_size)`` blocks.
-        """
-        manager = self._fast_manager
-        assert manager is not None
-        request_id = request.request_id
-        block_size = manager.block_size
-        max_model_len = self.max_model_len
-        total_computed_tokens = request.num_computed_tokens
-        if total_computed_tokens > max_model_len:
-            total_computed_tokens = max_model_len
-        num_tokens_need_slot = total_computed_tokens + num_new_tokens + num_lookahead_tokens
-        if num_tokens_need_slot > max_model_len:
-            num_tokens_need_slot = max_model_len
-        req_to_blocks = manager.req_to_blocks
-        req_blocks = req_to_blocks.get(request_id)
-        num_new_blocks = -(num_tokens_need_slot // -block_size) - (
-            len(req_blocks) if req_blocks is not None else 0
-        )
-        required = num_new_blocks if num_new_blocks > 0 else 0
-        if has_scheduled_reqs and self.watermark_blocks and request.status in _WATERMARKED:
-            required += self.watermark_blocks
-        pool = self.block_pool
-        if required > pool.free_block_queue.num_free_blocks - reserved_blocks:
-            return None
-        if req_blocks is None:
-            # Created only on success, where vLLM's allocate_new_blocks creates it.
-            req_blocks = req_to_blocks[request_id]
-        new_blocks: list[KVCacheBlock] = []
-        if num_new_blocks > 0:
-            new_blocks = pool.get_new_blocks(num_new_blocks)
-            req_blocks.extend(new_blocks)
-            manager.new_block_ids.extend([b.block_id for b in new_blocks])
-        if self.enable_caching and not delay_cache_blocks:
-            num_tokens_to_cache = total_computed_tokens + num_new_tokens
-            if num_tokens_to_cache > request.num_tokens:
-                num_tokens_to_cache = request.num_tokens
-            num_full_blocks = num_tokens_to_cache // block_size
-            num_cached_blocks = manager.num_cached_block.get(request_id, 0)
-            if num_cached_blocks < num_full_blocks:
-                pool.cache_full_blocks(
-                    request,
-                    req_blocks,
-                    num_cached_blocks,
-                    num_full_blocks,
-                    block_size,
-                    manager.kv_cache_group_id,
-                )
-                manager.num_cached_block[request_id] = num_full_blocks
-        if new_blocks:
-            return KVCacheBlocks((new_blocks,))
-        return self.empty_kv_cache_blocks
-
-    def _allocate_running_any(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_lookahead_tokens: int,
-        delay_cache_blocks: bool,
-        reserved_blocks: int,
-        has_scheduled_reqs: bool,
-    ) -> KVCacheBlocks | None:
-        """``allocate_slots`` with no new hits and no external tokens for any layout
-        without cross attention: the coordinator's steps, with the common
-        per-group cases (block counting, allocation, the "nothing new to cache"
-        test) inlined for full, sliding-window and chunked-local groups.
-        """
-        coordinator = self.coordinator
-        managers = coordinator.single_type_managers
-        request_id = request.request_id
-        max_model_len = self.max_model_len
-        num_computed_tokens = request.num_computed_tokens
-        # (Conditional expressions rather than min/max: this runs every decode step.)
-        total_computed_tokens = (
-            num_computed_tokens if num_computed_tokens < max_model_len else max_model_len
-        )
-        num_tokens_main_model = total_computed_tokens + num_new_tokens
-        num_tokens_need_slot = num_tokens_main_model + num_lookahead_tokens
-        if num_tokens_need_slot > max_model_len:
-            num_tokens_need_slot = max_model_len
-        for manager, align in self._skip_plan:
-            if align:
-                # Align-mode Mamba: return early when its removal would free
-                # nothing (the last skipped position and the previous state
-                # are already null), the case of most decode steps.
-                mamba = cast(MambaManager, manager)
-                null = mamba._null_block
-                bs = mamba.block_size
-                n_computed = total_computed_tokens - mamba.num_speculative_blocks
-                if n_computed < 0:
-                    n_computed = 0
-                if n_computed > 1:
-                    table = mamba.req_to_blocks[request_id]  # creates an entry, as the call does
-                    stop = (n_computed - 1) // bs
-                    if stop > len(table):
-                        stop = len(table)
-                    if stop > 0 and table[stop - 1] is not null:
-                        mamba.remove_skipped_blocks(
-                            request_id, total_computed_tokens, request.num_prompt_tokens
-                        )
-                        continue
-                idx = mamba.last_state_block_idx.get(request_id)
-                if (
-                    idx is not None
-                    and idx < -(n_computed // -bs) - 1
-                    and mamba.req_to_blocks[request_id][idx] is not null
-                ):
-                    mamba.remove_skipped_blocks(
-                        request_id, total_computed_tokens, request.num_prompt_tokens
-                    )
-            elif align is None:
-                manager.remove_skipped_blocks(
-                    request_id, total_computed_tokens, request.num_prompt_tokens
-                )
-            else:
-                # Sliding window / chunked local: the base removal, called only
-                # when the last skipped position still holds a live block.
-                num_skipped = manager.get_num_skipped_tokens(total_computed_tokens)
-                if num_skipped > 0:
-                    table = manager.req_to_blocks[request_id]  # creates an entry, as the call does
-                    stop = num_skipped // manager.block_size
-                    if stop > len(table):
-                        stop = len(table)
-                    if stop > 0 and table[stop - 1] is not manager._null_block:
-                        manager.remove_skipped_blocks(
-                            request_id, total_computed_tokens, request.num_prompt_tokens
-                        )
-        required = 0
-        empty: tuple[KVCacheBlock, ...] = ()
-        # Per group, what the allocation step does: a count of blocks to take
-        # (simple kinds), 0 for nothing (align-mode Mamba with a long-enough
-        # table), or None to call the manager's own allocate_new_blocks.
-        plan: list[int | None] = []
-        for kind, manager in self._group_plan:
-            if kind == 0 and request_id in manager.num_cached_block:
-                blocks = manager.req_to_blocks.get(request_id)
-                n = -(num_tokens_need_slot // -manager.block_size) - (
-                    len(blocks) if blocks is not None else 0
-                )
-                if n > 0:
-                    required += n
-                plan.append(n if n > 0 else 0)
-            elif (
-                kind == 1
-                and request_id in manager._allocated_block_reqs  # type: ignore[attr-defined]
-                and request_id in manager.req_to_blocks
-            ):
-                # A running align request counts its (possibly negative) shortfall,
-                # as vLLM's formula does, or the one new state block it takes.
-                n = (
-                    -(num_tokens_main_model // -manager.block_size)
-                    + manager.num_speculative_blocks  # type: ignore[attr-defined]
-                    - len(manager.req_to_blocks[request_id])
-                )
-                if n <= 0:
-                    required += n
-                    plan.append(0)
-                else:
-                    required += 1
-                    plan.append(None)
-            else:
-                required += manager.get_num_blocks_to_allocate(
-                    request_id,
-                    num_tokens_need_slot,
-                    empty,
-                    num_computed_tokens,
-                    num_tokens_main_model,
-                    False,
-                )
-                plan.append(-1 if kind == 0 else None)
-        if has_scheduled_reqs and self.watermark_blocks and request.status in _WATERMARKED:
-            required += self.watermark_blocks
-        pool = self.block_pool
-        if required > pool.free_block_queue.num_free_blocks - reserved_blocks:
-            return None
-        new_blocks_by_group: list[list[KVCacheBlock]] = []
-        any_new = False
-        for (kind, manager), count in zip(self._group_plan, plan, strict=True):
-            if count is None:
-                new_blocks = manager.allocate_new_blocks(
-                    request_id, num_tokens_need_slot, num_tokens_main_model
-                )
-                any_new = any_new or bool(new_blocks)
-            elif kind == 0:
-                req_blocks = manager.req_to_blocks[request_id]
-                if count < 0:  # not tracked before this call: count against the table now
-                    count = -(num_tokens_need_slot // -manager.block_size) - len(req_blocks)
-                if count > 0:
-                    new_blocks = pool.get_new_blocks(count)
-                    req_blocks.extend(new_blocks)
-                    if manager._tracks_new_block_ids:
-                        manager.new_block_ids.extend([b.block_id for b in new_blocks])
-                    any_new = True
-                else:
-                    new_blocks = []
-            else:
-                new_blocks = []
-            new_blocks_by_group.append(new_blocks)
-        if self.enable_caching and not delay_cache_blocks:
-            num_tokens_to_cache = request.num_tokens
-            if num_tokens_main_model < num_tokens_to_cache:
-                num_tokens_to_cache = num_tokens_main_model
-            if self._aligned_caching:
-                step = coordinator.scheduler_block_size
-                aligned = num_tokens_to_cache // step * step
-                for manager in managers:
-                    n = aligned
-                    if manager.use_eagle and aligned > 0:
-                        n = min(num_tokens_to_cache, aligned + manager.block_size)
-                    # Same early exit as cache_blocks, without the call.
-                    if n // manager.block_size > manager.num_cached_block.get(request_id, 0):
-                        manager.cache_blocks(request, n, coordinator.retention_interval)
-            else:
-                for manager in managers:
-                    if num_tokens_to_cache // manager.block_size > manager.num_cached_block.get(
-                        request_id, 0
-                    ):
-                        manager.cache_blocks(
-                            request, num_tokens_to_cache, coordinator.retention_interval
-                        )
-        if any_new:
-            return KVCacheBlocks(tuple(new_blocks_by_group))
-        return self.empty_kv_cache_blocks
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (tails are evicted first).

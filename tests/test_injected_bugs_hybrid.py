@@ -6,9 +6,7 @@ kvcache method with a small buggy version written here, replays the machine's
 directed programs and runs it on a fixed budget (``tests/injected_harness.py``),
 and expects a failure; the control runs the same unpatched and must pass. Each
 bug here fails one of the directed programs (a situation the budget reaches
-only by luck, if at all), whatever the budget draws. The patched methods are
-ones kvcache's inlined fast paths (``_allocate_running_full``/
-``_allocate_running_any``) also call, so the bugs are live on every path.
+only by luck, if at all), whatever the budget draws.
 Nothing in kvcache/ or spec/ is edited.
 """
 

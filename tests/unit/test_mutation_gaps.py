@@ -648,7 +648,7 @@ def test_find_longest_cache_hit_per_group_drops_the_eagle_block() -> None:
     assert lengths[0] == 12
 
 
-def test_fast_path_caps_lookahead_at_max_model_len() -> None:
+def test_running_request_caps_lookahead_at_max_model_len() -> None:
     m = make_manager(max_model_len=16, num_blocks=16)
     r = make_request("a", list(range(12)))
     admit(m, r)
@@ -656,9 +656,9 @@ def test_fast_path_caps_lookahead_at_max_model_len() -> None:
     assert new is not None and len(new.get_block_ids()[0]) == 1  # 16 tokens: 4 blocks
 
 
-def test_fast_path_refuses_when_reserved_blocks_exceed_the_free_ones() -> None:
+def test_running_request_refused_when_reserved_blocks_exceed_the_free_ones() -> None:
     """A running request that needs no new block is still refused when the blocks
-    reserved for others exceed the free ones (as on the general path)."""
+    reserved for others exceed the free ones."""
     m = make_manager(num_blocks=8, max_model_len=64)
     r = make_request("a", list(range(8)))
     admit(m, r)
