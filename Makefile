@@ -12,6 +12,12 @@ FUZZ_VENV := .venv-fuzz
 FUZZ_STAMP := $(FUZZ_VENV)/.stamp-fuzz
 BENCH_STAMP := $(VENV)/.stamp-bench
 MUTATION_STAMP := $(VENV)/.stamp-mutation
+# The mypyc-compiled core (setup.py, kvcache/_builds.py): rebuilt when a core source changes.
+CORE_SOURCES := $(filter-out kvcache/__init__.py kvcache/__main__.py kvcache/_builds.py,\
+	$(wildcard kvcache/*.py))
+COMPILED_STAMP := kvcache/_compiled.sha256
+# The compiled pass of `make verify`: the same test files, fewer Hypothesis examples.
+COMPILED_TESTS := tests/stateful tests/conformance tests/reliability
 
 LINT_PATHS := spec kvcache tests proofs kernels scripts
 TYPED_PATHS := spec kvcache kernels proofs
@@ -30,13 +36,18 @@ FUZZ_SECONDS ?=
 FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(FUZZ_HOST) \
 	FUZZ_PORT=$(FUZZ_PORT) FUZZ_SECONDS=$(FUZZ_SECONDS)
 
-.PHONY: setup reference lint typecheck test conformance verify proofs traces fuzz fuzz-worker \
+.PHONY: setup compiled reference lint typecheck test conformance verify proofs traces fuzz fuzz-worker \
 	fuzz-dashboard test-kernels bench-kernels bench mutation clean distclean
 
-setup: $(DEV_STAMP)
+setup: $(DEV_STAMP) $(COMPILED_STAMP)
 
 $(DEV_STAMP): pyproject.toml
 	@bash scripts/bootstrap.sh dev $@
+
+compiled: $(COMPILED_STAMP)
+
+$(COMPILED_STAMP): $(CORE_SOURCES) setup.py | $(DEV_STAMP)
+	@bash scripts/bootstrap.sh compiled $@
 
 reference: $(REF_STAMP)
 
@@ -59,16 +70,20 @@ typecheck: $(DEV_STAMP)
 	$(VENV)/bin/mypy --strict $(TYPED_PATHS)
 
 test: $(REF_STAMP)
-	$(PY) -m pytest -q
+	KVCACHE_PURE=1 $(PY) -m pytest -q
 
 conformance: $(REF_STAMP)
-	$(PY) -m pytest -q -m conformance tests/conformance
+	KVCACHE_PURE=1 $(PY) -m pytest -q -m conformance tests/conformance
 
-verify: $(REF_STAMP)
+# Tests run twice (README, "Two builds"): everything on the pure-Python sources, then
+# the stateful machines, conformance and reliability on the compiled build.
+verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py lint -- $(VENV)/bin/ruff check $(LINT_PATHS)
 	@$(PY) scripts/stage.py typecheck -- $(VENV)/bin/mypy --strict $(TYPED_PATHS)
-	@$(PY) scripts/stage.py tests -- $(PY) -m pytest -q -p no:cacheprovider
-	@$(PY) scripts/stage.py proofs -- $(PY) -m proofs.run
+	@$(PY) scripts/stage.py tests -- env KVCACHE_PURE=1 $(PY) -m pytest -q -p no:cacheprovider
+	@$(PY) scripts/stage.py tests-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
+		HYPOTHESIS_PROFILE=compiled $(PY) -m pytest -q -p no:cacheprovider $(COMPILED_TESTS)
+	@$(PY) scripts/stage.py proofs -- env KVCACHE_PURE=1 $(PY) -m proofs.run
 
 traces: $(REF_STAMP)
 	$(PY) scripts/record_vllm_traces.py
@@ -87,7 +102,7 @@ fuzz-dashboard: $(FUZZ_STAMP)
 # CrossHair contracts and diffbehavior pairs, plus the bounded exhaustive kvcache-vs-spec
 # search (proofs/manifest.py), in at most 330 s on 2 cores: a counterexample fails, a timeout does not.
 proofs: $(DEV_STAMP)
-	$(PY) -m proofs.run
+	KVCACHE_PURE=1 $(PY) -m proofs.run
 
 # Kernel tests in the Triton interpreter on CPU (also part of `make test`).
 test-kernels: $(REF_STAMP)
@@ -97,8 +112,9 @@ test-kernels: $(REF_STAMP)
 bench-kernels: $(REF_STAMP)
 	TRITON_INTERPRET=0 $(PY) -m kernels.bench
 
-# kvcache vs vLLM 0.25.1 vs spec on the same workloads (ratios, per-method us, scaling).
-bench: $(BENCH_STAMP)
+# kvcache (compiled and pure) vs vLLM 0.25.1 vs spec on the same workloads (ratios,
+# per-method us, scaling).
+bench: $(BENCH_STAMP) $(COMPILED_STAMP)
 	$(PY) -m kvcache bench --scaling --json build/bench.json --plot build/bench.png
 
 # mutmut over kvcache/*.py (not the kit) with the quick test selection of [tool.mutmut]
@@ -108,10 +124,11 @@ bench: $(BENCH_STAMP)
 MUTATION_WORKERS ?= 2
 MUTANTS ?=
 mutation: $(MUTATION_STAMP)
-	@$(PY) scripts/mutation.py run --workers $(MUTATION_WORKERS) $(MUTANTS)
+	@KVCACHE_PURE=1 $(PY) scripts/mutation.py run --workers $(MUTATION_WORKERS) $(MUTANTS)
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache .ruff_cache .hypothesis mutants
+	rm -f kvcache/*.so $(COMPILED_STAMP)
 	find . -name __pycache__ -type d -prune -not -path './$(VENV)/*' -exec rm -rf {} +
 
 distclean: clean

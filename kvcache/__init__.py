@@ -2,8 +2,17 @@
 
 The public names match vLLM's (``vllm.v1.core``), so code written against
 vLLM's ``KVCacheManager`` runs against this package unchanged.
+
+The core modules may be compiled with mypyc; ``COMPILED`` says whether the
+compiled build is loaded, and ``KVCACHE_PURE=1`` selects the pure-Python
+sources (``kvcache/_builds.py``).
 """
 
+from kvcache import _builds
+
+_builds.select_build()
+
+from kvcache import kv_cache_manager as _kv_cache_manager
 from kvcache.block_pool import BlockHashToBlockMap, BlockPool
 from kvcache.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
@@ -74,7 +83,11 @@ from kvcache.single_type_kv_cache_manager import (
 
 __version__ = "0.1.0"
 
+COMPILED: bool = _builds.is_compiled(_kv_cache_manager)
+"""Whether the mypyc-compiled core is loaded (False: the pure-Python sources)."""
+
 __all__ = [
+    "COMPILED",
     "MEDIUM_GPU",
     "AllBlocksCleared",
     "AttentionSpec",

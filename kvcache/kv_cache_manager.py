@@ -58,7 +58,13 @@ def enable_self_check(manager: KVCacheManager) -> None:
                 except AssertionError as exc:
                     raise AssertionError(f"invariant broken after {name}(): {exc}") from exc
 
-        setattr(owner, name, checked)
+        try:
+            setattr(owner, name, checked)
+        except AttributeError as exc:  # a compiled (mypyc) instance has fixed methods
+            raise RuntimeError(
+                "enable_self_check needs the pure-Python build: set KVCACHE_PURE=1 (or "
+                f"{SELF_CHECK_ENV}=1) before importing kvcache"
+            ) from exc
 
     for name in _CHECKED_METHODS:
         wrap(manager, name)

@@ -91,7 +91,7 @@ class Request:
 
     def __init__(
         self,
-        request_id: str,
+        request_id: object,  # checked below (object: the compiled build would raise first)
         prompt_token_ids: list[int] | None,
         sampling_params: Any = None,
         pooling_params: Any = None,

@@ -449,8 +449,29 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     passed them, and a hit needs only the blocks covering the window before the
     hit's end (found by a right-to-left scan)."""
 
-    def __init__(self, kv_cache_spec: SlidingWindowSpec, **kwargs: object) -> None:
-        super().__init__(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        kv_cache_spec: SlidingWindowSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        # NOTE: explicit arguments, not **kwargs: mypyc-compiled code forwarding
+        # **kwargs to super().__init__ passes them wrongly.
+        super().__init__(
+            kv_cache_spec,
+            block_pool,
+            enable_caching,
+            kv_cache_group_id,
+            scheduler_block_size,
+            dcp_world_size,
+            pcp_world_size,
+            max_admission_blocks_per_request,
+        )
         self.sliding_window = kv_cache_spec.sliding_window
 
     @classmethod
@@ -532,8 +553,29 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     before the current one are null blocks, and a hit only needs the cached
     blocks of the chunk it ends in."""
 
-    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, **kwargs: object) -> None:
-        super().__init__(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        kv_cache_spec: ChunkedLocalAttentionSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        # NOTE: explicit arguments, not **kwargs: mypyc-compiled code forwarding
+        # **kwargs to super().__init__ passes them wrongly.
+        super().__init__(
+            kv_cache_spec,
+            block_pool,
+            enable_caching,
+            kv_cache_group_id,
+            scheduler_block_size,
+            dcp_world_size,
+            pcp_world_size,
+            max_admission_blocks_per_request,
+        )
         self.attention_chunk_size = kv_cache_spec.attention_chunk_size
 
     @classmethod
@@ -586,8 +628,29 @@ class MambaManager(SingleTypeKVCacheManager):
     ``new_step_starts`` (its KV is written by this step's forward pass).
     """
 
-    def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs: object) -> None:
-        super().__init__(kv_cache_spec, block_pool, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        kv_cache_spec: MambaSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        # NOTE: explicit arguments, not **kwargs: mypyc-compiled code forwarding
+        # **kwargs to super().__init__ passes them wrongly.
+        super().__init__(
+            kv_cache_spec,
+            block_pool,
+            enable_caching,
+            kv_cache_group_id,
+            scheduler_block_size,
+            dcp_world_size,
+            pcp_world_size,
+            max_admission_blocks_per_request,
+        )
         self.cached_blocks_this_step: set[BlockHash] = set()
         self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
         self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks

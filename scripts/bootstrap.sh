@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Usage: scripts/bootstrap.sh dev|reference|fuzz|bench|mutation STAMP
+# Usage: scripts/bootstrap.sh dev|compiled|reference|fuzz|bench|mutation STAMP
 #
 # Installs one layer of the test environment into .venv, quietly: the
 # installers' output goes to build/setup.log and one summary line is printed
 # (on failure: the log's tail and the step that failed). Touches STAMP on
 # success, so make runs each layer once.
 #   dev        python3 -m venv .venv; pip install -e '.[dev]'
+#   compiled   the mypyc build of kvcache's core, in place (setup.py build_ext
+#              --inplace); writes STAMP, kvcache/_compiled.sha256, itself
 #   reference  CPU torch and triton (the kernels extra), vLLM 0.25.1 without its
 #              GPU dependencies, plus the few packages `import vllm.v1.core` needs
 #   fuzz       a venv of its own, .venv-fuzz, with pip install -e '.[fuzz]' (HypoFuzz
@@ -14,8 +16,8 @@
 #   mutation   pip install -e '.[mutation]' (mutmut, for `make mutation`)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-layer=${1:?usage: bootstrap.sh dev|reference|fuzz|bench|mutation STAMP}
-stamp=${2:?usage: bootstrap.sh dev|reference|fuzz|bench|mutation STAMP}
+layer=${1:?usage: bootstrap.sh dev|compiled|reference|fuzz|bench|mutation STAMP}
+stamp=${2:?usage: bootstrap.sh dev|compiled|reference|fuzz|bench|mutation STAMP}
 log=build/setup.log
 venv=.venv
 mkdir -p build
@@ -44,6 +46,15 @@ dev)
     step "dev tools" pip_install -e '.[dev]'
     summary="ruff, mypy, pytest, hypothesis, crosshair in .venv"
     ;;
+compiled)
+    step "mypyc build of kvcache's core" "$venv/bin/python" setup.py build_ext --inplace
+    if [[ ! -f $stamp ]]; then
+        tail -n 40 "$log"
+        echo "compiled: FAILED, no compiled modules were built (a C compiler is needed; log: $log)"
+        exit 1
+    fi
+    summary="mypyc-compiled kvcache core in kvcache/*.so"
+    ;;
 reference)
     step "CPU torch" pip_install torch==2.13.0
     step "triton (kernels extra)" pip_install -e '.[kernels]'
@@ -69,7 +80,7 @@ mutation)
     summary="mutmut in .venv"
     ;;
 *)
-    echo "unknown layer $layer (dev, reference, fuzz, bench or mutation)"
+    echo "unknown layer $layer (dev, compiled, reference, fuzz, bench or mutation)"
     exit 2
     ;;
 esac

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run one ``make verify`` stage quietly and print ONE summary line.
 
-Usage: ``scripts/stage.py lint|typecheck|tests|proofs -- COMMAND...``
+Usage: ``scripts/stage.py lint|typecheck|tests|tests-compiled|proofs -- COMMAND...``
 
 The command's full output goes to ``build/<stage>.log``; on failure its tail is
 printed above the summary line. The exit status is the command's (pytest's
@@ -33,14 +33,14 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
         errors = re.search(r"Found (\d+) errors? in (\d+) files?", output)
         detail = f"{errors.group(1)} errors in {errors.group(2)} files" if errors else f"rc={rc}"
         return f"typecheck: FAILED ({detail})"
-    if stage == "tests":
+    if stage in ("tests", "tests-compiled"):
         counts = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
         closing = r"\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s"
         final = [line for line in output.splitlines() if re.search(closing, line)]
         if final:
             for number, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", final[-1]):
                 counts["errors" if word.startswith("error") else word] = int(number)
-        line = f"tests: {counts['passed']} passed, {counts['failed']} failed"
+        line = f"{stage}: {counts['passed']} passed, {counts['failed']} failed"
         if counts["errors"]:
             line += f", {counts['errors']} errors"
         if counts["skipped"]:

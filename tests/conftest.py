@@ -8,6 +8,8 @@ Hypothesis profiles (pick one with ``HYPOTHESIS_PROFILE``; ``make`` uses ``ci``)
 * ``nightly`` — long fuzzing runs;
 * ``mutation`` — ``make mutation`` (mutmut, ``docs/mutation.md``): few examples,
   derandomized, no example database, so every mutant meets the same inputs;
+* ``compiled`` — the second pass of ``make verify`` over the compiled build
+  (``KVCACHE_EXPECT_COMPILED=1``): fewer examples, derandomized;
 * ``fuzz``    — ``make fuzz`` (HypoFuzz): the example database is
   ``$KVCACHE_FUZZ_DB``, a directory (default ``.hypothesis/fuzz-db``; put it
   on a shared mount for several machines) or ``redis://HOST:PORT/DB`` (needs
@@ -40,6 +42,14 @@ settings.register_profile(
     derandomize=True,
     database=None,
     phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "compiled",
+    max_examples=50,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile(
@@ -151,3 +161,100 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     module = sys.modules.get("conformance.test_conformance")
     if module is not None and module.STATS.sequences:
         terminalreporter.write_line(module.STATS.summary())
+
+
+# ---------------------------------------------------------------- two builds
+
+EXPECT_COMPILED_ENV = "KVCACHE_EXPECT_COMPILED"
+
+
+def pytest_configure(config: Any) -> None:
+    """Under ``KVCACHE_EXPECT_COMPILED=1`` (``make verify``'s compiled pass), stop at
+    once unless the compiled build is the one imported (missing or stale build)."""
+    if os.environ.get(EXPECT_COMPILED_ENV, "0") in ("", "0"):
+        return
+    import kvcache
+
+    if not kvcache.COMPILED:
+        pytest.exit(
+            f"{EXPECT_COMPILED_ENV}=1 but kvcache imported its pure-Python sources "
+            "(no compiled build, a stale one, or KVCACHE_PURE set): run `make setup`",
+            returncode=3,
+        )
+
+
+class CheckedMonkeyPatch(pytest.MonkeyPatch):
+    """``monkeypatch`` that knows when it patches a kvcache class.
+
+    Compiled (mypyc) code calls its methods directly, so a patch of a kvcache
+    class changes nothing there: such a test skips on the compiled build (it
+    runs on the pure one, saying so). On the pure build every patched kvcache
+    method must run at least once before the test ends; a planted bug or fault
+    injector the code never reached fails the test instead of passing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kvcache_patches: list[tuple[str, list[int]]] = []
+
+    def setattr(self, target: Any, name: Any, value: Any = None, raising: bool = True) -> None:
+        """As ``MonkeyPatch.setattr``; kvcache class methods are counted (see the class)."""
+        if isinstance(target, ModuleType):
+            owner_module = target.__name__
+        elif isinstance(target, type):
+            owner_module = target.__module__
+        else:
+            owner_module = ""
+        if owner_module.split(".")[0] == "kvcache" and not owner_module.startswith("kvcache.kit"):
+            import kvcache
+
+            if kvcache.COMPILED:
+                pytest.skip(
+                    f"patches {target.__name__}.{name}: compiled code ignores such "
+                    "patches, so this test runs on the pure-Python build only"
+                )
+            value = self._counted(f"{target.__name__}.{name}", value)
+        super().setattr(target, name, value, raising=raising)
+
+    def _counted(self, label: str, value: Any) -> Any:
+        calls = [0]
+        self.kvcache_patches.append((label, calls))
+        if isinstance(value, (classmethod, staticmethod)):
+            return type(value)(self._counted_function(value.__func__, calls))
+        if callable(value):
+            return self._counted_function(value, calls)
+        calls[0] = 1  # a plain value: nothing to reach
+        return value
+
+    @staticmethod
+    def _counted_function(fn: Any, calls: list[int]) -> Any:
+        import functools
+
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def unreached(self) -> list[str]:
+        """Patched kvcache methods that never ran."""
+        return [label for label, calls in self.kvcache_patches if calls[0] == 0]
+
+
+@pytest.fixture
+def monkeypatch() -> Any:
+    """pytest's ``monkeypatch``, checked for patches that never took effect
+    (``CheckedMonkeyPatch``)."""
+    patch = CheckedMonkeyPatch()
+    try:
+        yield patch
+        unreached = patch.unreached()
+    finally:
+        patch.undo()
+    if unreached:
+        pytest.fail(
+            f"patched kvcache method(s) never ran: {', '.join(unreached)}: the test "
+            "exercised nothing it planted",
+            pytrace=False,
+        )

@@ -4,7 +4,9 @@ Every workload runs on every implementation in one process, in alternating
 order over several repetitions. The result digests must be equal (same block
 ids, hits and failures); only then are timings reported: manager seconds per
 implementation (median, min–max), microseconds per call for each method, and
-the ratio ``other / kvcache`` per repetition (median, min–max).
+the ratio ``other / kvcache`` per repetition (median, min–max), for each
+kvcache build (``kvcache`` is the build imported, ``kvcache-pure`` the
+pure-Python sources beside a compiled one), and the spec's steps per second.
 """
 
 from __future__ import annotations
@@ -110,11 +112,16 @@ def format_workload(result: WorkloadResult) -> str:
             per_call = statistics.median(timing.method_seconds.get(m, [0.0])) / calls * 1e6
             row += f"{per_call:>26.2f}"
         lines.append(row)
-    for impl in result.timings:
-        if impl == "kvcache" or "kvcache" not in result.timings:
-            continue
-        med, lo, hi = _median_min_max(result.ratios(impl))
-        lines.append(f"ratio {impl}/kvcache: {med:.2f} (min {lo:.2f}, max {hi:.2f})")
+    bases = [b for b in ("kvcache", "kvcache-pure") if b in result.timings]
+    for base in bases:
+        for impl in result.timings:
+            if impl in bases:
+                continue
+            med, lo, hi = _median_min_max(result.ratios(impl, base))
+            lines.append(f"ratio {impl}/{base}: {med:.2f} (min {lo:.2f}, max {hi:.2f})")
+    if "spec" in result.timings:
+        med = statistics.median(result.timings["spec"].manager_seconds)
+        lines.append(f"spec: {result.steps / med:.0f} scheduler steps per second of manager time")
     return "\n".join(lines)
 
 
@@ -259,13 +266,19 @@ def plot(results: list[WorkloadResult], scaling_data: dict[str, Any] | None, pat
 
 
 def default_impls() -> tuple[list[str], str]:
-    """kvcache and spec, plus vllm when importable; and a note when it is not."""
+    """kvcache (both builds when the compiled one is loaded) and spec, plus vllm
+    when importable; and a note saying which builds these are."""
+    import kvcache
+
+    ours = ["kvcache", "kvcache-pure"] if kvcache.COMPILED else ["kvcache"]
+    build = (
+        "kvcache = the compiled build, kvcache-pure = the pure-Python sources"
+        if kvcache.COMPILED
+        else "note: kvcache is the pure-Python build (no current compiled build loaded)"
+    )
     if vllm_available():
-        return ["kvcache", "vllm", "spec"], ""
-    return [
-        "kvcache",
-        "spec",
-    ], "note: vLLM 0.25.1 is not installed; comparing kvcache and spec only"
+        return [*ours, "vllm", "spec"], build
+    return [*ours, "spec"], f"{build}; note: vLLM 0.25.1 is not installed"
 
 
 def results_json(results: list[WorkloadResult], scaling_data: dict[str, Any] | None) -> str:

@@ -392,6 +392,17 @@ def resolve_adapter(name: str) -> Adapter:
         import kvcache
 
         return Adapter("kvcache", kvcache.KVCacheManager, _package_version())
+    if name == "kvcache-pure":
+        # The pure-Python build beside whichever build `import kvcache` loaded
+        # (kvcache._builds.import_pure_copy): for timing both in one process.
+        from kvcache import _builds
+
+        pure = _builds.pure_copy()
+        adapter = Adapter("kvcache-pure", pure["kv_cache_manager"].KVCacheManager)
+        adapter.kv_cache_interface = pure["kv_cache_interface"]
+        adapter.request_module = pure["request"]
+        adapter.kv_cache_utils = pure["kv_cache_utils"]
+        return adapter
     if name == "spec":
         import spec
 

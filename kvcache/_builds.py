@@ -1,0 +1,172 @@
+"""Which build of kvcache's core is imported: compiled (mypyc) or pure Python.
+
+The core modules (``CORE_MODULES``) may exist twice side by side: the ``.py``
+source, the readable and patchable truth, and a mypyc-compiled extension of it
+(``setup.py``; ``make setup`` builds it in place). Python's own import system
+prefers an extension over a source of the same name, so choosing the source
+needs a hook: ``select_build`` (run by ``kvcache/__init__`` before anything
+else is imported) puts ``PureSourceFinder`` first on ``sys.meta_path`` when
+
+- ``KVCACHE_PURE=1`` asks for the sources (``KVCACHE_SELF_CHECK=1`` too), or
+- the compiled modules are stale: the sources no longer match the digest the
+  build recorded in ``_compiled.sha256`` (a warning says so; rebuild with
+  ``make setup``).
+
+Otherwise the compiled modules load as usual. One process holds one build
+(``kvcache.COMPILED`` says which), except for ``import_pure_copy``, which the
+benchmark uses to time both builds in one process.
+
+This module is never compiled itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+CORE_MODULES = (
+    "kv_cache_math",
+    "kv_events",
+    "metrics",
+    "kv_cache_utils",
+    "request",
+    "kv_cache_interface",
+    "block_pool",
+    "single_type_kv_cache_manager",
+    "kv_cache_coordinator",
+    "kv_cache_manager",
+)
+"""The modules mypyc compiles (``kvcache/<name>.py``), dependencies first."""
+
+PURE_ENV = "KVCACHE_PURE"
+"""Set to 1 to import the pure-Python sources even where a compiled build exists."""
+
+SELF_CHECK_ENV = "KVCACHE_SELF_CHECK"
+"""Also selects the sources: the self-check mode patches methods on instances,
+which compiled instances do not allow (``kvcache.kv_cache_manager``)."""
+
+DIGEST_FILE = "_compiled.sha256"
+"""Written by the build next to the sources: the digest they were compiled from."""
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def source_digest(package_dir: Path = PACKAGE_DIR) -> str:
+    """SHA-256 over the core modules' names and source bytes."""
+    digest = hashlib.sha256()
+    for name in CORE_MODULES:
+        digest.update(name.encode() + b"\0")
+        digest.update((package_dir / f"{name}.py").read_bytes())
+    return digest.hexdigest()
+
+
+def has_compiled_modules(package_dir: Path = PACKAGE_DIR) -> bool:
+    """Whether an extension module of every core module sits next to the sources."""
+    suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    return all(
+        any((package_dir / f"{name}{suffix}").is_file() for suffix in suffixes)
+        for name in CORE_MODULES
+    )
+
+
+def compiled_is_current(package_dir: Path = PACKAGE_DIR) -> bool:
+    """Whether the compiled modules were built from the sources as they are now."""
+    try:
+        recorded = (package_dir / DIGEST_FILE).read_text().strip()
+    except OSError:
+        return False
+    return recorded == source_digest(package_dir)
+
+
+class PureSourceFinder(importlib.abc.MetaPathFinder):
+    """Meta-path finder loading ``kvcache.<core module>`` from its ``.py`` source."""
+
+    def __init__(self, package_dir: Path = PACKAGE_DIR) -> None:
+        self.package_dir = package_dir
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        """A source spec for the core modules; None (look elsewhere) for the rest."""
+        package, _, name = fullname.rpartition(".")
+        if package != "kvcache" or name not in CORE_MODULES:
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, self.package_dir / f"{name}.py"
+        )
+
+
+def _use_sources() -> None:
+    if not any(isinstance(f, PureSourceFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, PureSourceFinder())
+
+
+def select_build() -> None:
+    """Arrange for the core modules to load from the build chosen (module docstring)."""
+    if any(os.environ.get(env, "0") not in ("", "0") for env in (PURE_ENV, SELF_CHECK_ENV)):
+        _use_sources()
+    elif has_compiled_modules() and not compiled_is_current():
+        warnings.warn(
+            "kvcache: the compiled build is stale (kvcache/*.py changed since it was "
+            "built); importing the pure-Python sources. Rebuild with `make setup`.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        _use_sources()
+
+
+def is_compiled(module: ModuleType) -> bool:
+    """Whether ``module`` was loaded from a compiled extension."""
+    spec = module.__spec__
+    return spec is not None and isinstance(spec.loader, importlib.machinery.ExtensionFileLoader)
+
+
+def import_pure_copy() -> dict[str, ModuleType]:
+    """Import a second, pure-Python copy of the core modules; return them by name.
+
+    The copy is built under the usual names, then the modules already imported
+    (compiled or not) are put back, so the rest of the process keeps its build
+    and the copy's classes refer only to each other. For timing both builds in
+    one process (``kvcache.kit.bench``); nothing else should need it.
+    """
+    package = sys.modules["kvcache"]
+    names = [f"kvcache.{name}" for name in CORE_MODULES]
+    saved_modules = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    saved_attrs = {
+        name: package.__dict__.pop(name) for name in CORE_MODULES if name in package.__dict__
+    }
+    finder = PureSourceFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        copy = {name: importlib.import_module(f"kvcache.{name}") for name in CORE_MODULES}
+    finally:
+        sys.meta_path.remove(finder)
+        for name in names:
+            sys.modules.pop(name, None)
+        for name in CORE_MODULES:
+            package.__dict__.pop(name, None)
+        sys.modules.update(saved_modules)
+        package.__dict__.update(saved_attrs)
+    return copy
+
+
+_pure_copy: dict[str, ModuleType] | None = None
+
+
+def pure_copy() -> dict[str, ModuleType]:
+    """``import_pure_copy()``, made once per process."""
+    global _pure_copy
+    if _pure_copy is None:
+        _pure_copy = import_pure_copy()
+    return _pure_copy
