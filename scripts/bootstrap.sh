@@ -43,7 +43,7 @@ case $layer in
 dev)
     step "create .venv" python3 -m venv "$venv"
     step "dev tools" pip_install -e '.[dev]'
-    summary="ruff, mypy, pytest, hypothesis, crosshair in .venv"
+    summary="ruff, mypy, pytest, hypothesis, crosshair, matplotlib in .venv"
     ;;
 reference)
     step "CPU torch" pip_install torch==2.13.0
