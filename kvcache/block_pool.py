@@ -4,7 +4,7 @@ Behaviour matches vLLM 0.25.1's ``BlockPool`` (see the class docstring for the
 eviction order); the data structures differ: the prefix-cache map is split per
 KV-cache group and keyed by the raw ``BlockHash``, so lookups never build
 ``hash + group id`` keys. The free queue is a linked list threaded through
-the blocks, as in vLLM, with its hot operations (touch, release) inlined here.
+the blocks, as in vLLM (``FreeKVCacheBlockQueue``).
 """
 
 from __future__ import annotations
@@ -444,17 +444,11 @@ class BlockPool:
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add one reference to each block (a prefix hit), taking free ones out of
         the free queue. As in vLLM, the null block's count moves too."""
-        taken = 0
+        queue = self.free_block_queue
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
-                # Unlink from the free queue (inlined FreeKVCacheBlockQueue.remove).
-                prev, nxt = block.prev_free_block, block.next_free_block
-                prev.next_free_block = nxt  # type: ignore[union-attr]
-                nxt.prev_free_block = prev  # type: ignore[union-attr]
-                block.prev_free_block = block.next_free_block = None
-                taken += 1
+                queue.remove(block)
             block.ref_cnt += 1
-        self.free_block_queue.num_free_blocks -= taken
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in eviction-priority order.
@@ -490,25 +484,17 @@ class BlockPool:
         """``free_blocks`` without the argument checks, for the managers' own
         (always valid) releases on the hot path."""
         unhashed = []
-        queue = self.free_block_queue
-        tail = queue.fake_free_list_tail
-        last = tail.prev_free_block
-        appended = 0
+        hashed = []
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:
                 if block._hash is None:
                     unhashed.append(block)
                 else:
-                    # Link at the back (inlined FreeKVCacheBlockQueue.append_n).
-                    last.next_free_block = block  # type: ignore[union-attr]
-                    block.prev_free_block = last
-                    last = block
-                    appended += 1
-        if appended:
-            last.next_free_block = tail  # type: ignore[union-attr]
-            tail.prev_free_block = last
-            queue.num_free_blocks += appended
+                    hashed.append(block)
+        queue = self.free_block_queue
+        if hashed:
+            queue.append_n(hashed)
         if unhashed:
             queue.prepend_n(unhashed)
 
