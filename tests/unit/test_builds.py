@@ -86,8 +86,9 @@ def test_both_builds_give_identical_bench_results() -> None:
 def test_a_kvcache_patch_that_never_runs_is_reported() -> None:
     """The ``monkeypatch`` fixture's check (``tests/conftest.py``): a planted bug
     the code never reached is named, one that ran is not."""
-    import kvcache
     from conftest import CheckedMonkeyPatch
+
+    import kvcache
 
     patch = CheckedMonkeyPatch()
     try:
