@@ -373,7 +373,7 @@ def is_spec_kind(kv_cache_spec: object, *class_names: str) -> bool:
     This is ``isinstance`` across both families, so a config vLLM's engine built
     drives kvcache's managers unchanged.
     """
-    names = spec_class_names(kv_cache_spec)
+    names = _SPEC_CLASS_NAMES.get(type(kv_cache_spec)) or spec_class_names(kv_cache_spec)
     return any(name in names for name in class_names)
 
 

@@ -161,6 +161,25 @@ def test_subclasses_of_both_families_are_recognised() -> None:
         get_manager_class_for_kv_cache_spec(Stranger(block_size=4))
 
 
+@needs_vllm
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8", "float8_e4m3fn"])
+def test_torch_dtypes_give_vllms_page_sizes(dtype: str) -> None:
+    """kvcache's specs take torch dtypes (or their names) and size pages as vLLM does."""
+    import torch
+    from vllm.v1 import kv_cache_interface as V
+
+    torch_dtype = getattr(torch, dtype)
+    attn: dict[str, Any] = dict(block_size=16, num_kv_heads=4, head_size=64)
+    for ours_dtype in (torch_dtype, dtype, str(torch_dtype)):
+        for kind in ("FullAttentionSpec", "CrossAttentionSpec"):
+            ours = getattr(K, kind)(**attn, dtype=ours_dtype)
+            theirs = getattr(V, kind)(**attn, dtype=torch_dtype)
+            assert ours.page_size_bytes == theirs.page_size_bytes
+        ours_swa = K.SlidingWindowSpec(**attn, dtype=ours_dtype, sliding_window=64)
+        theirs_swa = V.SlidingWindowSpec(**attn, dtype=torch_dtype, sliding_window=64)
+        assert ours_swa.page_size_bytes == theirs_swa.page_size_bytes
+
+
 # ---------------------------------------------------------------- lockstep with vLLM objects
 
 BLOCK = 4
