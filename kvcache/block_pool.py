@@ -563,6 +563,9 @@ class BlockPool:
                     )
         return removed
 
+    # vLLM's name for ``_evict`` (its own tests call it).
+    _maybe_evict_cached_block = _evict
+
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add one reference to each block (a prefix hit), taking free ones out of
         the free queue. As in vLLM, the null block's count moves too."""

@@ -798,6 +798,28 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         raise NotImplementedError("CrossAttentionManager does not support caching")
 
 
+class RSWAManager(FullAttentionManager):
+    """vLLM's manager for reference sliding-window attention (``RSWASpec``): the
+    name exists for vLLM's callers; the kind is not modelled yet (issue 14)."""
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, **kwargs: object) -> None:
+        raise NotImplementedError(
+            f"RSWAManager ({type(kv_cache_spec).__name__}) is not modelled by kvcache yet "
+            "(issue 14)"
+        )
+
+
+class SinkFullAttentionManager(FullAttentionManager):
+    """vLLM's manager for full attention with sink tokens (``SinkFullAttentionSpec``):
+    the name exists for vLLM's callers; the kind is not modelled yet (issue 14)."""
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, **kwargs: object) -> None:
+        raise NotImplementedError(
+            f"SinkFullAttentionManager ({type(kv_cache_spec).__name__}) is not modelled by "
+            "kvcache yet (issue 14)"
+        )
+
+
 _TRACKING_SPECS = frozenset(
     {"FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec", "HiddenStateCacheSpec"}
 )
@@ -866,3 +888,45 @@ def get_manager_for_kv_cache_spec(
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
         )
     return manager_cls(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
+
+
+# vLLM spec class -> (kvcache manager, the vLLM class its layers group with).
+_VLLM_REGISTRATIONS: tuple[tuple[str, type[SingleTypeKVCacheManager], str], ...] = (
+    ("FullAttentionSpec", FullAttentionManager, "FullAttentionSpec"),
+    ("SlidingWindowSpec", SlidingWindowManager, "SlidingWindowSpec"),
+    ("SlidingWindowMLASpec", SlidingWindowManager, "SlidingWindowMLASpec"),
+    ("MambaSpec", MambaManager, "MambaSpec"),
+    ("ChunkedLocalAttentionSpec", ChunkedLocalAttentionManager, "ChunkedLocalAttentionSpec"),
+    ("CrossAttentionSpec", CrossAttentionManager, "CrossAttentionSpec"),
+    ("TQFullAttentionSpec", FullAttentionManager, "FullAttentionSpec"),
+    ("MLAAttentionSpec", FullAttentionManager, "FullAttentionSpec"),
+    ("RSWASpec", RSWAManager, "FullAttentionSpec"),
+    ("HiddenStateCacheSpec", FullAttentionManager, "FullAttentionSpec"),
+    ("SinkFullAttentionSpec", SinkFullAttentionManager, "FullAttentionSpec"),
+)
+
+
+def register_all_kvcache_specs(vllm_config: object = None) -> None:
+    """vLLM's spec-registration hook, for callers that run it before building a
+    scheduler or grouping layers.
+
+    kvcache itself needs no registration (managers are found by spec class name).
+    When vLLM is installed, vLLM's ``KVCacheSpecRegistry`` gets vLLM's spec classes
+    with kvcache's managers and vLLM's grouping base classes, so vLLM's own
+    layer-grouping helpers (which consult that registry) work beside kvcache. A class
+    vLLM already registered keeps its registration. Without vLLM this does nothing.
+    """
+    try:
+        from vllm.v1 import kv_cache_interface as vllm_specs
+        from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+    except ImportError:
+        return
+    for spec_name, manager_cls, base_name in _VLLM_REGISTRATIONS:
+        spec_cls = getattr(vllm_specs, spec_name, None)
+        base_cls = getattr(vllm_specs, base_name, None)
+        if spec_cls is None or base_cls is None:
+            continue
+        try:
+            KVCacheSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=base_cls)
+        except AssertionError:
+            continue  # registered before with vLLM's own manager

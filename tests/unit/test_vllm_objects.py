@@ -180,6 +180,46 @@ def test_torch_dtypes_give_vllms_page_sizes(dtype: str) -> None:
         assert ours_swa.page_size_bytes == theirs_swa.page_size_bytes
 
 
+@needs_vllm
+def test_register_all_kvcache_specs_fills_vllms_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvcache's registration hook maps vLLM's spec classes to kvcache's managers with
+    vLLM's grouping bases (so vLLM's grouping helpers work), and keeps vLLM's own."""
+    from vllm.v1 import kv_cache_spec_registry as registry
+
+    from kvcache.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    monkeypatch.setattr(registry, "_REGISTRY_KVCACHESPEC_LIST", {})
+    register_all_kvcache_specs(None)
+    specs = _vllm_specs()
+    for name in VLLM_SPEC_IDS:
+        spec = specs[name]
+        entry = registry.KVCacheSpecRegistry.get_manager_class(spec)
+        if name.startswith(("EncoderOnly", "Uniform")):
+            assert entry is None  # vLLM registers no manager for these either
+            continue
+        assert entry is not None and entry.__module__ == "kvcache.single_type_kv_cache_manager"
+        base = registry.KVCacheSpecRegistry.get_uniform_type_base_spec(spec)
+        assert base is not None and base.__module__ == "vllm.v1.kv_cache_interface"
+        assert isinstance(spec, base)
+    mla, full = specs["MLAAttentionSpec"], specs["FullAttentionSpec"]
+    assert mla.is_uniform_with_collection({"a": mla, "b": full})
+    register_all_kvcache_specs(None)  # a second call changes nothing and does not fail
+
+
+@pytest.mark.parametrize(
+    "manager",
+    [
+        K.single_type_kv_cache_manager.RSWAManager,
+        K.single_type_kv_cache_manager.SinkFullAttentionManager,
+    ],
+)
+def test_unmodelled_managers_name_issue_14(manager: type) -> None:
+    """vLLM's RSWA and sink managers exist by name and refuse construction clearly."""
+    spec = K.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16")
+    with pytest.raises(NotImplementedError, match="issue 14"):
+        manager(spec)
+
+
 # ---------------------------------------------------------------- lockstep with vLLM objects
 
 BLOCK = 4
