@@ -48,14 +48,22 @@ STEPS = 300
 
 @pytest.fixture(scope="module")
 def cpu_platform() -> Iterator[None]:
-    """Pin vLLM's CPU platform (a CPU-only install may detect none) and keep the
-    Hugging Face hub offline, restoring both afterwards.
+    """Pin vLLM's CPU platform when vLLM detects none (a CPU-only install of the
+    reference) and keep the Hugging Face hub offline, restoring both afterwards.
 
     Modules that imported ``current_platform`` before this ran hold the old
     object, so every such module attribute is repointed too.
     """
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    resolved = platforms._current_platform
+    detected = (
+        not isinstance(resolved, UnspecifiedPlatform)
+        if resolved is not None
+        else not platforms.resolve_current_platform_cls_qualname().endswith("UnspecifiedPlatform")
+    )
 
     old_env = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -64,17 +72,19 @@ def cpu_platform() -> Iterator[None]:
     if hub_constants is not None:
         hub_constants.HF_HUB_OFFLINE = True  # type: ignore[attr-defined]
     old = platforms._current_platform
-    cpu = CpuPlatform()
-    platforms._current_platform = cpu
     repointed = []
-    for module in list(sys.modules.values()):
-        if old is not None and getattr(module, "current_platform", None) is old:
-            module.current_platform = cpu  # type: ignore[attr-defined]
-            repointed.append(module)
+    if not detected:
+        cpu = CpuPlatform()
+        platforms._current_platform = cpu
+        for module in list(sys.modules.values()):
+            if old is not None and getattr(module, "current_platform", None) is old:
+                module.current_platform = cpu  # type: ignore[attr-defined]
+                repointed.append(module)
     try:
         yield
     finally:
-        platforms._current_platform = old
+        if not detected:
+            platforms._current_platform = old
         for module in repointed:
             module.current_platform = old  # type: ignore[attr-defined]
         if hub_constants is not None:
