@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from mypy_extensions import mypyc_attr
+
 from kvcache.kv_cache_utils import (
     BlockHash,
     BlockHashList,
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
     from kvcache.request import Request
 
 
+# Two builtin bases: an ordinary (non-native) class in the compiled build.
+@mypyc_attr(native_class=False)
 class PartialBlockError(ValueError, AssertionError):
     """Bad arguments to ``BlockPool.cache_partial_block``.
 
@@ -563,8 +567,10 @@ class BlockPool:
                     )
         return removed
 
-    # vLLM's name for ``_evict`` (its own tests call it).
-    _maybe_evict_cached_block = _evict
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """vLLM's name for ``_evict`` (its own tests call it). A method, not a class
+        attribute alias: the compiled build does not support aliases."""
+        return self._evict(block)
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add one reference to each block (a prefix hit), taking free ones out of

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, cast
 
+from mypy_extensions import mypyc_attr
+
 from kvcache import kv_cache_math
 
 _DTYPE_SIZES = {
@@ -58,6 +60,8 @@ class KVCacheSpecKind(enum.StrEnum):
     UNKNOWN = "unknown"
 
 
+# Two builtin bases: an ordinary (non-native) class in the compiled build.
+@mypyc_attr(native_class=False)
 class KVCacheSpecMergeError(ValueError, AssertionError):
     """Layers of one KV-cache group whose specs cannot be merged into one.
 
