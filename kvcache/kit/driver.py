@@ -56,21 +56,37 @@ def outcome(side: Side, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
 SUBJECT_FOR_ASSERT = ("ValueError", "NotImplementedError")
 
 
+def assert_allowance(expected_raises: str, actual_raises: str) -> str:
+    """The note for an allowed assert-vs-validation pair of exceptions, else ``""``.
+
+    vLLM asserts where kvcache and the oracle raise ``ValueError`` (or
+    ``NotImplementedError``); the pair is accepted in both directions, so that
+    vLLM can be the reference (``"assert->ValueError"``) or the subject
+    checked against the oracle (``"ValueError->assert"``).
+    """
+    if expected_raises == "AssertionError" and actual_raises in SUBJECT_FOR_ASSERT:
+        return "assert->" + actual_raises
+    if actual_raises == "AssertionError" and expected_raises in SUBJECT_FOR_ASSERT:
+        return expected_raises + "->assert"
+    return ""
+
+
 def compare_outcomes(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> tuple[bool, str]:
     """Whether ``actual`` conforms to the reference outcome ``expected``.
 
-    Returns ``(ok, note)``: ``note`` is ``"assert->ValueError"`` when the
-    reference's ``AssertionError`` met the subject's ``ValueError`` or
-    ``NotImplementedError`` (allowed, counted), else a description of the
-    difference, else ``""``.
+    Returns ``(ok, note)``: ``note`` is ``"assert->ValueError"`` (or the
+    reverse, ``"ValueError->assert"``) when one side's ``AssertionError`` met
+    the other's ``ValueError`` or ``NotImplementedError`` (allowed, counted),
+    else a description of the difference, else ``""``.
     """
     if "raises" in expected:
         if "raises" not in actual:
             return False, f"expected {expected['raises']}, got result {short(actual['ok'])}"
         if expected["raises"] == actual["raises"]:
             return True, ""
-        if expected["raises"] == "AssertionError" and actual["raises"] in SUBJECT_FOR_ASSERT:
-            return True, "assert->" + str(actual["raises"])
+        allowance = assert_allowance(str(expected["raises"]), str(actual["raises"]))
+        if allowance:
+            return True, allowance
         return False, (
             f"expected {expected['raises']}, got {actual['raises']}: {actual.get('message')}"
         )
