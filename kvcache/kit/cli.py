@@ -153,7 +153,7 @@ def _print_divergence(
 
     mismatch = result.mismatch
     limit = 10**9 if full_states else 1500
-    print(f"{path}: DIVERGES on {impl}")
+    print(f"{path}: DIVERGES on {impl} (new divergence: {mismatch.kind}, not in the ledger)")
     if mismatch.index < 0:
         print(f"  building the manager: {mismatch.detail}")
         return
@@ -188,14 +188,42 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     diverged = 0
     for path, trace in zip(args.traces, traces, strict=True):
         result = replay_trace(trace, args.impl)
+        compared = "results and states" if result.states_compared else "results"
+        known = ", ".join(f"{k} x{n}" for k, n in sorted(result.known.items()))
+        where = f"({trace.config.layout}, recorded on {trace.recorded_with})"
+        if result.cannot_build is not None:
+            if result.cannot_build_known:
+                print(
+                    f"{path}: known difference ({result.cannot_build_known}): {result.cannot_build}"
+                )
+            else:
+                diverged += 1
+                print(f"{path}: {result.cannot_build} (no ledger entry explains it)")
+            continue
         if result.mismatch is None:
-            compared = "results and states" if result.states_compared else "results"
+            if result.known:
+                print(
+                    f"{path}: {len(trace.records)} records {where} replay on {args.impl} "
+                    f"with known differences only ({known}; {compared} compared)"
+                )
+            else:
+                print(
+                    f"{path}: {len(trace.records)} records {where} replay identically on "
+                    f"{args.impl} ({compared} compared)"
+                )
+            continue
+        mismatch = result.mismatch
+        if mismatch.known:
+            label = "fixed" if result.fixed else "known difference"
+            extra = f"; normalised before: {known}" if known else ""
             print(
-                f"{path}: {len(trace.records)} records ({trace.config.layout}, recorded on "
-                f"{trace.recorded_with}) replay identically on {args.impl} ({compared} compared)"
+                f"{path}: {label} ({', '.join(mismatch.known)}) at record #{mismatch.index} "
+                f"of {len(trace.records)} {where}: {mismatch.op} [{mismatch.part}]{extra}"
             )
             continue
         diverged += 1
+        if known:
+            print(f"{path}: known differences before the divergence: {known}")
         _print_divergence(Path(path), trace, args.impl, result, args.context, args.full_states)
     return 1 if diverged else 0
 
