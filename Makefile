@@ -51,6 +51,13 @@ reference-0.33: $(REF33_STAMP)
 $(REF33_STAMP):
 	@bash scripts/bootstrap.sh reference-0.33 $@
 
+# The kit against vLLM 0.33.0: replay the stored traces and a 60 s census; every
+# difference must be in the ledger (kvcache/kit/ledger.toml). Builds .venv-0.33 first.
+CHECK33_SECONDS ?= 60
+check-0.33: $(REF33_STAMP)
+	$(REF33_VENV)/bin/python -m kvcache release-check --census-seconds $(CHECK33_SECONDS) \
+		--census-dir build/census-0.33 tests/data/*.jsonl*
+
 $(FUZZ_STAMP): pyproject.toml
 	@bash scripts/bootstrap.sh fuzz $@
 
@@ -77,6 +84,7 @@ verify: $(REF_STAMP)
 	@$(PY) scripts/stage.py typecheck -- $(VENV)/bin/mypy --strict $(TYPED_PATHS)
 	@$(PY) scripts/stage.py tests -- $(PY) -m pytest -q -p no:cacheprovider
 	@$(PY) scripts/stage.py proofs -- $(PY) -m proofs.run
+	@$(PY) scripts/stage.py check-0.33 -- $(MAKE) --no-print-directory check-0.33
 
 traces: $(REF_STAMP)
 	$(PY) scripts/record_vllm_traces.py

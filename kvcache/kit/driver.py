@@ -1045,22 +1045,25 @@ def replay_lockstep(
 FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED", "FINISHED_IGNORED")
 
 
-def scheduler_could_make(calls: Sequence[Call]) -> bool:
+def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None = None) -> bool:
     """Whether a call list keeps the scheduler's rules, so a shrunk sequence stays one
     a real scheduler could make.
 
     Checked: calls on a request come after its ``add_request``; a prefix lookup
-    only for a waiting or preempted request with no computed tokens; an
+    only for a waiting or preempted request with no computed tokens and no
+    allocation since its status last changed; an
     allocation with ``new_computed_blocks="last"`` right after a lookup of that
     request; nothing but the free once a request finished, nothing after the
-    free; ``free_blocks`` only of a popped handle, once.
+    free; ``free_blocks`` only of a popped handle, once. ``admitted[i]``: call
+    ``i`` is an allocation that succeeded in the original sequence (default: all).
     """
     status: dict[str, str] = {}
     computed: dict[str, int] = {}
     looked_up: set[str] = set()
+    allocated: set[str] = set()  # allocated since its status last changed
     freed: set[str] = set()
     popped: set[Any] = set()
-    for op, args in calls:
+    for i, (op, args) in enumerate(calls):
         rid = str(args.get("request_id"))
         if op == "add_request":
             if rid in status:
@@ -1083,6 +1086,8 @@ def scheduler_could_make(calls: Sequence[Call]) -> bool:
             status[rid] = args.get("status", status[rid])
             computed[rid] = args.get("num_computed_tokens", computed[rid])
             looked_up.discard(rid)
+            if "status" in args:
+                allocated.discard(rid)
         elif op in ("free", "pop_blocks_for_free"):
             if op == "pop_blocks_for_free":
                 popped.add(args.get("handle"))
@@ -1094,11 +1099,15 @@ def scheduler_could_make(calls: Sequence[Call]) -> bool:
         elif op == "get_computed_blocks":
             if status[rid] not in ("WAITING", "PREEMPTED") or computed[rid] != 0:
                 return False
+            if rid in allocated:  # admitted: the scheduler's status update comes first
+                return False
             looked_up.add(rid)
         elif op == "allocate_slots":
             if args.get("new_computed_blocks") == "last" and rid not in looked_up:
                 return False
             looked_up.discard(rid)
+            if admitted is None or admitted[i]:
+                allocated.add(rid)
     return True
 
 
@@ -1129,6 +1138,10 @@ def shrink(
     original = exc
     records = records[: exc.index + 1]
     raised = ["raises" in r for r in run.records[: exc.index + 1]]
+    admitted = [
+        r["op"] == "allocate_slots" and r.get("ok") is not None
+        for r in run.records[: exc.index + 1]
+    ]
     deadline = time.monotonic() + budget_s
     chunk = max(1, len(records) // 2)
     while chunk >= 1 and time.monotonic() < deadline:
@@ -1137,7 +1150,8 @@ def shrink(
         while i < len(records) and time.monotonic() < deadline:
             candidate = records[:i] + records[i + chunk :]
             candidate_raised = raised[:i] + raised[i + chunk :]
-            if not scheduler_could_make(candidate):
+            candidate_admitted = admitted[:i] + admitted[i + chunk :]
+            if not scheduler_could_make(candidate, candidate_admitted):
                 i += chunk
                 continue
             valid, exc, _ = replay_lockstep(
@@ -1146,6 +1160,7 @@ def shrink(
             if valid and exc is not None and same_failure(exc, original):
                 records = candidate[: exc.index + 1]
                 raised = candidate_raised[: exc.index + 1]
+                admitted = candidate_admitted[: exc.index + 1]
                 changed = True
             else:
                 i += chunk

@@ -337,10 +337,7 @@ class PopNullHead(Rule):
         o = _ok(old)
         if op != "pop_blocks_for_free" or not isinstance(o, list):
             return old, new
-        i = 0
-        while i < len(o) and o[i] == 0:
-            i += 1
-        return _with_ok(old, o[i:]), new
+        return _with_ok(old, [b for b in o if b != 0]), new
 
 
 class CommonPrefixZero(Rule):
@@ -352,11 +349,27 @@ class CommonPrefixZero(Rule):
             return old, new
         return _with_ok(old, [0] * len(o)), new
 
+    def state(
+        self, ctx: Context, old: dict[str, Any], new: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """0.25.1's lookup leaves an empty ``req_to_blocks`` entry for a request
+        with no blocks; 0.33.0 no longer looks."""
+        o, n = old.get("req_to_blocks"), new.get("req_to_blocks")
+        if not (isinstance(o, list) and isinstance(n, list) and len(o) == len(n)):
+            return old, new
+        trimmed = [
+            {rid: blocks for rid, blocks in a.items() if blocks or rid in b}
+            if isinstance(a, dict) and isinstance(b, dict)
+            else a
+            for a, b in zip(o, n, strict=True)
+        ]
+        return {**old, "req_to_blocks": trimmed}, new
+
 
 class CannotBuildMambaAll(Rule):
     def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
         return config.enable_caching and any(
-            g.kind == "mamba" and g.mamba_cache_mode == "all" for g in config.groups
+            g.kind == "mamba" and g.mamba_cache_mode != "align" for g in config.groups
         )
 
 

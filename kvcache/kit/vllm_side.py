@@ -19,6 +19,7 @@ Importing this module imports vLLM (and torch): a few seconds.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvcache.kit.config import ManagerConfig
 from kvcache.kit.sides import Adapter, build_kv_cache_config, with_hash_seed
+
+# 0.33.0 warns through its own loggers (a failed prefix-cache reset, a disabled
+# fine-grained hit mode) whatever VLLM_LOGGING_LEVEL says: the kit reports results.
+logging.getLogger("vllm").setLevel(logging.ERROR)
 
 VLLM_VERSION: str = vllm.__version__
 REFERENCE_VLLM_VERSION = "0.25.1"
