@@ -51,9 +51,9 @@ reference-0.33: $(REF33_STAMP)
 $(REF33_STAMP):
 	@bash scripts/bootstrap.sh reference-0.33 $@
 
-# The kit against vLLM 0.33.0: replay the stored traces and a 60 s census; every
+# The kit against vLLM 0.33.0: replay the stored traces and a 40 s census; every
 # difference must be in the ledger (kvcache/kit/ledger.toml). Builds .venv-0.33 first.
-CHECK33_SECONDS ?= 60
+CHECK33_SECONDS ?= 40
 check-0.33: $(REF33_STAMP)
 	$(REF33_VENV)/bin/python -m kvcache release-check --census-seconds $(CHECK33_SECONDS) \
 		--census-dir build/census-0.33 tests/data/*.jsonl*
