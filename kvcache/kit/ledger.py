@@ -205,6 +205,12 @@ class PrefixStatsCounts(Rule):
         if not isinstance(_ok(new), dict):
             return old, new
 
+        def counts(value: dict[str, Any]) -> list[Any]:
+            return [value.get("fields", {}).get(k) for k in self.COUNTS]
+
+        if counts(_ok(old)) == counts(_ok(new)):
+            return old, new
+
         def drop(value: dict[str, Any]) -> dict[str, Any]:
             fields = {k: v for k, v in value.get("fields", {}).items() if k not in self.COUNTS}
             return {**value, "fields": fields}
