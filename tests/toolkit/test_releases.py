@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvcache.kit.driver import compare_outcomes, run_sequence
+from kvcache.kit.ledger import Judge
 
 
 def test_assert_allowance_works_both_ways() -> None:
@@ -162,12 +165,11 @@ def test_a_bad_ledger_entry_is_refused_by_name(tmp_path: object) -> None:
         load_ledger(path)
 
 
-def _judge(**config: object) -> object:
+def _judge(**config: Any) -> Judge:
     from kvcache.kit.config import GroupConfig, ManagerConfig
-    from kvcache.kit.ledger import Judge
 
     groups = config.pop("groups", (GroupConfig("full", 2),))
-    cfg = ManagerConfig(num_blocks=8, groups=groups, max_model_len=32, **config)  # type: ignore[arg-type]
+    cfg = ManagerConfig(num_blocks=8, groups=groups, max_model_len=32, **config)
     return Judge(cfg, "0.33", old_is_expected=True)
 
 
@@ -178,10 +180,8 @@ def _equal(a: dict[str, object], b: dict[str, object]) -> bool:
 
 
 def test_hash_renaming_needs_tagged_extra_keys_and_a_one_to_one_map() -> None:
-    from kvcache.kit.ledger import Judge
 
     judge = _judge()
-    assert isinstance(judge, Judge)
     old = {"ok": [{"bytes": "aa"}, {"bytes": "bb"}]}
     new = {"ok": [{"bytes": "11"}, {"bytes": "22"}]}
     # A plain request: hashes must not change between releases.
@@ -211,14 +211,14 @@ def test_expected_result_rules_recognise_the_fixed_bugs() -> None:
     args = {"request_id": "r"}
     old = {"ok": {"block_ids": {"tuple": [[1, 2], [3]]}, "num_computed_tokens": 4}}
     new = {"ok": {"block_ids": {"tuple": [[1], [3]]}, "num_computed_tokens": 2}}
-    verdict = judge.outcome("get_computed_blocks", args, old, new, _equal)  # type: ignore[attr-defined]
+    verdict = judge.outcome("get_computed_blocks", args, old, new, _equal)
     assert not verdict.ok and verdict.known == ("bug-mamba-eagle-long-hit",)
     # A longer hit on the new release is not that bug.
-    verdict = judge.outcome("get_computed_blocks", args, new, old, _equal)  # type: ignore[attr-defined]
+    verdict = judge.outcome("get_computed_blocks", args, new, old, _equal)
     assert "bug-mamba-eagle-long-hit" not in verdict.known
     # Without EAGLE neither.
     plain = _judge(groups=groups)
-    verdict = plain.outcome("get_computed_blocks", args, old, new, _equal)  # type: ignore[attr-defined]
+    verdict = plain.outcome("get_computed_blocks", args, old, new, _equal)
     assert "bug-mamba-eagle-long-hit" not in verdict.known
 
 
@@ -231,16 +231,16 @@ def test_normalisers_explain_api_changes_and_nothing_else() -> None:
             "fields": {"reset": False, "hits": 0, "hits_by_source": {}},
         }
     }
-    verdict = judge.outcome("make_prefix_cache_stats", {}, stats_old, stats_new, _equal)  # type: ignore[attr-defined]
+    verdict = judge.outcome("make_prefix_cache_stats", {}, stats_old, stats_new, _equal)
     assert verdict.ok and verdict.known == ("stats-hits-by-source",)
-    verdict = judge.outcome(  # type: ignore[attr-defined]
+    verdict = judge.outcome(
         "get_num_common_prefix_blocks", {"request_id": "r"}, {"ok": [3]}, {"ok": [0]}, _equal
     )
     assert verdict.ok and verdict.known == ("cascade-always-zero",)
-    verdict = judge.outcome("pop_blocks_for_free", {}, {"ok": [4, 0, 0]}, {"ok": [4]}, _equal)  # type: ignore[attr-defined]
+    verdict = judge.outcome("pop_blocks_for_free", {}, {"ok": [4, 0, 0]}, {"ok": [4]}, _equal)
     assert verdict.ok and verdict.known == ("pop-drops-null-head",)
     # A different block id is not an API change.
-    verdict = judge.outcome("pop_blocks_for_free", {}, {"ok": [4, 0]}, {"ok": [5]}, _equal)  # type: ignore[attr-defined]
+    verdict = judge.outcome("pop_blocks_for_free", {}, {"ok": [4, 0]}, {"ok": [5]}, _equal)
     assert not verdict.ok and verdict.known == ()
 
 
