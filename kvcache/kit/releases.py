@@ -40,6 +40,7 @@ class TraceReport:
     verdict: str  # identical | known | cannot-build | divergence
     entries: tuple[str, ...]
     detail: str
+    records: int = 0
 
 
 @dataclass
@@ -112,7 +113,10 @@ def release_check(
     version = str(resolve_adapter("vllm").version)
     check = ReleaseCheck(version)
     for path in traces:
-        check.traces.append(trace_report(path, replay_trace(read_trace(path), "vllm")))
+        trace = read_trace(path)
+        report = trace_report(path, replay_trace(trace, "vllm"))
+        report.records = len(trace.records)
+        check.traces.append(report)
     if census_seconds > 0:
         check.census = fuzz(
             "vllm",
@@ -229,7 +233,7 @@ def changelog(
         "",
     ]
     seen_in: dict[str, list[str]] = {}
-    for report in check.traces:
+    for report in sorted(check.traces, key=lambda r: (r.records, r.path)):  # shortest first
         for entry_id in report.entries:
             seen_in.setdefault(entry_id, []).append(report.path)
     census_counts: Counter[str] = Counter()
@@ -240,14 +244,15 @@ def changelog(
                 for entry_id in kind[6:].split(","):
                     census_counts[entry_id] += n
     for entry in entries:
-        out += [f"### `{entry.id}` — {entry.label().split(' ', 1)[1]}", "", entry.what, ""]
+        verdict = entry.verdict + (f" {entry.fixed_in}" if entry.is_bug else "")
+        out += [f"### `{entry.id}` — {verdict}", "", entry.what, ""]
         if entry.upstream:
             out += [f"Upstream: {entry.upstream}.", ""]
         out += [f"Recognised by rule `{entry.rule}` (kvcache/kit/ledger.py).", ""]
         traces = seen_in.get(entry.id, [])
         if traces:
             out += [
-                "Replay: `python -m kvcache replay "
+                "Replay (the shortest stored trace that shows it): `python -m kvcache replay "
                 + traces[0]
                 + " --impl vllm`"
                 + (f" (also in {len(traces) - 1} more stored traces)" if len(traces) > 1 else ""),
@@ -267,10 +272,16 @@ def changelog(
             ]
         if census_counts.get(entry.id):
             out += [f"Census: met {census_counts[entry.id]} times.", ""]
-        if not traces and example is None and not census_counts.get(entry.id):
+        if entry.rule == "adapter":
             out += [
-                "Not met by the stored traces or this census (an adapter duty, or a "
-                "case the random scheduler does not make).",
+                "Handled by the 0.33.x release line's adapter (kvcache/kit/vllm_side.py, "
+                "RELEASE_LINES): every replay and census on 0.33.0 goes through it.",
+                "",
+            ]
+        elif not traces and example is None and not census_counts.get(entry.id):
+            out += [
+                "Not met by the stored traces or this census (a case the random "
+                "scheduler does not make yet).",
                 "",
             ]
     out += [
