@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvcache.kv_cache_utils import (
-    BlockHash,
-    BlockHashList,
-    BlockHashListWithBlockSize,
-    BlockHashWithGroupId,
-    ExternalBlockHash,
-    generate_block_hash_extra_keys,
-    get_block_hash,
-    get_group_id,
-    make_block_hash_with_group_id,
-    maybe_convert_block_hash,
+from spec.vocab import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    Request,
+    block_extra_keys,
+    coarsen,
+    external_hash,
+    get_hash_fn,
+    none_hash,
+    pool_key,
+    request_block_hashes,
 )
-from kvcache.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvcache.request import Request
 
 NULL_BLOCK = 0
 """Placeholder id for skipped positions; never free, never cached."""
@@ -29,7 +31,7 @@ class BlockPool:
 
     ``free_queue`` lists free ids in eviction order (the front is reused first);
     ``ref_cnt[b]`` counts the holders of block b; ``block_hash[b]`` is a cached block's
-    pool key (block hash + group id); ``cached[key]`` lists the ids cached under a key,
+    pool key (``vocab.pool_key``); ``cached[key]`` lists the ids cached under a key,
     oldest first (a hit takes the first). Block 0 is the null block: ``touch`` and
     ``free_blocks`` move its count as vLLM does, but it means nothing.
 
@@ -40,7 +42,8 @@ class BlockPool:
     """
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
-                 enable_kv_cache_events: bool = False, metrics_collector: Any = None) -> None:
+                 enable_kv_cache_events: bool = False, metrics_collector: Any = None,
+                 caching_hash_algo: str = "sha256", hash_seed: str | None = None) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
         if metrics_collector is not None:
@@ -49,19 +52,31 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
         self.enable_kv_cache_events = enable_kv_cache_events
+        self.hash_fn = get_hash_fn(caching_hash_algo)
+        # hash_seed None: the process's PYTHONHASHSEED, as vLLM reads it (unset: random)
+        self.none_hash = none_hash(self.hash_fn, os.getenv("PYTHONHASHSEED")
+                                   if hash_seed is None else hash_seed)
         self.null_block = NULL_BLOCK
         self.ref_cnt = [0] * num_gpu_blocks
         self.free_queue = list(range(1, num_gpu_blocks))  # block 0 was taken as the null block
-        self.block_hash: dict[int, BlockHashWithGroupId] = {}
-        self.cached: dict[BlockHashWithGroupId, list[int]] = {}
+        self.block_hash: dict[int, bytes] = {}
+        self.cached: dict[bytes, list[int]] = {}
         self.kv_event_queue: list[KVCacheEvent] = []
 
-    def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: list[int]
+    def block_hashes(self, request: Request, block_size: int | None = None) -> list[bytes]:
+        """The request's block hashes, computed by the spec from its tokens and keys
+        (never read from the request), at ``block_size`` (default: the hash block size)."""
+        hashes = request_block_hashes(request, self.hash_block_size, self.hash_fn, self.none_hash)
+        if block_size is None or block_size == self.hash_block_size:
+            return hashes
+        return coarsen(hashes, self.hash_block_size, block_size)
+
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]
                          ) -> list[int] | None:
         """The oldest block cached under ``block_hash`` in each group; None on any miss."""
         hit_ids = []
         for group_id in kv_cache_group_ids:
-            ids = self.cached.get(make_block_hash_with_group_id(block_hash, group_id))
+            ids = self.cached.get(pool_key(block_hash, group_id))
             if not ids:
                 return None
             hit_ids.append(ids[0])
@@ -80,41 +95,34 @@ class BlockPool:
         if block_mask is not None and len(block_mask) != len(new_full_blocks):
             raise ValueError(f"block_mask has {len(block_mask)} entries, not "
                              f"{len(new_full_blocks)}")
-        hashes: BlockHashList = request.block_hashes
-        if block_size != self.hash_block_size:
-            hashes = BlockHashListWithBlockSize(request.block_hashes, self.hash_block_size,
-                                                block_size)
+        hashes = self.block_hashes(request, block_size)
         if len(hashes) < num_full_blocks:
             raise ValueError(f"num_full_blocks={num_full_blocks} exceeds the {len(hashes)} "
                              f"hashes of request {request.request_id!r}")
         keep = [b != NULL_BLOCK and (block_mask is None or block_mask[i])
                 for i, b in enumerate(new_full_blocks)]
-        new_hashes: list[ExternalBlockHash] = []
+        new_hashes: list[bytes | int] = []
         for i, block_id in enumerate(new_full_blocks):
             if not keep[i]:
                 continue
             if block_id in self.block_hash:  # only after an earlier call failed half-way
                 raise ValueError(f"blocks[{num_cached_blocks + i}]={block_id} is already cached")
-            key = make_block_hash_with_group_id(hashes[num_cached_blocks + i], kv_cache_group_id)
+            key = pool_key(hashes[num_cached_blocks + i], kv_cache_group_id)
             self.block_hash[block_id] = key
             self.cached.setdefault(key, []).append(block_id)
-            new_hashes.append(maybe_convert_block_hash(hashes[num_cached_blocks + i]))
+            new_hashes.append(external_hash(hashes[num_cached_blocks + i]))
         if not self.enable_kv_cache_events:
             return
-        extra_keys: list[tuple[Any, ...] | None] = []
-        mm_idx = 0
         # NOTE: like vLLM, this reads blocks[i] up to num_full_blocks, so it raises
         # IndexError (after caching) when asked to cache past the request's last block.
-        for i in range(num_cached_blocks, num_full_blocks):
-            if blocks[i] != NULL_BLOCK and keep[i - num_cached_blocks]:
-                keys, mm_idx = generate_block_hash_extra_keys(
-                    request, i * block_size, (i + 1) * block_size, mm_idx)
-                extra_keys.append(keys)
+        extra_keys = [block_extra_keys(request, i * block_size, (i + 1) * block_size)
+                      for i in range(num_cached_blocks, num_full_blocks)
+                      if blocks[i] != NULL_BLOCK and keep[i - num_cached_blocks]]
         lora = request.lora_request
-        parent = None if num_cached_blocks == 0 else hashes[num_cached_blocks - 1]
         self.kv_event_queue.append(BlockStored(
             block_hashes=new_hashes,
-            parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+            parent_block_hash=(None if num_cached_blocks == 0
+                               else external_hash(hashes[num_cached_blocks - 1])),
             token_ids=list(request.all_token_ids[num_cached_blocks * block_size:
                                                  num_full_blocks * block_size]),
             block_size=block_size, lora_id=lora.adapter_id if lora else None,
@@ -147,7 +155,7 @@ class BlockPool:
             del self.cached[key]
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockRemoved(
-                [maybe_convert_block_hash(get_block_hash(key))], MEDIUM_GPU, get_group_id(key)))
+                [external_hash(key[:-4])], MEDIUM_GPU, int.from_bytes(key[-4:], "big")))
         return True
 
     def touch(self, blocks: Sequence[int]) -> None:
