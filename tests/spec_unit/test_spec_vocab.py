@@ -80,7 +80,7 @@ def spec_hashes(request: Any, desc: dict[str, Any]) -> list[bytes]:
 # ---------------------------------------------------------------- against vLLM
 
 
-def vllm_request(desc: dict[str, Any]) -> Any:
+def vllm_request(desc: dict[str, Any], request_id: str = "r") -> Any:
     from vllm.lora.request import LoRARequest
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
@@ -91,7 +91,7 @@ def vllm_request(desc: dict[str, Any]) -> Any:
     fn = getattr(hashing, desc["algo"])
     kv_cache_utils.init_none_hash(fn)  # reads PYTHONHASHSEED (set by the test)
     return Request(
-        "r", list(desc["prompt"]), SamplingParams(max_tokens=16), None,
+        request_id, list(desc["prompt"]), SamplingParams(max_tokens=16), None,
         prompt_embeds=prompt_embeds(desc) if desc["embeds"] else None,
         mm_features=[MultiModalFeatureSpec(data=None, modality="image", identifier=i,
                                            mm_position=PlaceholderRange(offset=o, length=n))
@@ -102,7 +102,7 @@ def vllm_request(desc: dict[str, Any]) -> Any:
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="the vLLM 0.25.1 reference is not installed")
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(desc=requests(embeds=True))
 @example(desc=TAIL_CASE)
 @example(desc={**TAIL_CASE, "embeds": True, "algo": "xxhash_cbor"})
@@ -195,3 +195,40 @@ def test_none_hash_follows_the_seed() -> None:
     assert vocab.none_hash(fn, None) != vocab.none_hash(fn, None)  # random without a seed
     with pytest.raises(ValueError, match="caching_hash_algo"):
         vocab.get_hash_fn("md5")
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="the vLLM 0.25.1 reference is not installed")
+def test_spec_runs_on_vllms_objects_in_lockstep_with_vllm(seeded: None) -> None:
+    """spec's manager fed vLLM's own config and requests (full attention + sliding
+    window, 2- and 4-token blocks, salted and multimodal requests) agrees with vLLM's
+    manager: hits, new blocks, abstract state (hence pool keys), events, stats."""
+    import torch
+    from vllm.v1 import kv_cache_interface as v
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+
+    import spec
+    from kvcache.kit.trace import canon
+    from kvcache.kit.vllm_side import abstract_state
+
+    heads: dict[str, Any] = dict(num_kv_heads=1, head_size=8, dtype=torch.float16)
+    config = v.KVCacheConfig(num_blocks=24, kv_cache_tensors=[], kv_cache_groups=[
+        v.KVCacheGroupSpec(["l0"], v.FullAttentionSpec(block_size=2, **heads)),
+        v.KVCacheGroupSpec(["l1"], v.SlidingWindowSpec(block_size=4, sliding_window=3, **heads)),
+    ])
+    kwargs: dict[str, Any] = dict(max_model_len=32, scheduler_block_size=4, hash_block_size=2,
+                                  log_stats=True, enable_kv_cache_events=True)
+    managers = (spec.KVCacheManager(config, **kwargs), VllmManager(config, **kwargs))
+    prompts = [[0, 1, 2, 0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1, 2, 0, 1, 0, 0], [0, 1, 2, 0, 1, 2, 2]]
+    for n, prompt in enumerate(prompts):
+        desc = dict(prompt=prompt, mm=[("img-a", 3, 2)] if n != 2 else [], lora=None,
+                    salt="salt" if n == 2 else None, block_size=2, algo="sha256", embeds=False)
+        request = vllm_request(desc, f"r{n}")
+        results = []
+        for manager in managers:
+            hits, num_hits = manager.get_computed_blocks(request)
+            new = manager.allocate_slots(request, request.num_tokens - num_hits, num_hits, hits)
+            results.append((hits.get_block_ids(), num_hits, canon(new.get_block_ids()),
+                            canon(manager.take_events()), canon(manager.make_prefix_cache_stats())))
+        assert results[0] == results[1], f"request {n}"
+        assert canon(managers[0].abstract_state()) == canon(abstract_state(managers[1]))
+        assert n != 1 or results[0][1] > 0  # r1 hits r0 (same tokens and image); r2 is salted
