@@ -1,6 +1,6 @@
 """The spec's own vocabulary: block hashes and their extra keys, events, stats, spec kinds.
 
-Written from vLLM 0.25.1's documented behaviour, independently of kvcache, so a
+Written from vLLM 0.25.1's behaviour, independently of kvcache, so a
 slip in kvcache's hashing, events or stats shows up as a difference from the spec.
 
 A block's hash is ``hash_fn((parent, tuple(tokens), extra_keys))``, chained from

@@ -273,7 +273,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def has_stats(self) -> bool:
         """Lookups were recorded (with log_stats), or requests run (without)."""
         stats = self.spec.prefix_cache_stats
-        return self.has_running() if stats is None else stats != PrefixCacheStats()
+        if stats is None:
+            return self.has_running()
+        return stats_of(stats) != stats_of(PrefixCacheStats())  # spec's own class: by fields
 
     def has_requests(self) -> bool:
         return bool(self.requests)
