@@ -180,8 +180,8 @@ class SpecGroup(NamedTuple):
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """At least two distinct specs, hashed at a common finer ``hash_block_size``; larger
-    blocks read them through ``vocab.coarsen``. Hits and caching align
-    to ``scheduler_block_size``; ``attention_groups`` lists the distinct specs, full
+    blocks read them through ``vocab.coarsen``. Hits and caching align to
+    ``scheduler_block_size``; ``attention_groups`` lists the distinct specs, full
     attention first."""
 
     def _init_groups(self) -> None:

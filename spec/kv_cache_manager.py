@@ -77,6 +77,10 @@ class KVCacheManager:
     State lives in ``block_pool`` (free queue, ref counts, prefix cache) and in the
     per-group managers of ``coordinator`` (block tables); ``abstract_state`` shows it all.
 
+    Beyond vLLM's arguments, two engine settings vLLM gives its request hasher: the spec
+    hashes requests itself with ``caching_hash_algo`` (sha256, sha256_cbor, xxhash,
+    xxhash_cbor), the chain seeded by ``hash_seed`` (None: ``PYTHONHASHSEED``).
+
     Invariants (``check_invariants``), besides the pool's and the managers':
       - every id in a table or in ``new_block_ids`` is a valid block id (and not 0 in
         ``new_block_ids``);
