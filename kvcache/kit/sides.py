@@ -196,6 +196,22 @@ class Adapter:
         return None if fn is None else dict(fn())
 
 
+class SpecAdapter(Adapter):
+    """The spec: it hashes requests itself (never reading ``request.block_hashes``), so
+    its manager is told the trace's hash algorithm and seed."""
+
+    hash_seed = "0"
+
+    def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
+        super().init_hashes(config, hash_seed)  # for the requests' own (kvcache) hasher
+        self.hash_seed = hash_seed
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        return self.factory(kv_cache_config, **config.manager_kwargs(),
+                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed)
+
+
 class Side:
     """An adapter's manager plus its requests, driven by ``call(op, args)``."""
 
@@ -436,7 +452,7 @@ def resolve_adapter(name: str) -> Adapter:
     if name == "spec":
         import spec
 
-        return Adapter("spec", spec.KVCacheManager, _package_version())
+        return SpecAdapter("spec", spec.KVCacheManager, _package_version())
     if name == "vllm":
         try:
             from kvcache.kit.vllm_side import VllmAdapter
