@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Run one ``make verify`` stage quietly and print ONE summary line.
 
-Usage: ``scripts/stage.py lint|typecheck|tests|tests-compiled|upstream|proofs|check-0.33 -- COMMAND...``
+Usage: ``scripts/stage.py STAGE -- COMMAND...``, STAGE one of lint, typecheck, tests,
+tests-compiled, upstream, proofs, check-0.33.
 
 The command's full output goes to ``build/<stage>.log``; on failure its tail is
 printed above the summary line. The exit status is the command's (pytest's
