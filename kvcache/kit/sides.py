@@ -103,6 +103,27 @@ def build_kv_cache_config(lib: Any, config: ManagerConfig, dtype: Any) -> Any:
     )
 
 
+def prompt_embeds_tensor(rows: Any) -> Any:
+    """A trace's ``prompt_embeds`` rows as a float32 torch tensor (None stays None).
+
+    Raises:
+        HarnessError: when torch, which prompt embeddings need, is not installed.
+    """
+    if rows is None:
+        return None
+    try:
+        import torch
+    except ImportError:
+        raise HarnessError("a request with prompt_embeds needs torch installed") from None
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def request_token_ids(args: Mapping[str, Any]) -> list[int] | None:
+    """A trace request's token ids (None for a prompt given by embeddings alone)."""
+    tokens = args.get("prompt_token_ids")
+    return None if tokens is None else list(tokens)
+
+
 class Adapter:
     """How to build one implementation's manager and requests (kvcache's vocabulary).
 
@@ -137,7 +158,8 @@ class Adapter:
         lora = args.get("lora")
         return rq.Request(
             request_id=args["request_id"],
-            prompt_token_ids=list(args["prompt_token_ids"]),
+            prompt_token_ids=request_token_ids(args),
+            prompt_embeds=prompt_embeds_tensor(args.get("prompt_embeds")),
             sampling_params=None,
             pooling_params=None,
             arrival_time=0.0,

@@ -31,7 +31,13 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request, RequestStatus
 
 from kvcache.kit.config import ManagerConfig
-from kvcache.kit.sides import Adapter, build_kv_cache_config, with_hash_seed
+from kvcache.kit.sides import (
+    Adapter,
+    build_kv_cache_config,
+    prompt_embeds_tensor,
+    request_token_ids,
+    with_hash_seed,
+)
 
 VLLM_VERSION: str = vllm.__version__
 REFERENCE_VLLM_VERSION = "0.25.1"
@@ -51,7 +57,8 @@ def build_request(
     skip = bool(args.get("skip_reading_prefix_cache", False))
     return Request(
         request_id=args["request_id"],
-        prompt_token_ids=list(args["prompt_token_ids"]),
+        prompt_token_ids=request_token_ids(args),
+        prompt_embeds=prompt_embeds_tensor(args.get("prompt_embeds")),
         sampling_params=SamplingParams(
             max_tokens=int(args.get("max_tokens") or 16),
             skip_reading_prefix_cache=True if skip else None,
