@@ -209,9 +209,9 @@ class Request:
         self.kv_transfer_params: dict[str, Any] | None = (
             extra_args.get("kv_transfer_params") if isinstance(extra_args, Mapping) else None
         )
+        # reasoning_ended / reasoning_parser_kwargs belong to a structured-output
+        # request, which is not modelled: accepted for vLLM's signature, unused.
         self.structured_output_request: Any = None
-        self.reasoning_ended = reasoning_ended
-        self.reasoning_parser_kwargs = reasoning_parser_kwargs
         self.trace_headers = trace_headers
         self.resumable = resumable
         self.streaming_queue: deque[Any] | None = None
@@ -229,11 +229,17 @@ class Request:
         self._block_hasher = block_hasher
         self.update_block_hashes()
         if skip_reading_prefix_cache is None:
-            skip_reading_prefix_cache = bool(
-                getattr(sampling_params, "skip_reading_prefix_cache", None)
-                or getattr(pooling_params, "skip_reading_prefix_cache", None)
-            )
+            skip_reading_prefix_cache = self.get_skip_reading_prefix_cache()
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
+
+    def get_skip_reading_prefix_cache(self) -> bool:
+        """The params' ``skip_reading_prefix_cache``: the sampling params' when set,
+        else the pooling params', else False (vLLM's precedence)."""
+        for params in (self.sampling_params, self.pooling_params):
+            value = getattr(params, "skip_reading_prefix_cache", None)
+            if value is not None:
+                return bool(value)
+        return False
 
     @property
     def all_token_ids(self) -> Sequence[int]:
