@@ -59,7 +59,7 @@ def test_priority_order_and_encoder_inputs() -> None:
 
 def test_structured_outputs_are_refused_clearly() -> None:
     class Params:
-        structured_outputs = {"json": {}}
+        structured_outputs = ("json", "{}")
 
     with pytest.raises(NotImplementedError, match="structured_outputs"):
         K.Request("a", [1], sampling_params=Params())
