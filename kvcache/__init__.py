@@ -53,6 +53,7 @@ from kvcache.kv_events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
+    KVEventBatch,
 )
 from kvcache.metrics import PrefixCacheStats
 from kvcache.request import (
@@ -104,6 +105,7 @@ __all__ = [
     "KVCacheSpec",
     "KVCacheSpecKind",
     "KVCacheTensor",
+    "KVEventBatch",
     "LoRARequest",
     "MambaManager",
     "MambaSpec",
