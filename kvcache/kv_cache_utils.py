@@ -265,10 +265,20 @@ def get_request_block_hasher(
         mm_idx = 0 if start == 0 else -1
         parent = request.block_hashes[-1] if request.block_hashes else None
         tokens = request.all_token_ids
+        # NOTE: a request without isolation keys has no extra keys in any block;
+        # checking that once saves the per-block call (most requests).
+        keyless = not (
+            request.mm_features
+            or request.lora_request
+            or request.cache_salt
+            or getattr(request, "prompt_embeds", None) is not None
+        )
         new_hashes: list[BlockHash] = []
         while start + hash_block_size <= num_tokens:
             end = start + hash_block_size
-            extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
+            extra_keys: tuple[Any, ...] | None = None
+            if not keyless:
+                extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
             parent = hash_block_tokens(caching_hash_fn, parent, tokens[start:end], extra_keys)
             new_hashes.append(parent)
             start = end
