@@ -19,7 +19,7 @@ from kvcache.kv_cache_interface import (
 )
 from kvcache.kv_cache_math import admits
 from kvcache.kv_cache_utils import KVCacheBlock
-from kvcache.kv_events import BlockStored, KVCacheEvent
+from kvcache.kv_events import BlockStored, KVCacheEvent, emitted
 from kvcache.metrics import PrefixCacheStats
 from kvcache.request import Request, RequestStatus
 from kvcache.single_type_kv_cache_manager import (
@@ -766,7 +766,7 @@ class KVCacheManager:
                 kind, window = metadata[event.group_idx]
                 event.kv_cache_spec_kind = kind
                 event.kv_cache_spec_sliding_window = window
-        return events
+        return emitted(events)  # vLLM's classes after kv_events.set_event_classes("vllm")
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks in every group."""

@@ -14,7 +14,8 @@ data_parallel_rank]``, an event the map ``{"type": CLASS_NAME, field: value,
 msgspec, when installed, packs the bytes; otherwise ``packb``, a small
 MessagePack writer of its own, does (the same bytes; a test holds both to it).
 With vLLM installed, ``to_vllm`` / ``from_vllm`` convert to and from vLLM's
-own event classes.
+own event classes, and ``set_event_classes("vllm")`` makes
+``KVCacheManager.take_events`` return vLLM's classes.
 """
 
 from __future__ import annotations
@@ -227,6 +228,32 @@ def _pack_int(value: int, out: bytearray) -> None:
 
 # ---------------------------------------------------------------- vLLM's classes
 
+_emit_vllm_classes = False
+
+
+def set_event_classes(vocabulary: str) -> None:
+    """Which classes ``KVCacheManager.take_events`` returns, process-wide:
+    ``"kvcache"`` (this module's dataclasses, the default) or ``"vllm"``
+    (vLLM's own msgspec structs, via ``to_vllm``; needs vLLM). For running
+    kvcache under code that checks ``isinstance`` against vLLM's event classes,
+    e.g. vLLM's own tests with vLLM's objects.
+
+    Raises:
+        ValueError: for another vocabulary.
+    """
+    global _emit_vllm_classes
+    if vocabulary not in ("kvcache", "vllm"):
+        raise ValueError(f"vocabulary must be 'kvcache' or 'vllm', got {vocabulary!r}")
+    if vocabulary == "vllm":
+        import vllm.distributed.kv_events  # noqa: F401  (fail here, not at take_events)
+    _emit_vllm_classes = vocabulary == "vllm"
+
+
+def emitted(events: list[KVCacheEvent]) -> list[Any]:
+    """``events`` in the classes ``set_event_classes`` chose (the same list by default)."""
+    return to_vllm(events) if _emit_vllm_classes else events
+
+
 
 def to_vllm(value: Any) -> Any:
     """vLLM's own msgspec objects for a kvcache event, batch, or list of them
@@ -239,6 +266,8 @@ def to_vllm(value: Any) -> Any:
 
     if isinstance(value, list):
         return [to_vllm(v) for v in value]
+    if getattr(type(value), "__struct_fields__", None) is not None:
+        return value  # already one of vLLM's
     if isinstance(value, EventBatch):
         cls = vllm_events.KVEventBatch if isinstance(value, KVEventBatch) else None
         if cls is None:

@@ -187,3 +187,22 @@ def test_dataclass_events_in_vllms_batch_need_the_conversion(
         decoder.decode(raw)
     converted = vllm_events.KVEventBatch(ts=0.0, events=E.to_vllm(events))
     assert len(decoder.decode(msgspec.msgpack.Encoder().encode(converted)).events) == len(events)
+
+
+def test_take_events_in_vllms_classes_on_request(
+    vllm_reference: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.distributed import kv_events as vllm_events
+
+    expected = manager_events(monkeypatch, int_hashes=True)
+    try:
+        E.set_event_classes("vllm")
+        got = manager_events(monkeypatch, int_hashes=True)
+    finally:
+        E.set_event_classes("kvcache")
+    assert [type(e) for e in got] == [getattr(vllm_events, type(e).__name__) for e in expected]
+    assert E.from_vllm(got) == expected  # labels (kv_cache_spec_kind) included
+    assert any(getattr(e, "kv_cache_spec_kind", None) for e in got)
+    assert type(manager_events(monkeypatch, int_hashes=True)[0]) is E.BlockStored
+    with pytest.raises(ValueError, match="vocabulary must be 'kvcache' or 'vllm', got 'x'"):
+        E.set_event_classes("x")
