@@ -30,7 +30,7 @@ FUZZ_SECONDS ?=
 FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(FUZZ_HOST) \
 	FUZZ_PORT=$(FUZZ_PORT) FUZZ_SECONDS=$(FUZZ_SECONDS)
 
-.PHONY: setup reference lint typecheck test conformance verify proofs traces fuzz fuzz-worker \
+.PHONY: setup reference lint typecheck test conformance verify upstream proofs traces fuzz fuzz-worker \
 	fuzz-dashboard test-kernels bench-kernels bench mutation clean distclean
 
 setup: $(DEV_STAMP)
@@ -55,7 +55,8 @@ $(MUTATION_STAMP): | $(DEV_STAMP)
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 
-typecheck: $(DEV_STAMP)
+# Needs the reference layer: the kernels and the kit import torch, numpy and vLLM's types.
+typecheck: $(REF_STAMP)
 	$(VENV)/bin/mypy --strict $(TYPED_PATHS)
 
 test: $(REF_STAMP)
@@ -68,7 +69,13 @@ verify: $(REF_STAMP)
 	@$(PY) scripts/stage.py lint -- $(VENV)/bin/ruff check $(LINT_PATHS)
 	@$(PY) scripts/stage.py typecheck -- $(VENV)/bin/mypy --strict $(TYPED_PATHS)
 	@$(PY) scripts/stage.py tests -- $(PY) -m pytest -q -p no:cacheprovider
+	@$(PY) scripts/stage.py upstream -- $(PY) -m kvcache.kit.upstream
 	@$(PY) scripts/stage.py proofs -- $(PY) -m proofs.run
+
+# vLLM 0.25.1's own tests/v1/core, fetched into build/upstream, run unchanged on stock vLLM,
+# with vLLM's core modules served by kvcache (vLLM's objects), and with kvcache's vocabulary too.
+upstream: $(REF_STAMP)
+	$(PY) -m kvcache.kit.upstream --verbose
 
 traces: $(REF_STAMP)
 	$(PY) scripts/record_vllm_traces.py

@@ -9,7 +9,7 @@ the blocks, as in vLLM, with its hot operations (touch, release) inlined here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcache.kv_cache_utils import (
@@ -48,6 +48,9 @@ class BlockHashToBlockMap:
     Layout: ``group_maps[g][hash]`` is always that oldest block, so a hit search
     is one C-level dict lookup per block; younger duplicates wait, oldest first,
     in ``extras[g][hash]`` and the next one is promoted when the oldest leaves.
+    ``extras[g][hash]`` exists (possibly empty) from the second block cached under a
+    hash until the hash has no block left: that is when vLLM's map holds a
+    ``{block_id: block}`` dict rather than a bare block, which ``_cache`` shows.
     """
 
     def __init__(self) -> None:
@@ -108,20 +111,17 @@ class BlockHashToBlockMap:
         younger = extras.get(h)
         if first.block_id == block_id:
             if younger:
-                # Promote the next oldest duplicate.
+                # Promote the next oldest duplicate (an emptied ``younger`` stays: the
+                # hash keeps vLLM's dict form until its last block leaves).
                 next_id = next(iter(younger))
                 m[h] = younger.pop(next_id)
-                if not younger:
-                    del extras[h]
             else:
                 del m[h]
+                extras.pop(h, None)
             return first
         if younger is None:
             return None
-        block = younger.pop(block_id, None)
-        if not younger:
-            del extras[h]
-        return block
+        return younger.pop(block_id, None)
 
     def items(self) -> list[tuple[BlockHashWithGroupId, list[KVCacheBlock]]]:
         """Every (pool key, blocks oldest first) pair. For tests and tools."""
@@ -135,6 +135,66 @@ class BlockHashToBlockMap:
 
     def __len__(self) -> int:
         return sum(len(m) for m in self.group_maps.values())
+
+    @property
+    def _cache(self) -> _VllmCacheView:
+        """vLLM's private ``_cache`` dict, as a live view (vLLM's own tests read and edit it)."""
+        return _VllmCacheView(self)
+
+
+_CacheEntry = KVCacheBlock | dict[int, KVCacheBlock]
+
+
+class _VllmCacheView(MutableMapping[BlockHashWithGroupId, _CacheEntry]):
+    """A :class:`BlockHashToBlockMap` seen as vLLM 0.25.1 lays it out.
+
+    vLLM keeps one dict from pool key to a bare block, or to ``{block_id: block}``
+    once a second block was cached under the key. Reads, writes and deletes
+    translate to the per-group layout; ``copy.copy`` gives a plain dict snapshot.
+    """
+
+    def __init__(self, owner: BlockHashToBlockMap) -> None:
+        self._owner = owner
+
+    def __getitem__(self, key: BlockHashWithGroupId) -> _CacheEntry:
+        group_id, h = get_group_id(key), get_block_hash(key)
+        m = self._owner.group_maps.get(group_id)
+        first = None if m is None else m.get(h)
+        if first is None:
+            raise KeyError(key)
+        younger = self._owner.extras[group_id].get(h)
+        if younger is None:
+            return first
+        return {first.block_id: first, **younger}
+
+    def __setitem__(self, key: BlockHashWithGroupId, value: _CacheEntry) -> None:
+        if key in self:
+            del self[key]
+        group_id, h = get_group_id(key), get_block_hash(key)
+        blocks = list(value.values()) if isinstance(value, dict) else [value]
+        for block in blocks:
+            self._owner.insert_raw(group_id, h, block)
+        if isinstance(value, dict) and blocks:
+            self._owner.extras[group_id].setdefault(h, {})
+
+    def __delitem__(self, key: BlockHashWithGroupId) -> None:
+        group_id, h = get_group_id(key), get_block_hash(key)
+        m = self._owner.group_maps.get(group_id)
+        if m is None or h not in m:
+            raise KeyError(key)
+        del m[h]
+        self._owner.extras[group_id].pop(h, None)
+
+    def __iter__(self) -> Iterator[BlockHashWithGroupId]:
+        for group_id, m in self._owner.group_maps.items():
+            for h in m:
+                yield make_block_hash_with_group_id(h, group_id)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __copy__(self) -> dict[BlockHashWithGroupId, _CacheEntry]:
+        return dict(self.items())
 
 
 class BlockPool:

@@ -24,7 +24,8 @@ started=$SECONDS
 # What importing vllm.v1.core needs, without vLLM's full (GPU) dependency set.
 vllm_import_deps=(numpy packaging regex psutil pyzmq urllib3 msgspec pydantic cbor2
     transformers aiohttp requests openai-harmony openai pillow pybase64 cachetools
-    cloudpickle uvloop py-cpuinfo prometheus_client "llguidance>=1.7.0,<1.8.0" apache-tvm-ffi)
+    cloudpickle uvloop py-cpuinfo prometheus_client "llguidance>=1.7.0,<1.8.0" apache-tvm-ffi
+    einops)  # einops: vLLM's worker utilities, imported by its core tests (make upstream)
 
 step() {  # step DESCRIPTION COMMAND...: run quietly, or fail with the log's tail
     local what=$1
@@ -42,7 +43,7 @@ case $layer in
 dev)
     step "create .venv" python3 -m venv "$venv"
     step "dev tools" pip_install -e '.[dev]'
-    summary="ruff, mypy, pytest, hypothesis, crosshair in .venv"
+    summary="ruff, mypy, pytest, hypothesis, crosshair, matplotlib in .venv"
     ;;
 reference)
     step "CPU torch" pip_install torch==2.13.0
