@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -156,6 +157,10 @@ class Adapter:
         """A request for the fields of a trace's request record."""
         rq = self.request_module
         lora = args.get("lora")
+        # NOTE: identifiers are interned because pickle-based block hashes (sha256,
+        # xxhash) write a repeated *object* as a back-reference: two equal identifiers
+        # in one block hash differently as two str objects (as JSON reads a trace)
+        # than as one (as the driver makes them), in vLLM as in kvcache.
         return rq.Request(
             request_id=args["request_id"],
             prompt_token_ids=request_token_ids(args),
@@ -165,7 +170,7 @@ class Adapter:
             arrival_time=0.0,
             mm_features=[
                 rq.MultiModalFeatureSpec(
-                    identifier=identifier,
+                    identifier=sys.intern(identifier),
                     mm_position=rq.PlaceholderRange(offset=offset, length=length),
                     modality="image",
                     data=None,

@@ -13,6 +13,7 @@ Importing this module imports vLLM (and torch): a few seconds.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -69,7 +70,7 @@ def build_request(
             MultiModalFeatureSpec(
                 data=None,
                 modality="image",
-                identifier=identifier,
+                identifier=sys.intern(identifier),  # as in Adapter.build_request
                 mm_position=PlaceholderRange(offset=offset, length=length),
             )
             for identifier, offset, length in args.get("mm_features") or []
