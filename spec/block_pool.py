@@ -32,11 +32,14 @@ class BlockPool:
     pool key (block hash + group id); ``cached[key]`` lists the ids cached under a key,
     oldest first (a hit takes the first). Block 0 is the null block: ``touch`` and
     ``free_blocks`` move its count as vLLM does, but it means nothing.
+    ``hash_num_tokens[b]`` is how many prefix tokens a cached block's hash covers;
+    ``cached_block_hashes_by_block[b]`` holds the block's further (partial-block) keys.
 
     Invariants (``check_invariants``): a block is in ``free_queue`` iff its ref count is
     0 and it is not block 0; the queue has no duplicates; no ref count is negative;
-    ``block_hash`` and ``cached`` are inverse and no ``cached`` list is empty; block 0
-    is never cached.
+    ``cached`` is exactly ``block_hash`` plus ``cached_block_hashes_by_block``, inverted,
+    with no empty list; only a block with a ``block_hash`` has further keys; block 0 is
+    never cached.
     """
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
@@ -53,6 +56,8 @@ class BlockPool:
         self.ref_cnt = [0] * num_gpu_blocks
         self.free_queue = list(range(1, num_gpu_blocks))  # block 0 was taken as the null block
         self.block_hash: dict[int, BlockHashWithGroupId] = {}
+        self.hash_num_tokens: dict[int, int] = {}
+        self.cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]] = {}
         self.cached: dict[BlockHashWithGroupId, list[int]] = {}
         self.kv_event_queue: list[KVCacheEvent] = []
 
@@ -72,7 +77,8 @@ class BlockPool:
                           block_mask: list[bool] | None = None) -> None:
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` (but null and masked-out
         ones) under the request's hashes; queue one BlockStored. Duplicates of cached blocks
-        are kept: tables stay append-only. ValueError where vLLM asserts (bad mask length,
+        are kept: tables stay append-only. A block cached under a shorter partial entry
+        is promoted (its old keys dropped). ValueError where vLLM asserts (bad mask length,
         too few hashes, a block cached already)."""
         if num_cached_blocks >= num_full_blocks:
             return
@@ -93,11 +99,14 @@ class BlockPool:
         for i, block_id in enumerate(new_full_blocks):
             if not keep[i]:
                 continue
-            if block_id in self.block_hash:  # only after an earlier call failed half-way
-                raise ValueError(f"blocks[{num_cached_blocks + i}]={block_id} is already cached")
+            num_tokens = (num_cached_blocks + i + 1) * block_size
+            if block_id in self.block_hash:
+                if self.hash_num_tokens[block_id] >= num_tokens:
+                    raise ValueError(f"blocks[{num_cached_blocks + i}]={block_id} is already "
+                                     "cached")
+                self._maybe_evict_cached_block(block_id)  # promote a partial entry
             key = make_block_hash_with_group_id(hashes[num_cached_blocks + i], kv_cache_group_id)
-            self.block_hash[block_id] = key
-            self.cached.setdefault(key, []).append(block_id)
+            self._add_key(block_id, key, num_tokens)
             new_hashes.append(maybe_convert_block_hash(hashes[num_cached_blocks + i]))
         if not self.enable_kv_cache_events:
             return
@@ -121,6 +130,53 @@ class BlockPool:
             medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
             extra_keys=extra_keys or None, group_idx=kv_cache_group_id))
 
+    def cache_partial_block(self, request: Request, block: int, num_tokens: int,
+                            kv_cache_group_id: int, block_size: int
+                            ) -> BlockHashWithGroupId | None:
+        """Make ``block`` reachable from the ``num_tokens``-token prefix ending inside it,
+        keyed by the request's chain hash at ``num_tokens`` (a multiple of
+        ``hash_block_size``, not of ``block_size``). It is the block's hash if it has none,
+        replaces a shorter entry, else is a further key. A new entry queues a BlockStored
+        of the last ``hash_block_size`` tokens. None for the null block; ValueError where
+        vLLM asserts (sizes off the rules)."""
+        if block == NULL_BLOCK:
+            return None
+        hbs = self.hash_block_size
+        n = num_tokens // hbs
+        if (block_size <= hbs or block_size % hbs or num_tokens % block_size == 0
+                or num_tokens % hbs or not 0 < n <= len(request.block_hashes)):
+            raise ValueError(f"num_tokens={num_tokens}, block_size={block_size}: not a "
+                             f"partial-block boundary for hash_block_size={hbs}")
+        key = make_block_hash_with_group_id(request.block_hashes[n - 1], kv_cache_group_id)
+        if block in self.cached.get(key, []):
+            return key
+        if block in self.block_hash and self.hash_num_tokens[block] < num_tokens:
+            self._maybe_evict_cached_block(block)  # the longer entry replaces the shorter
+        self._add_key(block, key, num_tokens)
+        if self.enable_kv_cache_events:
+            start = (n - 1) * hbs
+            parent = request.block_hashes[n - 2] if n > 1 else None
+            keys, _ = generate_block_hash_extra_keys(request, start, num_tokens,
+                                                     -1 if start > 0 else 0)
+            lora = request.lora_request
+            self.kv_event_queue.append(BlockStored(
+                block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                token_ids=list(request.all_token_ids[start:num_tokens]),
+                block_size=num_tokens - start, lora_id=lora.adapter_id if lora else None,
+                medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
+                extra_keys=[keys], group_idx=kv_cache_group_id))
+        return key
+
+    def _add_key(self, block_id: int, key: BlockHashWithGroupId, num_tokens: int) -> None:
+        """Cache ``block_id`` under ``key``: as its hash if it has none, else a further key."""
+        if block_id in self.block_hash:
+            self.cached_block_hashes_by_block.setdefault(block_id, set()).add(key)
+        else:
+            self.block_hash[block_id] = key
+            self.hash_num_tokens[block_id] = num_tokens
+        self.cached.setdefault(key, []).append(block_id)
+
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take ``num_blocks`` ids from the front of the free queue, evicting their hashes;
         ValueError if fewer are free or ``num_blocks < 0``."""
@@ -138,16 +194,19 @@ class BlockPool:
         return new_ids
 
     def _maybe_evict_cached_block(self, block_id: int) -> bool:
-        """Drop the block's hash from the prefix cache; True if it had one."""
+        """Drop every key of the block (its hash first) from the prefix cache, one
+        BlockRemoved each; True if it had any."""
         key = self.block_hash.pop(block_id, None)
         if key is None:
             return False
-        self.cached[key].remove(block_id)
-        if not self.cached[key]:
-            del self.cached[key]
-        if self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockRemoved(
-                [maybe_convert_block_hash(get_block_hash(key))], MEDIUM_GPU, get_group_id(key)))
+        del self.hash_num_tokens[block_id]
+        for k in [key, *self.cached_block_hashes_by_block.pop(block_id, set())]:
+            self.cached[k].remove(block_id)
+            if not self.cached[k]:
+                del self.cached[k]
+            if self.enable_kv_cache_events:
+                self.kv_event_queue.append(BlockRemoved(
+                    [maybe_convert_block_hash(get_block_hash(k))], MEDIUM_GPU, get_group_id(k)))
         return True
 
     def touch(self, blocks: Sequence[int]) -> None:
@@ -184,6 +243,8 @@ class BlockPool:
         if len(self.free_queue) != self.num_gpu_blocks - 1:
             return False
         self.block_hash.clear()
+        self.hash_num_tokens.clear()
+        self.cached_block_hashes_by_block.clear()
         self.cached.clear()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
@@ -213,5 +274,9 @@ class BlockPool:
         assert set(self.free_queue) == idle, "free queue is not the set of idle blocks"
         assert NULL_BLOCK not in self.block_hash, "the null block is cached"
         pairs = [(b, key) for key, ids in self.cached.items() for b in ids]
-        assert all(self.cached.values()) and len(pairs) == len(self.block_hash)
-        assert set(pairs) == set(self.block_hash.items()), "block_hash and cached disagree"
+        keys = set(self.block_hash.items()) | {
+            (b, k) for b, ks in self.cached_block_hashes_by_block.items() for k in ks}
+        assert all(self.cached.values()) and len(pairs) == len(keys)
+        assert set(pairs) == keys, "block_hash and cached disagree"
+        assert set(self.hash_num_tokens) == set(self.block_hash)
+        assert set(self.cached_block_hashes_by_block) <= set(self.block_hash)
