@@ -19,7 +19,7 @@ from kvcache.kv_cache_interface import (
 )
 from kvcache.kv_cache_math import admits
 from kvcache.kv_cache_utils import KVCacheBlock
-from kvcache.kv_events import BlockStored, KVCacheEvent, emitted
+from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
 from kvcache.request import Request, RequestStatus
 from kvcache.single_type_kv_cache_manager import (
@@ -765,8 +765,12 @@ class KVCacheManager:
         """
         events = self.block_pool.take_events()
         metadata = self.kv_cache_event_metadata
-        for event in events:
-            if not isinstance(event, BlockStored) or event.group_idx is None:
+        for any_event in events:
+            # By class name: the pool's events may be vLLM's (kv_events.set_event_classes).
+            if type(any_event).__name__ != "BlockStored":
+                continue
+            event = cast(BlockStored, any_event)
+            if event.group_idx is None:
                 continue
             if 0 <= event.group_idx < len(metadata):
                 kind, window = metadata[event.group_idx]
@@ -774,7 +778,7 @@ class KVCacheManager:
                 event.kv_cache_spec_sliding_window = window
             else:
                 logger.warning("Group index `%s` not in KV cache metadata", event.group_idx)
-        return emitted(events)  # vLLM's classes after kv_events.set_event_classes("vllm")
+        return events
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks in every group."""

@@ -14,8 +14,8 @@ data_parallel_rank]``, an event the map ``{"type": CLASS_NAME, field: value,
 msgspec, when installed, packs the bytes; otherwise ``packb``, a small
 MessagePack writer of its own, does (the same bytes; a test holds both to it).
 With vLLM installed, ``to_vllm`` / ``from_vllm`` convert to and from vLLM's
-own event classes, and ``set_event_classes("vllm")`` makes
-``KVCacheManager.take_events`` return vLLM's classes.
+own event classes, and ``set_event_classes("vllm")`` makes ``take_events``
+return vLLM's classes.
 """
 
 from __future__ import annotations
@@ -232,7 +232,8 @@ _emit_vllm_classes = False
 
 
 def set_event_classes(vocabulary: str) -> None:
-    """Which classes ``KVCacheManager.take_events`` returns, process-wide:
+    """Which classes ``BlockPool.take_events`` (and so ``KVCacheManager.take_events``)
+    returns, process-wide:
     ``"kvcache"`` (this module's dataclasses, the default) or ``"vllm"``
     (vLLM's own msgspec structs, via ``to_vllm``; needs vLLM). For running
     kvcache under code that checks ``isinstance`` against vLLM's event classes,
