@@ -62,6 +62,7 @@ from kvcache.kv_events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
+    KVEventBatch,
 )
 from kvcache.metrics import PrefixCacheStats
 from kvcache.request import (
@@ -117,6 +118,7 @@ __all__ = [
     "KVCacheSpec",
     "KVCacheSpecKind",
     "KVCacheTensor",
+    "KVEventBatch",
     "LoRARequest",
     "MambaManager",
     "MambaSpec",

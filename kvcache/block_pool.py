@@ -34,6 +34,7 @@ from kvcache.kv_events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
+    emitted,
 )
 
 if TYPE_CHECKING:
@@ -680,7 +681,7 @@ class BlockPool:
         if not self.enable_kv_cache_events:
             return []
         events, self.kv_event_queue = self.kv_event_queue, []
-        return events
+        return emitted(events)  # vLLM's classes after kv_events.set_event_classes("vllm")
 
     def check_invariants(self) -> None:
         """Assert the class invariants (O(pool size); for tests and self-checks)."""

@@ -469,8 +469,12 @@ class KVCacheManager:
         """
         events = self.block_pool.take_events()
         metadata = self.kv_cache_event_metadata
-        for event in events:
-            if not isinstance(event, BlockStored) or event.group_idx is None:
+        for any_event in events:
+            # By class name: the pool's events may be vLLM's (kv_events.set_event_classes).
+            if type(any_event).__name__ != "BlockStored":
+                continue
+            event = cast(BlockStored, any_event)
+            if event.group_idx is None:
                 continue
             if 0 <= event.group_idx < len(metadata):
                 kind, window = metadata[event.group_idx]

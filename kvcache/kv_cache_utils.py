@@ -2,6 +2,7 @@
 
 Hashing is byte-identical to vLLM 0.25.1 for the same ``PYTHONHASHSEED``: a
 block's hash is ``hash_fn((parent_hash or NONE_HASH, tuple(tokens), extra_keys))``
+(extra keys: LoRA name, multimodal items, cache salt, prompt-embedding digest)
 and the pool keys a cached block by that hash followed by the 4-byte
 big-endian KV-cache group id.
 """
@@ -131,8 +132,9 @@ def hash_block_tokens(
         hash_function: One of ``get_hash_fn_by_name``'s functions.
         parent_block_hash: Hash of the previous block, or None/empty for the first.
         curr_block_token_ids: The block's tokens.
-        extra_keys: LoRA name, multimodal ``(identifier, offset)`` pairs and the
-            cache salt that apply to this block, or None.
+        extra_keys: LoRA name, multimodal ``(identifier, offset)`` pairs, the
+            cache salt and the prompt-embedding digest that apply to this
+            block, or None.
     """
     if not parent_block_hash:
         parent_block_hash = NONE_HASH
@@ -181,10 +183,51 @@ def _gen_mm_extra_hash_keys(
     return keys, idx
 
 
+def tensor_data(tensor: Any) -> memoryview:
+    """The bytes of a torch tensor in row-major order, as a flat ``uint8`` memoryview.
+
+    What a prompt-embedding block hash digests: the element bytes in the
+    tensor's own dtype, on the CPU, whatever its strides. Looked up as a module
+    global on every call, so a test may wrap it to count calls.
+    """
+    import torch  # only requests with prompt embeddings get here
+
+    flat = tensor.detach().reshape(-1).cpu().contiguous()
+    data: memoryview = flat.view(torch.uint8).numpy().data
+    return data
+
+
+def _gen_prompt_embeds_extra_hash_keys(
+    request: Request, start_token_idx: int, end_token_idx: int
+) -> list[bytes]:
+    """``[sha256 of the block's slice of prompt_embeds]``, or ``[]`` without embeddings.
+
+    Every block of such a request gets the key, also blocks past the prompt
+    (their slice is empty, or partial for the block holding the prompt's end),
+    as in vLLM. The digest is memoised per ``(start, end)`` in the request's
+    ``_prompt_embeds_per_block_hashes`` when it has that dict.
+    """
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is None:
+        return []
+    memo: dict[tuple[int, int], bytes] | None = getattr(
+        request, "_prompt_embeds_per_block_hashes", None
+    )
+    block_range = (start_token_idx, end_token_idx)
+    digest = None if memo is None else memo.get(block_range)
+    if digest is None:
+        digest = hashlib.sha256(tensor_data(embeds[start_token_idx:end_token_idx])).digest()
+        if memo is not None:
+            memo[block_range] = digest
+    return [digest]
+
+
 def generate_block_hash_extra_keys(
     request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
 ) -> tuple[tuple[Any, ...] | None, int]:
-    """Extra keys of one block: LoRA name, then MM keys, then the salt (first block only).
+    """Extra keys of one block: LoRA name, then MM keys, then the salt (first block
+    only), then the digest of the block's prompt embeddings (see
+    ``_gen_prompt_embeds_extra_hash_keys``).
 
     Returns:
         ``(keys or None, next multimodal index)``.
@@ -198,6 +241,7 @@ def generate_block_hash_extra_keys(
     keys.extend(mm_keys)
     if start_token_idx == 0 and request.cache_salt:
         keys.append(request.cache_salt)
+    keys.extend(_gen_prompt_embeds_extra_hash_keys(request, start_token_idx, end_token_idx))
     return (tuple(keys) if keys else None), next_mm_idx
 
 
@@ -221,10 +265,20 @@ def get_request_block_hasher(
         mm_idx = 0 if start == 0 else -1
         parent = request.block_hashes[-1] if request.block_hashes else None
         tokens = request.all_token_ids
+        # NOTE: a request without isolation keys has no extra keys in any block;
+        # checking that once saves the per-block call (most requests).
+        keyless = not (
+            request.mm_features
+            or request.lora_request
+            or request.cache_salt
+            or getattr(request, "prompt_embeds", None) is not None
+        )
         new_hashes: list[BlockHash] = []
         while start + hash_block_size <= num_tokens:
             end = start + hash_block_size
-            extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
+            extra_keys: tuple[Any, ...] | None = None
+            if not keyless:
+                extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
             parent = hash_block_tokens(caching_hash_fn, parent, tokens[start:end], extra_keys)
             new_hashes.append(parent)
             start = end

@@ -632,11 +632,23 @@ class RandomScheduler:
                 args["mm_features"] = self.random_mm_features(len(prompt))
             if rng.random() < 0.05:
                 args["skip_reading_prefix_cache"] = True
+            if rng.random() < 0.1:
+                args["prompt_embeds"] = self.random_prompt_embeds(prompt)
+                if rng.random() < 0.3:
+                    args["prompt_token_ids"] = None  # the embeddings alone are the prompt
         self.added.append(args)
         self.all_ids.append(request_id)
         self.run.ok("add_request", **args)
-        prompt_len = len(args["prompt_token_ids"])
+        prompt_len = len(args["prompt_token_ids"] or args.get("prompt_embeds") or [])
         self.live[request_id] = Req(request_id, prompt_len, prompt_len, args["max_tokens"])
+
+    def random_prompt_embeds(self, prompt: list[int]) -> list[list[float]]:
+        """Two-wide embedding rows, one per prompt token: the token and one of two
+        "styles", so that equal prompts in one style share their prefix and the
+        same tokens in the other style must not (exact binary fractions, so the
+        float32 tensors and their digests are the same on every side)."""
+        style = self.rng.choice([0.0, 0.5])
+        return [[float(token), style] for token in prompt]
 
     def random_mm_features(self, prompt_len: int) -> list[list[Any]]:
         """1-2 sorted, non-overlapping placeholder ranges inside the prompt."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -116,6 +117,27 @@ def build_kv_cache_config(lib: Any, config: ManagerConfig, dtype: Any) -> Any:
     )
 
 
+def prompt_embeds_tensor(rows: Any) -> Any:
+    """A trace's ``prompt_embeds`` rows as a float32 torch tensor (None stays None).
+
+    Raises:
+        HarnessError: when torch, which prompt embeddings need, is not installed.
+    """
+    if rows is None:
+        return None
+    try:
+        import torch
+    except ImportError:
+        raise HarnessError("a request with prompt_embeds needs torch installed") from None
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def request_token_ids(args: Mapping[str, Any]) -> list[int] | None:
+    """A trace request's token ids (None for a prompt given by embeddings alone)."""
+    tokens = args.get("prompt_token_ids")
+    return None if tokens is None else list(tokens)
+
+
 class Adapter:
     """How to build one implementation's manager and requests (kvcache's vocabulary).
 
@@ -161,15 +183,20 @@ class Adapter:
         """A request for the fields of a trace's request record."""
         rq = self.request_module
         lora = args.get("lora")
+        # NOTE: identifiers are interned because pickle-based block hashes (sha256,
+        # xxhash) write a repeated *object* as a back-reference: two equal identifiers
+        # in one block hash differently as two str objects (as JSON reads a trace)
+        # than as one (as the driver makes them), in vLLM as in kvcache.
         return rq.Request(
             request_id=args["request_id"],
-            prompt_token_ids=list(args["prompt_token_ids"]),
+            prompt_token_ids=request_token_ids(args),
+            prompt_embeds=prompt_embeds_tensor(args.get("prompt_embeds")),
             sampling_params=None,
             pooling_params=None,
             arrival_time=0.0,
             mm_features=[
                 rq.MultiModalFeatureSpec(
-                    identifier=identifier,
+                    identifier=sys.intern(identifier),
                     mm_position=rq.PlaceholderRange(offset=offset, length=length),
                     modality="image",
                     data=None,

@@ -7,7 +7,7 @@ format ``docs/trace-format.md`` specifies. In short:
   "version": 2, "config": {...}, "pythonhashseed": "0", "recorded_with": {...}}``;
 * ``{"record": "request", "request_id": ..., "prompt_token_ids": [...], ...,
   "ok": BLOCK_HASHES}``: a new request (extra keys: ``cache_salt``, ``lora``,
-  ``mm_features``) and the block hashes the implementation computed for it;
+  ``mm_features``, ``prompt_embeds``) and the block hashes the implementation computed for it;
 * ``{"record": "call", "op": NAME, "args": {...}, "ok": RESULT | "raises":
   EXCEPTION_TYPE, "state": STATE}``: one manager call (or a scheduler-side
   change of a request: ``update_request``, ``append_output_token_ids``), what it
@@ -79,6 +79,7 @@ REQUEST_FIELDS = (
     "lora",
     "mm_features",
     "skip_reading_prefix_cache",
+    "prompt_embeds",
 )
 
 
@@ -338,10 +339,21 @@ def _check_record(where: str, line: Any) -> dict[str, Any]:
         if not isinstance(args.get("request_id"), str):
             raise TraceError(f"{where}: a request needs a string request_id")
         tokens = args.get("prompt_token_ids")
-        if not isinstance(tokens, list) or not all(
+        embeds = args.get("prompt_embeds")
+        if tokens is None and embeds is not None:
+            pass  # a prompt given by its embeddings alone
+        elif not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in tokens
         ):
             raise TraceError(f"{where}: prompt_token_ids must be a list of ints")
+        if embeds is not None and not (
+            isinstance(embeds, list)
+            and all(
+                isinstance(row, list) and all(isinstance(x, int | float) for x in row)
+                for row in embeds
+            )
+        ):
+            raise TraceError(f"{where}: prompt_embeds must be a list of rows of numbers")
         return {"op": "add_request", "args": args, **outcome}
     if kind == "call":
         op = line.get("op")

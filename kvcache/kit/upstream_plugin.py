@@ -78,6 +78,9 @@ def _real_module(vllm_name: str) -> ModuleType:
     return module
 
 
+_MISSING = object()
+
+
 class SwappedModule(ModuleType):
     """vLLM module ``name`` served by kvcache module ``target`` (see the module docstring)."""
 
@@ -85,6 +88,8 @@ class SwappedModule(ModuleType):
         super().__init__(name)
         object.__setattr__(self, "_target", target)
         object.__setattr__(self, "_reexports_from_vllm", reexports_from_vllm)
+        # Per name set through this module, the values it replaced (see __delattr__).
+        object.__setattr__(self, "_replaced", {})
 
     def __getattr__(self, attr: str) -> Any:
         target: ModuleType = object.__getattribute__(self, "_target")
@@ -102,10 +107,22 @@ class SwappedModule(ModuleType):
         return _fallback(self.__name__, attr)
 
     def __setattr__(self, attr: str, value: Any) -> None:
-        setattr(object.__getattribute__(self, "_target"), attr, value)
+        target = object.__getattribute__(self, "_target")
+        replaced: dict[str, list[Any]] = object.__getattribute__(self, "_replaced")
+        replaced.setdefault(attr, []).append(target.__dict__.get(attr, _MISSING))
+        setattr(target, attr, value)
 
     def __delattr__(self, attr: str) -> None:
-        delattr(object.__getattribute__(self, "_target"), attr)
+        # pytest's monkeypatch reads the old value from this module's own (empty)
+        # __dict__ and so undoes each patch by deleting the name: each delete puts
+        # back the value the matching set replaced (kvcache's own, in the end).
+        target = object.__getattribute__(self, "_target")
+        stack = object.__getattribute__(self, "_replaced").get(attr)
+        previous = stack.pop() if stack else _MISSING
+        if previous is _MISSING:
+            delattr(target, attr)
+        else:
+            setattr(target, attr, previous)
 
     def __dir__(self) -> list[str]:
         return dir(object.__getattribute__(self, "_target"))
@@ -187,6 +204,8 @@ def pytest_configure(config: pytest.Config) -> None:
     pin_cpu_platform()
     if MODE != "vllm":
         install_swaps(MODE)
+    if MODE == "objects":  # vLLM's objects throughout: take_events returns vLLM's events too
+        importlib.import_module("kvcache.kv_events").set_event_classes("vllm")
     sys.settrace(_tracer)
     threading.settrace(_tracer)
 

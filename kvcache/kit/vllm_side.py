@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,13 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request, RequestStatus
 
 from kvcache.kit.config import ManagerConfig
-from kvcache.kit.sides import Adapter, build_kv_cache_config, with_hash_seed
+from kvcache.kit.sides import (
+    Adapter,
+    build_kv_cache_config,
+    prompt_embeds_tensor,
+    request_token_ids,
+    with_hash_seed,
+)
 
 # 0.33.0 warns through its own loggers (a failed prefix-cache reset, a disabled
 # fine-grained hit mode) whatever VLLM_LOGGING_LEVEL says: the kit reports results.
@@ -136,7 +143,8 @@ def build_request(
     skip = bool(args.get("skip_reading_prefix_cache", False))
     return Request(
         request_id=args["request_id"],
-        prompt_token_ids=list(args["prompt_token_ids"]),
+        prompt_token_ids=request_token_ids(args),
+        prompt_embeds=prompt_embeds_tensor(args.get("prompt_embeds")),
         sampling_params=SamplingParams(
             max_tokens=int(args.get("max_tokens") or 16),
             skip_reading_prefix_cache=True if skip else None,
@@ -147,7 +155,7 @@ def build_request(
             MultiModalFeatureSpec(
                 data=None,
                 modality="image",
-                identifier=identifier,
+                identifier=sys.intern(identifier),  # as in Adapter.build_request
                 mm_position=PlaceholderRange(offset=offset, length=length),
             )
             for identifier, offset, length in args.get("mm_features") or []
