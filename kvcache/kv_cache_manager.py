@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 from kvcache.kv_cache_coordinator import get_kv_cache_coordinator
 from kvcache.kv_cache_interface import (
