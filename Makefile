@@ -19,7 +19,9 @@ CORE_SOURCES := $(filter-out kvcache/__init__.py kvcache/__main__.py kvcache/_bu
 	$(wildcard kvcache/*.py))
 COMPILED_STAMP := kvcache/_compiled.sha256
 # The compiled pass of `make verify`: the same test files, fewer Hypothesis examples.
-COMPILED_TESTS := tests/stateful tests/conformance tests/reliability
+# The drop-in checks too: the compiled build is the default one, and vLLM hands it its own objects.
+COMPILED_TESTS := tests/stateful tests/conformance tests/reliability tests/scheduler \
+	tests/unit/test_vllm_objects.py tests/unit/test_prompt_embeds.py tests/unit/test_kv_events_wire.py
 
 LINT_PATHS := spec kvcache tests proofs kernels scripts
 TYPED_PATHS := spec kvcache kernels proofs
@@ -49,7 +51,7 @@ $(DEV_STAMP): pyproject.toml
 
 compiled: $(COMPILED_STAMP)
 
-$(COMPILED_STAMP): $(CORE_SOURCES) setup.py | $(DEV_STAMP)
+$(COMPILED_STAMP): $(CORE_SOURCES) setup.py kvcache/_builds.py | $(DEV_STAMP)
 	@bash scripts/bootstrap.sh compiled $@
 
 reference: $(REF_STAMP)

@@ -34,17 +34,19 @@ from types import ModuleType
 
 CORE_MODULES = (
     "kv_cache_math",
-    "kv_events",
-    "metrics",
     "kv_cache_utils",
-    "request",
-    "kv_cache_interface",
     "block_pool",
     "single_type_kv_cache_manager",
     "kv_cache_coordinator",
     "kv_cache_manager",
 )
-"""The modules mypyc compiles (``kvcache/<name>.py``), dependencies first."""
+"""The modules mypyc compiles (``kvcache/<name>.py``), dependencies first.
+
+The vocabulary (``kv_cache_interface``, ``request``, ``kv_events``, ``metrics``)
+stays interpreted on purpose: compiled code checks an argument's type at the call
+only when the annotation names a *compiled* class, so with the vocabulary
+interpreted, vLLM's own ``KVCacheConfig``, specs, ``Request`` and events pass
+through the compiled managers as they do through the pure ones (drop-in)."""
 
 PURE_ENV = "KVCACHE_PURE"
 """Set to 1 to import the pure-Python sources even where a compiled build exists."""
@@ -98,9 +100,14 @@ class PureSourceFinder(importlib.abc.MetaPathFinder):
         path: Sequence[str] | None = None,
         target: ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
-        """A source spec for the core modules; None (look elsewhere) for the rest."""
+        """A source spec for kvcache's own modules; None (look elsewhere) for the rest.
+
+        Every ``kvcache.<name>`` with a ``<name>.py`` source is taken, not only
+        ``CORE_MODULES``: an extension left from an older build of a module that is
+        no longer compiled must not be picked up either.
+        """
         package, _, name = fullname.rpartition(".")
-        if package != "kvcache" or name not in CORE_MODULES:
+        if package != "kvcache" or not (self.package_dir / f"{name}.py").is_file():
             return None
         return importlib.util.spec_from_file_location(
             fullname, self.package_dir / f"{name}.py"

@@ -56,6 +56,9 @@ dev)
     summary="ruff, mypy, pytest, hypothesis, crosshair, matplotlib in .venv"
     ;;
 compiled)
+    # Extensions of an earlier build go first: a module no longer compiled must not
+    # keep loading from a stale .so (Python prefers it over the source).
+    rm -f kvcache/*.so "$stamp"
     step "mypyc build of kvcache's core" "$venv/bin/python" setup.py build_ext --inplace
     if [[ ! -f $stamp ]]; then
         tail -n 40 "$log"

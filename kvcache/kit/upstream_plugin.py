@@ -16,6 +16,7 @@ vocabulary name that a core module re-exports (``kv_cache_manager.Request``,
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -38,7 +39,8 @@ REPORT = os.environ.get("KVCACHE_UPSTREAM_REPORT")
 _outcomes: dict[str, str] = {}
 _fallbacks_used: dict[str, Counter[str]] = {}
 _kvcache_calls = 0
-_audit: Counter[str] = Counter()
+_audit: Counter[str] = Counter()  # vLLM core functions that ran (outside a fallback's tree)
+_allowed: Counter[str] = Counter()  # ... inside a listed fallback's call tree
 _loading_fallback = 0
 
 
@@ -51,12 +53,6 @@ def _vllm_dir() -> Path:
 VLLM_DIR = _vllm_dir()
 KVCACHE_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 AUDITED = {str(VLLM_DIR.parent / path): path for path in AUDITED_FILES}
-# Functions of the audited files a listed fallback may run (its own call tree).
-ALLOWED_AUDIT = {
-    f"vllm/{module.removeprefix('vllm.').replace('.', '/')}.py:{name}"
-    for module, names in FALLBACKS.items()
-    for name in names
-}
 
 
 def _real_module(vllm_name: str) -> ModuleType:
@@ -65,7 +61,10 @@ def _real_module(vllm_name: str) -> ModuleType:
     if alias in sys.modules:
         return sys.modules[alias]
     path = VLLM_DIR.parent / (vllm_name.replace(".", "/") + ".py")
-    spec = importlib.util.spec_from_file_location(alias, path)
+    # Named as in vLLM, so its classes and functions carry vLLM's own module name
+    # (kvcache recognises vLLM's spec classes by module and name); kept in
+    # sys.modules under the alias, since the real name is the swapped module's.
+    spec = importlib.util.spec_from_file_location(vllm_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[alias] = module
@@ -131,14 +130,43 @@ class SwappedModule(ModuleType):
 _VOCABULARY = {kv: vllm for vllm, kv in VOCABULARY_SWAPS.items()}
 
 
+_fallback_depth = threading.local()
+_wrapped: dict[tuple[str, str], Any] = {}
+
+
+def _inside_fallback() -> bool:
+    return bool(_loading_fallback or getattr(_fallback_depth, "n", 0))
+
+
+def _audited_call_tree(function: Any) -> Any:
+    """``function`` marked so the audit knows what runs inside it is a fallback's work."""
+
+    @functools.wraps(function)
+    def fallback(*args: Any, **kwargs: Any) -> Any:
+        _fallback_depth.n = getattr(_fallback_depth, "n", 0) + 1
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _fallback_depth.n -= 1
+
+    return fallback
+
+
 def _fallback(vllm_name: str, attr: str) -> Any:
     """vLLM's own ``attr`` of ``vllm_name`` if listed in FALLBACKS (or while loading one)."""
     if attr in FALLBACKS.get(vllm_name, {}) or _loading_fallback:
         real = _real_module(vllm_name)
         if hasattr(real, attr):
-            if not _loading_fallback:
-                _fallbacks_used.setdefault(vllm_name, Counter())[attr] += 1
-            return getattr(real, attr)
+            value = getattr(real, attr)
+            if _loading_fallback:
+                return value
+            _fallbacks_used.setdefault(vllm_name, Counter())[attr] += 1
+            if inspect.isfunction(value):
+                key = (vllm_name, attr)
+                if key not in _wrapped:
+                    _wrapped[key] = _audited_call_tree(value)
+                return _wrapped[key]
+            return value
     raise AttributeError(
         f"kvcache serves {vllm_name} and has no {attr!r} (not a listed fallback: "
         "kvcache.kit.upstream.FALLBACKS)"
@@ -179,9 +207,34 @@ def _tracer(frame: FrameType, event: str, arg: Any) -> None:
     path = code.co_filename
     if path in AUDITED:
         if code.co_flags & inspect.CO_NEWLOCALS:  # a function, not a module or class body
-            _audit[f"{AUDITED[path]}:{code.co_name}"] += 1
+            name = f"{AUDITED[path]}:{code.co_qualname}"
+            if MODE != "vllm" and not _always_forbidden(name) and (
+                _inside_fallback() or _generator_of_allowed(name, code.co_flags)
+            ):
+                _allowed[name] += 1
+            else:
+                _audit[name] += 1
     elif path.startswith(KVCACHE_DIR) and "/kit/" not in path[len(KVCACHE_DIR) - 1 :]:
         _kvcache_calls += 1
+
+
+def _generator_of_allowed(name: str, flags: int) -> bool:
+    """A generator resumed (or closed by the collector) after its fallback returned."""
+    enclosing, local, _ = name.partition(".<locals>.")
+    return bool(flags & inspect.CO_GENERATOR) and bool(local) and enclosing in _allowed
+
+
+def _always_forbidden(name: str) -> bool:
+    """Manager, coordinator, pool and hashing logic: never vLLM's, not even in a fallback."""
+    path, _, qualname = name.partition(":")
+    if not path.endswith("kv_cache_utils.py"):
+        return True
+    lowered = qualname.lower()
+    return qualname.startswith(FORBIDDEN_CLASSES) or any(w in lowered for w in FORBIDDEN_WORDS)
+
+
+FORBIDDEN_CLASSES = ("KVCacheBlock.", "FreeKVCacheBlockQueue.", "BlockHashListWithBlockSize.")
+FORBIDDEN_WORDS = ("hash", "extra_keys", "tensor_data", "block_id")
 
 
 def pin_cpu_platform() -> None:
@@ -222,10 +275,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """Write the report: outcomes, fallbacks used, audited calls, kvcache call count."""
     sys.settrace(None)
     threading.settrace(None)
-    if MODE == "vllm":
-        audit = dict(_audit)
-    else:
-        audit = {name: n for name, n in _audit.items() if name not in ALLOWED_AUDIT}
+    audit = dict(_audit)
     if REPORT:
         Path(REPORT).write_text(
             json.dumps(
@@ -234,7 +284,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
                     "outcomes": _outcomes,
                     "fallbacks": {m: dict(c) for m, c in _fallbacks_used.items()},
                     "audit": audit,
-                    "audit_allowed": {n: c for n, c in _audit.items() if n in ALLOWED_AUDIT},
+                    "audit_allowed": dict(_allowed),
                     "kvcache_calls": _kvcache_calls,
                 },
                 indent=1,
