@@ -10,6 +10,7 @@ dtype or its name (``"float16"``, ``"torch.bfloat16"``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -88,6 +89,30 @@ class KVCacheSpec:
     def page_size_bytes(self) -> int:
         """Bytes of one block of this layer."""
         raise NotImplementedError
+
+    @property
+    def storage_block_size(self) -> int:
+        """Tokens one block stores (``block_size``; compressed layouts store fewer)."""
+        return self.block_size
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """Most bytes one request can hold in this layer (worker-side pool sizing).
+
+        ``vllm_config`` is read as data: ``model_config.max_model_len``,
+        ``scheduler_config``, ``parallel_config``, ``cache_config``, as vLLM's
+        ``VllmConfig`` lays them out.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no memory bound")
+
+    def copy_with_new_block_size(self: _SpecT, block_size: int) -> _SpecT:
+        """This spec with ``block_size`` replaced."""
+        return dataclasses.replace(self, block_size=block_size)
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, Any]) -> bool:
+        """Whether every spec of ``kv_cache_specs`` is of this spec's kind family
+        (one KV-cache group can hold them all). Subclasses add their own fields."""
+        family = _uniform_family(self)
+        return all(is_spec_kind(spec, family) for spec in kv_cache_specs.values())
 
     @classmethod
     def merge(cls: type[_SpecT], specs: Sequence[_SpecT]) -> _SpecT:
@@ -225,6 +250,19 @@ class FullAttentionSpec(AttentionSpec):
             * get_dtype_size(self.dtype)
         )
 
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """Every block up to ``max_model_len`` (a context-parallel rank keeps its share)."""
+        return _full_attention_memory(self, vllm_config)
+
+
+def _full_attention_memory(spec: AttentionSpec, vllm_config: Any) -> int:
+    max_model_len = vllm_config.model_config.max_model_len
+    parallel = vllm_config.parallel_config
+    ranks = parallel.decode_context_parallel_size * parallel.prefill_context_parallel_size
+    if ranks > 1:  # each context-parallel rank keeps its share of the tokens
+        max_model_len = kv_cache_math.cdiv(max_model_len, ranks)
+    return kv_cache_math.cdiv(max_model_len, spec.block_size) * spec.page_size_bytes
+
 
 def _merge_window_sizes(name: str, sizes: set[int]) -> int | None:
     """The one window (or chunk) size of a group's layers, None if none is set.
@@ -276,6 +314,22 @@ class SlidingWindowSpec(AttentionSpec):
             self.sliding_window, self.block_size, max_num_batched_tokens, max_model_len
         )
 
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """The admission cap's blocks (no decode context parallelism, as in vLLM)."""
+        if vllm_config.parallel_config.decode_context_parallel_size != 1:
+            raise ValueError("sliding window attention does not support decode context parallel")
+        blocks = self.max_admission_blocks_per_request(
+            vllm_config.scheduler_config.max_num_batched_tokens,
+            vllm_config.model_config.max_model_len,
+        )
+        return blocks * self.page_size_bytes
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, Any]) -> bool:
+        """Sliding windows of the same size (and the same MLA-ness) only."""
+        return super().is_uniform_with_collection(kv_cache_specs) and all(
+            spec.sliding_window == self.sliding_window for spec in kv_cache_specs.values()
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkedLocalAttentionSpec(AttentionSpec):
@@ -297,6 +351,21 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         """Most blocks one request holds at once: one chunk plus one step's tokens."""
         return kv_cache_math.chunked_local_admission_blocks(
             self.attention_chunk_size, self.block_size, max_num_batched_tokens, max_model_len
+        )
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """The admission cap's blocks."""
+        blocks = self.max_admission_blocks_per_request(
+            vllm_config.scheduler_config.max_num_batched_tokens,
+            vllm_config.model_config.max_model_len,
+        )
+        return blocks * self.page_size_bytes
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, Any]) -> bool:
+        """Chunked local attention with the same chunk size only."""
+        return super().is_uniform_with_collection(kv_cache_specs) and all(
+            spec.attention_chunk_size == self.attention_chunk_size
+            for spec in kv_cache_specs.values()
         )
 
 
@@ -342,11 +411,54 @@ class MambaSpec(KVCacheSpec):
             return max(self.page_size_padded, size)
         return size
 
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """States one request holds: one per block ("all"), running + checkpoint
+        ("align") or the running one ("none"), plus the speculative ones. The mode
+        read is the cache config's, as vLLM reads it."""
+        mode = vllm_config.cache_config.mamba_cache_mode
+        if mode == "all":
+            max_model_len = vllm_config.model_config.max_model_len
+            states = kv_cache_math.cdiv(max_model_len, self.block_size)
+        else:
+            states = 2 if mode == "align" else 1
+        return (states + self.num_speculative_blocks) * self.page_size_bytes
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, Any]) -> bool:
+        """Mamba layers with the same number of speculative blocks only."""
+        return super().is_uniform_with_collection(kv_cache_specs) and all(
+            spec.num_speculative_blocks == self.num_speculative_blocks
+            for spec in kv_cache_specs.values()
+        )
+
 
 @dataclass(frozen=True)
 class CrossAttentionSpec(AttentionSpec):
     """Cross attention of an encoder-decoder model: blocks for the encoder
     output, allocated once per request and never cached."""
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """Blocks for the longest encoder input the scheduler admits."""
+        max_encoder_len = vllm_config.scheduler_config.max_num_encoder_input_tokens
+        return kv_cache_math.cdiv(max_encoder_len, self.block_size) * self.page_size_bytes
+
+
+# The spec class each kind's layers share a group by (vLLM's registry bases), most
+# specific first.
+_UNIFORM_FAMILIES = (
+    "SlidingWindowMLASpec",
+    "SlidingWindowSpec",
+    "ChunkedLocalAttentionSpec",
+    "MambaSpec",
+    "CrossAttentionSpec",
+    "FullAttentionSpec",
+)
+
+
+def _uniform_family(kv_cache_spec: object) -> str:
+    for family in _UNIFORM_FAMILIES:
+        if is_spec_kind(kv_cache_spec, family):
+            return family
+    raise NotImplementedError(f"{type(kv_cache_spec).__name__} has no uniform-type family")
 
 
 # ---------------------------------------------------------------- spec kinds

@@ -238,30 +238,6 @@ RELEASES: dict[str, Release] = {
                 "test_rswa_remove_skipped_blocks_gap_range",
                 "issue 14: RSWASpec / RSWAManager are not modelled yet",
             ),
-            # Vocabulary mode only: vLLM's worker-side sizing helpers (a listed fallback)
-            # call methods kvcache's spec classes do not have yet.
-            *(
-                Excluded(
-                    f"tests/v1/core/test_kv_cache_utils.py::{name}",
-                    "issue 12 remainder: kvcache's spec classes lack the worker-side "
-                    "sizing methods (max_memory_usage_bytes, is_uniform_with_collection) "
-                    "vLLM's sizing helpers call",
-                )
-                for name in (
-                    "test_auto_fit_max_model_len",
-                    "test_auto_fit_max_model_len_not_triggered",
-                    "test_auto_fit_max_model_len_respects_num_gpu_blocks_override",
-                    "test_auto_fit_max_model_len_with_hybrid",
-                    "test_check_enough_kv_cache_memory_respects_num_gpu_blocks_override",
-                    "test_estimate_max_model_len[",
-                    "test_generate_uniform_type_kv_cache_specs",
-                    "test_get_kv_cache_config_one_worker",
-                    "test_get_kv_cache_configs_multiple_workers",
-                    "test_get_kv_cache_configs_pp_sharding[",
-                    "test_get_max_concurrency_for_kv_cache_config",
-                    "test_unify_hybrid_kv_cache_specs",
-                )
-            ),
         ),
     ),
 }
