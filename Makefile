@@ -103,6 +103,8 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py tests-compiled -- env KVCACHE_EXPECT_COMPILED=1 CONFORMANCE_SEQUENCES=30 \
 		HYPOTHESIS_PROFILE=compiled $(PY) -m pytest -q -p no:cacheprovider $(COMPILED_TESTS)
 	@$(PY) scripts/stage.py upstream -- env KVCACHE_PURE=1 $(PY) -m kvcache.kit.upstream
+	@$(PY) scripts/stage.py upstream-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
+		$(PY) -m kvcache.kit.upstream --reuse-baseline
 	@$(PY) scripts/stage.py proofs -- env KVCACHE_PURE=1 $(PY) -m proofs.run
 	@$(PY) scripts/stage.py check-0.33 -- env KVCACHE_PURE=1 $(MAKE) --no-print-directory check-0.33
 

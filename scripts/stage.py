@@ -60,10 +60,10 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
         if exhaustive:
             detail += "; " + exhaustive[-1].strip()
         return f"proofs: {'ok' if rc == 0 else 'FAILED'} ({detail})"
-    if stage == "upstream":
+    if stage.startswith("upstream"):
         found = re.findall(r"^upstream: .*$", output, re.MULTILINE)
         detail = found[-1].removeprefix("upstream: ") if found else f"rc={rc}"
-        return f"upstream: {'ok' if rc == 0 else 'FAILED'} ({detail})"
+        return f"{stage}: {'ok' if rc == 0 else 'FAILED'} ({detail})"
     if stage.startswith("check-"):
         found = re.findall(r"^release-check .*$", output, re.MULTILINE)
         detail = found[-1] if found else f"rc={rc}"

@@ -237,6 +237,14 @@ FORBIDDEN_CLASSES = ("KVCacheBlock.", "FreeKVCacheBlockQueue.", "BlockHashListWi
 FORBIDDEN_WORDS = ("hash", "extra_keys", "tensor_data", "block_id")
 
 
+def _compiled_build() -> bool:
+    """Whether kvcache's compiled build served the run (its calls are invisible to
+    ``sys.settrace``; the audit of vLLM's files still sees any vLLM logic)."""
+    import kvcache
+
+    return bool(kvcache.COMPILED)
+
+
 def pin_cpu_platform() -> None:
     """Use vLLM's CPU platform when vLLM detects none (no GPU, a non-CPU build of vLLM).
 
@@ -255,6 +263,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if MODE not in ("vllm", "objects", "vocabulary"):
         raise pytest.UsageError(f"KVCACHE_UPSTREAM_MODE={MODE!r}: vllm, objects or vocabulary")
     pin_cpu_platform()
+    if os.environ.get("KVCACHE_EXPECT_COMPILED") == "1" and not _compiled_build():
+        raise pytest.UsageError("KVCACHE_EXPECT_COMPILED=1 but kvcache's pure build is loaded")
     if MODE != "vllm":
         install_swaps(MODE)
     if MODE == "objects":  # vLLM's objects throughout: take_events returns vLLM's events too
@@ -286,6 +296,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
                     "audit": audit,
                     "audit_allowed": dict(_allowed),
                     "kvcache_calls": _kvcache_calls,
+                    "compiled": _compiled_build(),
                 },
                 indent=1,
                 sort_keys=True,
