@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -106,4 +105,44 @@ def test_exhaustive_search_finds_a_manager_freeing_heads_first(
     monkeypatch.setattr(SingleTypeKVCacheManager, "free", free_head_first)
     explorer = exhaustive.Explorer(exhaustive.LAYOUTS[0])
     with pytest.raises(exhaustive.Mismatch, match="free_queue"):
-        explorer.explore(time.monotonic() + 20, max_depth=6)
+        explorer.explore(max_depth=6)
+
+
+def test_exhaustive_search_covers_mamba_align() -> None:
+    """A Mamba-align manager that never frees its previous state, found by the
+    full + Mamba align layout."""
+    from kvcache import MambaManager
+    from proofs import exhaustive
+
+    (layout,) = [lay for lay in exhaustive.LAYOUTS if "Mamba" in lay.name]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MambaManager, "remove_skipped_blocks", lambda self, *args, **kwargs: None)
+        with pytest.raises(exhaustive.Mismatch):
+            exhaustive.Explorer(layout).explore(max_depth=5)
+
+
+def test_enumeration_decides_what_crosshair_leaves_open(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``proofs.bounded``'s enumeration (what decides a property CrossHair does not
+    exhaust within its path cap) finds a planted bug on its own; unplanted, the same
+    check is exhausted."""
+    from proofs import bounded
+
+    plant(tmp_path, "spec/pure.py", "planted_pure",
+          "while block_size != alignment_tokens and num_blocks * block_size % alignment_tokens:",
+          "while num_blocks > 3 and num_blocks * block_size % alignment_tokens:")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status, _, evidence = bounded.enumerate_contract("planted_pure.align_num_hit_blocks",
+                                                     20_000)
+    assert status == bounded.COUNTEREXAMPLE, evidence
+    status, detail, _ = bounded.enumerate_contract("spec.pure.align_num_hit_blocks", 20_000)
+    assert status == bounded.EXHAUSTED and "inputs" in detail
+
+
+def test_bounded_verdicts_are_counts_not_seconds() -> None:
+    """One check run twice in one process gives the same verdict, detail included."""
+    from proofs import bounded
+
+    first = bounded.enumerate_pair("admits", 5_000)
+    assert first == bounded.enumerate_pair("admits", 5_000)
+    assert first[0] == bounded.EXHAUSTED
