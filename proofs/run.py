@@ -5,7 +5,7 @@
 Every property is decided by counts (``proofs/bounded.py``, ``proofs/exhaustive.py``):
 CrossHair's paths, the inputs of an enumeration, the search depth. So the same commit
 prints the same verdict table on an idle or a loaded machine; only the seconds on
-the summary line differ. Each property ends with one of
+the summary line differ. About 3 minutes on 2 idle cores. Each property ends with one of
 
     proved          CrossHair covered every path (contracts, pairs);
     exhausted       a deterministic enumeration covered its stated input domain
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(row.text())
     summary = ", ".join(f"{counts.get(s, 0)} {s}" for s in (PROVED, EXHAUSTED, COUNTEREXAMPLE,
                                                             ERROR))
-    print(f"{len(rows)} properties: {summary} [{time.monotonic() - start:.0f}s]")
+    print(f"{len(rows)} properties in {time.monotonic() - start:.0f}s: {summary}")
     return 1 if any(counts.get(s) for s in FAILING) else 0
 
 
