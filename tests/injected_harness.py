@@ -111,5 +111,5 @@ def timed_catch(bug: str, catch: Callable[[], BaseException | None]) -> BaseExce
 def catch_summary() -> str:
     """One line: how many planted bugs were caught, the slowest three (CPU seconds)."""
     slowest = sorted(CATCHES, key=lambda c: -c[1])[:3]
-    listed = ", ".join(f"{cpu:.1f} s ({bug})" for bug, cpu, _ in slowest)
+    listed = ", ".join(f"{cpu:.2f} s ({bug})" for bug, cpu, _ in slowest)
     return f"injected bugs: {len(CATCHES)} caught, slowest {listed}"

@@ -1,13 +1,17 @@
 """The proofs have teeth: a planted bug in a copy of a checked function is caught.
 
 Each test copies the real source file into a temporary module, plants one bug with
-a textual edit (asserted to apply), and runs the same CrossHair command as
-``proofs/run.py`` with a small budget; CrossHair must report a counterexample. The
-last test plants a bug in kvcache itself (in memory) and runs the exhaustive search.
+a textual edit (asserted to apply), and runs the same check as ``proofs/run.py``
+(``python -m proofs.bounded``: CrossHair capped by paths, with the same z3 work
+limit); CrossHair itself must report the counterexample (its message, not the
+enumeration's). The diffbehavior test runs CrossHair's command line on a planted
+pair. The last tests plant bugs in kvcache itself (in memory) and run the
+exhaustive search, or the enumeration alone.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -34,12 +38,19 @@ def crosshair(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def check_contract(tmp_path: Path, target: str) -> str:
-    """``crosshair check`` the planted target; assert it finds a counterexample."""
-    result = crosshair(tmp_path, "check", "--per_condition_timeout=6", "--per_path_timeout=2",
-                       target)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert ": error: " in result.stdout, result.stdout
-    return result.stdout
+    """``proofs.bounded`` on the planted target, as ``proofs/run.py`` runs it; assert
+    CrossHair finds a counterexample (``file:line: message``)."""
+    from proofs.run import environment
+
+    env = {**environment(), "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    result = subprocess.run(
+        [sys.executable, "-m", "proofs.bounded", json.dumps([["contract", target, 100, 1000]])],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    verdict = json.loads(result.stdout.strip().splitlines()[-1])
+    assert verdict["status"] == "counterexample", verdict
+    assert ".py:" in verdict["evidence"], verdict  # CrossHair's message, not the enumeration's
+    return str(verdict["evidence"])
 
 
 def test_cdiv_off_by_one_breaks_its_contract(tmp_path: Path) -> None:
