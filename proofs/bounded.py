@@ -29,6 +29,7 @@ import itertools
 import json
 import math
 import sys
+import time
 import typing
 from collections import Counter
 from collections.abc import Callable, Container, Iterator, Sequence
@@ -322,8 +323,10 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     for kind, name, max_iterations, max_cases in json.loads(argv[0]):
+        cpu = time.process_time()
         print(json.dumps(asdict(check(kind, name, int(max_iterations), int(max_cases)))),
               flush=True)
+        print(f"{name}: {time.process_time() - cpu:.1f}s of CPU", file=sys.stderr, flush=True)
     return 0
 
 
