@@ -17,8 +17,8 @@ on an idle or a loaded machine:
 ``python -m proofs.bounded`` runs the checks named in its JSON argument (a list of
 ``["contract", target, iterations, cases]`` or ``["pair", name, iterations, cases]``)
 in that order, in one process, and prints one JSON line per check (``Verdict``).
-``proofs/run.py`` gives each worker process a fixed list, so every check meets the
-same interpreter history on every run.
+``proofs/run.py`` runs each check in a fresh process, so no check's exploration
+depends on what ran before it (z3's shared context, CrossHair's caches).
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def crosshair_contract(target: str, max_iterations: int) -> tuple[str, str, str]
     from crosshair.statespace import MessageType
 
     fn = resolve(target)
+    concrete_type_variables(fn)
     options = _options(max_iterations)
     checkables = analyze_function(fn, options)
     confirmed, unconfirmed, failures, paths = 0, 0, [], 0
@@ -120,6 +121,26 @@ def crosshair_contract(target: str, max_iterations: int) -> tuple[str, str, str]
         return ERROR, "", f"{target}: no post: condition was checked"
     return (PROVED if confirmed == total else ""), (
         f"{confirmed}/{total} conditions on all paths, {paths} paths"), ""
+
+
+def concrete_type_variables(fn: Callable[..., Any]) -> None:
+    """Read ``fn``'s type variables as ints (``Sequence[T]`` as ``list[int]``,
+    ``Container[H]`` as ``set[int]``), in this process only, as the pairs do
+    (``manifest.Pair.types``). For a bare type variable CrossHair would pick a
+    class among all those loaded, in an order that differs from run to run (and
+    some, third-party, break on symbolic values)."""
+    hints = typing.get_type_hints(fn)
+    concrete: dict[str, Any] = {}
+    for name, hint in hints.items():
+        args = typing.get_args(hint)
+        if isinstance(hint, typing.TypeVar):
+            concrete[name] = int
+        elif args and isinstance(args[0], typing.TypeVar):
+            origin = typing.get_origin(hint)
+            concrete[name] = set[int] if origin is Container else list[int]
+        else:
+            concrete[name] = hint
+    fn.__annotations__ = concrete
 
 
 def crosshair_pair(name: str, max_iterations: int) -> tuple[str, str, str]:

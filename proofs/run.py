@@ -17,8 +17,8 @@ the summary line differ. About 3 minutes on 2 idle cores. Each property ends wit
                     the safety limit below: the bounds then need resizing).
 
 The exhaustive search is one process; the CrossHair checks are split over
-``--jobs - 1`` worker processes (at least one), each with a fixed list in manifest
-order, so each check meets the same interpreter history on every run. Each process
+``--jobs - 1`` workers (at least one), each running its checks one after another,
+each check in a fresh process, so no check's exploration depends on another's. Each process
 has a generous wall-clock safety limit (``SAFETY_S``) that no run of a correctly
 sized manifest comes near; reaching it is an error, never a verdict.
 
@@ -122,7 +122,13 @@ def checks() -> list[tuple[str, str, int, int]]:
 
 
 def crosshair_worker(batch: list[tuple[str, str, int, int]]) -> list[Line]:
-    """``python -m proofs.bounded`` over ``batch``; a row per check."""
+    """``python -m proofs.bounded``, a fresh process per check of ``batch`` (no check
+    sees another's interpreter history); a row per check."""
+    return [row for check in batch for row in crosshair_check([check])]
+
+
+def crosshair_check(batch: list[tuple[str, str, int, int]]) -> list[Line]:
+    """``python -m proofs.bounded`` over ``batch`` in one process; a row per check."""
     rc, output = run_process([sys.executable, "-m", "proofs.bounded", json.dumps(batch)])
     rows: dict[tuple[str, str], Line] = {}
     for text in output.splitlines():
