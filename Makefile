@@ -8,6 +8,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEV_STAMP := $(VENV)/.stamp-dev
 REF_STAMP := $(VENV)/.stamp-vllm-0.25.1
+REF33_VENV := .venv-0.33
+REF33_STAMP := $(REF33_VENV)/.stamp-vllm-0.33.0
 FUZZ_VENV := .venv-fuzz
 FUZZ_STAMP := $(FUZZ_VENV)/.stamp-fuzz
 BENCH_STAMP := $(VENV)/.stamp-bench
@@ -30,7 +32,8 @@ FUZZ_SECONDS ?=
 FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(FUZZ_HOST) \
 	FUZZ_PORT=$(FUZZ_PORT) FUZZ_SECONDS=$(FUZZ_SECONDS)
 
-.PHONY: setup reference lint typecheck test conformance verify proofs traces fuzz fuzz-worker \
+.PHONY: setup reference reference-0.33 check-0.33 lint typecheck test conformance verify upstream \
+	proofs traces fuzz fuzz-worker \
 	fuzz-dashboard test-kernels bench-kernels bench mutation clean distclean
 
 setup: $(DEV_STAMP)
@@ -42,6 +45,19 @@ reference: $(REF_STAMP)
 
 $(REF_STAMP): | $(DEV_STAMP)
 	@bash scripts/bootstrap.sh reference $@
+
+# vLLM 0.33.0 in a venv of its own (.venv-0.33), for the kit's release checks.
+reference-0.33: $(REF33_STAMP)
+
+$(REF33_STAMP):
+	@bash scripts/bootstrap.sh reference-0.33 $@
+
+# The kit against vLLM 0.33.0: replay the stored traces and a 40 s census; every
+# difference must be in the ledger (kvcache/kit/ledger.toml). Builds .venv-0.33 first.
+CHECK33_SECONDS ?= 40
+check-0.33: $(REF33_STAMP)
+	$(REF33_VENV)/bin/python -m kvcache release-check --census-seconds $(CHECK33_SECONDS) \
+		--census-dir build/census-0.33 tests/data/*.jsonl*
 
 $(FUZZ_STAMP): pyproject.toml
 	@bash scripts/bootstrap.sh fuzz $@
@@ -55,7 +71,8 @@ $(MUTATION_STAMP): | $(DEV_STAMP)
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 
-typecheck: $(DEV_STAMP)
+# Needs the reference layer: the kernels and the kit import torch, numpy and vLLM's types.
+typecheck: $(REF_STAMP)
 	$(VENV)/bin/mypy --strict $(TYPED_PATHS)
 
 test: $(REF_STAMP)
@@ -68,7 +85,14 @@ verify: $(REF_STAMP)
 	@$(PY) scripts/stage.py lint -- $(VENV)/bin/ruff check $(LINT_PATHS)
 	@$(PY) scripts/stage.py typecheck -- $(VENV)/bin/mypy --strict $(TYPED_PATHS)
 	@$(PY) scripts/stage.py tests -- $(PY) -m pytest -q -p no:cacheprovider
+	@$(PY) scripts/stage.py upstream -- $(PY) -m kvcache.kit.upstream
 	@$(PY) scripts/stage.py proofs -- $(PY) -m proofs.run
+	@$(PY) scripts/stage.py check-0.33 -- $(MAKE) --no-print-directory check-0.33
+
+# vLLM 0.25.1's own tests/v1/core, fetched into build/upstream, run unchanged on stock vLLM,
+# with vLLM's core modules served by kvcache (vLLM's objects), and with kvcache's vocabulary too.
+upstream: $(REF_STAMP)
+	$(PY) -m kvcache.kit.upstream --verbose
 
 traces: $(REF_STAMP)
 	$(PY) scripts/record_vllm_traces.py
@@ -115,4 +139,4 @@ clean:
 	find . -name __pycache__ -type d -prune -not -path './$(VENV)/*' -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(FUZZ_VENV)
+	rm -rf $(VENV) $(FUZZ_VENV) $(REF33_VENV)

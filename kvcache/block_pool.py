@@ -9,7 +9,7 @@ the blocks, as in vLLM, with its hot operations (touch, release) inlined here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcache.kv_cache_utils import (
@@ -38,6 +38,14 @@ if TYPE_CHECKING:
     from kvcache.request import Request
 
 
+class PartialBlockError(ValueError, AssertionError):
+    """Bad arguments to ``BlockPool.cache_partial_block``.
+
+    A ``ValueError`` (kvcache's error at a public boundary) that is also an
+    ``AssertionError``, which vLLM 0.25.1 raises for the same arguments.
+    """
+
+
 class BlockHashToBlockMap:
     """Prefix-cache map: pool key -> cached block(s), per KV-cache group.
 
@@ -48,6 +56,9 @@ class BlockHashToBlockMap:
     Layout: ``group_maps[g][hash]`` is always that oldest block, so a hit search
     is one C-level dict lookup per block; younger duplicates wait, oldest first,
     in ``extras[g][hash]`` and the next one is promoted when the oldest leaves.
+    ``extras[g][hash]`` exists (possibly empty) from the second block cached under a
+    hash until the hash has no block left: that is when vLLM's map holds a
+    ``{block_id: block}`` dict rather than a bare block, which ``_cache`` shows.
     """
 
     def __init__(self) -> None:
@@ -108,20 +119,17 @@ class BlockHashToBlockMap:
         younger = extras.get(h)
         if first.block_id == block_id:
             if younger:
-                # Promote the next oldest duplicate.
+                # Promote the next oldest duplicate (an emptied ``younger`` stays: the
+                # hash keeps vLLM's dict form until its last block leaves).
                 next_id = next(iter(younger))
                 m[h] = younger.pop(next_id)
-                if not younger:
-                    del extras[h]
             else:
                 del m[h]
+                extras.pop(h, None)
             return first
         if younger is None:
             return None
-        block = younger.pop(block_id, None)
-        if not younger:
-            del extras[h]
-        return block
+        return younger.pop(block_id, None)
 
     def items(self) -> list[tuple[BlockHashWithGroupId, list[KVCacheBlock]]]:
         """Every (pool key, blocks oldest first) pair. For tests and tools."""
@@ -135,6 +143,66 @@ class BlockHashToBlockMap:
 
     def __len__(self) -> int:
         return sum(len(m) for m in self.group_maps.values())
+
+    @property
+    def _cache(self) -> _VllmCacheView:
+        """vLLM's private ``_cache`` dict, as a live view (vLLM's own tests read and edit it)."""
+        return _VllmCacheView(self)
+
+
+_CacheEntry = KVCacheBlock | dict[int, KVCacheBlock]
+
+
+class _VllmCacheView(MutableMapping[BlockHashWithGroupId, _CacheEntry]):
+    """A :class:`BlockHashToBlockMap` seen as vLLM 0.25.1 lays it out.
+
+    vLLM keeps one dict from pool key to a bare block, or to ``{block_id: block}``
+    once a second block was cached under the key. Reads, writes and deletes
+    translate to the per-group layout; ``copy.copy`` gives a plain dict snapshot.
+    """
+
+    def __init__(self, owner: BlockHashToBlockMap) -> None:
+        self._owner = owner
+
+    def __getitem__(self, key: BlockHashWithGroupId) -> _CacheEntry:
+        group_id, h = get_group_id(key), get_block_hash(key)
+        m = self._owner.group_maps.get(group_id)
+        first = None if m is None else m.get(h)
+        if first is None:
+            raise KeyError(key)
+        younger = self._owner.extras[group_id].get(h)
+        if younger is None:
+            return first
+        return {first.block_id: first, **younger}
+
+    def __setitem__(self, key: BlockHashWithGroupId, value: _CacheEntry) -> None:
+        if key in self:
+            del self[key]
+        group_id, h = get_group_id(key), get_block_hash(key)
+        blocks = list(value.values()) if isinstance(value, dict) else [value]
+        for block in blocks:
+            self._owner.insert_raw(group_id, h, block)
+        if isinstance(value, dict) and blocks:
+            self._owner.extras[group_id].setdefault(h, {})
+
+    def __delitem__(self, key: BlockHashWithGroupId) -> None:
+        group_id, h = get_group_id(key), get_block_hash(key)
+        m = self._owner.group_maps.get(group_id)
+        if m is None or h not in m:
+            raise KeyError(key)
+        del m[h]
+        self._owner.extras[group_id].pop(h, None)
+
+    def __iter__(self) -> Iterator[BlockHashWithGroupId]:
+        for group_id, m in self._owner.group_maps.items():
+            for h in m:
+                yield make_block_hash_with_group_id(h, group_id)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __copy__(self) -> dict[BlockHashWithGroupId, _CacheEntry]:
+        return dict(self.items())
 
 
 class BlockPool:
@@ -179,8 +247,8 @@ class BlockPool:
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
-        # Extra keys per block exist only for partial-block caching (unsupported):
-        # kept, always empty, for code that reads vLLM's attribute.
+        # Secondary pool keys per block id: partial-block entries registered on a
+        # block that already has a (primary) hash; see cache_partial_block.
         self.cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
@@ -260,13 +328,17 @@ class BlockPool:
             if blk.is_null or (block_mask is not None and not block_mask[i]):
                 continue
             h = new_hashes[i]
-            # NOTE: only partial-block promotion would re-cache a hashed block, and
-            # kvcache does not support partial blocks (vLLM asserts here too).
+            num_hash_tokens = (num_cached_blocks + i + 1) * block_size
             if blk._hash is not None:
-                raise ValueError(f"block {blk.block_id} is already cached")
+                # NOTE: the one valid re-cache is promoting a block cached under a
+                # shorter partial entry to its full-block hash: its old keys go.
+                num_tokens = blk._block_hash_num_tokens
+                if num_tokens is None or num_tokens >= num_hash_tokens:
+                    raise ValueError(f"block {blk.block_id} is already cached")
+                self._evict(blk)
             blk._hash = h
             blk._group_id = kv_cache_group_id
-            blk._block_hash_num_tokens = (num_cached_blocks + i + 1) * block_size
+            blk._block_hash_num_tokens = num_hash_tokens
             insert(kv_cache_group_id, h, blk)
             if events:
                 stored.append(maybe_convert_block_hash(h))
@@ -332,6 +404,102 @@ class BlockPool:
             )
         )
 
+    def cache_partial_block(
+        self,
+        request: Request,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+    ) -> BlockHashWithGroupId | None:
+        """Make ``block`` reachable from a prefix of ``num_tokens`` tokens that ends
+        inside it (a partial-block prefix-cache entry), without a new block.
+
+        The key is the request's ``hash_block_size`` chain hash ending at
+        ``num_tokens`` (it covers the whole prefix). If the block has no hash it
+        becomes the block's hash; if the block holds a shorter entry, that entry
+        is replaced (``BlockRemoved``); otherwise the key is added as a secondary
+        key in ``cached_block_hashes_by_block``. Eviction, reset and promotion by
+        ``cache_full_blocks`` drop every key of the block. A new entry queues a
+        ``BlockStored`` of the last ``hash_block_size`` tokens; registering an
+        entry again changes nothing.
+
+        Args:
+            request: Owner of the prefix; its ``block_hashes`` name it.
+            block: The block the prefix ends in.
+            num_tokens: Prefix length: a multiple of ``hash_block_size``, not of
+                ``block_size``, at most the request's hashed tokens.
+            kv_cache_group_id: The group the entry belongs to.
+            block_size: The group's block size (a multiple of ``hash_block_size``,
+                larger than it).
+
+        Returns:
+            The pool key of the entry, or None for the null block.
+
+        Raises:
+            PartialBlockError: for sizes breaking the rules above (nothing changes).
+        """
+        if block.is_null:
+            return None
+        hash_block_size = self.hash_block_size
+        if block_size <= hash_block_size or block_size % hash_block_size:
+            raise PartialBlockError(
+                f"block_size={block_size} must be a multiple of hash_block_size="
+                f"{hash_block_size} larger than it"
+            )
+        num_hash_blocks = num_tokens // hash_block_size
+        if (
+            num_tokens % block_size == 0
+            or num_tokens % hash_block_size
+            or not 0 < num_hash_blocks <= len(request.block_hashes)
+        ):
+            raise PartialBlockError(
+                f"num_tokens={num_tokens} must end inside a block of {block_size} tokens, "
+                f"on a hash boundary ({hash_block_size}), within the request's "
+                f"{len(request.block_hashes)} block hashes"
+            )
+        h = request.block_hashes[num_hash_blocks - 1]
+        key = make_block_hash_with_group_id(h, kv_cache_group_id)
+        entry_tokens = num_hash_blocks * hash_block_size
+        already_cached = (
+            block._hash == h and block._group_id == kv_cache_group_id
+        ) or self.cached_block_hash_to_block.contain(key, block.block_id)
+        if already_cached:
+            return key
+        if block._hash is not None and (
+            block._block_hash_num_tokens is not None
+            and block._block_hash_num_tokens < entry_tokens
+        ):
+            self._evict(block)  # a longer entry replaces the shorter one
+        if block._hash is None:
+            block._hash = h
+            block._group_id = kv_cache_group_id
+            block._block_hash_num_tokens = entry_tokens
+        else:
+            self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
+        self.cached_block_hash_to_block.insert_raw(kv_cache_group_id, h, block)
+        if self.enable_kv_cache_events:
+            start = (num_hash_blocks - 1) * hash_block_size
+            parent = request.block_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None
+            extra_keys, _ = generate_block_hash_extra_keys(
+                request, start, num_tokens, -1 if start > 0 else 0
+            )
+            lora = request.lora_request
+            self.kv_event_queue.append(
+                BlockStored(
+                    block_hashes=[maybe_convert_block_hash(h)],
+                    parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                    token_ids=list(request.all_token_ids[start:num_tokens]),
+                    block_size=num_tokens - start,
+                    lora_id=lora.adapter_id if lora else None,
+                    medium=MEDIUM_GPU,
+                    lora_name=lora.lora_name if lora else None,
+                    extra_keys=[extra_keys],
+                    group_idx=kv_cache_group_id,
+                )
+            )
+        return key
+
     # ------------------------------------------------------------ allocation
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -363,15 +531,16 @@ class BlockPool:
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> bool:
-        """Drop ``block``'s hash from the prefix cache; True if it had one."""
+        """Drop ``block``'s hash (and any secondary partial-block keys) from the
+        prefix cache, one ``BlockRemoved`` per key; True if any key was mapped."""
         h = block._hash
         if h is None:
             return False
         group_id = block._group_id
         block.reset_hash()
-        if self.cached_block_hash_to_block.pop_raw(group_id, h, block.block_id) is None:
-            return False
-        if self.enable_kv_cache_events:
+        cache = self.cached_block_hash_to_block
+        removed = cache.pop_raw(group_id, h, block.block_id) is not None
+        if removed and self.enable_kv_cache_events:
             self.kv_event_queue.append(
                 BlockRemoved(
                     block_hashes=[maybe_convert_block_hash(h)],
@@ -379,7 +548,23 @@ class BlockPool:
                     group_idx=group_id,
                 )
             )
-        return True
+        if self.cached_block_hashes_by_block:
+            for key in self.cached_block_hashes_by_block.pop(block.block_id, ()):
+                if cache.pop(key, block.block_id) is None:
+                    continue
+                removed = True
+                if self.enable_kv_cache_events:
+                    self.kv_event_queue.append(
+                        BlockRemoved(
+                            block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                            medium=MEDIUM_GPU,
+                            group_idx=get_group_id(key),
+                        )
+                    )
+        return removed
+
+    # vLLM's name for ``_evict`` (its own tests call it).
+    _maybe_evict_cached_block = _evict
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Add one reference to each block (a prefix hit), taking free ones out of
@@ -478,6 +663,7 @@ class BlockPool:
         if self.num_gpu_blocks - self.free_block_queue.num_free_blocks != 1:
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
         for block in self.blocks:
             block.reset_hash()
         if self.enable_kv_cache_events:
@@ -532,14 +718,23 @@ class BlockPool:
                 assert block.prev_free_block is None and block.next_free_block is None, (
                     f"block {block.block_id} is in use but still linked into the free queue"
                 )
-        mapped = {}
+        mapped: dict[int, BlockHashWithGroupId] = {}
+        secondary: dict[int, set[BlockHashWithGroupId]] = {}
         for key, blocks in self.cached_block_hash_to_block.items():
             assert blocks, f"empty entry for {key!r}"
             for b in blocks:
-                assert b.block_hash == key, f"block {b.block_id} mapped under a foreign key"
-                mapped[b.block_id] = key
+                if b.block_hash == key:
+                    mapped[b.block_id] = key
+                else:
+                    assert key in self.cached_block_hashes_by_block.get(b.block_id, ()), (
+                        f"block {b.block_id} mapped under a foreign key"
+                    )
+                    secondary.setdefault(b.block_id, set()).add(key)
         for block in self.blocks:
             if block._hash is not None:
                 assert mapped.get(block.block_id) == block.block_hash
         assert len(mapped) == sum(b._hash is not None for b in self.blocks)
+        assert secondary == self.cached_block_hashes_by_block, "secondary keys out of sync"
+        for block_id in secondary:
+            assert self.blocks[block_id]._hash is not None, "secondary key without a primary"
         assert self.null_block._hash is None

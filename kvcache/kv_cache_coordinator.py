@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
-    CrossAttentionSpec,
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    is_spec_kind,
 )
 from kvcache.kv_cache_utils import (
     BlockHash,
@@ -32,6 +31,12 @@ from kvcache.single_type_kv_cache_manager import (
 
 if TYPE_CHECKING:
     from kvcache.request import Request
+
+
+def _is_full(spec: KVCacheSpec) -> bool:
+    """Whether ``spec`` is full attention (kvcache's or vLLM's class, or a subclass:
+    MLA and the other full-attention variants count, as in vLLM's isinstance test)."""
+    return is_spec_kind(spec, "FullAttentionSpec")
 
 
 class KVCacheCoordinator:
@@ -423,7 +428,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 f"got {len(self.attention_groups)}"
             )
         # Full attention's cheap left-to-right scan bounds the others' searches.
-        self.attention_groups.sort(key=lambda g: not isinstance(g.spec, FullAttentionSpec))
+        self.attention_groups.sort(key=lambda g: not _is_full(g.spec))
         for group in self.attention_groups:
             if group.use_eagle:
                 for gid in group.group_ids:
@@ -434,7 +439,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self._full_pair: tuple[SpecGroup, SpecGroup] | None = (
             (first, rest[0])
             if len(rest) == 1
-            and isinstance(first.spec, FullAttentionSpec)
+            and _is_full(first.spec)
             and not first.use_eagle
             and not rest[0].use_eagle
             else None
@@ -479,15 +484,15 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         hit_blocks_by_group: list[list[KVCacheBlock] | None] = [None] * len(
             self.kv_cache_config.kv_cache_groups
         )
-        is_simple_hybrid = len(self.attention_groups) == 2 and isinstance(
-            self.attention_groups[0].spec, FullAttentionSpec
+        is_simple_hybrid = len(self.attention_groups) == 2 and _is_full(
+            self.attention_groups[0].spec
         )
         eagle_verified: set[int] = set()
         while True:
             curr_hit_length = hit_length
             for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(self.attention_groups):
                 if (
-                    isinstance(spec, FullAttentionSpec)
+                    _is_full(spec)
                     and hit_blocks_by_group[group_ids[0]] is not None
                 ):
                     curr_hit_length = curr_hit_length // spec.block_size * spec.block_size
@@ -520,7 +525,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if is_simple_hybrid:
                 break
         first = self.attention_groups[0]
-        if isinstance(first.spec, FullAttentionSpec):
+        if _is_full(first.spec):
             num_blocks = hit_length // first.spec.block_size
             for group_id in first.group_ids:
                 full_blocks = hit_blocks_by_group[group_id]
@@ -609,7 +614,7 @@ def get_kv_cache_coordinator(
             (vLLM accepts the config but fails on the first hit search).
     """
     if enable_caching and any(
-        isinstance(g.kv_cache_spec, CrossAttentionSpec) for g in kv_cache_config.kv_cache_groups
+        is_spec_kind(g.kv_cache_spec, "CrossAttentionSpec") for g in kv_cache_config.kv_cache_groups
     ):
         raise NotImplementedError(
             "cross-attention groups need enable_caching=False: their blocks are never cached"

@@ -9,9 +9,11 @@ dtype or its name (``"float16"``, ``"torch.bfloat16"``).
 
 from __future__ import annotations
 
+import copy
 import enum
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar, cast
 
 from kvcache import kv_cache_math
 
@@ -56,6 +58,18 @@ class KVCacheSpecKind(enum.StrEnum):
     UNKNOWN = "unknown"
 
 
+class KVCacheSpecMergeError(ValueError, AssertionError):
+    """Layers of one KV-cache group whose specs cannot be merged into one.
+
+    Both a ``ValueError`` (kvcache's error at a public boundary) and an
+    ``AssertionError`` (what vLLM 0.25.1 raises for the same inputs), so callers
+    written against either catch it.
+    """
+
+
+_SpecT = TypeVar("_SpecT", bound="KVCacheSpec")
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """Base spec of one layer's KV cache: ``block_size`` tokens per block."""
@@ -70,6 +84,22 @@ class KVCacheSpec:
     def page_size_bytes(self) -> int:
         """Bytes of one block of this layer."""
         raise NotImplementedError
+
+    @classmethod
+    def merge(cls: type[_SpecT], specs: Sequence[_SpecT]) -> _SpecT:
+        """One spec for the layers of a KV-cache group (vLLM's ``merge``): the
+        layers must all have equal specs; a copy of the first is returned.
+
+        Raises:
+            KVCacheSpecMergeError: if ``specs`` is empty or the specs differ.
+        """
+        if not specs:
+            raise KVCacheSpecMergeError("specs is empty: nothing to merge")
+        if any(spec != specs[0] for spec in specs[1:]):
+            raise KVCacheSpecMergeError(
+                f"all layers of one KV-cache group must have equal specs, got {list(specs)!r}"
+            )
+        return copy.deepcopy(specs[0])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +150,66 @@ class FullAttentionSpec(AttentionSpec):
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
 
+    @classmethod
+    def merge(cls: type[_SpecT], specs: Sequence[_SpecT]) -> _SpecT:
+        """One full-attention spec for a group's layers, as vLLM merges them: the
+        attention fields must agree, the recorded sliding windows (and chunk
+        sizes) that are set must be one value, and ``non_causal`` is true if any
+        layer is non-causal.
+
+        Raises:
+            KVCacheSpecMergeError: if a spec is not full attention (or is MLA,
+                which vLLM merges separately), the attention fields differ, or
+                both a window and a chunk size remain.
+            ValueError: if the layers record two different windows or chunk sizes.
+        """
+        if not specs:
+            raise KVCacheSpecMergeError("specs is empty: nothing to merge")
+        for spec in specs:
+            if not is_spec_kind(spec, "FullAttentionSpec") or is_spec_kind(
+                spec, "MLAAttentionSpec"
+            ):
+                raise KVCacheSpecMergeError(
+                    f"every layer of a full-attention group must be a (non-MLA) "
+                    f"FullAttentionSpec, got {type(spec).__name__}"
+                )
+        full = [cast(FullAttentionSpec, s) for s in specs]
+        first = full[0]
+        merged = cls(  # type: ignore[call-arg]
+            block_size=first.block_size,
+            num_kv_heads=first.num_kv_heads,
+            head_size=first.head_size,
+            head_size_v=first.head_size_v,
+            dtype=first.dtype,
+            kv_quant_mode=first.kv_quant_mode,
+            page_size_padded=first.page_size_padded,
+            indexes_kv_by_block_stride=first.indexes_kv_by_block_stride,
+            sliding_window=_merge_window_sizes(
+                "sliding_window", {s.sliding_window for s in full if s.sliding_window is not None}
+            ),
+            attention_chunk_size=_merge_window_sizes(
+                "attention_chunk_size",
+                {s.attention_chunk_size for s in full if s.attention_chunk_size is not None},
+            ),
+            non_causal=any(s.non_causal for s in full),
+        )
+        names = [f.name for f in fields(AttentionSpec)]
+        for layer in full:
+            for name in names:
+                if getattr(layer, name) != getattr(merged, name):
+                    raise KVCacheSpecMergeError(
+                        f"all layers of one KV-cache group must have the same {name}: "
+                        f"{getattr(layer, name)!r} != {getattr(merged, name)!r}"
+                    )
+        merged_full = cast(FullAttentionSpec, merged)
+        if merged_full.sliding_window is not None and merged_full.attention_chunk_size is not None:
+            raise KVCacheSpecMergeError(
+                "a group cannot mix sliding-window and chunked-local layers "
+                f"(sliding_window={merged_full.sliding_window}, "
+                f"attention_chunk_size={merged_full.attention_chunk_size})"
+            )
+        return merged
+
     @property
     def real_page_size_bytes(self) -> int:
         """Bytes of one block before padding: K uses ``head_size``, V ``head_size_v``."""
@@ -130,6 +220,20 @@ class FullAttentionSpec(AttentionSpec):
             * (self.head_size + head_size_v)
             * get_dtype_size(self.dtype)
         )
+
+
+def _merge_window_sizes(name: str, sizes: set[int]) -> int | None:
+    """The one window (or chunk) size of a group's layers, None if none is set.
+
+    Raises:
+        ValueError: for two different sizes (vLLM raises ValueError here too).
+    """
+    if len(sizes) > 1:
+        raise ValueError(
+            f"all attention layers of one KV-cache group must have the same {name}, "
+            f"got {sorted(sizes)}"
+        )
+    return next(iter(sizes), None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,25 +345,92 @@ class CrossAttentionSpec(AttentionSpec):
     output, allocated once per request and never cached."""
 
 
+# ---------------------------------------------------------------- spec kinds
+
+SPEC_MODULES = frozenset({__name__, "vllm.v1.kv_cache_interface"})
+"""Modules whose spec classes are recognised by name: kvcache's and vLLM 0.25.1's
+(the classes carry the same names and fields). vLLM is never imported for this."""
+
+_SPEC_CLASS_NAMES: dict[type, frozenset[str]] = {}
+
+
+def spec_class_names(kv_cache_spec: object) -> frozenset[str]:
+    """Names of the spec classes ``kv_cache_spec`` is an instance of, from
+    kvcache's and vLLM's ``kv_cache_interface`` (subclasses defined elsewhere
+    inherit their bases' names). Cached per class."""
+    cls = type(kv_cache_spec)
+    names = _SPEC_CLASS_NAMES.get(cls)
+    if names is None:
+        names = frozenset(c.__name__ for c in cls.__mro__ if c.__module__ in SPEC_MODULES)
+        _SPEC_CLASS_NAMES[cls] = names
+    return names
+
+
+def is_spec_kind(kv_cache_spec: object, *class_names: str) -> bool:
+    """Whether ``kv_cache_spec`` is an instance of a spec class called one of
+    ``class_names`` in kvcache's or vLLM's ``kv_cache_interface`` (or of a subclass).
+
+    This is ``isinstance`` across both families, so a config vLLM's engine built
+    drives kvcache's managers unchanged.
+    """
+    names = _SPEC_CLASS_NAMES.get(type(kv_cache_spec)) or spec_class_names(kv_cache_spec)
+    return any(name in names for name in class_names)
+
+
+def spec_exact_class_name(kv_cache_spec: object) -> str | None:
+    """The class name of ``kv_cache_spec`` if its class itself is one of kvcache's
+    or vLLM's spec classes (not a subclass defined elsewhere), else None."""
+    cls = type(kv_cache_spec)
+    return cls.__name__ if cls.__module__ in SPEC_MODULES else None
+
+
+# Most specific first, as vLLM orders its isinstance tests.
+_KIND_ORDER = (
+    ("SlidingWindowMLASpec", KVCacheSpecKind.SLIDING_WINDOW_MLA),
+    ("MLAAttentionSpec", KVCacheSpecKind.MLA_ATTENTION),
+    ("SinkFullAttentionSpec", KVCacheSpecKind.SINK_FULL_ATTENTION),
+    ("FullAttentionSpec", KVCacheSpecKind.FULL_ATTENTION),
+    ("ChunkedLocalAttentionSpec", KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION),
+    ("SlidingWindowSpec", KVCacheSpecKind.SLIDING_WINDOW),
+    ("MambaSpec", KVCacheSpecKind.MAMBA),
+    ("EncoderOnlyAttentionSpec", KVCacheSpecKind.ENCODER_ONLY_ATTENTION),
+    ("CrossAttentionSpec", KVCacheSpecKind.CROSS_ATTENTION),
+)
+
+
+def _inner_specs(kv_cache_spec: object) -> list[Any] | None:
+    """The per-layer specs of a ``UniformTypeKVCacheSpecs`` (vLLM's), else None."""
+    if not is_spec_kind(kv_cache_spec, "UniformTypeKVCacheSpecs"):
+        return None
+    return list(getattr(kv_cache_spec, "kv_cache_specs", {}).values())
+
+
 def get_kv_cache_spec_kind(kv_cache_spec: KVCacheSpec) -> KVCacheSpecKind:
-    """The kind label vLLM attaches to this spec's ``BlockStored`` events."""
-    if isinstance(kv_cache_spec, FullAttentionSpec):
-        return KVCacheSpecKind.FULL_ATTENTION
-    if isinstance(kv_cache_spec, ChunkedLocalAttentionSpec):
-        return KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION
-    if isinstance(kv_cache_spec, SlidingWindowSpec):
-        return KVCacheSpecKind.SLIDING_WINDOW
-    if isinstance(kv_cache_spec, MambaSpec):
-        return KVCacheSpecKind.MAMBA
-    if isinstance(kv_cache_spec, CrossAttentionSpec):
-        return KVCacheSpecKind.CROSS_ATTENTION
+    """The kind label vLLM attaches to this spec's ``BlockStored`` events.
+
+    Works for kvcache's and vLLM's spec classes and their subclasses; a
+    ``UniformTypeKVCacheSpecs`` has its layers' kind when they all share one.
+    """
+    inner = _inner_specs(kv_cache_spec)
+    if inner is not None:
+        kinds = {get_kv_cache_spec_kind(spec) for spec in inner}
+        return kinds.pop() if len(kinds) == 1 else KVCacheSpecKind.UNKNOWN
+    names = spec_class_names(kv_cache_spec)
+    for name, kind in _KIND_ORDER:
+        if name in names:
+            return kind
     return KVCacheSpecKind.UNKNOWN
 
 
 def get_kv_cache_spec_sliding_window(kv_cache_spec: KVCacheSpec) -> int | None:
-    """The sliding window vLLM attaches to ``BlockStored`` events (None unless SWA)."""
-    if isinstance(kv_cache_spec, SlidingWindowSpec):
-        return kv_cache_spec.sliding_window
+    """The sliding window vLLM attaches to ``BlockStored`` events (None unless a
+    sliding-window kind; a ``UniformTypeKVCacheSpecs`` has its layers' common window)."""
+    inner = _inner_specs(kv_cache_spec)
+    if inner is not None:
+        windows = {get_kv_cache_spec_sliding_window(spec) for spec in inner}
+        return windows.pop() if len(windows) == 1 else None
+    if is_spec_kind(kv_cache_spec, "SlidingWindowSpec"):
+        return cast(SlidingWindowSpec, kv_cache_spec).sliding_window
     return None
 
 
@@ -293,7 +464,7 @@ class KVCacheConfig:
     @property
     def has_mamba_layers(self) -> bool:
         """Whether any group is a Mamba group."""
-        return any(isinstance(g.kv_cache_spec, MambaSpec) for g in self.kv_cache_groups)
+        return any(is_spec_kind(g.kv_cache_spec, "MambaSpec") for g in self.kv_cache_groups)
 
     @property
     def needs_kv_cache_zeroing(self) -> bool:

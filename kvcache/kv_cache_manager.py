@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,11 +12,10 @@ from typing import Any, Literal, cast, overload
 
 from kvcache.kv_cache_coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
 from kvcache.kv_cache_interface import (
-    AttentionSpec,
-    CrossAttentionSpec,
     KVCacheConfig,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
+    is_spec_kind,
 )
 from kvcache.kv_cache_math import admits
 from kvcache.kv_cache_utils import KVCacheBlock
@@ -31,6 +31,8 @@ from kvcache.single_type_kv_cache_manager import (
     SlidingWindowManager,
     cdiv,
 )
+
+logger = logging.getLogger(__name__)
 
 _WATERMARKED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
@@ -756,7 +758,11 @@ class KVCacheManager:
         return self.coordinator.get_num_common_prefix_blocks(running_request_id)
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Drain queued KV events, labelling ``BlockStored`` with its group's kind."""
+        """Drain queued KV events, labelling ``BlockStored`` with its group's kind.
+
+        An event whose ``group_idx`` names no group is returned unlabelled, with
+        vLLM's warning on ``logger``.
+        """
         events = self.block_pool.take_events()
         metadata = self.kv_cache_event_metadata
         for event in events:
@@ -766,6 +772,8 @@ class KVCacheManager:
                 kind, window = metadata[event.group_idx]
                 event.kv_cache_spec_kind = kind
                 event.kv_cache_spec_sliding_window = window
+            else:
+                logger.warning("Group index `%s` not in KV cache metadata", event.group_idx)
         return events
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
@@ -780,13 +788,16 @@ class KVCacheManager:
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
         """Block ids per group, clipped to the blocks covering ``num_computed_tokens``
-        in self-attention groups (Mamba and cross-attention groups returned whole)."""
+        in self-attention groups (Mamba, cross-attention and encoder-only groups
+        returned whole)."""
         clipped = []
         for group, ids in zip(
             self.kv_cache_config.kv_cache_groups, self.get_block_ids(request_id), strict=False
         ):
             spec = group.kv_cache_spec
-            if isinstance(spec, AttentionSpec) and not isinstance(spec, CrossAttentionSpec):
+            if is_spec_kind(spec, "AttentionSpec") and not is_spec_kind(
+                spec, "CrossAttentionSpec", "EncoderOnlyAttentionSpec"
+            ):
                 ids = ids[: cdiv(num_computed_tokens, spec.block_size)]
             clipped.append(ids)
         return tuple(clipped)

@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any, cast
 from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
+    SPEC_MODULES,
     ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    is_spec_kind,
+    spec_exact_class_name,
 )
 from kvcache.kv_cache_utils import BlockHash, BlockHashList, KVCacheBlock
 
@@ -138,8 +139,9 @@ class SingleTypeKVCacheManager:
             type(self).get_num_skipped_tokens is (SingleTypeKVCacheManager.get_num_skipped_tokens)
             and type(self).remove_skipped_blocks is SingleTypeKVCacheManager.remove_skipped_blocks
         )
-        # Only attention groups that keep every token report fresh ids for zeroing.
-        self._tracks_new_block_ids = type(kv_cache_spec) is FullAttentionSpec
+        # Only attention groups that keep every token report fresh ids for zeroing
+        # (vLLM tests the exact class: subclasses such as sink attention do not).
+        self._tracks_new_block_ids = spec_exact_class_name(kv_cache_spec) in _TRACKING_SPECS
 
     # ------------------------------------------------------------ sizing
 
@@ -475,7 +477,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Rightmost run of enough cached blocks whose end is aligned; positions
         before the run are the null block. With no full run, the cached run at
         the very start (if any) is the hit."""
-        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        kv_cache_spec = cast(SlidingWindowSpec, kv_cache_spec)
         block_size = kv_cache_spec.block_size
         need = cls._contiguous_blocks_for_hit(
             kv_cache_spec.sliding_window, block_size, drop_eagle_block
@@ -505,7 +507,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """A hit ends on an ``alignment_tokens`` boundary and reads only the
         ``need`` blocks before it (shifted by one with EAGLE), so only those
         tails of each aligned segment are worth caching."""
-        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        kv_cache_spec = cast(SlidingWindowSpec, kv_cache_spec)
         if alignment_tokens is None:
             return None
         if retention_interval is not None:
@@ -551,7 +553,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     ) -> tuple[list[KVCacheBlock], ...]:
         """Null blocks up to the chunk holding ``max_length``, then cached blocks
         from there left to right until the first miss."""
-        assert isinstance(kv_cache_spec, ChunkedLocalAttentionSpec)
+        kv_cache_spec = cast(ChunkedLocalAttentionSpec, kv_cache_spec)
         if drop_eagle_block or kv_cache_spec.block_size != alignment_tokens:
             raise NotImplementedError(
                 "chunked local attention supports neither EAGLE nor groups of other block sizes"
@@ -608,7 +610,7 @@ class MambaManager(SingleTypeKVCacheManager):
         pcp_world_size: int = 1,
     ) -> tuple[list[KVCacheBlock], ...]:
         """Rightmost cached state whose end is aligned, preceded by null blocks."""
-        assert isinstance(kv_cache_spec, MambaSpec)
+        kv_cache_spec = cast(MambaSpec, kv_cache_spec)
         num_blocks = kv_cache_math.mamba_hit_num_blocks(
             cast(Sequence[BlockHash], block_hashes),
             _cached_in(block_pool, kv_cache_group_ids),
@@ -796,13 +798,76 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         raise NotImplementedError("CrossAttentionManager does not support caching")
 
 
-_MANAGER_FOR_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
-    FullAttentionSpec: FullAttentionManager,
-    SlidingWindowSpec: SlidingWindowManager,
-    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
-    MambaSpec: MambaManager,
-    CrossAttentionSpec: CrossAttentionManager,
+class RSWAManager(FullAttentionManager):
+    """vLLM's manager for reference sliding-window attention (``RSWASpec``): the
+    name exists for vLLM's callers; the kind is not modelled yet (issue 14)."""
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, **kwargs: object) -> None:
+        raise NotImplementedError(
+            f"RSWAManager ({type(kv_cache_spec).__name__}) is not modelled by kvcache yet "
+            "(issue 14)"
+        )
+
+
+class SinkFullAttentionManager(FullAttentionManager):
+    """vLLM's manager for full attention with sink tokens (``SinkFullAttentionSpec``):
+    the name exists for vLLM's callers; the kind is not modelled yet (issue 14)."""
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, **kwargs: object) -> None:
+        raise NotImplementedError(
+            f"SinkFullAttentionManager ({type(kv_cache_spec).__name__}) is not modelled by "
+            "kvcache yet (issue 14)"
+        )
+
+
+_TRACKING_SPECS = frozenset(
+    {"FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec", "HiddenStateCacheSpec"}
+)
+"""Spec classes whose groups report newly allocated block ids (for zeroing)."""
+
+_MANAGER_FOR_SPEC: dict[str, type[SingleTypeKVCacheManager]] = {
+    "FullAttentionSpec": FullAttentionManager,
+    "TQFullAttentionSpec": FullAttentionManager,
+    "MLAAttentionSpec": FullAttentionManager,
+    "HiddenStateCacheSpec": FullAttentionManager,
+    "SlidingWindowSpec": SlidingWindowManager,
+    "SlidingWindowMLASpec": SlidingWindowManager,
+    "ChunkedLocalAttentionSpec": ChunkedLocalAttentionManager,
+    "MambaSpec": MambaManager,
+    "CrossAttentionSpec": CrossAttentionManager,
 }
+"""Manager per spec class name, as vLLM 0.25.1 registers them (MLA is full
+attention, sliding-window MLA is sliding window to the manager)."""
+
+_NOT_MODELLED = frozenset({"RSWASpec", "SinkFullAttentionSpec", "UniformTypeKVCacheSpecs"})
+"""vLLM spec classes kvcache recognises but does not model yet (issue 14)."""
+
+
+def get_manager_class_for_kv_cache_spec(
+    kv_cache_spec: KVCacheSpec,
+) -> type[SingleTypeKVCacheManager]:
+    """The manager class for a spec: the nearest class in its MRO that is one of
+    kvcache's or vLLM's spec classes decides, so vLLM's own spec objects and
+    subclasses of either family are accepted.
+
+    Raises:
+        NotImplementedError: for a spec kind kvcache does not support (naming the
+            class; for vLLM's sink, R-SWA and uniform-type specs, issue 14).
+    """
+    for cls in type(kv_cache_spec).__mro__:
+        if cls.__module__ not in SPEC_MODULES:
+            continue
+        if cls.__name__ in _NOT_MODELLED:
+            raise NotImplementedError(
+                f"kv_cache_spec of type {type(kv_cache_spec).__name__} ({cls.__name__}) is "
+                "recognised but not modelled by kvcache yet (issue 14)"
+            )
+        manager_cls = _MANAGER_FOR_SPEC.get(cls.__name__)
+        if manager_cls is not None:
+            return manager_cls
+    raise NotImplementedError(
+        f"kv_cache_spec of type {type(kv_cache_spec).__name__} is not supported"
+    )
 
 
 def get_manager_for_kv_cache_spec(
@@ -816,13 +881,52 @@ def get_manager_for_kv_cache_spec(
     Raises:
         NotImplementedError: for a spec kind kvcache does not support.
     """
-    manager_cls = _MANAGER_FOR_SPEC.get(type(kv_cache_spec))
-    if manager_cls is None:
-        raise NotImplementedError(
-            f"kv_cache_spec of type {type(kv_cache_spec).__name__} is not supported"
-        )
-    if isinstance(kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
-        kwargs["max_admission_blocks_per_request"] = kv_cache_spec.max_admission_blocks_per_request(
+    manager_cls = get_manager_class_for_kv_cache_spec(kv_cache_spec)
+    if is_spec_kind(kv_cache_spec, "SlidingWindowSpec", "ChunkedLocalAttentionSpec"):
+        spec = cast(SlidingWindowSpec | ChunkedLocalAttentionSpec, kv_cache_spec)
+        kwargs["max_admission_blocks_per_request"] = spec.max_admission_blocks_per_request(
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
         )
     return manager_cls(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
+
+
+# vLLM spec class -> (kvcache manager, the vLLM class its layers group with).
+_VLLM_REGISTRATIONS: tuple[tuple[str, type[SingleTypeKVCacheManager], str], ...] = (
+    ("FullAttentionSpec", FullAttentionManager, "FullAttentionSpec"),
+    ("SlidingWindowSpec", SlidingWindowManager, "SlidingWindowSpec"),
+    ("SlidingWindowMLASpec", SlidingWindowManager, "SlidingWindowMLASpec"),
+    ("MambaSpec", MambaManager, "MambaSpec"),
+    ("ChunkedLocalAttentionSpec", ChunkedLocalAttentionManager, "ChunkedLocalAttentionSpec"),
+    ("CrossAttentionSpec", CrossAttentionManager, "CrossAttentionSpec"),
+    ("TQFullAttentionSpec", FullAttentionManager, "FullAttentionSpec"),
+    ("MLAAttentionSpec", FullAttentionManager, "FullAttentionSpec"),
+    ("RSWASpec", RSWAManager, "FullAttentionSpec"),
+    ("HiddenStateCacheSpec", FullAttentionManager, "FullAttentionSpec"),
+    ("SinkFullAttentionSpec", SinkFullAttentionManager, "FullAttentionSpec"),
+)
+
+
+def register_all_kvcache_specs(vllm_config: object = None) -> None:
+    """vLLM's spec-registration hook, for callers that run it before building a
+    scheduler or grouping layers.
+
+    kvcache itself needs no registration (managers are found by spec class name).
+    When vLLM is installed, vLLM's ``KVCacheSpecRegistry`` gets vLLM's spec classes
+    with kvcache's managers and vLLM's grouping base classes, so vLLM's own
+    layer-grouping helpers (which consult that registry) work beside kvcache. A class
+    vLLM already registered keeps its registration. Without vLLM this does nothing.
+    """
+    try:
+        from vllm.v1 import kv_cache_interface as vllm_specs
+        from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+    except ImportError:
+        return
+    for spec_name, manager_cls, base_name in _VLLM_REGISTRATIONS:
+        spec_cls = getattr(vllm_specs, spec_name, None)
+        base_cls = getattr(vllm_specs, base_name, None)
+        if spec_cls is None or base_cls is None:
+            continue
+        try:
+            KVCacheSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=base_cls)
+        except AssertionError:
+            continue  # registered before with vLLM's own manager

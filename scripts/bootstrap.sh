@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: scripts/bootstrap.sh dev|reference|fuzz|bench|mutation STAMP
+# Usage: scripts/bootstrap.sh dev|reference|reference-0.33|fuzz|bench|mutation STAMP
 #
 # Installs one layer of the test environment into .venv, quietly: the
 # installers' output goes to build/setup.log and one summary line is printed
@@ -8,14 +8,18 @@
 #   dev        python3 -m venv .venv; pip install -e '.[dev]'
 #   reference  CPU torch and triton (the kernels extra), vLLM 0.25.1 without its
 #              GPU dependencies, plus the few packages `import vllm.v1.core` needs
+#   reference-0.33  a venv of its own, .venv-0.33: vLLM 0.33.0 without its GPU
+#              dependencies (it pins torch 2.14.0 but imports with CPU torch 2.13.0),
+#              its import-time needs, and this repo (-e .) for the kit
 #   fuzz       a venv of its own, .venv-fuzz, with pip install -e '.[fuzz]' (HypoFuzz
 #              and the Hypothesis it works with)
 #   bench      pip install -e '.[bench]' (matplotlib)
 #   mutation   pip install -e '.[mutation]' (mutmut, for `make mutation`)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-layer=${1:?usage: bootstrap.sh dev|reference|fuzz|bench|mutation STAMP}
-stamp=${2:?usage: bootstrap.sh dev|reference|fuzz|bench|mutation STAMP}
+usage="usage: bootstrap.sh dev|reference|reference-0.33|fuzz|bench|mutation STAMP"
+layer=${1:?$usage}
+stamp=${2:?$usage}
 log=build/setup.log
 venv=.venv
 mkdir -p build
@@ -24,7 +28,12 @@ started=$SECONDS
 # What importing vllm.v1.core needs, without vLLM's full (GPU) dependency set.
 vllm_import_deps=(numpy packaging regex psutil pyzmq urllib3 msgspec pydantic cbor2
     transformers aiohttp requests openai-harmony openai pillow pybase64 cachetools
-    cloudpickle uvloop py-cpuinfo prometheus_client "llguidance>=1.7.0,<1.8.0" apache-tvm-ffi)
+    cloudpickle uvloop py-cpuinfo prometheus_client "llguidance>=1.7.0,<1.8.0" apache-tvm-ffi
+    einops)  # einops: vLLM's worker utilities, imported by its core tests (make upstream)
+# vLLM 0.33.0 adds and swaps a few: oss-harmony for openai-harmony, fastapi,
+# partial-json-parser, and a transformers below 5.21.
+vllm33_import_deps=("${vllm_import_deps[@]/openai-harmony/oss-harmony}" "transformers<5.21"
+    fastapi partial-json-parser)
 
 step() {  # step DESCRIPTION COMMAND...: run quietly, or fail with the log's tail
     local what=$1
@@ -42,7 +51,7 @@ case $layer in
 dev)
     step "create .venv" python3 -m venv "$venv"
     step "dev tools" pip_install -e '.[dev]'
-    summary="ruff, mypy, pytest, hypothesis, crosshair in .venv"
+    summary="ruff, mypy, pytest, hypothesis, crosshair, matplotlib in .venv"
     ;;
 reference)
     step "CPU torch" pip_install torch==2.13.0
@@ -53,6 +62,18 @@ reference)
     step "import check" "$venv/bin/python" -c \
         "from vllm.v1.core.kv_cache_manager import KVCacheManager"
     summary="vLLM 0.25.1 reference, CPU torch, triton in .venv"
+    ;;
+reference-0.33)
+    venv=.venv-0.33
+    step "create .venv-0.33" python3 -m venv "$venv"
+    step "CPU torch" pip_install torch==2.13.0
+    step "vLLM 0.33.0" pip_install --no-deps vllm==0.33.0
+    step "vLLM 0.33.0's import dependencies" pip_install "${vllm33_import_deps[@]}"
+    step "xgrammar" pip_install --no-deps xgrammar
+    step "kvcache (-e .)" pip_install -e .
+    step "import check" "$venv/bin/python" -c \
+        "from vllm.v1.core.kv_cache_manager import KVCacheManager; import kvcache.kit.vllm_side"
+    summary="vLLM 0.33.0, CPU torch in .venv-0.33"
     ;;
 fuzz)
     venv=.venv-fuzz
@@ -69,7 +90,7 @@ mutation)
     summary="mutmut in .venv"
     ;;
 *)
-    echo "unknown layer $layer (dev, reference, fuzz, bench or mutation)"
+    echo "unknown layer $layer (dev, reference, reference-0.33, fuzz, bench or mutation)"
     exit 2
     ;;
 esac

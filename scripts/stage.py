@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run one ``make verify`` stage quietly and print ONE summary line.
 
-Usage: ``scripts/stage.py lint|typecheck|tests|proofs -- COMMAND...``
+Usage: ``scripts/stage.py lint|typecheck|tests|upstream|proofs|check-0.33 -- COMMAND...``
 
 The command's full output goes to ``build/<stage>.log``; on failure its tail is
 printed above the summary line. The exit status is the command's (pytest's
@@ -59,6 +59,14 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
         if exhaustive:
             detail += "; " + exhaustive[-1].strip()
         return f"proofs: {'ok' if rc == 0 else 'FAILED'} ({detail})"
+    if stage == "upstream":
+        found = re.findall(r"^upstream: .*$", output, re.MULTILINE)
+        detail = found[-1].removeprefix("upstream: ") if found else f"rc={rc}"
+        return f"upstream: {'ok' if rc == 0 else 'FAILED'} ({detail})"
+    if stage.startswith("check-"):
+        found = re.findall(r"^release-check .*$", output, re.MULTILINE)
+        detail = found[-1] if found else f"rc={rc}"
+        return f"{stage}: {'ok' if rc == 0 else 'FAILED'} ({detail}; {seconds:.0f}s in all)"
     return f"{stage}: {'ok' if rc == 0 else f'FAILED (rc={rc})'}"
 
 

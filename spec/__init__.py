@@ -1,6 +1,23 @@
 """The executable model (oracle) of vLLM 0.25.1's request-level KV-cache manager.
 
 Plain lists, dicts and ints: a block is its id and block 0 is the null block.
+
+The spec stands alone: it imports nothing from kvcache (or vLLM) and owns its
+vocabulary (``spec/vocab.py``): block hashes, extra keys, pool keys, events, stats,
+layer-spec kinds. It computes every request's block hashes itself and never reads
+``request.block_hashes``. Its inputs, kvcache's or vLLM's objects alike, are read
+as data, by attribute (``tests/spec_unit/test_spec_standalone.py`` enforces the
+imports):
+
+- config: ``num_blocks``, ``kv_cache_groups[g].kv_cache_spec`` / ``.is_eagle_group``;
+- layer spec: its class name (and its bases' names: ``vocab.is_a``), ``block_size``,
+  ``sliding_window``, ``attention_chunk_size``, ``mamba_cache_mode``,
+  ``num_speculative_blocks``, and ``==`` between specs;
+- request: ``request_id``, ``all_token_ids``, ``num_tokens``, ``num_prompt_tokens``,
+  ``num_computed_tokens``, ``num_preemptions``, ``status.name``,
+  ``skip_reading_prefix_cache``, ``lora_request.lora_name`` / ``.adapter_id``,
+  ``cache_salt``, ``mm_features[i].identifier`` / ``.mm_position.offset`` /
+  ``.length``, and ``prompt_embeds`` (a torch tensor, or absent / None).
 """
 
 from spec.block_pool import NULL_BLOCK, BlockPool

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvcache.kv_cache_utils import (
-    BlockHash,
-    BlockHashList,
-    BlockHashListWithBlockSize,
-    BlockHashWithGroupId,
-    ExternalBlockHash,
-    generate_block_hash_extra_keys,
-    get_block_hash,
-    get_group_id,
-    make_block_hash_with_group_id,
-    maybe_convert_block_hash,
+from spec.vocab import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    Request,
+    block_extra_keys,
+    coarsen,
+    external_hash,
+    get_hash_fn,
+    none_hash,
+    pool_key,
+    request_block_hashes,
 )
-from kvcache.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvcache.request import Request
 
 NULL_BLOCK = 0
 """Placeholder id for skipped positions; never free, never cached."""
@@ -29,18 +31,22 @@ class BlockPool:
 
     ``free_queue`` lists free ids in eviction order (the front is reused first);
     ``ref_cnt[b]`` counts the holders of block b; ``block_hash[b]`` is a cached block's
-    pool key (block hash + group id); ``cached[key]`` lists the ids cached under a key,
+    pool key (``vocab.pool_key``); ``cached[key]`` lists the ids cached under a key,
     oldest first (a hit takes the first). Block 0 is the null block: ``touch`` and
     ``free_blocks`` move its count as vLLM does, but it means nothing.
+    ``hash_num_tokens[b]`` is how many prefix tokens a cached block's hash covers;
+    ``cached_block_hashes_by_block[b]`` holds the block's further (partial-block) keys.
 
     Invariants (``check_invariants``): a block is in ``free_queue`` iff its ref count is
     0 and it is not block 0; the queue has no duplicates; no ref count is negative;
-    ``block_hash`` and ``cached`` are inverse and no ``cached`` list is empty; block 0
-    is never cached.
+    ``cached`` is exactly ``block_hash`` plus ``cached_block_hashes_by_block``, inverted,
+    with no empty list; only a block with a ``block_hash`` has further keys; block 0 is
+    never cached.
     """
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
-                 enable_kv_cache_events: bool = False, metrics_collector: Any = None) -> None:
+                 enable_kv_cache_events: bool = False, metrics_collector: Any = None,
+                 caching_hash_algo: str = "sha256", hash_seed: str | None = None) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
         if metrics_collector is not None:
@@ -49,19 +55,33 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
         self.enable_kv_cache_events = enable_kv_cache_events
+        self.hash_fn = get_hash_fn(caching_hash_algo)
+        # hash_seed None: the process's PYTHONHASHSEED, as vLLM reads it (unset: random)
+        self.none_hash = none_hash(self.hash_fn, os.getenv("PYTHONHASHSEED")
+                                   if hash_seed is None else hash_seed)
         self.null_block = NULL_BLOCK
         self.ref_cnt = [0] * num_gpu_blocks
         self.free_queue = list(range(1, num_gpu_blocks))  # block 0 was taken as the null block
-        self.block_hash: dict[int, BlockHashWithGroupId] = {}
-        self.cached: dict[BlockHashWithGroupId, list[int]] = {}
+        self.block_hash: dict[int, bytes] = {}
+        self.hash_num_tokens: dict[int, int] = {}
+        self.cached_block_hashes_by_block: dict[int, set[bytes]] = {}
+        self.cached: dict[bytes, list[int]] = {}
         self.kv_event_queue: list[KVCacheEvent] = []
 
-    def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: list[int]
+    def block_hashes(self, request: Request, block_size: int | None = None) -> list[bytes]:
+        """The request's block hashes, computed by the spec from its tokens and keys
+        (never read from the request), at ``block_size`` (default: the hash block size)."""
+        hashes = request_block_hashes(request, self.hash_block_size, self.hash_fn, self.none_hash)
+        if block_size is None or block_size == self.hash_block_size:
+            return hashes
+        return coarsen(hashes, self.hash_block_size, block_size)
+
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]
                          ) -> list[int] | None:
         """The oldest block cached under ``block_hash`` in each group; None on any miss."""
         hit_ids = []
         for group_id in kv_cache_group_ids:
-            ids = self.cached.get(make_block_hash_with_group_id(block_hash, group_id))
+            ids = self.cached.get(pool_key(block_hash, group_id))
             if not ids:
                 return None
             hit_ids.append(ids[0])
@@ -72,7 +92,8 @@ class BlockPool:
                           block_mask: list[bool] | None = None) -> None:
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` (but null and masked-out
         ones) under the request's hashes; queue one BlockStored. Duplicates of cached blocks
-        are kept: tables stay append-only. ValueError where vLLM asserts (bad mask length,
+        are kept: tables stay append-only. A block cached under a shorter partial entry
+        is promoted (its old keys dropped). ValueError where vLLM asserts (bad mask length,
         too few hashes, a block cached already)."""
         if num_cached_blocks >= num_full_blocks:
             return
@@ -80,46 +101,89 @@ class BlockPool:
         if block_mask is not None and len(block_mask) != len(new_full_blocks):
             raise ValueError(f"block_mask has {len(block_mask)} entries, not "
                              f"{len(new_full_blocks)}")
-        hashes: BlockHashList = request.block_hashes
-        if block_size != self.hash_block_size:
-            hashes = BlockHashListWithBlockSize(request.block_hashes, self.hash_block_size,
-                                                block_size)
+        hashes = self.block_hashes(request, block_size)
         if len(hashes) < num_full_blocks:
             raise ValueError(f"num_full_blocks={num_full_blocks} exceeds the {len(hashes)} "
                              f"hashes of request {request.request_id!r}")
         keep = [b != NULL_BLOCK and (block_mask is None or block_mask[i])
                 for i, b in enumerate(new_full_blocks)]
-        new_hashes: list[ExternalBlockHash] = []
+        new_hashes: list[bytes | int] = []
         for i, block_id in enumerate(new_full_blocks):
             if not keep[i]:
                 continue
-            if block_id in self.block_hash:  # only after an earlier call failed half-way
-                raise ValueError(f"blocks[{num_cached_blocks + i}]={block_id} is already cached")
-            key = make_block_hash_with_group_id(hashes[num_cached_blocks + i], kv_cache_group_id)
-            self.block_hash[block_id] = key
-            self.cached.setdefault(key, []).append(block_id)
-            new_hashes.append(maybe_convert_block_hash(hashes[num_cached_blocks + i]))
+            num_tokens = (num_cached_blocks + i + 1) * block_size
+            if block_id in self.block_hash:
+                if self.hash_num_tokens[block_id] >= num_tokens:
+                    raise ValueError(f"blocks[{num_cached_blocks + i}]={block_id} is already "
+                                     "cached")
+                self._maybe_evict_cached_block(block_id)  # promote a partial entry
+            key = pool_key(hashes[num_cached_blocks + i], kv_cache_group_id)
+            self._add_key(block_id, key, num_tokens)
+            new_hashes.append(external_hash(hashes[num_cached_blocks + i]))
         if not self.enable_kv_cache_events:
             return
-        extra_keys: list[tuple[Any, ...] | None] = []
-        mm_idx = 0
         # NOTE: like vLLM, this reads blocks[i] up to num_full_blocks, so it raises
         # IndexError (after caching) when asked to cache past the request's last block.
-        for i in range(num_cached_blocks, num_full_blocks):
-            if blocks[i] != NULL_BLOCK and keep[i - num_cached_blocks]:
-                keys, mm_idx = generate_block_hash_extra_keys(
-                    request, i * block_size, (i + 1) * block_size, mm_idx)
-                extra_keys.append(keys)
+        extra_keys = [block_extra_keys(request, i * block_size, (i + 1) * block_size)
+                      for i in range(num_cached_blocks, num_full_blocks)
+                      if blocks[i] != NULL_BLOCK and keep[i - num_cached_blocks]]
         lora = request.lora_request
-        parent = None if num_cached_blocks == 0 else hashes[num_cached_blocks - 1]
         self.kv_event_queue.append(BlockStored(
             block_hashes=new_hashes,
-            parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+            parent_block_hash=(None if num_cached_blocks == 0
+                               else external_hash(hashes[num_cached_blocks - 1])),
             token_ids=list(request.all_token_ids[num_cached_blocks * block_size:
                                                  num_full_blocks * block_size]),
             block_size=block_size, lora_id=lora.adapter_id if lora else None,
             medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
             extra_keys=extra_keys or None, group_idx=kv_cache_group_id))
+
+    def cache_partial_block(self, request: Request, block: int, num_tokens: int,
+                            kv_cache_group_id: int, block_size: int) -> bytes | None:
+        """Make ``block`` reachable from the ``num_tokens``-token prefix ending inside it,
+        keyed by the request's chain hash at ``num_tokens`` (a multiple of
+        ``hash_block_size``, not of ``block_size``). It is the block's hash if it has none,
+        replaces a shorter entry, else is a further key. A new entry queues a BlockStored
+        of the last ``hash_block_size`` tokens. None for the null block; ValueError where
+        vLLM asserts (sizes off the rules)."""
+        if block == NULL_BLOCK:
+            return None
+        hbs = self.hash_block_size
+        n = num_tokens // hbs
+        hashes = self.block_hashes(request)
+        if (block_size <= hbs or block_size % hbs or num_tokens % block_size == 0
+                or num_tokens % hbs or not 0 < n <= len(hashes)):
+            raise ValueError(f"num_tokens={num_tokens}, block_size={block_size}: not a "
+                             f"partial-block boundary for hash_block_size={hbs}")
+        key = pool_key(hashes[n - 1], kv_cache_group_id)
+        if block in self.cached.get(key, []):
+            return key
+        if block in self.block_hash and self.hash_num_tokens[block] < num_tokens:
+            self._maybe_evict_cached_block(block)  # the longer entry replaces the shorter
+        self._add_key(block, key, num_tokens)
+        if self.enable_kv_cache_events:
+            start = (n - 1) * hbs
+            # As vLLM: past the first block the multimodal scan starts at the last item.
+            first_mm = max(len(request.mm_features) - 1, 0) if start > 0 else 0
+            lora = request.lora_request
+            self.kv_event_queue.append(BlockStored(
+                block_hashes=[external_hash(hashes[n - 1])],
+                parent_block_hash=external_hash(hashes[n - 2]) if n > 1 else None,
+                token_ids=list(request.all_token_ids[start:num_tokens]),
+                block_size=num_tokens - start, lora_id=lora.adapter_id if lora else None,
+                medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
+                extra_keys=[block_extra_keys(request, start, num_tokens, first_mm)],
+                group_idx=kv_cache_group_id))
+        return key
+
+    def _add_key(self, block_id: int, key: bytes, num_tokens: int) -> None:
+        """Cache ``block_id`` under ``key``: as its hash if it has none, else a further key."""
+        if block_id in self.block_hash:
+            self.cached_block_hashes_by_block.setdefault(block_id, set()).add(key)
+        else:
+            self.block_hash[block_id] = key
+            self.hash_num_tokens[block_id] = num_tokens
+        self.cached.setdefault(key, []).append(block_id)
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take ``num_blocks`` ids from the front of the free queue, evicting their hashes;
@@ -138,16 +202,19 @@ class BlockPool:
         return new_ids
 
     def _maybe_evict_cached_block(self, block_id: int) -> bool:
-        """Drop the block's hash from the prefix cache; True if it had one."""
+        """Drop every key of the block (its hash first) from the prefix cache, one
+        BlockRemoved each; True if it had any."""
         key = self.block_hash.pop(block_id, None)
         if key is None:
             return False
-        self.cached[key].remove(block_id)
-        if not self.cached[key]:
-            del self.cached[key]
-        if self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockRemoved(
-                [maybe_convert_block_hash(get_block_hash(key))], MEDIUM_GPU, get_group_id(key)))
+        del self.hash_num_tokens[block_id]
+        for k in [key, *self.cached_block_hashes_by_block.pop(block_id, set())]:
+            self.cached[k].remove(block_id)
+            if not self.cached[k]:
+                del self.cached[k]
+            if self.enable_kv_cache_events:
+                self.kv_event_queue.append(BlockRemoved(
+                    [external_hash(k[:-4])], MEDIUM_GPU, int.from_bytes(k[-4:], "big")))
         return True
 
     def touch(self, blocks: Sequence[int]) -> None:
@@ -184,6 +251,8 @@ class BlockPool:
         if len(self.free_queue) != self.num_gpu_blocks - 1:
             return False
         self.block_hash.clear()
+        self.hash_num_tokens.clear()
+        self.cached_block_hashes_by_block.clear()
         self.cached.clear()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
@@ -213,5 +282,9 @@ class BlockPool:
         assert set(self.free_queue) == idle, "free queue is not the set of idle blocks"
         assert NULL_BLOCK not in self.block_hash, "the null block is cached"
         pairs = [(b, key) for key, ids in self.cached.items() for b in ids]
-        assert all(self.cached.values()) and len(pairs) == len(self.block_hash)
-        assert set(pairs) == set(self.block_hash.items()), "block_hash and cached disagree"
+        keys = set(self.block_hash.items()) | {
+            (b, k) for b, ks in self.cached_block_hashes_by_block.items() for k in ks}
+        assert all(self.cached.values()) and len(pairs) == len(keys)
+        assert set(pairs) == keys, "block_hash and cached disagree"
+        assert set(self.hash_num_tokens) == set(self.block_hash)
+        assert set(self.cached_block_hashes_by_block) <= set(self.block_hash)

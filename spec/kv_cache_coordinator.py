@@ -5,9 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvcache.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from kvcache.kv_cache_utils import BlockHash, BlockHashList, BlockHashListWithBlockSize
-from kvcache.request import Request
 from spec import pure
 from spec.block_pool import BlockPool
 from spec.single_type_kv_cache_manager import (
@@ -17,6 +14,7 @@ from spec.single_type_kv_cache_manager import (
     check_no_hits,
     get_manager_for_kv_cache_spec,
 )
+from spec.vocab import KVCacheConfig, KVCacheSpec, Request, coarsen, is_a
 
 
 class KVCacheCoordinator:
@@ -29,7 +27,8 @@ class KVCacheCoordinator:
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
                  max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
                  enable_kv_cache_events: bool, scheduler_block_size: int,
-                 hash_block_size: int) -> None:
+                 hash_block_size: int, caching_hash_algo: str = "sha256",
+                 hash_seed: str | None = None) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size or any(
                 scheduler_block_size % g.kv_cache_spec.block_size for g in groups):
@@ -41,7 +40,7 @@ class KVCacheCoordinator:
         self.scheduler_block_size = scheduler_block_size
         self.hash_block_size = hash_block_size
         self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, hash_block_size,
-                                    enable_kv_cache_events)
+                                    enable_kv_cache_events, None, caching_hash_algo, hash_seed)
         self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(groups)))
@@ -126,7 +125,7 @@ class KVCacheCoordinator:
         """The request's tables (the live lists, as vLLM returns them); [] when unknown."""
         return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
 
-    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    def find_longest_cache_hit(self, block_hashes: list[bytes], max_cache_hit_length: int
                                ) -> tuple[Hits, int]:
         """Per-group hit blocks and the hit length in tokens."""
         raise NotImplementedError
@@ -144,7 +143,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         """0 per group (and, unlike the managers, no table entry is created)."""
         return [0] * len(self.single_type_managers)
 
-    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    def find_longest_cache_hit(self, block_hashes: list[bytes], max_cache_hit_length: int
                                ) -> tuple[Hits, int]:
         """No hit."""
         return tuple([] for _ in self.single_type_managers), 0
@@ -161,7 +160,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                              f"size {self.block_size} of the only group")
         self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
 
-    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    def find_longest_cache_hit(self, block_hashes: list[bytes], max_cache_hit_length: int
                                ) -> tuple[Hits, int]:
         """The group's longest hit."""
         hits = self.single_type_managers[0].find_longest_cache_hit(
@@ -181,8 +180,8 @@ class SpecGroup(NamedTuple):
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """At least two distinct specs, hashed at a common finer ``hash_block_size``; larger
-    blocks read the hashes through ``BlockHashListWithBlockSize``. Hits and caching align
-    to ``scheduler_block_size``; ``attention_groups`` lists the distinct specs, full
+    blocks read them through ``vocab.coarsen``. Hits and caching align to
+    ``scheduler_block_size``; ``attention_groups`` lists the distinct specs, full
     attention first."""
 
     def _init_groups(self) -> None:
@@ -201,7 +200,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 self.attention_groups.append(SpecGroup(g.kv_cache_spec, [i], type(m), use_eagle))
         if len(self.attention_groups) < 2:
             raise ValueError(f"{len(groups)} KV-cache groups need >= 2 distinct specs with caching")
-        self.attention_groups.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))
+        self.attention_groups.sort(key=lambda sg: not is_a(sg.spec, "FullAttentionSpec"))
         for sg in self.attention_groups:
             for group_id in sg.group_ids:
                 self.single_type_managers[group_id].use_eagle = sg.use_eagle
@@ -213,13 +212,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             m.cache_blocks(request, pure.num_tokens_to_cache(
                 num_computed_tokens, self.scheduler_block_size, m.block_size, m.use_eagle))
 
-    def _hashes_for(self, block_hashes: list[BlockHash], spec: KVCacheSpec) -> BlockHashList:
+    def _hashes_for(self, block_hashes: list[bytes], spec: KVCacheSpec) -> list[bytes]:
         """The request's hashes at the spec's block size."""
         if spec.block_size == self.hash_block_size:
             return block_hashes
-        return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, spec.block_size)
+        return coarsen(block_hashes, self.hash_block_size, spec.block_size)
 
-    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    def find_longest_cache_hit(self, block_hashes: list[bytes], max_cache_hit_length: int
                                ) -> tuple[Hits, int]:
         """Shrink a candidate length until every spec accepts it (a fixed point).
 
@@ -231,13 +230,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         """
         hit_blocks: list[list[int] | None] = [None] * len(self.single_type_managers)
         hit_length, longest_hit_length = max_cache_hit_length, 0
-        is_simple_hybrid = len(self.attention_groups) == 2 and isinstance(
-            self.attention_groups[0].spec, FullAttentionSpec)
+        is_simple_hybrid = len(self.attention_groups) == 2 and is_a(
+            self.attention_groups[0].spec, "FullAttentionSpec")
         eagle_verified: set[int] = set()  # specs whose EAGLE drop holds at the current length
         while True:
             curr_length = hit_length
             for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(self.attention_groups):
-                if isinstance(spec, FullAttentionSpec) and hit_blocks[group_ids[0]] is not None:
+                if is_a(spec, "FullAttentionSpec") and hit_blocks[group_ids[0]] is not None:
                     curr_length = curr_length // spec.block_size * spec.block_size
                     continue
                 drop_eagle_block = use_eagle and idx not in eagle_verified
@@ -262,14 +261,14 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if is_simple_hybrid:
                 break
         first = self.attention_groups[0]
-        if isinstance(first.spec, FullAttentionSpec):
+        if is_a(first.spec, "FullAttentionSpec"):
             for group_id in first.group_ids:
                 if (first_hits := hit_blocks[group_id]) is not None:
                     del first_hits[hit_length // first.spec.block_size:]
         self.num_uncached_common_prefix_tokens = longest_hit_length - hit_length
         return tuple(b if b is not None else [] for b in hit_blocks), hit_length
 
-    def find_longest_cache_hit_per_group(self, block_hashes: list[BlockHash],
+    def find_longest_cache_hit_per_group(self, block_hashes: list[bytes],
                                          max_cache_hit_length: int
                                          ) -> tuple[Hits, tuple[int, ...]]:
         """Each spec's own longest hit (no common length), with its length per group."""
@@ -288,7 +287,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
                              max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
                              enable_kv_cache_events: bool, scheduler_block_size: int,
-                             hash_block_size: int) -> KVCacheCoordinator:
+                             hash_block_size: int, caching_hash_algo: str = "sha256",
+                             hash_seed: str | None = None) -> KVCacheCoordinator:
     """No-prefix-cache when caching is off, else unitary for one group, hybrid for more."""
     cls: type[KVCacheCoordinator] = HybridKVCacheCoordinator
     if not enable_caching:
@@ -296,4 +296,5 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
     elif len(kv_cache_config.kv_cache_groups) == 1:
         cls = UnitaryKVCacheCoordinator
     return cls(kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle, enable_caching,
-               enable_kv_cache_events, scheduler_block_size, hash_block_size)
+               enable_kv_cache_events, scheduler_block_size, hash_block_size, caching_hash_algo,
+               hash_seed)

@@ -8,20 +8,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
-from kvcache.kv_cache_interface import (
-    AttentionSpec,
-    CrossAttentionSpec,
-    KVCacheConfig,
-    get_kv_cache_spec_kind,
-    get_kv_cache_spec_sliding_window,
-)
-from kvcache.kv_events import BlockStored, KVCacheEvent
-from kvcache.metrics import PrefixCacheStats
-from kvcache.request import Request, RequestStatus
 from spec import pure
 from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.kv_cache_coordinator import get_kv_cache_coordinator
 from spec.pure import cdiv
+from spec.vocab import (
+    BlockStored,
+    KVCacheConfig,
+    KVCacheEvent,
+    PrefixCacheStats,
+    Request,
+    event_kind,
+    event_sliding_window,
+    is_a,
+)
+
+WATERMARKED = ("WAITING", "PREEMPTED")
+"""Statuses (by name) whose admission keeps the watermark free."""
 
 
 @dataclass
@@ -74,6 +77,10 @@ class KVCacheManager:
     State lives in ``block_pool`` (free queue, ref counts, prefix cache) and in the
     per-group managers of ``coordinator`` (block tables); ``abstract_state`` shows it all.
 
+    Beyond vLLM's arguments, two engine settings vLLM gives its request hasher: the spec
+    hashes requests itself with ``caching_hash_algo`` (sha256, sha256_cbor, xxhash,
+    xxhash_cbor), the chain seeded by ``hash_seed`` (None: ``PYTHONHASHSEED``).
+
     Invariants (``check_invariants``), besides the pool's and the managers':
       - every id in a table or in ``new_block_ids`` is a valid block id (and not 0 in
         ``new_block_ids``);
@@ -88,7 +95,8 @@ class KVCacheManager:
                  use_eagle: bool = False, log_stats: bool = False,
                  enable_kv_cache_events: bool = False, dcp_world_size: int = 1,
                  pcp_world_size: int = 1, metrics_collector: Any = None,
-                 watermark: float = 0.0) -> None:
+                 watermark: float = 0.0, *, caching_hash_algo: str = "sha256",
+                 hash_seed: str | None = None) -> None:
         if dcp_world_size > 1 or pcp_world_size > 1:
             raise NotImplementedError("context parallelism (dcp/pcp > 1) is not modelled")
         if metrics_collector is not None:
@@ -103,7 +111,8 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config, max_model_len, self.max_num_batched_tokens, use_eagle,
-            enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size)
+            enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
+            caching_hash_algo, hash_seed)
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
@@ -111,8 +120,7 @@ class KVCacheManager:
             raise ValueError(f"watermark must be non-negative, got {watermark!r}")
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.kv_cache_event_metadata = tuple(
-            (get_kv_cache_spec_kind(g.kv_cache_spec).value,
-             get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+            (event_kind(g.kv_cache_spec), event_sliding_window(g.kv_cache_spec))
             for g in kv_cache_config.kv_cache_groups)
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool)
@@ -135,7 +143,7 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1)
+            self.block_pool.block_hashes(request), request.num_tokens - 1)
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens,
                                            request.num_preemptions > 0)
@@ -165,8 +173,7 @@ class KVCacheManager:
         num_computed = num_local_computed + num_external_computed_tokens
         total_computed = min(num_computed, self.max_model_len)
         watermark_blocks = 0
-        if has_scheduled_reqs and request.status in (RequestStatus.WAITING,
-                                                     RequestStatus.PREEMPTED):
+        if has_scheduled_reqs and request.status.name in WATERMARKED:
             watermark_blocks = self.watermark_blocks
         if full_sequence_must_fit:
             num_full = min(request.num_tokens, self.max_model_len)
@@ -254,7 +261,7 @@ class KVCacheManager:
         groups, tables = self.kv_cache_config.kv_cache_groups, self.get_block_ids(request_id)
         for g, ids in zip(groups, tables, strict=False):
             s = g.kv_cache_spec
-            per_token = isinstance(s, AttentionSpec) and not isinstance(s, CrossAttentionSpec)
+            per_token = is_a(s, "AttentionSpec") and not is_a(s, "CrossAttentionSpec")
             clipped.append(ids[:cdiv(num_computed_tokens, s.block_size)] if per_token else ids)
         return tuple(clipped)
 

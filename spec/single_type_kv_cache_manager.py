@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
-from kvcache.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
-from kvcache.kv_cache_utils import BlockHash, BlockHashList, BlockHashWithGroupId
-from kvcache.request import Request
 from spec import pure
 from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.pure import cdiv
+from spec.vocab import KVCacheSpec, Request, admission_cap
 
 Hits = tuple[list[int], ...]
 """Per group of a lookup, the hit block ids (NULL_BLOCK where skipped)."""
@@ -37,11 +28,11 @@ class CachedInAllGroups:
         self.pool = pool
         self.group_ids = group_ids
 
-    def __contains__(self, block_hash: object) -> bool:
-        return self.pool.get_cached_block(cast(BlockHash, block_hash), self.group_ids) is not None
+    def __contains__(self, block_hash: Any) -> bool:
+        return self.pool.get_cached_block(block_hash, self.group_ids) is not None
 
 
-def hit_blocks(block_hashes: Sequence[BlockHash], first: int, num_blocks: int,
+def hit_blocks(block_hashes: Sequence[bytes], first: int, num_blocks: int,
                group_ids: list[int], pool: BlockPool) -> Hits:
     """Per group, NULL_BLOCK before ``first``, then the blocks cached under the hashes
     of ``[first, num_blocks)`` (which a search found cached)."""
@@ -145,7 +136,7 @@ class SingleTypeKVCacheManager:
         """Append ``num_blocks`` fresh blocks; full attention records them for zeroing."""
         new_ids = self.block_pool.get_new_blocks(num_blocks)
         req_blocks.extend(new_ids)
-        if type(self.kv_cache_spec) is FullAttentionSpec:
+        if type(self.kv_cache_spec).__name__ == "FullAttentionSpec":
             self.new_block_ids.extend(new_ids)
         return new_ids
 
@@ -191,7 +182,7 @@ class SingleTypeKVCacheManager:
         return 0
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: BlockHashList, max_length: int,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
                                group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
                                drop_eagle_block: bool, alignment_tokens: int) -> Hits:
         """Per group, the longest hit of at most ``max_length`` tokens cached in all groups,
@@ -235,7 +226,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: every block is kept until the request ends."""
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: BlockHashList, max_length: int,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
                                group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
                                drop_eagle_block: bool, alignment_tokens: int) -> Hits:
         """Walk the hash chain left to right up to the first miss."""
@@ -260,12 +251,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     @staticmethod
     def _num_blocks_for_hit(kv_cache_spec: KVCacheSpec, use_eagle: bool) -> int:
         """Contiguous hits a window needs; EAGLE matches one more and drops it."""
-        assert isinstance(kv_cache_spec, SlidingWindowSpec)
         return pure.num_contiguous_blocks_for_hit(kv_cache_spec.sliding_window,
                                                   kv_cache_spec.block_size, use_eagle)
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: BlockHashList, max_length: int,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
                                group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
                                drop_eagle_block: bool, alignment_tokens: int) -> Hits:
         """Scan right to left for the last run of hits that fills a window and ends where
@@ -288,7 +278,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the window of the next token."""
-        assert isinstance(self.kv_cache_spec, SlidingWindowSpec)
         return pure.num_skipped_tokens_sliding_window(num_computed_tokens,
                                                       self.kv_cache_spec.sliding_window)
 
@@ -297,12 +286,11 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """Chunked local attention: a token reads only its own ``attention_chunk_size`` chunk."""
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: BlockHashList, max_length: int,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
                                group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
                                drop_eagle_block: bool, alignment_tokens: int) -> Hits:
         """Blocks before the chunk of token ``max_length`` hit as nulls; the chunk's own
         blocks are matched left to right."""
-        assert isinstance(kv_cache_spec, ChunkedLocalAttentionSpec)
         block_size, chunk_size = kv_cache_spec.block_size, kv_cache_spec.attention_chunk_size
         if drop_eagle_block or block_size != alignment_tokens:
             raise NotImplementedError("chunked local attention hits need no EAGLE drop and "
@@ -314,7 +302,6 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens of the chunks before the next token's chunk."""
-        assert isinstance(self.kv_cache_spec, ChunkedLocalAttentionSpec)
         return pure.num_skipped_tokens_chunked_local(num_computed_tokens,
                                                      self.kv_cache_spec.attention_chunk_size)
 
@@ -333,15 +320,14 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any) -> None:
         super().__init__(kv_cache_spec, *args)
-        assert isinstance(kv_cache_spec, MambaSpec)
         self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
         self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
-        self.cached_blocks_this_step: set[BlockHashWithGroupId] = set()
+        self.cached_blocks_this_step: set[bytes] = set()
         self.last_state_block_idx: dict[str, int] = {}
         self._allocated_block_reqs: set[str] = set()
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: BlockHashList, max_length: int,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
                                group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
                                drop_eagle_block: bool, alignment_tokens: int) -> Hits:
         """The last cached state ending on an aligned boundary, nulls before it (no EAGLE
@@ -469,13 +455,14 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         raise ValueError("cross-attention blocks are never cached")
 
 
-MANAGER_CLASSES: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
-    FullAttentionSpec: FullAttentionManager,
-    SlidingWindowSpec: SlidingWindowManager,
-    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
-    MambaSpec: MambaManager,
-    CrossAttentionSpec: CrossAttentionManager,
+MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
+    "FullAttentionSpec": FullAttentionManager,
+    "SlidingWindowSpec": SlidingWindowManager,
+    "ChunkedLocalAttentionSpec": ChunkedLocalAttentionManager,
+    "MambaSpec": MambaManager,
+    "CrossAttentionSpec": CrossAttentionManager,
 }
+"""The manager of each modelled layer-spec class, by class name (exact class only)."""
 
 
 def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_tokens: int,
@@ -484,13 +471,11 @@ def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_to
                                   ) -> SingleTypeKVCacheManager:
     """The manager of the spec's kind; windowed kinds get their admission cap.
     NotImplementedError for unmodelled spec types and for cross attention with caching."""
-    manager_cls = MANAGER_CLASSES.get(type(kv_cache_spec))
+    manager_cls = MANAGER_CLASSES.get(type(kv_cache_spec).__name__)
     if manager_cls is None:
         raise NotImplementedError(f"no spec manager for {type(kv_cache_spec).__name__}")
     if manager_cls is CrossAttentionManager and enable_caching:
         raise NotImplementedError("prefix caching with a cross-attention group")
-    cap = None
-    if isinstance(kv_cache_spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
-        cap = kv_cache_spec.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
+    cap = admission_cap(kv_cache_spec, max_num_batched_tokens, max_model_len)
     return manager_cls(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
                        scheduler_block_size, cap)

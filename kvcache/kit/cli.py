@@ -153,7 +153,7 @@ def _print_divergence(
 
     mismatch = result.mismatch
     limit = 10**9 if full_states else 1500
-    print(f"{path}: DIVERGES on {impl}")
+    print(f"{path}: DIVERGES on {impl} (new divergence: {mismatch.kind}, not in the ledger)")
     if mismatch.index < 0:
         print(f"  building the manager: {mismatch.detail}")
         return
@@ -188,14 +188,42 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     diverged = 0
     for path, trace in zip(args.traces, traces, strict=True):
         result = replay_trace(trace, args.impl)
+        compared = "results and states" if result.states_compared else "results"
+        known = ", ".join(f"{k} x{n}" for k, n in sorted(result.known.items()))
+        where = f"({trace.config.layout}, recorded on {trace.recorded_with})"
+        if result.cannot_build is not None:
+            if result.cannot_build_known:
+                print(
+                    f"{path}: known difference ({result.cannot_build_known}): {result.cannot_build}"
+                )
+            else:
+                diverged += 1
+                print(f"{path}: {result.cannot_build} (no ledger entry explains it)")
+            continue
         if result.mismatch is None:
-            compared = "results and states" if result.states_compared else "results"
+            if result.known:
+                print(
+                    f"{path}: {len(trace.records)} records {where} replay on {args.impl} "
+                    f"with known differences only ({known}; {compared} compared)"
+                )
+            else:
+                print(
+                    f"{path}: {len(trace.records)} records {where} replay identically on "
+                    f"{args.impl} ({compared} compared)"
+                )
+            continue
+        mismatch = result.mismatch
+        if mismatch.known:
+            label = "fixed" if result.fixed else "known difference"
+            extra = f"; normalised before: {known}" if known else ""
             print(
-                f"{path}: {len(trace.records)} records ({trace.config.layout}, recorded on "
-                f"{trace.recorded_with}) replay identically on {args.impl} ({compared} compared)"
+                f"{path}: {label} ({', '.join(mismatch.known)}) at record #{mismatch.index} "
+                f"of {len(trace.records)} {where}: {mismatch.op} [{mismatch.part}]{extra}"
             )
             continue
         diverged += 1
+        if known:
+            print(f"{path}: known differences before the divergence: {known}")
         _print_divergence(Path(path), trace, args.impl, result, args.context, args.full_states)
     return 1 if diverged else 0
 
@@ -214,15 +242,31 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
         seed=args.seed,
         out=Path(args.out) if args.out else None,
         shrink_s=args.shrink_seconds,
+        census=args.census,
+        census_dir=Path(args.census_dir),
     )
     stats = outcome.stats
     print(
         f"fuzz {args.impl} vs {args.reference}, seed {args.seed}: {stats.sequences} sequences "
         f"[{stats.layout_summary()}], {stats.calls} calls in {outcome.seconds:.0f} s"
     )
+    if stats.known:
+        known = ", ".join(f"{k} x{n}" for k, n in sorted(stats.known.items()))
+        print(f"known differences normalised (ledger): {known}")
+    for reason, n in sorted(outcome.cannot_build.items()):
+        print(f"not built ({n} sequences): {reason}")
     if outcome.harness_error:
         print(f"error: {outcome.harness_error}", file=sys.stderr)
         return 2
+    if args.census:
+        print(f"census: first differences of {sum(outcome.census.values())} sequences by kind")
+        for kind, n in sorted(outcome.census.items(), key=lambda kv: (-kv[1], kv[0])):
+            example = outcome.census_examples.get(kind)
+            where = f"  {example[0]} ({example[1]} calls)" if example else ""
+            print(f"  {n:>6}  {kind}{where}")
+        unknown = outcome.unknown_kinds
+        print(f"unknown kinds: {len(unknown)}" + (f" ({', '.join(unknown)})" if unknown else ""))
+        return 1 if unknown else 0
     if outcome.counterexample is None:
         print(f"no divergence: {args.impl} matches {args.reference} on every call")
         return 0
@@ -232,6 +276,50 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
         f"{outcome.counterexample} --impl {args.impl}"
     )
     return 1
+
+
+def _cmd_release_check(args: argparse.Namespace) -> int:
+    from kvcache.kit.releases import release_check
+
+    check = release_check(args.traces, args.census_seconds, Path(args.census_dir), args.seed)
+    for report in check.traces:
+        entries = f" [{', '.join(report.entries)}]" if report.entries else ""
+        print(f"{report.path}: {report.verdict}: {report.detail}{entries}")
+    if check.census is not None:
+        for kind, n in sorted(check.census.census.items(), key=lambda kv: (-kv[1], kv[0])):
+            print(f"census {n:>5}  {kind}")
+    for line in check.unknown:
+        print(f"UNKNOWN {line}")
+    print(check.summary())
+    return 1 if check.unknown else 0
+
+
+def _cmd_changelog(args: argparse.Namespace) -> int:
+    from kvcache.kit.releases import changelog, python_version_of, release_check
+    from kvcache.kit.sides import resolve_adapter
+
+    installed = str(resolve_adapter("vllm").version)
+    if installed != args.to_version:
+        raise ValueError(
+            f"--to {args.to_version}: this Python has vLLM {installed}; run the changelog "
+            f"with the {args.to_version} venv's Python (make reference-0.33)"
+        )
+    if args.from_python and python_version_of(args.from_python) != args.from_version:
+        raise ValueError(f"--from-python {args.from_python} does not have vLLM {args.from_version}")
+    census_dir = Path(args.census_dir)
+    check = release_check(args.traces, args.census_seconds, census_dir, args.seed)
+    text = changelog(
+        args.from_version,
+        args.to_version,
+        check,
+        old_python=args.from_python or None,
+        new_python=sys.executable if args.from_python else None,
+        census_dir=census_dir,
+    )
+    out = Path(args.out or f"docs/vllm-{args.from_version}-to-{args.to_version}.md")
+    out.write_text(text, encoding="utf-8")
+    print(f"changelog written to {out} ({check.summary()})")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -378,7 +466,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shrink-seconds", type=float, default=60.0, help="time to shrink a failure (default 60)"
     )
+    p.add_argument(
+        "--census",
+        action="store_true",
+        help="do not stop at a divergence: tally every sequence's first difference by kind "
+        "and ledger entry, write one shrunk counterexample per kind (--census-dir)",
+    )
+    p.add_argument(
+        "--census-dir", default="census", help="where census counterexamples go (default census/)"
+    )
     p.set_defaults(func=_cmd_fuzz)
+
+    p = sub.add_parser(
+        "release-check",
+        help="replay traces on the installed vLLM and run a census; every difference "
+        "must be in the ledger",
+        description="Replay stored traces on the installed vLLM release and run a short "
+        "census of random sequences against kvcache. Exit 1 when a difference is not a "
+        "ledger entry (kvcache/kit/ledger.toml). Implementations: module:factory as for "
+        "the other commands does not apply here (vLLM only).",
+    )
+    p.add_argument("traces", nargs="*", metavar="TRACE", help="trace files to replay")
+    p.add_argument("--census-seconds", type=float, default=60.0, help="census time (default 60)")
+    p.add_argument("--census-dir", default="build/census", help="census counterexamples")
+    p.add_argument("--seed", type=int, default=0, help="census seed (default 0)")
+    p.set_defaults(func=_cmd_release_check)
+
+    p = sub.add_parser(
+        "changelog",
+        help="write the semantic changelog between two vLLM releases",
+        description="Write a Markdown changelog between two vLLM releases: the API table "
+        "(both venvs' Pythons), every ledger entry with its verdict and a minimal replay, "
+        "the stored traces replayed on the newer release, a census. Run it with the newer "
+        "release's Python; module:factory names do not apply (vLLM only).",
+    )
+    p.add_argument("traces", nargs="*", metavar="TRACE", help="trace files to replay")
+    p.add_argument("--from", dest="from_version", required=True, help="older release, 0.25.1")
+    p.add_argument("--to", dest="to_version", required=True, help="newer (installed) release")
+    p.add_argument("--from-python", default="", help="the older release venv's python")
+    p.add_argument("--census-seconds", type=float, default=60.0, help="census time (default 60)")
+    p.add_argument("--census-dir", default="build/census", help="census counterexamples")
+    p.add_argument("--seed", type=int, default=0, help="census seed (default 0)")
+    p.add_argument("--out", default="", help="output (default docs/vllm-FROM-to-TO.md)")
+    p.set_defaults(func=_cmd_changelog)
     return parser
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.kit.config import GroupConfig, ManagerConfig
-from kvcache.kit.sides import HarnessError, Side, make_side
+from kvcache.kit.ledger import REFERENCE_LINE, Judge, release_line_of
+from kvcache.kit.sides import CannotBuild, HarnessError, Side, make_side
 from kvcache.kit.trace import (
     Trace,
     canon_state,
@@ -56,21 +57,37 @@ def outcome(side: Side, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
 SUBJECT_FOR_ASSERT = ("ValueError", "NotImplementedError")
 
 
+def assert_allowance(expected_raises: str, actual_raises: str) -> str:
+    """The note for an allowed assert-vs-validation pair of exceptions, else ``""``.
+
+    vLLM asserts where kvcache and the oracle raise ``ValueError`` (or
+    ``NotImplementedError``); the pair is accepted in both directions, so that
+    vLLM can be the reference (``"assert->ValueError"``) or the subject
+    checked against the oracle (``"ValueError->assert"``).
+    """
+    if expected_raises == "AssertionError" and actual_raises in SUBJECT_FOR_ASSERT:
+        return "assert->" + actual_raises
+    if actual_raises == "AssertionError" and expected_raises in SUBJECT_FOR_ASSERT:
+        return expected_raises + "->assert"
+    return ""
+
+
 def compare_outcomes(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> tuple[bool, str]:
     """Whether ``actual`` conforms to the reference outcome ``expected``.
 
-    Returns ``(ok, note)``: ``note`` is ``"assert->ValueError"`` when the
-    reference's ``AssertionError`` met the subject's ``ValueError`` or
-    ``NotImplementedError`` (allowed, counted), else a description of the
-    difference, else ``""``.
+    Returns ``(ok, note)``: ``note`` is ``"assert->ValueError"`` (or the
+    reverse, ``"ValueError->assert"``) when one side's ``AssertionError`` met
+    the other's ``ValueError`` or ``NotImplementedError`` (allowed, counted),
+    else a description of the difference, else ``""``.
     """
     if "raises" in expected:
         if "raises" not in actual:
             return False, f"expected {expected['raises']}, got result {short(actual['ok'])}"
         if expected["raises"] == actual["raises"]:
             return True, ""
-        if expected["raises"] == "AssertionError" and actual["raises"] in SUBJECT_FOR_ASSERT:
-            return True, "assert->" + str(actual["raises"])
+        allowance = assert_allowance(str(expected["raises"]), str(actual["raises"]))
+        if allowance:
+            return True, allowance
         return False, (
             f"expected {expected['raises']}, got {actual['raises']}: {actual.get('message')}"
         )
@@ -98,6 +115,8 @@ class Mismatch(Exception):
         detail: str,
         expected_state: Mapping[str, Any] | None = None,
         observed_state: Mapping[str, Any] | None = None,
+        known: tuple[str, ...] = (),
+        part: str = "result",
     ) -> None:
         super().__init__(f"call #{index} {op}({short(dict(args), 300)}): {detail}")
         self.index = index
@@ -106,6 +125,42 @@ class Mismatch(Exception):
         self.detail = detail
         self.expected_state = expected_state
         self.observed_state = observed_state
+        #: The ledger entry that recognised this difference (empty: unknown).
+        self.known = known
+        #: What differs: "result", "raises", or "state:<keys>".
+        self.part = part
+
+    @property
+    def kind(self) -> str:
+        """The kind of difference, for tallies and shrinking: ``op/part``."""
+        return f"{self.op}/{self.part}"
+
+
+def outcome_part(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str:
+    """``"raises"`` when either outcome is an exception, else ``"result"``."""
+    return "raises" if "raises" in expected or "raises" in actual else "result"
+
+
+def state_part(diff: Sequence[str]) -> str:
+    """``"state:key1,key2"`` for the top-level keys named in ``state_diff`` lines."""
+    keys = sorted({line.strip().split(":", 1)[0].split("(", 1)[0] for line in diff})
+    return "state:" + ",".join(keys)
+
+
+def side_line(side: Side) -> str:
+    """The release line a side behaves like: vLLM's own, else 0.25 (kvcache, spec)."""
+    if side.adapter.name == "vllm":
+        return release_line_of(side.adapter.version)
+    return REFERENCE_LINE
+
+
+def make_judge(config: ManagerConfig, expected_line: str, actual_line: str) -> Judge | None:
+    """A ledger judge when the two sides are of different release lines, else None."""
+    if expected_line == actual_line:
+        return None
+    if expected_line == REFERENCE_LINE:
+        return Judge(config, actual_line, old_is_expected=True)
+    return Judge(config, expected_line, old_is_expected=False)
 
 
 class DriverError(Exception):
@@ -122,6 +177,10 @@ class Stats:
     assert_as_value_error: int = 0
     events: Counter[str] = field(default_factory=Counter)
     layouts: Counter[str] = field(default_factory=Counter)
+    #: Calls where a ledger normaliser made the sides agree, by entry id.
+    known: Counter[str] = field(default_factory=Counter)
+    #: Configs a side cannot build, by family.
+    cannot_build: Counter[str] = field(default_factory=Counter)
     hybrid: int = 0
     with_eagle: int = 0
     with_mixed_block_sizes: int = 0
@@ -134,6 +193,8 @@ class Stats:
         self.assert_as_value_error += other.assert_as_value_error
         self.events.update(other.events)
         self.layouts.update(other.layouts)
+        self.known.update(other.known)
+        self.cannot_build.update(other.cannot_build)
         self.hybrid += other.hybrid
         self.with_eagle += other.with_eagle
         self.with_mixed_block_sizes += other.with_mixed_block_sizes
@@ -184,13 +245,10 @@ class Lockstep:
         self.records: list[dict[str, Any]] = []
         self.stats = stats if stats is not None else Stats()
         self.record_state = record_state
-        if subject is not None:
-            try:
-                self.subject = make_side(subject, config, hash_seed)
-            except Exception as exc:
-                raise Mismatch(
-                    -1, "KVCacheManager", {}, f"{subject} cannot build the manager: {exc!r}"
-                ) from exc
+        self.judge: Judge | None = None
+        if subject is not None:  # CannotBuild propagates: not a divergence
+            self.subject = make_side(subject, config, hash_seed)
+            self.judge = make_judge(config, side_line(self.reference), side_line(self.subject))
 
     def header(self, **extra: Any) -> dict[str, Any]:
         """The trace header of the reference's records."""
@@ -217,9 +275,26 @@ class Lockstep:
         self.observe(op, expected)
         if self.subject is not None:
             actual = outcome(self.subject, op, args)
+            if self.judge is not None:
+                self.judge.observe(op, args, expected, actual)
             ok, note = compare_outcomes(expected, actual)
+            if not ok and self.judge is not None:
+                judgement = self.judge.outcome(
+                    op, args, expected, actual, lambda e, a: compare_outcomes(e, a)[0]
+                )
+                if not judgement.ok:
+                    raise Mismatch(
+                        index,
+                        op,
+                        args,
+                        note,
+                        known=judgement.known,
+                        part=outcome_part(expected, actual),
+                    )
+                self.stats.known.update(judgement.known)
+                ok, note = True, ""
             if not ok:
-                raise Mismatch(index, op, args, note)
+                raise Mismatch(index, op, args, note, part=outcome_part(expected, actual))
             if note:
                 self.stats.assert_as_value_error += 1
         state = self.check_state(index, op, args)
@@ -254,9 +329,15 @@ class Lockstep:
             diff: list[str] = []
             actual_raw = self.subject.raw_state()
             expected = observed = None
+            known: tuple[str, ...] = ()
             if expected_raw is not None and actual_raw is not None and expected_raw != actual_raw:
                 expected, observed = canon_state(expected_raw), canon_state(actual_raw)
                 diff = state_diff(expected, observed)
+                if diff and self.judge is not None:
+                    judgement, diff = self.judge.state(op, expected, observed)
+                    if judgement.ok:
+                        self.stats.known.update(judgement.known)
+                    known = judgement.known if not judgement.ok else ()
             free_ref = self.reference.num_free_blocks()
             free_sub = self.subject.num_free_blocks()
             if free_ref != free_sub:
@@ -273,6 +354,8 @@ class Lockstep:
                     "state differs after the call:\n" + "\n".join(diff),
                     expected,
                     observed,
+                    known=known,
+                    part=state_part(diff),
                 )
         if self.record_state and expected_raw is not None:
             return canon_state(expected_raw)
@@ -855,6 +938,15 @@ class SequenceResult:
     config: ManagerConfig
     run: Lockstep | None
     mismatch: Mismatch | None
+    #: Why a side could not build the manager ("cannot build: ..."), if it could not.
+    cannot_build: str | None = None
+    #: The ledger entry that explains ``cannot_build``, if one does.
+    cannot_build_known: str | None = None
+
+    @property
+    def unknown(self) -> bool:
+        """A divergence no ledger entry explains (a known one is reported, not failed)."""
+        return self.mismatch is not None and not self.mismatch.known
 
 
 def run_sequence(
@@ -890,9 +982,26 @@ def run_sequence(
         scheduler.drain()
     except Mismatch as exc:
         mismatch = exc
-    if mismatch is not None:
+    except CannotBuild as exc:
+        stats.cannot_build[family.name] += 1
+        known = cannot_build_entry(config, exc, subject, reference)
+        return SequenceResult(seed, family.name, config, None, None, str(exc), known)
+    if mismatch is not None and not mismatch.known:
         stats.mismatching_sequences += 1
     return SequenceResult(seed, family.name, config, run, mismatch)
+
+
+def cannot_build_entry(config: ManagerConfig, exc: CannotBuild, *impls: str | None) -> str | None:
+    """The ledger entry that explains why a vLLM release cannot build ``config``."""
+    if exc.impl != "vllm":
+        return None
+    from kvcache.kit.sides import resolve_adapter
+
+    version = resolve_adapter("vllm").version
+    line = release_line_of(version)
+    if line == REFERENCE_LINE:
+        return None
+    return Judge(config, line, old_is_expected=True).cannot_build(exc.reason)
 
 
 # ---------------------------------------------------------------- replay and shrinking
@@ -919,6 +1028,8 @@ def replay_lockstep(
         run.check_state()
     except Mismatch as exc:
         return True, exc, None
+    except CannotBuild:
+        return False, None, None
     for i, (op, args) in enumerate(calls):
         try:
             expected = run.call(op, **args)
@@ -931,6 +1042,80 @@ def replay_lockstep(
     return True, None, run
 
 
+FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED", "FINISHED_IGNORED")
+
+
+def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None = None) -> bool:
+    """Whether a call list keeps the scheduler's rules, so a shrunk sequence stays one
+    a real scheduler could make.
+
+    Checked: calls on a request come after its ``add_request``; a prefix lookup
+    only for a waiting or preempted request with no computed tokens and no
+    allocation since its status last changed; an
+    allocation with ``new_computed_blocks="last"`` right after a lookup of that
+    request; nothing but the free once a request finished, nothing after the
+    free; ``free_blocks`` only of a popped handle, once. ``admitted[i]``: call
+    ``i`` is an allocation that succeeded in the original sequence (default: all).
+    """
+    status: dict[str, str] = {}
+    computed: dict[str, int] = {}
+    looked_up: set[str] = set()
+    allocated: set[str] = set()  # allocated since its status last changed
+    freed: set[str] = set()
+    popped: set[Any] = set()
+    for i, (op, args) in enumerate(calls):
+        rid = str(args.get("request_id"))
+        if op == "add_request":
+            if rid in status:
+                return False
+            status[rid], computed[rid] = "WAITING", 0
+            continue
+        if op == "free_blocks":
+            if args.get("handle") not in popped:
+                return False
+            popped.discard(args.get("handle"))
+            continue
+        if "request_id" not in args or op == "get_num_common_prefix_blocks":
+            continue
+        if rid not in status or rid in freed:
+            return False
+        finished = status[rid] in FINISHED
+        if op == "update_request":
+            if finished:
+                return False
+            status[rid] = args.get("status", status[rid])
+            computed[rid] = args.get("num_computed_tokens", computed[rid])
+            looked_up.discard(rid)
+            if "status" in args:
+                allocated.discard(rid)
+        elif op in ("free", "pop_blocks_for_free"):
+            if op == "pop_blocks_for_free":
+                popped.add(args.get("handle"))
+            if finished:
+                freed.add(rid)
+            looked_up.discard(rid)
+        elif finished:
+            return False
+        elif op == "get_computed_blocks":
+            if status[rid] not in ("WAITING", "PREEMPTED") or computed[rid] != 0:
+                return False
+            if rid in allocated:  # admitted: the scheduler's status update comes first
+                return False
+            looked_up.add(rid)
+        elif op == "allocate_slots":
+            if args.get("new_computed_blocks") == "last" and rid not in looked_up:
+                return False
+            looked_up.discard(rid)
+            if admitted is None or admitted[i]:
+                allocated.add(rid)
+    return True
+
+
+def same_failure(a: Mismatch, b: Mismatch) -> bool:
+    """The same failure: the same call, the same kind of difference, the same ledger entry."""
+    return (a.op, a.part, a.known) == (b.op, b.part, b.known)
+
+
 def shrink(
     config: ManagerConfig,
     calls: Sequence[Call],
@@ -941,17 +1126,22 @@ def shrink(
 ) -> list[Call]:
     """Greedy chunk-removal shrinking of a failing call list (delta debugging).
 
-    Keeps a candidate when it is still a valid sequence for the reference and
-    still mismatches at a call of the same op.
+    Keeps a candidate when a scheduler could make it (``scheduler_could_make``),
+    it is still a valid sequence for the reference, and it still fails the same
+    way (``same_failure``: same op, same kind of difference, same ledger entry).
     """
     records = list(calls)
     allowed = [True] * len(records)
     _, exc, run = replay_lockstep(config, records, subject, reference, allowed, hash_seed)
     if exc is None or run is None:
         return records if exc is None else []
-    mismatch_op = exc.op
+    original = exc
     records = records[: exc.index + 1]
     raised = ["raises" in r for r in run.records[: exc.index + 1]]
+    admitted = [
+        r["op"] == "allocate_slots" and r.get("ok") is not None
+        for r in run.records[: exc.index + 1]
+    ]
     deadline = time.monotonic() + budget_s
     chunk = max(1, len(records) // 2)
     while chunk >= 1 and time.monotonic() < deadline:
@@ -960,12 +1150,17 @@ def shrink(
         while i < len(records) and time.monotonic() < deadline:
             candidate = records[:i] + records[i + chunk :]
             candidate_raised = raised[:i] + raised[i + chunk :]
+            candidate_admitted = admitted[:i] + admitted[i + chunk :]
+            if not scheduler_could_make(candidate, candidate_admitted):
+                i += chunk
+                continue
             valid, exc, _ = replay_lockstep(
                 config, candidate, subject, reference, candidate_raised, hash_seed
             )
-            if valid and exc is not None and exc.op == mismatch_op:
+            if valid and exc is not None and same_failure(exc, original):
                 records = candidate[: exc.index + 1]
                 raised = candidate_raised[: exc.index + 1]
+                admitted = candidate_admitted[: exc.index + 1]
                 changed = True
             else:
                 i += chunk
@@ -1032,50 +1227,123 @@ def describe_calls(calls: Sequence[Mapping[str, Any]], first_index: int = 0) -> 
 
 @dataclass
 class ReplayResult:
-    """A replay: the first divergence (or None), how far it got, what it compared."""
+    """A replay: the first divergence (or None), how far it got, what it compared.
+
+    ``known`` counts the calls where a ledger normaliser made the sides agree;
+    ``mismatch.known`` names the entry that recognised the stopping difference
+    (``fixed``: the trace marks that record as a known bug of its release, which
+    the replayed one fixed); ``cannot_build`` says why the manager could not be
+    built (``cannot_build_known``: the ledger entry that explains it).
+    """
 
     mismatch: Mismatch | None
     num_replayed: int
     states_compared: bool
+    known: Counter[str] = field(default_factory=Counter)
+    cannot_build: str | None = None
+    cannot_build_known: str | None = None
+    fixed: bool = False
+
+    @property
+    def verdict(self) -> str:
+        """identical | known | cannot-build | divergence."""
+        if self.cannot_build is not None:
+            return "known" if self.cannot_build_known else "cannot-build"
+        if self.mismatch is not None:
+            return "known" if self.mismatch.known else "divergence"
+        return "known" if self.known else "identical"
+
+
+def trace_line(trace: Trace) -> str:
+    """The release line whose behaviour a trace records (kvcache and spec: 0.25)."""
+    info = trace.header.get("recorded_with") or {}
+    if info.get("impl") == "vllm":
+        return release_line_of(info.get("version"))
+    return (
+        release_line_of(trace.header.get("behaves_like"))
+        if trace.header.get("behaves_like")
+        else REFERENCE_LINE
+    )
 
 
 def replay_trace(trace: Trace, impl: str) -> ReplayResult:
     """Replay a trace on ``impl`` alone, comparing with the recorded outcomes and
-    states; stops at the first divergence."""
+    states; stops at the first divergence the ledger does not normalise away."""
     try:
         side = make_side(impl, trace.config, trace.hash_seed)
-    except ValueError:
-        raise
-    except Exception as exc:
-        mismatch = Mismatch(-1, "KVCacheManager", {}, f"construction failed: {exc!r}")
-        return ReplayResult(mismatch, 0, False)
-    states_compared = False
+    except CannotBuild as exc:
+        entry = cannot_build_entry(trace.config, exc, impl)
+        return ReplayResult(None, 0, False, cannot_build=str(exc), cannot_build_known=entry)
+    judge = make_judge(trace.config, trace_line(trace), side_line(side))
+    result = ReplayResult(None, 0, False)
+
+    def stop(mismatch: Mismatch, index: int, record: Mapping[str, Any]) -> ReplayResult:
+        marked = tuple(record.get("known") or ())
+        if marked and judge is not None:  # the trace marks a known bug of its release
+            applicable = {e.id for e in judge.entries}
+            fixed = tuple(m for m in marked if m in applicable)
+            if fixed:
+                mismatch.known = fixed
+                result.fixed = True
+        result.mismatch, result.num_replayed = mismatch, index
+        return result
+
     for index, record in enumerate(trace.records):
         op, args = record["op"], record["args"]
         expected: dict[str, Any] = {k: record[k] for k in ("ok", "raises") if k in record}
         try:
             actual = outcome(side, op, args)
         except HarnessError as exc:
-            return ReplayResult(
-                Mismatch(index, op, args, f"the trace cannot be replayed: {exc}"),
-                index,
-                states_compared,
+            return stop(
+                Mismatch(index, op, args, f"the trace cannot be replayed: {exc}"), index, record
             )
+        if judge is not None:
+            judge.observe(op, args, expected, actual)
         ok, note = compare_outcomes(expected, actual)
-        if not ok:
-            return ReplayResult(
-                Mismatch(index, op, args, note, record.get("state"), side.state()),
-                index,
-                states_compared,
+        if not ok and judge is not None:
+            judgement = judge.outcome(
+                op, args, expected, actual, lambda e, a: compare_outcomes(e, a)[0]
             )
+            if judgement.ok:
+                result.known.update(judgement.known)
+                ok = True
+            else:
+                mismatch = Mismatch(
+                    index,
+                    op,
+                    args,
+                    note,
+                    record.get("state"),
+                    side.state(),
+                    known=judgement.known,
+                    part=outcome_part(expected, actual),
+                )
+                return stop(mismatch, index, record)
+        if not ok:
+            mismatch = Mismatch(
+                index,
+                op,
+                args,
+                note,
+                record.get("state"),
+                side.state(),
+                part=outcome_part(expected, actual),
+            )
+            return stop(mismatch, index, record)
         if "state" not in record:
             continue
         # The checks Lockstep.check_state makes, against the recorded state.
         observed = side.state()
-        diff = []
+        diff: list[str] = []
+        known: tuple[str, ...] = ()
         if observed is not None:
-            states_compared = True
+            result.states_compared = True
             diff = state_diff(record["state"], observed)
+            if diff and judge is not None:
+                judgement, diff = judge.state(op, record["state"], observed)
+                if judgement.ok:
+                    result.known.update(judgement.known)
+                known = () if judgement.ok else judgement.known
         free_queue = record["state"].get("free_queue")
         if isinstance(free_queue, list) and len(free_queue) != side.num_free_blocks():
             diff.append(
@@ -1086,16 +1354,16 @@ def replay_trace(trace: Trace, impl: str) -> ReplayResult:
             if broken:
                 diff.append("  " + broken)
         if diff:
-            return ReplayResult(
-                Mismatch(
-                    index,
-                    op,
-                    args,
-                    "state differs after the call:\n" + "\n".join(diff),
-                    record["state"],
-                    observed,
-                ),
+            mismatch = Mismatch(
                 index,
-                states_compared,
+                op,
+                args,
+                "state differs after the call:\n" + "\n".join(diff),
+                record["state"],
+                observed,
+                known=known,
+                part=state_part(diff),
             )
-    return ReplayResult(None, len(trace.records), states_compared)
+            return stop(mismatch, index, record)
+    result.num_replayed = len(trace.records)
+    return result

@@ -6,6 +6,13 @@ hybrids, EAGLE on and off) and runs ``driver.RandomScheduler`` in lockstep on
 the reference (``spec`` by default, or ``vllm``) and the subject. The first
 divergence is shrunk (delta debugging over the calls) and written as a trace
 that ``python -m kvcache replay`` reproduces.
+
+Across vLLM release lines the ledger (``kvcache.kit.ledger``) judges each
+difference: a known one is counted and the run goes on; a config a side cannot
+build is counted as "cannot build", never a divergence. ``census=True`` does not
+stop at an unknown divergence either: it tallies every sequence's first
+difference by kind (``op/part``) and by ledger entry, and writes one shrunk
+counterexample per kind.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +49,17 @@ class FuzzOutcome:
     counterexample_calls: int = 0
     harness_error: str | None = None
     seconds: float = 0.0
+    #: First differences by kind: ``known:<ledger id>`` or ``op/part`` (unknown).
+    census: Counter[str] = field(default_factory=Counter)
+    #: One shrunk counterexample per kind (census), with its number of calls.
+    census_examples: dict[str, tuple[Path, int]] = field(default_factory=dict)
+    #: Why configs could not be built, by reason (first words), and the ledger entry.
+    cannot_build: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def unknown_kinds(self) -> list[str]:
+        """Census kinds no ledger entry explains."""
+        return sorted(k for k in self.census if not k.startswith("known:"))
 
 
 class Progress:
@@ -93,6 +112,19 @@ def default_out(subject: str, seed: int) -> Path:
     return Path(f"counterexample-{safe}-seed{seed}.jsonl")
 
 
+def census_kind(sequence: SequenceResult) -> str | None:
+    """A sequence's first difference as a census kind, or None when it had none."""
+    if sequence.cannot_build is not None:
+        if sequence.cannot_build_known:
+            return "known:" + sequence.cannot_build_known
+        return "cannot-build"
+    if sequence.mismatch is None:
+        return None
+    if sequence.mismatch.known:
+        return "known:" + ",".join(sequence.mismatch.known)
+    return sequence.mismatch.kind
+
+
 def fuzz(
     subject: str,
     reference: str = "spec",
@@ -103,6 +135,8 @@ def fuzz(
     out: Path | None = None,
     shrink_s: float = 60.0,
     stream: TextIO | None = None,
+    census: bool = False,
+    census_dir: Path | None = None,
 ) -> FuzzOutcome:
     """Run sequences until time or count runs out or the subject diverges.
 
@@ -115,8 +149,11 @@ def fuzz(
         seed: Run seed; sequence ``i`` uses seed ``seed * 1e6 + i``.
         out: Where to write the counterexample (default
             ``counterexample-<subject>-seed<seed>.jsonl``).
-        shrink_s: Time budget for shrinking the counterexample.
+        shrink_s: Time budget for shrinking the counterexample (census: per kind).
         stream: Where progress goes (default stderr).
+        census: Go on after divergences, tally first differences by kind and
+            ledger entry, write one shrunk counterexample per kind.
+        census_dir: Where the census counterexamples go (default ``census/``).
     """
     names = list(families) if families else list(FAMILIES)
     unknown = [name for name in names if name not in FAMILIES]
@@ -134,6 +171,7 @@ def fuzz(
     deadline = None if seconds is None else time.monotonic() + seconds
     index = 0
     family = names[0]
+    firsts: dict[str, SequenceResult] = {}
     while True:
         if max_sequences is not None and index >= max_sequences:
             break
@@ -151,11 +189,36 @@ def fuzz(
             break
         index += 1
         progress.update(result.stats, family)
-        if sequence.mismatch is not None:
+        if sequence.cannot_build is not None:
+            result.cannot_build[f"{family}: {sequence.cannot_build}"[:160]] += 1
+        kind = census_kind(sequence)
+        if kind is not None:
+            result.census[kind] += 1
+            if kind not in firsts and sequence.cannot_build is None:
+                firsts[kind] = sequence
+        if not census and sequence.unknown:
             result.failure = sequence
             break
     progress.update(result.stats, family, force=True)
     result.seconds = time.monotonic() - progress.started
+    if result.stats.sequences and len(result.cannot_build) and not result.stats.calls:
+        result.harness_error = "no config could be built: " + "; ".join(result.cannot_build)
+    if census:
+        folder = census_dir or Path("census")
+        folder.mkdir(parents=True, exist_ok=True)
+        for kind, first in sorted(firsts.items()):
+            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", kind)
+            path, n = write_counterexample(
+                first,
+                subject,
+                reference,
+                folder / f"{safe}.jsonl",
+                shrink_s,
+                fuzz_seed=seed,
+                kind=kind,
+            )
+            result.census_examples[kind] = (path, n)
+        return result
     if result.failure is not None:
         failure = result.failure
         progress.message(

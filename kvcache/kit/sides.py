@@ -47,6 +47,19 @@ class HarnessError(Exception):
     """A call the harness itself cannot make (unknown request id, unknown op)."""
 
 
+class CannotBuild(Exception):
+    """An implementation cannot build the manager for a config at all.
+
+    Not a divergence: a release that dropped a layout (or renamed a constructor
+    argument the kit does not map) is reported as "cannot build: <reason>".
+    """
+
+    def __init__(self, impl: str, reason: str) -> None:
+        super().__init__(f"cannot build: {reason}")
+        self.impl = impl
+        self.reason = reason
+
+
 def with_hash_seed(seed: str, init: Callable[[], None]) -> None:
     """Run ``init`` (an ``init_none_hash`` call) with ``PYTHONHASHSEED=seed``."""
     old = os.environ.get("PYTHONHASHSEED")
@@ -131,6 +144,19 @@ class Adapter:
         kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
         return self.factory(kv_cache_config, **config.manager_kwargs())
 
+    def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
+        """The prefix lookup as ``(blocks, num_computed_tokens)`` (0.25.1's shape)."""
+        blocks, num_computed_tokens = manager.get_computed_blocks(request)
+        return blocks, int(num_computed_tokens)
+
+    def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
+        """The scheduler admitted ``request`` after a lookup that hit ``num_hit_tokens``.
+
+        A no-op for 0.25.1's vocabulary (its manager records prefix-cache stats
+        inside the lookup); a release whose scheduler records them at admission
+        overrides this.
+        """
+
     def build_request(self, config: ManagerConfig, args: Mapping[str, Any]) -> Any:
         """A request for the fields of a trace's request record."""
         rq = self.request_module
@@ -170,6 +196,22 @@ class Adapter:
         return None if fn is None else dict(fn())
 
 
+class SpecAdapter(Adapter):
+    """The spec: it hashes requests itself (never reading ``request.block_hashes``), so
+    its manager is told the trace's hash algorithm and seed."""
+
+    hash_seed = "0"
+
+    def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
+        super().init_hashes(config, hash_seed)  # for the requests' own (kvcache) hasher
+        self.hash_seed = hash_seed
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        return self.factory(kv_cache_config, **config.manager_kwargs(),
+                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed)
+
+
 class Side:
     """An adapter's manager plus its requests, driven by ``call(op, args)``."""
 
@@ -182,8 +224,14 @@ class Side:
         self.popped: dict[int, list[Any]] = {}
         #: The raw return value of the last get_computed_blocks / allocate_slots.
         self.last_raw: Any = None
+        self.last_hit_tokens: dict[str, int] = {}
         adapter.init_hashes(config, hash_seed)
-        self.manager = adapter.build_manager(config)
+        try:
+            self.manager = adapter.build_manager(config)
+        except Exception as exc:
+            raise CannotBuild(
+                adapter.name, f"{adapter.name} rejects the config ({type(exc).__name__}: {exc})"
+            ) from exc
 
     # ------------------------------------------------------------ driving
 
@@ -259,8 +307,11 @@ class Side:
     # ------------------------------------------------------------ manager calls
 
     def op_get_computed_blocks(self, args: Mapping[str, Any]) -> Any:
-        blocks, num_computed_tokens = self.manager.get_computed_blocks(self.request(args))
+        blocks, num_computed_tokens = self.adapter.get_computed_blocks(
+            self.manager, self.request(args)
+        )
         self.last_computed[args["request_id"]] = blocks
+        self.last_hit_tokens[args["request_id"]] = num_computed_tokens
         self.last_raw = (blocks, num_computed_tokens)
         return {
             "block_ids": canon(blocks.get_block_ids()),
@@ -292,7 +343,13 @@ class Side:
             has_scheduled_reqs=args.get("has_scheduled_reqs", True),
         )
         self.last_raw = blocks
-        return None if blocks is None else canon(blocks.get_block_ids())
+        if blocks is None:
+            return None
+        if which == "last":  # the scheduler admits the request it looked up
+            self.adapter.admitted(
+                self.manager, request, self.last_hit_tokens.get(args["request_id"], 0)
+            )
+        return canon(blocks.get_block_ids())
 
     def op_free(self, args: Mapping[str, Any]) -> Any:
         self.manager.free(self.request(args))
@@ -395,7 +452,7 @@ def resolve_adapter(name: str) -> Adapter:
     if name == "spec":
         import spec
 
-        return Adapter("spec", spec.KVCacheManager, _package_version())
+        return SpecAdapter("spec", spec.KVCacheManager, _package_version())
     if name == "vllm":
         try:
             from kvcache.kit.vllm_side import VllmAdapter

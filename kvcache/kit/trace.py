@@ -242,7 +242,7 @@ def make_header(
 
 def to_line_record(record: Mapping[str, Any]) -> dict[str, Any]:
     """An in-memory record (``op``/``args``/outcome) in its file form."""
-    outcome = {k: record[k] for k in ("ok", "raises") if k in record}
+    outcome = {k: record[k] for k in ("ok", "raises", "known") if k in record}
     if record["op"] == "add_request":
         return {"record": "request", **record["args"], **outcome}
     line: dict[str, Any] = {"record": "call", "op": record["op"], "args": record["args"]}
@@ -318,13 +318,20 @@ def _check_record(where: str, line: Any) -> dict[str, Any]:
     if not isinstance(line, dict):
         raise TraceError(f"{where}: expected a JSON object, got {short(line, 80)}")
     kind = line.get("record")
-    outcome = {k: line[k] for k in ("ok", "raises", "state") if k in line}
+    outcome = {k: line[k] for k in ("ok", "raises", "state", "known") if k in line}
+    known = outcome.get("known")
+    if known is not None and not (
+        isinstance(known, list) and all(isinstance(k, str) for k in known)
+    ):
+        raise TraceError(f"{where}: 'known' must be a list of ledger ids")
     if "ok" in outcome and "raises" in outcome:
         raise TraceError(f"{where}: a record has either 'ok' or 'raises', not both")
     if "raises" in outcome and not isinstance(outcome["raises"], str):
         raise TraceError(f"{where}: 'raises' must be an exception type name")
     if kind == "request":
-        args = {k: v for k, v in line.items() if k not in ("record", "ok", "raises", "state")}
+        args = {
+            k: v for k, v in line.items() if k not in ("record", "ok", "raises", "state", "known")
+        }
         unknown = sorted(set(args) - set(REQUEST_FIELDS))
         if unknown:
             raise TraceError(f"{where}: unknown request field(s) {unknown}")

@@ -7,13 +7,22 @@ same trace arguments that ``Adapter`` turns into kvcache objects, and reads the
 abstract state of docs/contract.md out of vLLM's internals. A newer vLLM works
 as long as those internals keep their names; if not, only results are compared.
 
+**Release lines.** What changed between vLLM releases at the manager's API is
+a ``ReleaseLine`` in ``RELEASE_LINES``: named switches, one entry per release
+line, picked by the installed ``vllm.__version__``. Supporting a new release
+is one more entry (docs/releases.md says how): rename constructor arguments,
+say how many values ``get_computed_blocks`` returns, and whether the
+scheduler (not the manager) records prefix-cache stats at admission.
+
 Importing this module imports vLLM (and torch): a few seconds.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -33,8 +42,84 @@ from vllm.v1.request import Request, RequestStatus
 from kvcache.kit.config import ManagerConfig
 from kvcache.kit.sides import Adapter, build_kv_cache_config, with_hash_seed
 
+# 0.33.0 warns through its own loggers (a failed prefix-cache reset, a disabled
+# fine-grained hit mode) whatever VLLM_LOGGING_LEVEL says: the kit reports results.
+logging.getLogger("vllm").setLevel(logging.ERROR)
+
 VLLM_VERSION: str = vllm.__version__
 REFERENCE_VLLM_VERSION = "0.25.1"
+
+
+@dataclass(frozen=True)
+class ReleaseLine:
+    """How one vLLM release line's manager is built and driven (named switches).
+
+    Attributes:
+        name: The line, e.g. ``"0.33.x"``; it matches versions ``0.33.*``.
+        renamed_kwargs: Constructor arguments renamed since 0.25.1 (kit name -> the
+            release's name).
+        lookup_values: How many values ``get_computed_blocks`` returns (the first two
+            are always the blocks and the number of hit tokens).
+        stats_at_admission: The scheduler, not the lookup, records prefix-cache
+            stats, through ``record_prefix_cache_stats(request, num_hits)`` once
+            the request is admitted (its allocation succeeded).
+        reference_version: The release of the line the kit was checked with.
+    """
+
+    name: str
+    reference_version: str
+    renamed_kwargs: tuple[tuple[str, str], ...] = ()
+    lookup_values: int = 2
+    stats_at_admission: bool = False
+
+    def matches(self, version: str) -> bool:
+        """Whether ``version`` (``vllm.__version__``) belongs to this line."""
+        major_minor = ".".join(self.name.split(".")[:2])
+        return version == major_minor or version.startswith(major_minor + ".")
+
+    def manager_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The kit's (0.25.1's) constructor arguments under this line's names."""
+        renames = dict(self.renamed_kwargs)
+        return {renames.get(k, k): v for k, v in kwargs.items()}
+
+
+#: Every release line the kit knows, oldest first. The newest is used for an
+#: unknown newer version (with a warning in ``VllmAdapter.note``).
+RELEASE_LINES: tuple[ReleaseLine, ...] = (
+    ReleaseLine("0.25.x", "0.25.1"),
+    ReleaseLine(
+        "0.33.x",
+        "0.33.0",
+        renamed_kwargs=(("max_num_batched_tokens", "max_in_flight_tokens"),),
+        lookup_values=3,
+        stats_at_admission=True,
+    ),
+)
+
+
+def release_line(version: str) -> tuple[ReleaseLine, str]:
+    """The release line for a vLLM version, and a note when it is only a guess.
+
+    An unknown version gets the newest line at or below it (the oldest when it
+    is older than every line), with a note saying so.
+    """
+    for line in RELEASE_LINES:
+        if line.matches(version):
+            return line, ""
+
+    def key(v: str) -> tuple[int, ...]:
+        parts = []
+        for part in v.split(".")[:3]:
+            digits = "".join(ch for ch in part if ch.isdigit())
+            parts.append(int(digits or 0))
+        return tuple(parts)
+
+    below = [line for line in RELEASE_LINES if key(line.reference_version) <= key(version)]
+    line = below[-1] if below else RELEASE_LINES[0]
+    return line, (
+        f"vLLM {version} is not a release line the kit knows "
+        f"({', '.join(li.name for li in RELEASE_LINES)}); driving it as {line.name}"
+    )
 
 
 def vllm_hash_fn(name: str) -> Callable[[Any], bytes]:
@@ -103,10 +188,11 @@ def abstract_state(manager: KVCacheManager) -> dict[str, Any]:
 class VllmAdapter(Adapter):
     """vLLM's ``KVCacheManager``, built from vLLM's own vocabulary."""
 
-    def __init__(self) -> None:
+    def __init__(self, version: str = VLLM_VERSION) -> None:
         self.name = "vllm"
         self.factory = KVCacheManager
-        self.version = VLLM_VERSION
+        self.version = version
+        self.line, self.note = release_line(version)
         self._state_readable = True
 
     def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
@@ -115,7 +201,20 @@ class VllmAdapter(Adapter):
 
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(vllm_kv_cache_interface, config, torch.float16)
-        return KVCacheManager(kv_cache_config, **config.manager_kwargs())
+        return KVCacheManager(kv_cache_config, **self.line.manager_kwargs(config.manager_kwargs()))
+
+    def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
+        result = manager.get_computed_blocks(request)
+        if len(result) != self.line.lookup_values:
+            raise TypeError(
+                f"vLLM {self.version} ({self.line.name}): get_computed_blocks returned "
+                f"{len(result)} values, expected {self.line.lookup_values}"
+            )
+        return result[0], int(result[1])
+
+    def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
+        if self.line.stats_at_admission:
+            manager.record_prefix_cache_stats(request, num_hit_tokens)
 
     def build_request(self, config: ManagerConfig, args: Mapping[str, Any]) -> Any:
         return build_request(args, config.hash_block_size, vllm_hash_fn(config.hash_fn))

@@ -6,9 +6,9 @@ import pytest
 
 from kvcache.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvcache.kv_cache_utils import get_request_block_hasher, maybe_convert_block_hash, sha256
-from kvcache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.request import Request, RequestStatus
 from spec import KVCacheBlocks, KVCacheManager
+from spec.vocab import AllBlocksCleared, BlockRemoved, BlockStored
 
 BLOCK_SIZE = 4
 

@@ -135,6 +135,12 @@ class ManagerMachine(RuleBasedStateMachine):
     (id -> tokens of the step in flight), ``external`` (id -> hit tokens, for
     requests whose step in flight loads KV from a connector) and ``deferred``
     (popped block lists not yet returned to each pool).
+
+    Nothing compared is shared: the Request's ``block_hashes`` come from kvcache's
+    hasher, while spec hashes the request itself (``spec/vocab.py``), so the pool
+    keys of the abstract states, the events (spec's own classes, compared field by
+    field) and the stats (spec's own ``PrefixCacheStats``) are spec's values; the
+    invariant also compares each live request's hashes with spec's, byte for byte.
     """
 
     spec_manager_cls: Any = spec.KVCacheManager
@@ -267,7 +273,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def has_stats(self) -> bool:
         """Lookups were recorded (with log_stats), or requests run (without)."""
         stats = self.spec.prefix_cache_stats
-        return self.has_running() if stats is None else stats != PrefixCacheStats()
+        if stats is None:
+            return self.has_running()
+        return stats_of(stats) != stats_of(PrefixCacheStats())  # spec's own class: by fields
 
     def has_requests(self) -> bool:
         return bool(self.requests)
@@ -792,6 +800,10 @@ class ManagerMachine(RuleBasedStateMachine):
         )
         # Not part of abstract_state, but the scheduler reads it as an attribute.
         assert stats_of(self.impl.prefix_cache_stats) == stats_of(self.spec.prefix_cache_stats)
+        # The requests' hashes are kvcache's (its hasher); spec computes its own.
+        for rid, request in self.live.items():
+            spec_hashes = self.spec.block_pool.block_hashes(request)
+            assert request.block_hashes == spec_hashes, f"block hashes of {rid} differ"
         self.spec.check_invariants()
         self.impl.check_invariants()
 

@@ -1,0 +1,615 @@
+"""The known-differences ledger: what differs between vLLM release lines, and how to tell.
+
+``ledger.toml`` (next to this module) holds one entry per difference: its id,
+the releases that differ from vLLM 0.25.1, what differs, a verdict
+(``intended``, ``bug-fixed-in``, ``bug-introduced-in``, ``unknown``), an
+upstream reference and a **rule**, one of ``RULES`` below:
+
+* a *normaliser* rewrites both sides' outcomes (or states) to a common form;
+  when the difference disappears, it is known and the comparison goes on
+  (hash renaming, new fields, zeros for a deprecated call);
+* an *expected-result rule* recognises a behaviour difference at one call (a
+  shorter hit, a hash collision that a fixed bug made); the sequence stops
+  there, reported as known, not as a divergence;
+* ``adapter``: handled by the release line's adapter (``vllm_side.RELEASE_LINES``);
+  listed for the changelog.
+
+A ``Judge`` applies the entries that concern one pair of sides: the *old*
+side behaves like 0.25.1 (kvcache, spec, vLLM 0.25.x, a trace recorded on
+one of them), the *new* one is a later release.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcache.kit.config import ManagerConfig
+from kvcache.kit.trace import results_equal, state_diff
+
+LEDGER_PATH = Path(__file__).with_name("ledger.toml")
+VERDICTS = ("intended", "bug-fixed-in", "bug-introduced-in", "unknown")
+REFERENCE_LINE = "0.25"
+
+
+def release_line_of(version: str | None) -> str:
+    """``"0.33"`` for ``"0.33.0"``: the major.minor a version belongs to."""
+    if not version:
+        return REFERENCE_LINE
+    return ".".join(version.split(".")[:2])
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One known difference (a ``[[difference]]`` of ledger.toml)."""
+
+    id: str
+    releases: tuple[str, ...]
+    what: str
+    verdict: str
+    rule: str
+    upstream: str = ""
+    fixed_in: str = ""
+    #: For rule "observed": the difference kinds (``op/part``, a trailing ``*``
+    #: matches any rest) and the layout condition (``WHEN``) it is seen under.
+    kinds: tuple[str, ...] = ()
+    when: str = ""
+
+    @property
+    def lines(self) -> frozenset[str]:
+        return frozenset(release_line_of(r) for r in self.releases)
+
+    @property
+    def is_bug(self) -> bool:
+        return self.verdict in ("bug-fixed-in", "bug-introduced-in")
+
+    def label(self) -> str:
+        """``id`` plus the verdict, for reports: ``bug-x (fixed in 0.33.0)``."""
+        if self.verdict == "bug-fixed-in":
+            return f"{self.id} (fixed in {self.fixed_in})"
+        if self.verdict == "bug-introduced-in":
+            return f"{self.id} (bug introduced in {self.fixed_in})"
+        return f"{self.id} ({self.verdict})"
+
+
+def load_ledger(path: Path | None = None) -> list[Entry]:
+    """The ledger's entries, checked.
+
+    Raises:
+        ValueError: an entry with a missing field, an unknown verdict or rule, or
+            a duplicate id (naming the entry).
+    """
+    path = path or LEDGER_PATH
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    entries: list[Entry] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(data.get("difference", [])):
+        name = raw.get("id", f"#{i}")
+        missing = [k for k in ("id", "releases", "what", "verdict", "rule") if k not in raw]
+        if missing:
+            raise ValueError(f"{path}: entry {name!r} lacks {', '.join(missing)}")
+        if raw["verdict"] not in VERDICTS:
+            raise ValueError(
+                f"{path}: entry {name!r} verdict={raw['verdict']!r}; use one of {VERDICTS}"
+            )
+        if raw["rule"] not in RULES:
+            raise ValueError(f"{path}: entry {name!r} rule={raw['rule']!r} is not in RULES")
+        if raw["verdict"] in ("bug-fixed-in", "bug-introduced-in") and not raw.get("fixed_in"):
+            raise ValueError(f"{path}: entry {name!r} ({raw['verdict']}) needs fixed_in")
+        if raw["rule"] == "observed" and (not raw.get("kinds") or raw.get("when", "") not in WHEN):
+            raise ValueError(
+                f"{path}: entry {name!r} (rule observed) needs kinds and a when of {sorted(WHEN)}"
+            )
+        if name in seen:
+            raise ValueError(f"{path}: duplicate entry id {name!r}")
+        seen.add(name)
+        entries.append(
+            Entry(
+                id=raw["id"],
+                releases=tuple(raw["releases"]),
+                what=raw["what"],
+                verdict=raw["verdict"],
+                rule=raw["rule"],
+                upstream=raw.get("upstream", ""),
+                fixed_in=raw.get("fixed_in", ""),
+                kinds=tuple(raw.get("kinds", ())),
+                when=raw.get("when", ""),
+            )
+        )
+    return entries
+
+
+# ---------------------------------------------------------------- rules
+
+Outcome = dict[str, Any]
+
+
+@dataclass
+class Context:
+    """What a judge learns along one sequence: the config, requests and hash renaming."""
+
+    config: ManagerConfig
+    requests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rename: dict[str, str] = field(default_factory=dict)  # new hash hex -> old hash hex
+    rename_int: dict[int, int] = field(default_factory=dict)
+    renamed_old: dict[str, str] = field(default_factory=dict)  # old hex -> new hex
+    collision: bool = False
+    hash_hex_len: int = 0
+
+    @property
+    def has_mamba(self) -> bool:
+        return any(g.kind == "mamba" for g in self.config.groups)
+
+    @property
+    def has_eagle(self) -> bool:
+        return self.config.use_eagle or any(g.is_eagle_group for g in self.config.groups)
+
+
+class Rule:
+    """How one entry recognises its difference; the defaults recognise nothing."""
+
+    def outcome(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> tuple[Outcome, Outcome]:
+        """Both outcomes rewritten to a common form (normalisers)."""
+        return old, new
+
+    def state(
+        self, ctx: Context, old: dict[str, Any], new: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Both canonical states rewritten to a common form (normalisers)."""
+        return old, new
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        """Whether a remaining difference at this call is this entry's behaviour."""
+        return False
+
+    def recognise_state(self, ctx: Context, op: str, diff_keys: Sequence[str]) -> bool:
+        """Whether a remaining state difference (in ``diff_keys``) is this entry's."""
+        return False
+
+    def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
+        """Whether a construction failure is this entry's."""
+        return False
+
+
+def _ok(outcome: Outcome) -> Any:
+    return outcome.get("ok")
+
+
+def _with_ok(outcome: Outcome, value: Any) -> Outcome:
+    return {**outcome, "ok": value}
+
+
+class PrefixStatsCounts(Rule):
+    COUNTS = (
+        "requests",
+        "queries",
+        "hits",
+        "preempted_requests",
+        "preempted_queries",
+        "preempted_hits",
+    )
+
+    def outcome(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> tuple[Outcome, Outcome]:
+        if op != "make_prefix_cache_stats" or not isinstance(_ok(old), dict):
+            return old, new
+        if not isinstance(_ok(new), dict):
+            return old, new
+
+        def counts(value: dict[str, Any]) -> list[Any]:
+            return [value.get("fields", {}).get(k) for k in self.COUNTS]
+
+        if counts(_ok(old)) == counts(_ok(new)):
+            return old, new
+
+        def drop(value: dict[str, Any]) -> dict[str, Any]:
+            fields = {k: v for k, v in value.get("fields", {}).items() if k not in self.COUNTS}
+            return {**value, "fields": fields}
+
+        return _with_ok(old, drop(_ok(old))), _with_ok(new, drop(_ok(new)))
+
+
+class StatsNewFields(Rule):
+    def outcome(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> tuple[Outcome, Outcome]:
+        o, n = _ok(old), _ok(new)
+        if op != "make_prefix_cache_stats" or not isinstance(o, dict) or not isinstance(n, dict):
+            return old, new
+        fields = {k: v for k, v in n.get("fields", {}).items() if k in o.get("fields", {})}
+        return old, _with_ok(new, {**n, "fields": fields})
+
+
+class EventNewFields(Rule):
+    def outcome(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> tuple[Outcome, Outcome]:
+        o, n = _ok(old), _ok(new)
+        if op != "take_events" or not isinstance(o, list) or not isinstance(n, list):
+            return old, new
+        if len(o) != len(n):
+            return old, new
+        trimmed = []
+        for a, b in zip(o, n, strict=True):
+            if isinstance(a, dict) and isinstance(b, dict) and a.get("type") == b.get("type"):
+                keep = a.get("fields", {})
+                b = {**b, "fields": {k: v for k, v in b.get("fields", {}).items() if k in keep}}
+            trimmed.append(b)
+        return old, _with_ok(new, trimmed)
+
+
+class HashRenaming(Rule):
+    """Learns new -> old hash pairs where a request's hashes differ, renames the new side."""
+
+    MASK = (1 << 64) - 1
+
+    def learn(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> None:
+        if op not in ("add_request", "append_output_token_ids"):
+            return
+        request = ctx.requests.get(str(args.get("request_id")), {})
+        if not any(request.get(k) for k in ("lora", "cache_salt", "mm_features")):
+            return  # plain blocks hash alike in every release: no renaming
+        o, n = _ok(old), _ok(new)
+        if not isinstance(o, list) or not isinstance(n, list) or len(o) != len(n):
+            return
+        for a, b in zip(o, n, strict=True):
+            if not (isinstance(a, dict) and isinstance(b, dict) and "bytes" in a and "bytes" in b):
+                continue
+            old_hex, new_hex = a["bytes"], b["bytes"]
+            if old_hex == new_hex or new_hex in ctx.rename:
+                continue
+            if ctx.renamed_old.get(old_hex, new_hex) != new_hex:
+                ctx.collision = True  # two new hashes for one old one: not a renaming
+                continue
+            ctx.rename[new_hex] = old_hex
+            ctx.hash_hex_len = len(new_hex)
+            ctx.renamed_old[old_hex] = new_hex
+            new_int = int(new_hex, 16) & self.MASK
+            ctx.rename_int[new_int] = int(old_hex, 16) & self.MASK
+
+    def apply(self, ctx: Context, value: Any, in_event: bool = False) -> Any:
+        if isinstance(value, dict):
+            if set(value) == {"bytes"}:
+                return {"bytes": self.rename_hex(ctx, value["bytes"])}
+            event = "fields" in value and "type" in value
+            out = {}
+            for k, v in value.items():
+                if in_event and k in ("block_hashes", "parent_block_hash"):
+                    v = self.apply_int(ctx, v)
+                out[k] = self.apply(ctx, v, in_event=event or (in_event and k == "fields"))
+            if set(out) == {"dict"} and isinstance(out["dict"], list):  # keep canon's order
+                out["dict"] = sorted(out["dict"], key=lambda kv: json.dumps(kv[0], sort_keys=True))
+            return out
+        if isinstance(value, list):
+            return [self.apply(ctx, v, in_event) for v in value]
+        return value
+
+    @staticmethod
+    def rename_hex(ctx: Context, hex_value: str) -> str:
+        """A hash renamed; a pool key (hash plus group-id suffix) keeps its suffix."""
+        if hex_value in ctx.rename:
+            return ctx.rename[hex_value]
+        size = ctx.hash_hex_len
+        if size and len(hex_value) > size and hex_value[:size] in ctx.rename:
+            return ctx.rename[hex_value[:size]] + hex_value[size:]
+        return hex_value
+
+    def apply_int(self, ctx: Context, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return ctx.rename_int.get(value, value)
+        if isinstance(value, list):
+            return [self.apply_int(ctx, v) for v in value]
+        return value
+
+    def outcome(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> tuple[Outcome, Outcome]:
+        if not ctx.rename or "ok" not in new:
+            return old, new
+        return old, _with_ok(new, self.apply(ctx, new["ok"]))
+
+    def state(
+        self, ctx: Context, old: dict[str, Any], new: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        if not ctx.rename:
+            return old, new
+        renamed: dict[str, Any] = self.apply(ctx, new)
+        return old, renamed
+
+
+class NewBlockIds(Rule):
+    def outcome(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> tuple[Outcome, Outcome]:
+        if op != "take_new_block_ids" or "ok" not in old or "ok" not in new:
+            return old, new
+        return _with_ok(old, None), _with_ok(new, None)
+
+    def state(
+        self, ctx: Context, old: dict[str, Any], new: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        drop = "new_block_ids"
+        return (
+            {k: v for k, v in old.items() if k != drop},
+            {k: v for k, v in new.items() if k != drop},
+        )
+
+
+class PopNullHead(Rule):
+    def outcome(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> tuple[Outcome, Outcome]:
+        o = _ok(old)
+        if op != "pop_blocks_for_free" or not isinstance(o, list):
+            return old, new
+        return _with_ok(old, [b for b in o if b != 0]), new
+
+
+class CommonPrefixZero(Rule):
+    def outcome(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> tuple[Outcome, Outcome]:
+        o = _ok(old)
+        if op != "get_num_common_prefix_blocks" or not isinstance(o, list):
+            return old, new
+        return _with_ok(old, [0] * len(o)), new
+
+    def state(
+        self, ctx: Context, old: dict[str, Any], new: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """0.25.1's lookup leaves an empty ``req_to_blocks`` entry for a request
+        with no blocks; 0.33.0 no longer looks."""
+        o, n = old.get("req_to_blocks"), new.get("req_to_blocks")
+        if not (isinstance(o, list) and isinstance(n, list) and len(o) == len(n)):
+            return old, new
+        trimmed = [
+            {rid: blocks for rid, blocks in a.items() if blocks or rid in b}
+            if isinstance(a, dict) and isinstance(b, dict)
+            else a
+            for a, b in zip(o, n, strict=True)
+        ]
+        return {**old, "req_to_blocks": trimmed}, new
+
+
+class CannotBuildMambaAll(Rule):
+    def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
+        return config.enable_caching and any(
+            g.kind == "mamba" and g.mamba_cache_mode != "align" for g in config.groups
+        )
+
+
+class SubBlockEntries(Rule):
+    """Drops the new side's extra cache entries (keys the old side lacks) where a
+    group's blocks span several hash blocks; later hits that use them still differ."""
+
+    def state(
+        self, ctx: Context, old: dict[str, Any], new: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        hash_block = ctx.config.hash_block_size
+        if not any(g.block_size > hash_block for g in ctx.config.groups):
+            return old, new
+        o, n = old.get("cached"), new.get("cached")
+        if not (isinstance(o, dict) and isinstance(n, dict) and "dict" in o and "dict" in n):
+            return old, new
+        old_keys = [json.dumps(k, sort_keys=True) for k, _ in o["dict"]]
+        kept = [kv for kv in n["dict"] if json.dumps(kv[0], sort_keys=True) in old_keys]
+        return old, {**new, "cached": {"dict": kept}}
+
+
+def _hit_tokens(outcome: Outcome) -> int | None:
+    value = _ok(outcome)
+    if isinstance(value, dict) and "num_computed_tokens" in value:
+        return int(value["num_computed_tokens"])
+    return None
+
+
+class ShorterHitMambaEagle(Rule):
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        o, n = _hit_tokens(old), _hit_tokens(new)
+        return (
+            op == "get_computed_blocks"
+            and ctx.has_mamba
+            and ctx.has_eagle
+            and o is not None
+            and n is not None
+            and n < o
+        )
+
+
+class MmOutputBlockHash(Rule):
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        request = ctx.requests.get(str(args.get("request_id")), {})
+        return op == "append_output_token_ids" and bool(request.get("mm_features"))
+
+
+class ThreeFullGroupsHit(Rule):
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        full = sum(g.kind == "full" for g in ctx.config.groups)
+        return op == "get_computed_blocks" and full >= 3
+
+
+def _groups(config: ManagerConfig) -> int:
+    return len(config.groups)
+
+
+#: Layout conditions an "observed" entry can name.
+WHEN: dict[str, Callable[[ManagerConfig], bool]] = {
+    "": lambda config: True,
+    "hybrid": lambda config: _groups(config) > 1,
+    "mamba": lambda config: any(g.kind == "mamba" for g in config.groups),
+    "mixed-block-sizes": lambda config: len({g.block_size for g in config.groups}) > 1,
+}
+
+
+def kind_matches(patterns: Sequence[str], kind: str) -> bool:
+    """Whether ``kind`` (``op/part``) is one of ``patterns`` (``*`` at the end: a prefix)."""
+    return any(kind.startswith(p[:-1]) if p.endswith("*") else kind == p for p in patterns)
+
+
+class Observed(Rule):
+    """A difference seen but not yet understood (verdict ``unknown``): recognised by
+    its kind under a layout condition, so that CI flags only new kinds."""
+
+
+RULES: dict[str, Callable[[], Rule]] = {
+    "observed": Observed,
+    "adapter": Rule,
+    "prefix_stats_counts": PrefixStatsCounts,
+    "stats_new_fields": StatsNewFields,
+    "event_new_fields": EventNewFields,
+    "hash_renaming": HashRenaming,
+    "new_block_ids": NewBlockIds,
+    "pop_null_head": PopNullHead,
+    "common_prefix_zero": CommonPrefixZero,
+    "cannot_build_mamba_all": CannotBuildMambaAll,
+    "sub_block_entries": SubBlockEntries,
+    "shorter_hit_mamba_eagle": ShorterHitMambaEagle,
+    "mm_output_block_hash": MmOutputBlockHash,
+    "three_full_groups_hit": ThreeFullGroupsHit,
+}
+
+
+# ---------------------------------------------------------------- judging
+
+
+@dataclass
+class Judgement:
+    """The ledger's view of one difference.
+
+    ``ok``: the sides agree once normalised (``known``: the entries that made
+    them agree). Otherwise ``known`` names the expected-result entry that
+    recognised the difference (the sequence stops there), or is empty: an
+    unknown difference.
+    """
+
+    ok: bool
+    known: tuple[str, ...] = ()
+
+    @property
+    def stops(self) -> bool:
+        return not self.ok
+
+
+class Judge:
+    """Applies the ledger's entries for one (old line, new line) pair of sides."""
+
+    def __init__(
+        self,
+        config: ManagerConfig,
+        new_line: str,
+        old_is_expected: bool,
+        entries: Sequence[Entry] | None = None,
+    ) -> None:
+        entries = load_ledger() if entries is None else entries
+        self.entries = [e for e in entries if new_line in e.lines]
+        self.rules = [(e, RULES[e.rule]()) for e in self.entries]
+        self.ctx = Context(config)
+        self.old_is_expected = old_is_expected
+        self.new_line = new_line
+
+    def _orient(self, expected: Any, actual: Any) -> tuple[Any, Any]:
+        return (expected, actual) if self.old_is_expected else (actual, expected)
+
+    def observe(self, op: str, args: Mapping[str, Any], expected: Outcome, actual: Outcome) -> None:
+        """Learn from every call (requests, hash pairs), equal or not."""
+        if op == "add_request":
+            self.ctx.requests[str(args.get("request_id"))] = dict(args)
+        old, new = self._orient(expected, actual)
+        for _, rule in self.rules:
+            if isinstance(rule, HashRenaming):
+                rule.learn(self.ctx, op, args, old, new)
+
+    def outcome(
+        self,
+        op: str,
+        args: Mapping[str, Any],
+        expected: Outcome,
+        actual: Outcome,
+        equal: Callable[[Outcome, Outcome], bool],
+    ) -> Judgement:
+        """Judge outcomes that ``equal`` (the kit's comparison) found different."""
+        old, new = self._orient(expected, actual)
+        used: list[str] = []
+        for entry, rule in self.rules:
+            o, n = rule.outcome(self.ctx, op, args, old, new)
+            if (o, n) != (old, new):
+                used.append(entry.id)
+                old, new = o, n
+                if equal(*self._orient(old, new)):
+                    return Judgement(True, tuple(used))
+        for entry, rule in self.rules:
+            if rule.recognise(self.ctx, op, args, old, new):
+                return Judgement(False, (entry.id,))
+        part = "raises" if "raises" in old or "raises" in new else "result"
+        return Judgement(False, self.observed(f"{op}/{part}"))
+
+    def observed(self, kind: str) -> tuple[str, ...]:
+        """The "observed" entry for a difference of ``kind`` here, if there is one."""
+        for entry in self.entries:
+            if (
+                entry.rule == "observed"
+                and WHEN[entry.when](self.ctx.config)
+                and kind_matches(entry.kinds, kind)
+            ):
+                return (entry.id,)
+        return ()
+
+    def state(
+        self, op: str, expected: dict[str, Any], actual: dict[str, Any]
+    ) -> tuple[Judgement, list[str]]:
+        """Judge canonical states that differ; returns the judgement and the remaining diff."""
+        old, new = self._orient(expected, actual)
+        used: list[str] = []
+        for entry, rule in self.rules:
+            o, n = rule.state(self.ctx, old, new)
+            if (o, n) != (old, new):
+                old, new = o, n
+                used.append(entry.id)
+        diff = state_diff(*self._orient(old, new))
+        if not diff:
+            return Judgement(True, tuple(used)), []
+        keys = [
+            key
+            for key in sorted(set(old) | set(new))
+            if not results_equal(old.get(key), new.get(key))
+        ]
+        for entry, rule in self.rules:
+            if rule.recognise_state(self.ctx, op, keys):
+                return Judgement(False, (entry.id,)), diff
+        return Judgement(False, self.observed(f"{op}/state:" + ",".join(keys))), diff
+
+    def cannot_build(self, reason: str) -> str | None:
+        """The entry that explains a construction failure, if one does."""
+        for entry, rule in self.rules:
+            if rule.cannot_build(self.ctx.config, reason):
+                return entry.id
+        return None
+
+
+def entry_by_id(entry_id: str, entries: Sequence[Entry] | None = None) -> Entry:
+    """The ledger entry called ``entry_id``.
+
+    Raises:
+        KeyError: no such entry.
+    """
+    for entry in load_ledger() if entries is None else entries:
+        if entry.id == entry_id:
+            return entry
+    raise KeyError(f"no ledger entry {entry_id!r}")

@@ -1,0 +1,322 @@
+"""Checking a vLLM release against the ledger, and writing the semantic changelog.
+
+``release_check`` is the CI stage's body (``make check-0.33``): replay the stored
+traces on the installed vLLM and run a short census against kvcache; every
+difference must be a ledger entry. ``changelog`` writes a readable Markdown
+changelog between two releases: the API of ``KVCacheManager`` in each (read by
+the two venvs' Pythons), every ledger entry with its verdict and a minimal
+replay, and what the stored traces and a census saw.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcache.kit.driver import ReplayResult, describe_calls, replay_trace
+from kvcache.kit.fuzz import FuzzOutcome, fuzz
+from kvcache.kit.ledger import Entry, load_ledger
+from kvcache.kit.trace import read_trace
+
+#: The methods whose signatures the changelog's API table compares.
+API_CLASSES = (
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheBlocks"),
+    ("vllm.v1.core.block_pool", "BlockPool"),
+)
+
+
+@dataclass
+class TraceReport:
+    """One stored trace replayed on a release: its verdict and the entries it met."""
+
+    path: str
+    verdict: str  # identical | known | cannot-build | divergence
+    entries: tuple[str, ...]
+    detail: str
+    records: int = 0
+
+
+@dataclass
+class ReleaseCheck:
+    """What ``release_check`` found."""
+
+    version: str
+    traces: list[TraceReport] = field(default_factory=list)
+    census: FuzzOutcome | None = None
+    seconds: float = 0.0
+
+    @property
+    def unknown(self) -> list[str]:
+        """Every difference no ledger entry explains, one line each."""
+        lines = [
+            f"{t.path}: {t.detail}"
+            for t in self.traces
+            if t.verdict in ("divergence", "cannot-build")
+        ]
+        if self.census is not None:
+            lines += [f"census: {kind}" for kind in self.census.unknown_kinds]
+        return lines
+
+    def summary(self) -> str:
+        """One line: traces by verdict, census figures, unknown differences."""
+        verdicts = Counter(t.verdict for t in self.traces)
+        parts = [
+            f"release-check vLLM {self.version}: {len(self.traces)} traces ("
+            + ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items()))
+            + ")"
+        ]
+        if self.census is not None:
+            stats = self.census.stats
+            parts.append(
+                f"census {stats.sequences} sequences, {stats.calls} calls, "
+                f"{len(self.census.census)} kinds"
+            )
+        parts.append(f"{len(self.unknown)} unknown differences in {self.seconds:.0f} s")
+        return "; ".join(parts)
+
+
+def trace_report(path: str, result: ReplayResult) -> TraceReport:
+    """A replay result as a ``TraceReport``."""
+    entries: tuple[str, ...] = tuple(sorted(result.known))
+    if result.cannot_build is not None:
+        known = result.cannot_build_known
+        return TraceReport(path, result.verdict, (known,) if known else (), result.cannot_build)
+    if result.mismatch is not None:
+        mismatch = result.mismatch
+        entries = tuple(sorted(set(entries) | set(mismatch.known)))
+        label = "fixed" if result.fixed else "stops at"
+        detail = f"{label} record #{mismatch.index} {mismatch.kind}"
+        if mismatch.known:
+            detail += f" ({', '.join(mismatch.known)})"
+        return TraceReport(path, result.verdict, entries, detail)
+    return TraceReport(path, result.verdict, entries, "all records")
+
+
+def release_check(
+    traces: Sequence[str],
+    census_seconds: float,
+    census_dir: Path,
+    seed: int = 0,
+    stream: Any = None,
+) -> ReleaseCheck:
+    """Replay ``traces`` on the installed vLLM and run a census against kvcache."""
+    from kvcache.kit.sides import resolve_adapter
+
+    started = time.monotonic()
+    version = str(resolve_adapter("vllm").version)
+    check = ReleaseCheck(version)
+    for path in traces:
+        trace = read_trace(path)
+        report = trace_report(path, replay_trace(trace, "vllm"))
+        report.records = len(trace.records)
+        check.traces.append(report)
+    if census_seconds > 0:
+        check.census = fuzz(
+            "vllm",
+            reference="kvcache",
+            seconds=census_seconds,
+            seed=seed,
+            shrink_s=5.0,
+            census=True,
+            census_dir=census_dir,
+            stream=stream,
+        )
+    check.seconds = time.monotonic() - started
+    return check
+
+
+# ---------------------------------------------------------------- the changelog
+
+API_PROBE = """
+import inspect, json, importlib, os
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+import vllm
+out = {"version": vllm.__version__, "classes": {}}
+for module, name in %r:
+    cls = getattr(importlib.import_module(module), name)
+    methods = {}
+    for attr, fn in sorted(vars(cls).items()):
+        if attr.startswith("_") and attr != "__init__":
+            continue
+        target = fn.fget if isinstance(fn, property) else getattr(fn, "__func__", fn)
+        if not callable(target):
+            continue
+        try:
+            methods[attr] = str(inspect.signature(target))
+        except (TypeError, ValueError):
+            methods[attr] = "(...)"
+    out["classes"][name] = methods
+print(json.dumps(out))
+"""
+
+
+def api_of(python: str) -> dict[str, Any]:
+    """The public method signatures of vLLM's manager classes, read by ``python``.
+
+    Raises:
+        ValueError: ``python`` cannot import vLLM (naming it and its error).
+    """
+    proc = subprocess.run(
+        [python, "-c", API_PROBE % (API_CLASSES,)], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise ValueError(f"python={python!r} cannot read vLLM's API: {proc.stderr[-400:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def api_table(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Markdown rows: methods added, removed or with a changed signature."""
+    rows = [
+        "| class | method | " + old["version"] + " | " + new["version"] + " |",
+        "|---|---|---|---|",
+    ]
+    for cls in sorted(set(old["classes"]) | set(new["classes"])):
+        a, b = old["classes"].get(cls, {}), new["classes"].get(cls, {})
+        for name in sorted(set(a) | set(b)):
+            if a.get(name) == b.get(name):
+                continue
+            before = f"`{a[name]}`" if name in a else "—"
+            after = f"`{b[name]}`" if name in b else "removed"
+            if name not in a:
+                after = f"added: `{b[name]}`"
+            rows.append(f"| {cls} | `{name}` | {before} | {after} |")
+    return rows
+
+
+def _replay_block(path: Path, limit: int = 12) -> list[str]:
+    trace = read_trace(path)
+    calls = trace.records[-limit:]
+    first = len(trace.records) - len(calls)
+    return ["```", describe_calls(calls, first), "```"]
+
+
+def changelog(
+    old_version: str,
+    new_version: str,
+    check: ReleaseCheck,
+    entries: Sequence[Entry] | None = None,
+    old_python: str | None = None,
+    new_python: str | None = None,
+    census_dir: Path | None = None,
+) -> str:
+    """The semantic changelog as Markdown (see the module docstring)."""
+    entries = list(load_ledger() if entries is None else entries)
+    out = [
+        f"# vLLM {old_version} → {new_version}: what changed at the KV-cache manager",
+        "",
+        "Generated by `python -m kvcache changelog --from "
+        f"{old_version} --to {new_version}` from the known-differences ledger "
+        "(kvcache/kit/ledger.toml), the stored traces (tests/data) replayed on "
+        f"{new_version}, and a census of random scheduler sequences against kvcache "
+        f"(which behaves like {old_version}). Do not edit by hand: regenerate.",
+        "",
+    ]
+    if old_python and new_python:
+        out += ["## API", "", "Public methods whose signature changed:", ""]
+        out += api_table(api_of(old_python), api_of(new_python))
+        out.append("")
+    by_verdict = Counter(e.verdict for e in entries)
+    out += [
+        "## Behaviour differences (the ledger)",
+        "",
+        f"{len(entries)} entries: "
+        + ", ".join(f"{n} {v}" for v, n in sorted(by_verdict.items()))
+        + ".",
+        "",
+    ]
+    seen_in: dict[str, list[str]] = {}
+    for report in sorted(check.traces, key=lambda r: (r.records, r.path)):  # shortest first
+        for entry_id in report.entries:
+            seen_in.setdefault(entry_id, []).append(report.path)
+    census_counts: Counter[str] = Counter()
+    if check.census is not None:
+        census_counts.update(check.census.stats.known)
+        for kind, n in check.census.census.items():
+            if kind.startswith("known:"):
+                for entry_id in kind[6:].split(","):
+                    census_counts[entry_id] += n
+    for entry in entries:
+        verdict = entry.verdict + (f" {entry.fixed_in}" if entry.is_bug else "")
+        out += [f"### `{entry.id}` — {verdict}", "", entry.what, ""]
+        if entry.upstream:
+            out += [f"Upstream: {entry.upstream}.", ""]
+        out += [f"Recognised by rule `{entry.rule}` (kvcache/kit/ledger.py).", ""]
+        traces = seen_in.get(entry.id, [])
+        if traces:
+            out += [
+                "Replay (the shortest stored trace that shows it): `python -m kvcache replay "
+                + traces[0]
+                + " --impl vllm`"
+                + (f" (also in {len(traces) - 1} more stored traces)" if len(traces) > 1 else ""),
+                "",
+            ]
+        example = None
+        if census_dir is not None:
+            candidate = census_dir / f"known_{entry.id}.jsonl"
+            example = candidate if candidate.exists() else None
+        if example is not None:
+            out += [
+                "Minimal replay (shrunk census counterexample, the difference is at "
+                "the last call):",
+                "",
+                *_replay_block(example),
+                "",
+            ]
+        if census_counts.get(entry.id):
+            out += [f"Census: met {census_counts[entry.id]} times.", ""]
+        if entry.rule == "adapter":
+            out += [
+                "Handled by the 0.33.x release line's adapter (kvcache/kit/vllm_side.py, "
+                "RELEASE_LINES): every replay and census on 0.33.0 goes through it.",
+                "",
+            ]
+        elif not traces and example is None and not census_counts.get(entry.id):
+            out += [
+                "Not met by the stored traces or this census (a case the random "
+                "scheduler does not make yet).",
+                "",
+            ]
+    out += [
+        "## Stored traces replayed on " + new_version,
+        "",
+        "| trace | verdict | ledger entries |",
+        "|---|---|---|",
+    ]
+    for report in check.traces:
+        out.append(
+            f"| {report.path} | {report.verdict}: {report.detail} | "
+            f"{', '.join(report.entries) or '—'} |"
+        )
+    out.append("")
+    if check.census is not None:
+        census = check.census
+        out += [
+            "## Census",
+            "",
+            f"{census.stats.sequences} sequences, {census.stats.calls} calls "
+            f"({census.seconds:.0f} s). First difference of each sequence, by kind:",
+            "",
+            "| sequences | kind | counterexample |",
+            "|---|---|---|",
+        ]
+        for kind, n in sorted(census.census.items(), key=lambda kv: (-kv[1], kv[0])):
+            shrunk = census.census_examples.get(kind)
+            where = f"{shrunk[1]} calls" if shrunk else "—"
+            out.append(f"| {n} | `{kind}` | {where} |")
+        out.append("")
+        unknown = census.unknown_kinds
+        out += [f"Unknown kinds (not yet in the ledger): {len(unknown)}.", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def python_version_of(python: str) -> str:
+    """``vllm.__version__`` as ``python`` sees it."""
+    return str(api_of(python)["version"])

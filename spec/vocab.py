@@ -1,0 +1,282 @@
+"""The spec's own vocabulary: block hashes and their extra keys, events, stats, spec kinds.
+
+Written from vLLM 0.25.1's behaviour, independently of kvcache, so a
+slip in kvcache's hashing, events or stats shows up as a difference from the spec.
+
+A block's hash is ``hash_fn((parent, tuple(tokens), extra_keys))``, chained from
+the previous block's hash; the first block's parent is ``none_hash``. The pool
+keys a cached block by its hash followed by the 4-byte big-endian group id.
+Requests, configs and layer specs are read as data (``spec/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Request = Any
+"""A request, kvcache's or vLLM's, read as data (``spec/__init__.py``)."""
+KVCacheSpec = Any
+"""A layer spec, read as data: its class name, ``block_size`` and its kind's fields."""
+KVCacheConfig = Any
+"""A KV-cache config, read as data: ``num_blocks``, the groups' ``kv_cache_spec`` and
+``is_eagle_group``."""
+
+# ---------------------------------------------------------------- hash functions
+
+
+def sha256(obj: Any) -> bytes:
+    """SHA-256 of the pickle (highest protocol) of ``obj``: vLLM's default."""
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def sha256_cbor(obj: Any) -> bytes:
+    """SHA-256 of the canonical CBOR encoding of ``obj``."""
+    import cbor2  # only this algorithm needs it
+
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def xxhash(obj: Any) -> bytes:
+    """xxh3-128 of the pickle (highest protocol) of ``obj``."""
+    return _xxh3_128(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def xxhash_cbor(obj: Any) -> bytes:
+    """xxh3-128 of the canonical CBOR encoding of ``obj``."""
+    import cbor2
+
+    return _xxh3_128(cbor2.dumps(obj, canonical=True))
+
+
+def _xxh3_128(data: bytes) -> bytes:
+    import xxhash as xxh  # only the xxhash algorithms need it
+
+    return bytes(xxh.xxh3_128_digest(data))
+
+
+HASH_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {
+    "sha256": sha256, "sha256_cbor": sha256_cbor, "xxhash": xxhash, "xxhash_cbor": xxhash_cbor}
+
+
+def get_hash_fn(name: str) -> Callable[[Any], bytes]:
+    """The hash function of a ``prefix_caching_hash_algo`` name; ValueError if unknown."""
+    if name not in HASH_FUNCTIONS:
+        raise ValueError(f"caching_hash_algo must be one of {sorted(HASH_FUNCTIONS)}, got {name!r}")
+    return HASH_FUNCTIONS[name]
+
+
+def none_hash(hash_fn: Callable[[Any], bytes], seed: str | None) -> bytes:
+    """The parent of every first block: ``hash_fn(seed)`` (the ``PYTHONHASHSEED``
+    string), or 32 random bytes without a seed, so hashes differ between processes."""
+    return os.urandom(32) if seed is None else hash_fn(seed)
+
+
+# ---------------------------------------------------------------- request hashes
+
+
+def embeds_digest(embeds: Any) -> bytes:
+    """SHA-256 of a slice of prompt embeddings (a torch tensor): its elements' bytes
+    in row-major order. An empty slice (a block of output tokens) still has one."""
+    dense = embeds.detach().cpu().contiguous().clone()  # its own storage, nothing else
+    return hashlib.sha256(bytes(dense.untyped_storage())).digest()
+
+
+def mm_extra_keys(mm_features: Sequence[Any], start: int, end: int, first: int = 0
+                  ) -> list[tuple[Any, int]]:
+    """``(identifier, offset - start)`` of each multimodal item in tokens ``[start, end)``,
+    scanning items (sorted by offset) from index ``first``: the scan stops at an item
+    starting at or after ``end`` or at one running past it, and none is looked at when
+    the last item ends by ``start``."""
+    if not mm_features or _end_of(mm_features[-1]) <= start:
+        return []
+    keys = []
+    for item in mm_features[first:]:
+        offset = item.mm_position.offset
+        if offset >= end:
+            break
+        if _end_of(item) <= start:
+            continue
+        keys.append((item.identifier, offset - start))
+        if _end_of(item) > end:
+            break
+    return keys
+
+
+def _end_of(item: Any) -> int:
+    return int(item.mm_position.offset + item.mm_position.length)
+
+
+def block_extra_keys(request: Any, start: int, end: int, first_mm: int = 0
+                     ) -> tuple[Any, ...] | None:
+    """Extra keys of the block of tokens ``[start, end)``: the LoRA name, the multimodal
+    keys, the cache salt (first block only), the digest of the block's prompt
+    embeddings; None when there are none."""
+    keys: list[Any] = []
+    if request.lora_request:
+        keys.append(request.lora_request.lora_name)
+    keys += mm_extra_keys(request.mm_features, start, end, first_mm)
+    if start == 0 and request.cache_salt:
+        keys.append(request.cache_salt)
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is not None:
+        keys.append(embeds_digest(embeds[start:end]))
+    return tuple(keys) if keys else None
+
+
+def request_block_hashes(request: Any, block_size: int, hash_fn: Callable[[Any], bytes],
+                         first_parent: bytes) -> list[bytes]:
+    """The hashes of the request's full ``block_size`` blocks, chained from ``first_parent``.
+
+    As in vLLM, where a request's hashes grow as tokens arrive: a block that was not
+    full when the request was made (the prompt's partial tail) is hashed later,
+    and that later hashing looks at the last multimodal item only.
+    """
+    tokens, num_prompt = request.all_token_ids, request.num_prompt_tokens
+    hashes: list[bytes] = []
+    parent = first_parent
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        hashed_later = start > 0 and start + block_size > num_prompt
+        first_mm = len(request.mm_features) - 1 if hashed_later else 0
+        keys = block_extra_keys(request, start, start + block_size, max(first_mm, 0))
+        parent = hash_fn((parent, tuple(tokens[start:start + block_size]), keys))
+        hashes.append(parent)
+    return hashes
+
+
+def coarsen(block_hashes: Sequence[bytes], hash_block_size: int, block_size: int) -> list[bytes]:
+    """Hashes of ``block_size`` blocks from those of ``hash_block_size`` blocks (a divisor):
+    a coarse block's hash is the fine hash at its last boundary, chained already."""
+    if block_size % hash_block_size:
+        raise ValueError(f"block_size={block_size} is not a multiple of "
+                         f"hash_block_size={hash_block_size}")
+    scale = block_size // hash_block_size
+    return list(block_hashes[scale - 1::scale])
+
+
+def pool_key(block_hash: bytes, group_id: int) -> bytes:
+    """The pool's key of a cached block: its hash, then the group id (4 bytes, big-endian)."""
+    return block_hash + group_id.to_bytes(4, "big")
+
+
+def external_hash(block_hash: bytes) -> bytes | int:
+    """A hash as events report it: the low 64 bits of the big-endian integer, or the
+    bytes when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``."""
+    if os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") == "0":
+        return block_hash
+    return int.from_bytes(block_hash, "big") % 2**64
+
+
+# ---------------------------------------------------------------- events and stats
+
+MEDIUM_GPU = "GPU"
+
+
+@dataclass
+class KVCacheEvent:
+    """Base of the events the pool queues (vLLM's class and field names)."""
+
+
+@dataclass
+class BlockStored(KVCacheEvent):
+    """Blocks became cached, one hash each, chained after ``parent_block_hash``."""
+
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+@dataclass
+class BlockRemoved(KVCacheEvent):
+    """A cached hash was evicted."""
+
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+@dataclass
+class AllBlocksCleared(KVCacheEvent):
+    """The prefix cache was reset."""
+
+
+@dataclass
+class PrefixCacheStats:
+    """Lookups since the last ``make_prefix_cache_stats``: requests, queried and hit
+    tokens, counted apart for requests preempted before."""
+
+    reset: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        """Count one lookup of ``num_tokens`` tokens of which ``num_hits`` hit."""
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+
+# ---------------------------------------------------------------- layer specs, by class name
+
+
+def is_a(kv_cache_spec: Any, class_name: str) -> bool:
+    """``isinstance`` by class name: kvcache's and vLLM's spec classes are named alike."""
+    return any(c.__name__ == class_name for c in type(kv_cache_spec).__mro__)
+
+
+EVENT_KINDS = [  # subclasses first, as in vLLM
+    ("SlidingWindowMLASpec", "sliding_window_mla"), ("MLAAttentionSpec", "mla_attention"),
+    ("SinkFullAttentionSpec", "sink_full_attention"), ("FullAttentionSpec", "full_attention"),
+    ("ChunkedLocalAttentionSpec", "chunked_local_attention"),
+    ("SlidingWindowSpec", "sliding_window"), ("MambaSpec", "mamba"),
+    ("EncoderOnlyAttentionSpec", "encoder_only_attention"),
+    ("CrossAttentionSpec", "cross_attention")]
+
+
+def event_kind(kv_cache_spec: Any) -> str:
+    """The kind label of a group's BlockStored events ("unknown" for other specs)."""
+    return next((kind for name, kind in EVENT_KINDS if is_a(kv_cache_spec, name)), "unknown")
+
+
+def event_sliding_window(kv_cache_spec: Any) -> int | None:
+    """The window of a group's BlockStored events (sliding-window specs only)."""
+    return kv_cache_spec.sliding_window if is_a(kv_cache_spec, "SlidingWindowSpec") else None
+
+
+def admission_cap(kv_cache_spec: Any, max_num_batched_tokens: int, max_model_len: int
+                  ) -> int | None:
+    """Most blocks a windowed group lets one request hold: the window (or chunk) plus
+    one step's tokens, capped at the model length; a sliding window one block more,
+    as it may start mid-block. None for other specs."""
+    block_size: int = kv_cache_spec.block_size
+    num_tokens: int
+    if is_a(kv_cache_spec, "SlidingWindowSpec"):
+        num_tokens = min(kv_cache_spec.sliding_window - 1 + max_num_batched_tokens,
+                         max_model_len)
+        return -(num_tokens // -block_size) + 1
+    if is_a(kv_cache_spec, "ChunkedLocalAttentionSpec"):
+        num_tokens = min(kv_cache_spec.attention_chunk_size + max_num_batched_tokens,
+                         max_model_len)
+        return -(num_tokens // -block_size)
+    return None
