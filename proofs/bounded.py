@@ -337,6 +337,7 @@ def check(kind: str, name: str, max_iterations: int, max_cases: int) -> Verdict:
 
 def main(argv: list[str]) -> int:
     """Run the checks of ``argv[0]`` (JSON) in order; one JSON ``Verdict`` per line."""
+    import crosshair.core_and_libs  # noqa: F401  (loads the opcode patches every check needs)
     from crosshair.util import CROSSHAIR_SMT_RLIMIT
 
     if CROSSHAIR_SMT_RLIMIT <= 0:
