@@ -128,7 +128,7 @@ fuzz-dashboard: $(FUZZ_STAMP)
 	@$(FUZZ_ENV) bash scripts/fuzz_campaign.sh dashboard
 
 # CrossHair contracts and diffbehavior pairs, plus the bounded exhaustive kvcache-vs-spec
-# search (proofs/manifest.py), in at most 330 s on 2 cores: a counterexample fails, a timeout does not.
+# search (proofs/manifest.py), bounded by counts (same verdicts on any machine load), ~3 min on 2 cores.
 proofs: $(DEV_STAMP)
 	KVCACHE_PURE=1 $(PY) -m proofs.run
 

@@ -12,9 +12,10 @@
 * ``EXHAUSTIVE``: the bounded exhaustive comparison of the two managers
   (``proofs/exhaustive.py``).
 
-Budgets are CPU seconds: per condition for contracts (a function with three
-``post:`` lines that CrossHair cannot prove spends three times its budget), per pair
-for diffbehavior, in all for the exhaustive search.
+Every bound is a count (``proofs/bounded.py``): CrossHair paths per condition of a
+contract or per pair, the inputs of the enumeration that decides what CrossHair does
+not exhaust, and the exhaustive search's depth per layout. The same commit gives the
+same verdicts on any machine, loaded or idle.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ class Contract:
 
     target: str
     """Dotted path of the function."""
-    budget_s: float = 4.0
-    """CPU seconds per condition (``--per_condition_timeout``)."""
+    max_iterations: int = 100
+    """CrossHair paths per ``post:`` condition."""
+    max_cases: int = 250_000
+    """Inputs of the enumeration when CrossHair does not exhaust the paths."""
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,10 @@ class Pair:
     """Dotted path of the implementation (kvcache, or the kernel formula)."""
     domain: Callable[..., bool]
     """The arguments both are specified for."""
-    budget_s: float = 8.0
-    """CPU seconds for the whole comparison (``--per_condition_timeout``)."""
+    max_iterations: int = 100
+    """CrossHair paths for the whole comparison (half per argument order)."""
+    max_cases: int = 250_000
+    """Inputs of the enumeration when CrossHair does not exhaust the paths."""
     types: Mapping[str, Any] | None = None
     """Concrete annotations for generic parameters (``Sequence[H]`` -> ``list[int]``)."""
 
@@ -56,12 +61,8 @@ class Pair:
 class Exhaustive:
     """The bounded exhaustive comparison of kvcache with spec."""
 
-    min_depth: int = 5
-    """Below this depth in any layout, the property counts as timed out."""
-    max_depth: int = 12
-    """Stop deepening here even with time left."""
-    budget_s: float = 200.0
-    """Wall seconds for all layouts together (one core; CrossHair has the other)."""
+    min_depth: int = 7
+    """The least depth of any layout (``proofs/exhaustive.py`` ``LAYOUTS``)."""
 
 
 def _nonneg(*values: int) -> bool:
@@ -95,16 +96,16 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract(f"{S}.num_skipped_tokens_sliding_window"),
     Contract(f"{S}.num_skipped_tokens_chunked_local"),
     Contract(f"{S}.num_skipped_tokens_mamba"),
-    Contract(f"{S}.skipped_blocks_to_free", budget_s=3.0),
+    Contract(f"{S}.skipped_blocks_to_free"),
     # sliding-window caching
     Contract(f"{S}.num_contiguous_blocks_for_hit"),
-    Contract(f"{S}.sliding_window_reachable_mask", budget_s=3.0),
+    Contract(f"{S}.sliding_window_reachable_mask"),
     # hit searches over a container of cached hashes
-    Contract(f"{S}.align_num_hit_blocks", budget_s=3.0),
-    Contract(f"{S}.full_attention_hit_num_blocks", budget_s=3.0),
-    Contract(f"{S}.sliding_window_hit_range", budget_s=3.0),
-    Contract(f"{S}.chunked_local_hit_range", budget_s=3.0),
-    Contract(f"{S}.mamba_hit_num_blocks", budget_s=3.0),
+    Contract(f"{S}.align_num_hit_blocks"),
+    Contract(f"{S}.full_attention_hit_num_blocks"),
+    Contract(f"{S}.sliding_window_hit_range"),
+    Contract(f"{S}.chunked_local_hit_range"),
+    Contract(f"{S}.mamba_hit_num_blocks"),
     Contract(f"{S}.num_tokens_to_cache"),
     # hash re-slicing (BlockHashListWithBlockSize)
     Contract(f"{K}.coarse_hash_index"),
@@ -115,10 +116,10 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract("proofs.slots.slot"),
     Contract("proofs.slots.live_token_slot"),
     Contract("proofs.slots.share_slot"),
-    Contract("proofs.slots.map_to_kernel_blocks", budget_s=3.0),
+    Contract("proofs.slots.map_to_kernel_blocks"),
     Contract("proofs.slots.reference_slot"),
     Contract("proofs.slots.kernel_slot"),
-    Contract("proofs.slots.padded_slot_mapping", budget_s=3.0),
+    Contract("proofs.slots.padded_slot_mapping"),
 )
 
 PAIRS: tuple[Pair, ...] = (

@@ -155,12 +155,16 @@ def subject_impl() -> str:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Print the conformance counts (sequences per family, calls, mismatches) when any ran."""
+    """Print the conformance counts (sequences per family, calls, mismatches) and the
+    slowest catches of planted bugs (``tests/injected_harness.py``), when any ran."""
     import sys
 
     module = sys.modules.get("conformance.test_conformance")
     if module is not None and module.STATS.sequences:
         terminalreporter.write_line(module.STATS.summary())
+    harness = sys.modules.get("injected_harness")
+    if harness is not None and harness.CATCHES:
+        terminalreporter.write_line(harness.catch_summary())
 
 
 # ---------------------------------------------------------------- two builds

@@ -11,12 +11,19 @@ before: shrinking and the example database are off, and the seed is pinned
 machine class's source, so any edit of the class, even of a comment, would
 draw other examples and a bug caught late in the budget could come and go.
 Situations too rare for a budget to be sure of are the machine's directed
-programs (``tests/stateful/programs.py``), replayed before the budget.
+programs (``tests/stateful/programs.py``), replayed before the budget, or unit
+tests (``unit_failure``, e.g. ``tests/unit/test_fast_kills.py``).
+
+Every catch is timed (``timed_catch``): what caught the bug lives in
+``tests/unit``, ``tests/stateful`` or ``tests/reliability``, and must catch it
+within ``CATCH_LIMIT_S`` seconds of CPU; the session summary (``tests/conftest.py``)
+prints the slowest catches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.errors import HypothesisException
@@ -24,6 +31,11 @@ from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 from stateful.programs import Step, replay
 
 SEED = 0
+CATCH_LIMIT_S = 60.0
+"""CPU seconds within which the fast selection must catch each planted bug."""
+
+CATCHES: list[tuple[str, float, float]] = []
+"""``(bug, CPU seconds, wall seconds)`` of every catch in this session."""
 
 
 def budget(max_examples: int, stateful_step_count: int = 150) -> settings:
@@ -69,3 +81,35 @@ def raised_in(error: BaseException) -> str:
     while tb.tb_next is not None:
         tb = tb.tb_next
     return tb.tb_frame.f_code.co_filename
+
+
+def unit_failure(*tests: Callable[[], object]) -> BaseException | None:
+    """Run plain test functions in order; the first error raised, or None."""
+    import pytest
+
+    for test in tests:
+        try:
+            test()
+        except pytest.skip.Exception:
+            continue
+        except Exception as error:
+            return error
+    return None
+
+
+def timed_catch(bug: str, catch: Callable[[], BaseException | None]) -> BaseException | None:
+    """``catch()``, recorded in ``CATCHES`` with its seconds when it returns an error."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    error = catch()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    if error is not None:
+        CATCHES.append((bug, cpu, wall))
+        assert cpu < CATCH_LIMIT_S, f"{bug}: caught only after {cpu:.0f} s of CPU"
+    return error
+
+
+def catch_summary() -> str:
+    """One line: how many planted bugs were caught, the slowest three (CPU seconds)."""
+    slowest = sorted(CATCHES, key=lambda c: -c[1])[:3]
+    listed = ", ".join(f"{cpu:.2f} s ({bug})" for bug, cpu, _ in slowest)
+    return f"injected bugs: {len(CATCHES)} caught, slowest {listed}"

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
-from injected_harness import budget, machine_failure, raised_in
+from injected_harness import budget, machine_failure, raised_in, timed_catch
 from stateful.test_manager_machine import ManagerMachine
 
 import kvcache.kv_cache_manager as kv_cache_manager
@@ -179,7 +179,7 @@ def test_machine_catches(
     if control_failure is not None:
         pytest.fail(f"the unpatched machine fails already: {control_failure!r}")
     BUGS[bug](monkeypatch)
-    error = machine_failure(ManagerMachine, BUDGET)
+    error = timed_catch(bug, lambda: machine_failure(ManagerMachine, BUDGET))
     assert error is not None, f"the machine missed: {bug}"
     # A failure inside spec would be the machine's or the oracle's fault, not a catch.
     assert "/spec/" not in raised_in(error), f"{bug}: spec raised {error!r}"

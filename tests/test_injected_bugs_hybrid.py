@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
-from injected_harness import budget, machine_failure, raised_in
+from injected_harness import budget, machine_failure, raised_in, timed_catch
 from stateful.test_hybrid_machine import PROGRAMS, HybridMachine
 
 from kvcache import (
@@ -176,7 +176,7 @@ def test_hybrid_machine_catches(
     if control_failure is not None:
         pytest.fail(f"the unpatched machine fails already: {control_failure!r}")
     BUGS[bug](monkeypatch)
-    error = hybrid_machine_failure()
+    error = timed_catch(bug, lambda: hybrid_machine_failure())
     assert error is not None, f"the machine missed: {bug}"
     # A failure inside spec would be the machine's or the oracle's fault, not a catch;
     # one in the replay itself, a program gone astray (its steps or targets).

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from injected_harness import budget, machine_failure, raised_in
+from injected_harness import budget, machine_failure, raised_in, timed_catch
 from stateful.programs import Step, tokens
 from stateful.test_manager_machine import ManagerMachine
 
@@ -144,7 +144,7 @@ def test_unpatched_machine_passes(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_machine_catches(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
     BUGS[bug](monkeypatch)
     began = time.monotonic()
-    error = run_without_vllm(monkeypatch)
+    error = timed_catch(bug, lambda: run_without_vllm(monkeypatch))
     assert error is not None, f"the machine missed: {bug}"
     assert "/spec/" not in raised_in(error), f"{bug}: spec raised {error!r}"
     assert time.monotonic() - began < MAX_SECONDS, f"{bug}: caught, but too slowly"

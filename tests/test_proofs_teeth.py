@@ -1,17 +1,20 @@
 """The proofs have teeth: a planted bug in a copy of a checked function is caught.
 
 Each test copies the real source file into a temporary module, plants one bug with
-a textual edit (asserted to apply), and runs the same CrossHair command as
-``proofs/run.py`` with a small budget; CrossHair must report a counterexample. The
-last test plants a bug in kvcache itself (in memory) and runs the exhaustive search.
+a textual edit (asserted to apply), and runs the same check as ``proofs/run.py``
+(``python -m proofs.bounded``: CrossHair capped by paths, with the same z3 work
+limit); CrossHair itself must report the counterexample (its message, not the
+enumeration's). The diffbehavior test runs CrossHair's command line on a planted
+pair. The last tests plant bugs in kvcache itself (in memory) and run the
+exhaustive search, or the enumeration alone.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,12 +38,19 @@ def crosshair(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def check_contract(tmp_path: Path, target: str) -> str:
-    """``crosshair check`` the planted target; assert it finds a counterexample."""
-    result = crosshair(tmp_path, "check", "--per_condition_timeout=6", "--per_path_timeout=2",
-                       target)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert ": error: " in result.stdout, result.stdout
-    return result.stdout
+    """``proofs.bounded`` on the planted target, as ``proofs/run.py`` runs it; assert
+    CrossHair finds a counterexample (``file:line: message``)."""
+    from proofs.run import environment
+
+    env = {**environment(), "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    result = subprocess.run(
+        [sys.executable, "-m", "proofs.bounded", json.dumps([["contract", target, 100, 1000]])],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    verdict = json.loads(result.stdout.strip().splitlines()[-1])
+    assert verdict["status"] == "counterexample", verdict
+    assert ".py:" in verdict["evidence"], verdict  # CrossHair's message, not the enumeration's
+    return str(verdict["evidence"])
 
 
 def test_cdiv_off_by_one_breaks_its_contract(tmp_path: Path) -> None:
@@ -106,4 +116,44 @@ def test_exhaustive_search_finds_a_manager_freeing_heads_first(
     monkeypatch.setattr(SingleTypeKVCacheManager, "free", free_head_first)
     explorer = exhaustive.Explorer(exhaustive.LAYOUTS[0])
     with pytest.raises(exhaustive.Mismatch, match="free_queue"):
-        explorer.explore(time.monotonic() + 20, max_depth=6)
+        explorer.explore(max_depth=6)
+
+
+def test_exhaustive_search_covers_mamba_align() -> None:
+    """A Mamba-align manager that never frees its previous state, found by the
+    full + Mamba align layout."""
+    from kvcache import MambaManager
+    from proofs import exhaustive
+
+    (layout,) = [lay for lay in exhaustive.LAYOUTS if "Mamba" in lay.name]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MambaManager, "remove_skipped_blocks", lambda self, *args, **kwargs: None)
+        with pytest.raises(exhaustive.Mismatch):
+            exhaustive.Explorer(layout).explore(max_depth=5)
+
+
+def test_enumeration_decides_what_crosshair_leaves_open(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``proofs.bounded``'s enumeration (what decides a property CrossHair does not
+    exhaust within its path cap) finds a planted bug on its own; unplanted, the same
+    check is exhausted."""
+    from proofs import bounded
+
+    plant(tmp_path, "spec/pure.py", "planted_pure",
+          "while block_size != alignment_tokens and num_blocks * block_size % alignment_tokens:",
+          "while num_blocks > 3 and num_blocks * block_size % alignment_tokens:")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status, _, evidence = bounded.enumerate_contract("planted_pure.align_num_hit_blocks",
+                                                     20_000)
+    assert status == bounded.COUNTEREXAMPLE, evidence
+    status, detail, _ = bounded.enumerate_contract("spec.pure.align_num_hit_blocks", 20_000)
+    assert status == bounded.EXHAUSTED and "inputs" in detail
+
+
+def test_bounded_verdicts_are_counts_not_seconds() -> None:
+    """One check run twice in one process gives the same verdict, detail included."""
+    from proofs import bounded
+
+    first = bounded.enumerate_pair("admits", 5_000)
+    assert first == bounded.enumerate_pair("admits", 5_000)
+    assert first[0] == bounded.EXHAUSTED

@@ -35,7 +35,8 @@ Hybrid invariants checked after every step, besides spec's and kvcache's own:
 ``PROGRAMS`` are directed examples: situations the random search reaches only
 now and then, each a fixed program of the machine's own rules replayed by
 ``test_hybrid_program`` (``programs.py``): one group's external blocks taken
-after every group's hits, a later kind shortening an earlier kind's hit, an
+after every group's hits, a later kind shortening an earlier kind's hit, a
+sliding-window admission whose hits reach beyond the window's admission cap, an
 align-mode Mamba request decoding past a cached state.
 """
 
@@ -317,15 +318,18 @@ class HybridMachine(ManagerMachine):
 # own rules (``programs.py``). Unscripted draws take their simplest value.
 
 
-def start(num_blocks: int, block_size: int, kinds: list[str], **draws: Any) -> Step:
-    """init_managers with caching on, no watermark, the longest model the pool allows."""
+def start(
+    num_blocks: int, block_size: int, kinds: list[str], token_budget: int = 48, **draws: Any
+) -> Step:
+    """init_managers with caching on, no watermark, the longest model the pool allows
+    (``token_budget``: max_num_batched_tokens)."""
     args = dict(
         num_blocks=num_blocks,
         base_block_size=block_size,
         watermark=0.0,
         log_stats=False,
         max_model_len=48,
-        max_num_batched_tokens=48,
+        max_num_batched_tokens=token_budget,
     )
     return Step("init_managers", args, {"kinds": kinds, "caching": True, **draws})
 
@@ -378,6 +382,21 @@ PROGRAMS: dict[str, list[Step]] = {
         Step("evict_blocks", {}, {"ids": [8]}),  # group 1's last block of r0
         extend([0, 1, 2, 0], [1]),
         admit("r1", mode="sync", whole=True, expect=computed("r1", 3)),
+    ],
+    # Full attention and a 2-token window (block size 1), 2 tokens a step: the
+    # window's admission cap is 4 blocks. r0's 12-token prompt runs in 6 chunks and
+    # is freed; r1 extends it by one token and hits all 12 tokens, 8 beyond the cap.
+    # The cap bounds only the admission gate's count: the allocation itself takes
+    # the blocks get_num_blocks_to_allocate predicts without it.
+    "a window admission with hits beyond its cap": [
+        start(31, 1, ["full", "swa"], token_budget=2, window=2,
+              **tokens("tokens", [0, 1, 2] * 4)),
+        admit("r0", mode="sync", whole=True),
+        *[Step("allocate_slots", {}, {"schedule r0": True, "whole": True})] * 5,
+        Step("decode", expect=computed("r0", 12)),
+        finish("r0"),
+        extend([0, 1, 2] * 4, [1]),
+        admit("r1", mode="sync", whole=True, expect=computed("r1", 12)),
     ],
     # Full attention and align-mode Mamba (block size 2). r1 hits r0's cached
     # Mamba state (4 tokens), then decodes 5 tokens: each state block it has
