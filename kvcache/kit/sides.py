@@ -483,8 +483,12 @@ def resolve_adapter(name: str) -> Adapter:
 
         pure = _builds.pure_copy()
         adapter = Adapter("kvcache-pure", pure["kv_cache_manager"].KVCacheManager)
-        adapter.kv_cache_interface = pure["kv_cache_interface"]
-        adapter.request_module = pure["request"]
+        # The vocabulary is never compiled (kvcache._builds): both builds share it.
+        import kvcache.kv_cache_interface
+        import kvcache.request
+
+        adapter.kv_cache_interface = pure.get("kv_cache_interface", kvcache.kv_cache_interface)
+        adapter.request_module = pure.get("request", kvcache.request)
         adapter.kv_cache_utils = pure["kv_cache_utils"]
         return adapter
     if name == "spec":

@@ -86,9 +86,19 @@ def test_both_builds_give_identical_bench_results() -> None:
 def test_a_kvcache_patch_that_never_runs_is_reported() -> None:
     """The ``monkeypatch`` fixture's check (``tests/conftest.py``): a planted bug
     the code never reached is named, one that ran is not."""
-    from conftest import CheckedMonkeyPatch
+    import importlib.util
 
     import kvcache
+
+    # By path: in a whole-suite run the module name ``conftest`` may be another
+    # directory's conftest (tests/kernels/conftest.py).
+    spec = importlib.util.spec_from_file_location(
+        "tests_root_conftest", Path(__file__).resolve().parents[1] / "conftest.py"
+    )
+    assert spec is not None and spec.loader is not None
+    root_conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root_conftest)
+    CheckedMonkeyPatch = root_conftest.CheckedMonkeyPatch
 
     patch = CheckedMonkeyPatch()
     try:
