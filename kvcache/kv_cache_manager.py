@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast, overload
 
+from mypy_extensions import mypyc_attr
+
 from kvcache.kv_cache_coordinator import get_kv_cache_coordinator
 from kvcache.kv_cache_interface import (
     KVCacheConfig,
@@ -121,6 +123,9 @@ class KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in range(len(self.blocks))))
 
 
+# Subclassing KVCacheManager is the documented way to plug in a variant (README,
+# "Check your own implementation"): allowed on the compiled build too.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheManager:
     """Finds cached prefixes, reserves slots and releases blocks for requests.
 

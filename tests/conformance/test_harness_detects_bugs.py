@@ -38,6 +38,9 @@ def test_harness_finds_and_shrinks_a_bug(
     family = MUTANTS[name]
     for seed in range(40):
         result = run_sequence(seed, family, impl, "vllm", stats=Stats())
+        # A mutant that cannot be built (e.g. a subclass the compiled build refused)
+        # must fail here, not pass as "never diverged".
+        assert result.cannot_build is None, f"{name}: {result.cannot_build}"
         if result.mismatch is not None:
             break
     else:
