@@ -281,7 +281,10 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
 def _cmd_release_check(args: argparse.Namespace) -> int:
     from kvcache.kit.releases import release_check
 
-    check = release_check(args.traces, args.census_seconds, Path(args.census_dir), args.seed)
+    check = release_check(
+        args.traces, args.census_seconds, Path(args.census_dir), args.seed,
+        census_sequences=args.census_sequences,
+    )  # fmt: skip
     for report in check.traces:
         entries = f" [{', '.join(report.entries)}]" if report.entries else ""
         print(f"{report.path}: {report.verdict}: {report.detail}{entries}")
@@ -488,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("traces", nargs="*", metavar="TRACE", help="trace files to replay")
     p.add_argument("--census-seconds", type=float, default=60.0, help="census time (default 60)")
+    p.add_argument("--census-sequences", type=int, default=0,
+                   help="census of this many sequences instead of a time (the same on any "
+                        "machine; CI uses it)")  # fmt: skip
     p.add_argument("--census-dir", default="build/census", help="census counterexamples")
     p.add_argument("--seed", type=int, default=0, help="census seed (default 0)")
     p.set_defaults(func=_cmd_release_check)

@@ -258,7 +258,7 @@ class HashRenaming(Rule):
         if op not in ("add_request", "append_output_token_ids"):
             return
         request = ctx.requests.get(str(args.get("request_id")), {})
-        if not any(request.get(k) for k in ("lora", "cache_salt", "mm_features")):
+        if not any(request.get(k) for k in ("lora", "cache_salt", "mm_features", "prompt_embeds")):
             return  # plain blocks hash alike in every release: no renaming
         o, n = _ok(old), _ok(new)
         if not isinstance(o, list) or not isinstance(n, list) or len(o) != len(n):

@@ -105,8 +105,13 @@ def release_check(
     census_dir: Path,
     seed: int = 0,
     stream: Any = None,
+    census_sequences: int | None = None,
 ) -> ReleaseCheck:
-    """Replay ``traces`` on the installed vLLM and run a census against kvcache."""
+    """Replay ``traces`` on the installed vLLM and run a census against kvcache.
+
+    ``census_sequences`` bounds the census by a count of sequences instead of
+    ``census_seconds`` (then the same sequences run on any machine, loaded or not).
+    """
     from kvcache.kit.sides import resolve_adapter
 
     started = time.monotonic()
@@ -117,11 +122,12 @@ def release_check(
         report = trace_report(path, replay_trace(trace, "vllm"))
         report.records = len(trace.records)
         check.traces.append(report)
-    if census_seconds > 0:
+    if census_sequences or census_seconds > 0:
         check.census = fuzz(
             "vllm",
             reference="kvcache",
-            seconds=census_seconds,
+            seconds=None if census_sequences else census_seconds,
+            max_sequences=census_sequences or None,
             seed=seed,
             shrink_s=5.0,
             census=True,
