@@ -264,6 +264,17 @@ def _full_attention_memory(spec: AttentionSpec, vllm_config: Any) -> int:
     return kv_cache_math.cdiv(max_model_len, spec.block_size) * spec.page_size_bytes
 
 
+def _admission_cap_memory(
+    spec: SlidingWindowSpec | ChunkedLocalAttentionSpec, vllm_config: Any
+) -> int:
+    """Bytes of the blocks one request may hold under ``spec``'s admission cap."""
+    blocks = spec.max_admission_blocks_per_request(
+        vllm_config.scheduler_config.max_num_batched_tokens,
+        vllm_config.model_config.max_model_len,
+    )
+    return blocks * spec.page_size_bytes
+
+
 def _merge_window_sizes(name: str, sizes: set[int]) -> int | None:
     """The one window (or chunk) size of a group's layers, None if none is set.
 
@@ -318,11 +329,7 @@ class SlidingWindowSpec(AttentionSpec):
         """The admission cap's blocks (no decode context parallelism, as in vLLM)."""
         if vllm_config.parallel_config.decode_context_parallel_size != 1:
             raise ValueError("sliding window attention does not support decode context parallel")
-        blocks = self.max_admission_blocks_per_request(
-            vllm_config.scheduler_config.max_num_batched_tokens,
-            vllm_config.model_config.max_model_len,
-        )
-        return blocks * self.page_size_bytes
+        return _admission_cap_memory(self, vllm_config)
 
     def is_uniform_with_collection(self, kv_cache_specs: dict[str, Any]) -> bool:
         """Sliding windows of the same size (and the same MLA-ness) only."""
@@ -355,11 +362,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         """The admission cap's blocks."""
-        blocks = self.max_admission_blocks_per_request(
-            vllm_config.scheduler_config.max_num_batched_tokens,
-            vllm_config.model_config.max_model_len,
-        )
-        return blocks * self.page_size_bytes
+        return _admission_cap_memory(self, vllm_config)
 
     def is_uniform_with_collection(self, kv_cache_specs: dict[str, Any]) -> bool:
         """Chunked local attention with the same chunk size only."""
