@@ -14,7 +14,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-GROUP_KINDS = ("full", "sliding_window", "chunked_local", "mamba", "cross_attention")
+GROUP_KINDS = (
+    "full",
+    "sliding_window",
+    "chunked_local",
+    "mamba",
+    "cross_attention",
+    "rswa",
+    "sink",
+)
 MAMBA_CACHE_MODES = ("none", "all", "align")
 HASH_FNS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
@@ -24,7 +32,7 @@ class GroupConfig:
     """One KV-cache group.
 
     Attributes:
-        kind: full | sliding_window | chunked_local | mamba | cross_attention.
+        kind: full | sliding_window | chunked_local | mamba | cross_attention | rswa | sink.
         block_size: Tokens per block.
         sliding_window: Window of a sliding_window group.
         attention_chunk_size: Chunk of a chunked_local group.
@@ -32,6 +40,8 @@ class GroupConfig:
         num_speculative_blocks: Extra state blocks of a mamba group (speculative decoding).
         is_eagle_group: vLLM's ``KVCacheGroupSpec.is_eagle_group``.
         num_kv_heads: Attention heads; groups with equal specs must differ here.
+        rswa_window: Decode window of an rswa (reference sliding-window) group.
+        sink_len: Sink tokens of a sink (full attention with sinks) group.
     """
 
     kind: str
@@ -42,6 +52,8 @@ class GroupConfig:
     num_speculative_blocks: int = 0
     is_eagle_group: bool = False
     num_kv_heads: int = 1
+    rswa_window: int | None = None
+    sink_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -52,6 +64,10 @@ class GroupConfig:
             raise ValueError("a sliding_window group needs sliding_window")
         if self.kind == "chunked_local" and not self.attention_chunk_size:
             raise ValueError("a chunked_local group needs attention_chunk_size")
+        if self.kind == "rswa" and not self.rswa_window:
+            raise ValueError("an rswa group needs rswa_window")
+        if self.kind == "sink" and not self.sink_len:
+            raise ValueError("a sink group needs sink_len")
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise ValueError(f"mamba_cache_mode={self.mamba_cache_mode!r}")
 
@@ -66,6 +82,8 @@ class GroupConfig:
             return f"mamba-{self.mamba_cache_mode}"
         if self.kind == "cross_attention":
             return "cross"
+        if self.kind in ("rswa", "sink"):
+            return self.kind
         return "full"
 
 

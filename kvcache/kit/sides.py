@@ -99,6 +99,10 @@ def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -
         )
     if group.kind == "cross_attention":
         return lib.CrossAttentionSpec(**common)
+    if group.kind == "rswa":
+        return lib.RSWASpec(**common, rswa_window=group.rswa_window)
+    if group.kind == "sink":
+        return lib.SinkFullAttentionSpec(**common, sink_len=group.sink_len)
     return lib.FullAttentionSpec(**common)
 
 
