@@ -122,8 +122,6 @@ FALLBACKS: dict[str, dict[str, str]] = {
             "UniformTypeKVCacheSpecs",
             "MLAAttentionSpec",
             "SlidingWindowMLASpec",
-            "SinkFullAttentionSpec",
-            "RSWASpec",
             "EncoderOnlyAttentionSpec",
             "HiddenStateCacheSpec",
             "TQFullAttentionSpec",
@@ -234,11 +232,6 @@ RELEASES: dict[str, Release] = {
                     "test_pure_swa_retention_interval_caches_sparse_tails",
                     "test_pure_swa_retention_latest_only",
                 )
-            ),
-            Excluded(
-                "tests/v1/core/test_single_type_kv_cache_manager.py::"
-                "test_rswa_remove_skipped_blocks_gap_range",
-                "issue 14: RSWASpec / RSWAManager are not modelled yet",
             ),
         ),
         known_failing_compiled=tuple(
