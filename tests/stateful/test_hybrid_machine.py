@@ -4,9 +4,10 @@
 scheduler rules, one per manager operation, and the same whole-state
 comparison) with a layout drawn by its ``@initialize``: one to three KV-cache
 groups from full attention, sliding window, chunked local attention, Mamba
-(``none``/``all``/``align``, with speculative blocks) and cross attention, block
-sizes 1, 2, 4 (times 1 or 2 per group), EAGLE and per-group ``is_eagle_group``
-flags. The managers get ``hash_block_size`` = GCD and ``scheduler_block_size`` =
+(``none``/``all``/``align``, with speculative blocks), cross attention and
+reference sliding window (R-SWA, with short prompts so decodes pass the window),
+block sizes 1, 2, 4 (times 1 or 2 per group), EAGLE and per-group
+``is_eagle_group`` flags. The managers get ``hash_block_size`` = GCD and ``scheduler_block_size`` =
 LCM of the group block sizes, as vLLM's hybrid coordinator does.
 
 The layout follows vLLM 0.25.1's rules (as ``/tmp/hd/spec_diff_ext.py``):
@@ -22,7 +23,8 @@ Hybrid invariants checked after every step, besides spec's and kvcache's own:
 * no block id is held by two groups (the pool keys include the group id, so a
   cache hit never shares a block across groups): non-null ids are disjoint;
 * skipped positions hold the null block, and only they: nulls are a prefix of
-  every table, except Mamba ``align``, which nulls its old states in place;
+  every table, except Mamba ``align``, which nulls its old states in place, and
+  R-SWA, which nulls the gap between the prompt and the decode window;
 * ``get_num_blocks_to_allocate`` predicts what an admission takes: for a
   request holding no blocks, the free queue shrinks by exactly the predicted
   count (new blocks plus hit blocks touched off the free queue). It is checked
@@ -37,7 +39,8 @@ now and then, each a fixed program of the machine's own rules replayed by
 ``test_hybrid_program`` (``programs.py``): one group's external blocks taken
 after every group's hits, a later kind shortening an earlier kind's hit, a
 sliding-window admission whose hits reach beyond the window's admission cap, an
-align-mode Mamba request decoding past a cached state.
+align-mode Mamba request decoding past a cached state, an R-SWA request
+decoding past its window.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from kvcache import (
     MambaSpec,
     Request,
     RequestStatus,
+    RSWASpec,
     SlidingWindowSpec,
     get_request_block_hasher,
     sha256,
@@ -70,7 +74,7 @@ from kvcache import (
 from .programs import Seq, Step, replay, tokens
 from .test_manager_machine import ManagerMachine
 
-KINDS = ["full", "full", "swa", "swa", "chunk", "mamba", "cross"]
+KINDS = ["full", "full", "swa", "swa", "chunk", "mamba", "cross", "rswa"]
 MAMBA_MODES = ["none", "all", "align", "align"]
 # Examples of the CI profile for this machine (it shares the step count).
 CI_EXAMPLES = 400
@@ -86,6 +90,8 @@ def layer_spec(kind: str, block_size: int, index: int, options: dict[str, Any]) 
         return ChunkedLocalAttentionSpec(block_size=block_size, **heads, **options)
     if kind == "cross":
         return CrossAttentionSpec(block_size=block_size, **heads)
+    if kind == "rswa":
+        return RSWASpec(block_size=block_size, **heads, **options)
     return MambaSpec(block_size=block_size, shapes=((2,),), dtypes=("float16",), **options)
 
 
@@ -125,6 +131,8 @@ class HybridMachine(ManagerMachine):
             options: dict[str, Any] = {}
             if kind == "swa":
                 options["sliding_window"] = data.draw(st.integers(1, 10), label="window")
+            elif kind == "rswa":
+                options["rswa_window"] = data.draw(st.integers(1, 4), label="rswa_window")
             elif kind == "chunk":
                 options["attention_chunk_size"] = base_block_size * data.draw(
                     st.integers(1, 3), label="chunk_factor"
@@ -194,6 +202,8 @@ class HybridMachine(ManagerMachine):
         self.block_size = scheduler_block_size  # the unit of hits and of failed loads
         self.max_model_len = max_model_len
         self.token_budget = max_num_batched_tokens
+        if "rswa" in kinds:  # short prompts, so decodes pass the window before the length cap
+            self.max_prompt_len = max(1, max_model_len // 3)
         self.has_cross = has_cross
         self.encoder_tokens: dict[str, int] = {}
         self.hasher = get_request_block_hasher(hash_block_size, sha256)
@@ -304,6 +314,11 @@ class HybridMachine(ManagerMachine):
         for (kind, _, options), group in zip(self.layout, tables, strict=True):
             if kind == "mamba" and options["mamba_cache_mode"] == "align":
                 continue
+            if kind == "rswa":  # the gap's nulls follow the prompt's blocks
+                if any(0 in t[next((k for k, b in enumerate(t) if b), len(t)) :]
+                       for t in group.values()):
+                    event("rswa gap released")
+                continue
             for rid, table in group.items():
                 num_null = next((k for k, b in enumerate(table) if b), len(table))
                 assert all(table[num_null:]), (
@@ -410,6 +425,21 @@ PROGRAMS: dict[str, list[Step]] = {
         admit("r1", expect=computed("r1", 4)),
         *[Step("allocate_slots", {}, {"schedule r1": True})] * 4,
         Step("decode", expect=computed("r1", 9)),
+    ],
+    # Full attention and R-SWA with a 2-token window (block size 1). r0's 3-token
+    # prompt is computed, then it decodes a token a step; scheduled with 8 tokens
+    # computed, its R-SWA table nulls positions 3 to 5 (the gap between the prompt
+    # and the window's 2 tokens) and keeps the prompt's blocks, as full attention
+    # keeps them all.
+    "an R-SWA request decodes past its window": [
+        start(21, 1, ["full", "rswa"], rswa_window=2, **tokens("tokens", [0, 1, 2])),
+        admit("r0", mode="sync", whole=True),
+        Step("decode"),
+        *[Step("allocate_slots", {}, {"schedule r0": True}), Step("decode")] * 5,
+        Step("allocate_slots", {}, {"schedule r0": True}, expect=lambda m: (
+            [bool(b) for b in m.spec_state["req_to_blocks"][1]["r0"][:6]] == [True] * 3
+            + [False] * 3 and all(m.spec_state["req_to_blocks"][0]["r0"])
+        )),
     ],
 }
 
