@@ -426,19 +426,23 @@ PROGRAMS: dict[str, list[Step]] = {
         *[Step("allocate_slots", {}, {"schedule r1": True})] * 4,
         Step("decode", expect=computed("r1", 9)),
     ],
-    # Full attention and R-SWA with a 2-token window (block size 1). r0's 3-token
-    # prompt is computed, then it decodes a token a step; scheduled with 8 tokens
-    # computed, its R-SWA table nulls positions 3 to 5 (the gap between the prompt
-    # and the window's 2 tokens) and keeps the prompt's blocks, as full attention
-    # keeps them all.
+    # Full attention and R-SWA with a 2-token window (block size 2). r0's 3-token
+    # prompt is computed, then it decodes a token a step. Scheduled with 8 tokens
+    # computed, its R-SWA table nulls block 2 (tokens 4-5: the gap between the
+    # prompt's last block, which also holds token 3, and the window, tokens 6-7);
+    # with 7 computed nothing is released yet. Full attention keeps every block.
     "an R-SWA request decodes past its window": [
-        start(21, 1, ["full", "rswa"], rswa_window=2, **tokens("tokens", [0, 1, 2])),
+        start(21, 2, ["full", "rswa"], rswa_window=2, **tokens("tokens", [0, 1, 2])),
         admit("r0", mode="sync", whole=True),
         Step("decode"),
-        *[Step("allocate_slots", {}, {"schedule r0": True}), Step("decode")] * 5,
+        *[Step("allocate_slots", {}, {"schedule r0": True}), Step("decode")] * 4,
         Step("allocate_slots", {}, {"schedule r0": True}, expect=lambda m: (
-            [bool(b) for b in m.spec_state["req_to_blocks"][1]["r0"][:6]] == [True] * 3
-            + [False] * 3 and all(m.spec_state["req_to_blocks"][0]["r0"])
+            all(m.spec_state["req_to_blocks"][1]["r0"])
+        )),
+        Step("decode"),
+        Step("allocate_slots", {}, {"schedule r0": True}, expect=lambda m: (
+            [bool(b) for b in m.spec_state["req_to_blocks"][1]["r0"][:4]]
+            == [True, True, False, True] and all(m.spec_state["req_to_blocks"][0]["r0"])
         )),
     ],
 }
