@@ -7,8 +7,11 @@ equal results, equal exceptions (vLLM's ``AssertionError`` may be our
 state after every call. Families: one full-attention group (caching on and
 off, three watermarks: the core scope) and every hybrid layout — full +
 sliding window, full + chunked local, full + Mamba (align / all / none),
-full + cross attention (caching off), three-group hybrids, EAGLE — with mixed
-block sizes where vLLM allows them. The summary line counts sequences per
+full + cross attention (caching off), three-group hybrids, EAGLE, reference
+sliding window (R-SWA alone, with full attention, with a sliding window; each
+must release a gap somewhere) — with mixed block sizes where vLLM allows them.
+Sink full attention has no family: vLLM 0.25.1 cannot build a manager with a sink
+group, and every side must refuse it alike. The summary line counts sequences per
 family. The first mismatch of a family is shrunk to a minimal trace under
 ``build/conformance-failures/``; ``python -m kvcache replay`` replays it.
 
