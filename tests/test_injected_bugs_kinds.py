@@ -5,7 +5,9 @@ here and runs the directed tests that must catch it (timed by
 ``tests/injected_harness.py``): the vLLM 0.25.1 comparisons of
 ``tests/unit/test_rswa_sink.py`` (seeded manager walks, the sink manager's
 construction) and, for R-SWA, the hybrid machine's directed program "an R-SWA
-request decodes past its window" (kvcache against spec, no vLLM). The control
+request decodes past its window" (kvcache against spec, no vLLM), and
+``KindManagerMachine`` (``tests/stateful/test_kind_managers_machine.py``) on a
+pinned budget (``injected_harness.budget``: the same examples every run). The control
 runs the same tests unpatched, and they must pass. Nothing in kvcache/ or spec/
 is edited.
 """
@@ -16,9 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from injected_harness import timed_catch, unit_failure
+from injected_harness import budget, machine_failure, timed_catch, unit_failure
 from stateful.programs import replay
 from stateful.test_hybrid_machine import PROGRAMS, HybridMachine
+from stateful.test_kind_managers_machine import KindManagerMachine
 from unit import test_rswa_sink as kinds
 
 from kvcache import RSWAManager, SinkFullAttentionManager, kv_cache_math
@@ -101,6 +104,7 @@ def rswa_program() -> BaseException | None:
 
 
 Catcher = Callable[[], BaseException | None]
+MACHINE: Catcher = lambda: machine_failure(KindManagerMachine, budget(100, 40), [])  # noqa: E731
 WALKS: Catcher = lambda: unit_failure(kinds.test_rswa_manager_walks_match_vllm)  # noqa: E731
 SINKS: Catcher = lambda: unit_failure(kinds.test_sink_manager_takes_its_blocks_as_vllm)  # noqa: E731
 
@@ -108,29 +112,30 @@ SINKS: Catcher = lambda: unit_failure(kinds.test_sink_manager_takes_its_blocks_a
 BUGS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], tuple[Catcher, ...]]] = {
     "R-SWA gap starts in the prompt's last block": (
         lambda mp: mp.setattr(RSWAManager, "remove_skipped_blocks", gap_from_prompt_tail),
-        (WALKS, rswa_program),
+        (WALKS, rswa_program, MACHINE),
     ),
     "R-SWA window one token short": (
         lambda mp: mp.setattr(RSWAManager, "remove_skipped_blocks", window_one_token_short),
-        (WALKS, rswa_program),
+        (WALKS, rswa_program, MACHINE),
     ),
     "R-SWA frees a gap without the prompt length": (
         lambda mp: mp.setattr(RSWAManager, "remove_skipped_blocks", gap_without_prompt_length),
-        (WALKS,),
+        (WALKS, MACHINE),
     ),
     "sink blocks taken from the tail of the free queue": (
         lambda mp: mp.setattr(SinkFullAttentionManager, "__init__", sinks_from_the_tail),
-        (SINKS,),
+        (SINKS, MACHINE),
     ),
     "one sink block short": (
         lambda mp: mp.setattr(SinkFullAttentionManager, "__init__", one_sink_block_short),
-        (SINKS,),
+        (SINKS, MACHINE),
     ),
 }
 
 
 def test_directed_tests_pass_unpatched() -> None:
     assert WALKS() is None and SINKS() is None and rswa_program() is None
+    assert MACHINE() is None
 
 
 @pytest.mark.parametrize("bug", sorted(BUGS))
