@@ -154,6 +154,7 @@ class HybridMachine(ManagerMachine):
         if {"swa", "mamba"} & set(kinds):
             factor = data.draw(st.sampled_from([None, 0, 1, 2, 3]), label="retention")
             retention = None if factor is None else factor * scheduler_block_size
+            event("retention", "dense" if factor is None else f"{factor} scheduler blocks")
         self.align = any(o.get("mamba_cache_mode") == "align" for _, _, o in layout)
         # vLLM refuses to start unless the pool holds one max_model_len sequence.
         max_model_len = max(2, min(max_model_len, (num_blocks - 1) // len(layout) * min(sizes)))
