@@ -211,17 +211,18 @@ def mamba_retention_mask(
     ``(i + 1) * block_size``; keep the states ending on a ``retention_interval``
     boundary (none when it is 0) and the state at the prompt's replay boundary.
     None: every block (an interval of at most one block)."""
-    per_segment = retention_interval // block_size
-    if retention_interval != 0 and per_segment <= 1:
+    if retention_interval != 0 and retention_interval // block_size <= 1:
         return None
-    mask = [
-        retention_interval != 0 and (i + 1) % per_segment == 0
-        for i in range(start_block, end_block)
-    ]
+    replay = -1
     if num_prompt_tokens is not None:
-        replay_block = replay_boundary_tokens(num_prompt_tokens, alignment_tokens) // block_size
-        if start_block <= replay_block - 1 < end_block:
-            mask[replay_block - 1 - start_block] = True
+        replay = replay_boundary_tokens(num_prompt_tokens, alignment_tokens)
+    mask = []
+    for i in range(start_block, end_block):
+        num_state_tokens = (i + 1) * block_size  # the tokens block i's state follows
+        mask.append(
+            (retention_interval != 0 and num_state_tokens % retention_interval == 0)
+            or num_state_tokens == replay
+        )
     return mask
 
 
