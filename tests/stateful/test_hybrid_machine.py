@@ -134,7 +134,7 @@ class HybridMachine(ManagerMachine):
             if kind == "swa":
                 options["sliding_window"] = data.draw(st.integers(1, 10), label="window")
             elif kind == "rswa":
-                options["rswa_window"] = data.draw(st.integers(1, 4), label="rswa_window")
+                options["rswa_window"] = data.draw(st.integers(1, 3), label="rswa_window")
             elif kind == "chunk":
                 options["attention_chunk_size"] = base_block_size * data.draw(
                     st.integers(1, 3), label="chunk_factor"
@@ -164,6 +164,8 @@ class HybridMachine(ManagerMachine):
             retention = None if factor is None else factor * scheduler_block_size
             event("retention", "dense" if factor is None else f"{factor} scheduler blocks")
         self.align = any(o.get("mamba_cache_mode") == "align" for _, _, o in layout)
+        if "rswa" in kinds:  # room for decodes past the window (the gap needs them)
+            num_blocks = max(num_blocks, data.draw(st.integers(12, 40), label="rswa_blocks"))
         # vLLM refuses to start unless the pool holds one max_model_len sequence.
         max_model_len = max(2, min(max_model_len, (num_blocks - 1) // len(layout) * min(sizes)))
         if self.align:
@@ -212,7 +214,7 @@ class HybridMachine(ManagerMachine):
         self.max_model_len = max_model_len
         self.token_budget = max_num_batched_tokens
         if "rswa" in kinds:  # short prompts, so decodes pass the window before the length cap
-            self.max_prompt_len = max(1, max_model_len // 3)
+            self.max_prompt_len = max(1, min(max_model_len // 4, 2 * scheduler_block_size))
         self.has_cross = has_cross
         self.encoder_tokens: dict[str, int] = {}
         self.hasher = get_request_block_hasher(hash_block_size, sha256)
