@@ -145,8 +145,9 @@ PAIRS: tuple[Pair, ...] = (
     Pair("rswa_gap_blocks", f"{S}.rswa_gap_blocks", f"{K}.rswa_gap_blocks",
          lambda prompt, computed, window, bs: _nonneg(prompt, computed) and window >= 1
          and bs >= 1),
-    Pair("gap_blocks_to_free", f"{S}.gap_blocks_to_free", f"{K}.gap_blocks_to_free",
-         lambda blocks, null, first, last: first >= 0, types=INT_BLOCKS),
+    # (No gap_blocks_to_free pair: CrossHair's diffbehavior of the four-argument
+    # twins runs into the safety limit even at 30 paths; tests/unit/test_rswa_sink.py
+    # compares them input by input instead.)
     Pair("num_contiguous_blocks_for_hit", f"{S}.num_contiguous_blocks_for_hit",
          f"{K}.num_contiguous_blocks_for_hit", lambda window, bs, eagle: window >= 1 and bs >= 1),
     Pair("sliding_window_reachable_mask", f"{S}.sliding_window_reachable_mask",

@@ -21,8 +21,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvcache as K
+import spec.pure
+from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import KVCacheSpecMergeError, KVCacheSpecValueError
 from spec import single_type_kv_cache_manager as spec_managers
@@ -128,6 +132,24 @@ def test_rswa_window_must_be_positive() -> None:
 
 
 # ---------------------------------------------------------------- RSWAManager walks
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    blocks=st.lists(st.integers(0, 3), max_size=8),
+    null=st.integers(0, 1),
+    first=st.integers(0, 9),
+    last=st.integers(-1, 10),
+)
+def test_gap_blocks_to_free_twins_agree(
+    blocks: list[int], null: int, first: int, last: int
+) -> None:
+    """kvcache's gap scan against the spec's, input by input (proofs/manifest.py has
+    no CrossHair pair for these four-argument twins)."""
+    ours = kv_cache_math.gap_blocks_to_free(blocks, null, first, last)
+    assert ours == spec.pure.gap_blocks_to_free(blocks, null, first, last)
+    assert null not in blocks[ours[0] : ours[1]]
+    assert ours[0] == ours[1] or first <= ours[0] < ours[1] == min(last, len(blocks))
 
 
 def _vllm_side(num_blocks: int, block_size: int, window: int) -> tuple[Any, Any]:
