@@ -11,6 +11,7 @@ from typing import Any, Literal, overload
 from spec import pure
 from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.kv_cache_coordinator import get_kv_cache_coordinator
+from spec.profile import Profile, resolve_profile
 from spec.pure import cdiv
 from spec.vocab import (
     BlockStored,
@@ -96,7 +97,8 @@ class KVCacheManager:
                  enable_kv_cache_events: bool = False, dcp_world_size: int = 1,
                  pcp_world_size: int = 1, metrics_collector: Any = None,
                  watermark: float = 0.0, *, caching_hash_algo: str = "sha256",
-                 hash_seed: str | None = None) -> None:
+                 hash_seed: str | None = None, profile: Profile | str | None = None) -> None:
+        self.profile = resolve_profile(profile)  # spec/profile.py: MODELLED switches only
         if dcp_world_size > 1 or pcp_world_size > 1:
             raise NotImplementedError("context parallelism (dcp/pcp > 1) is not modelled")
         if metrics_collector is not None:
@@ -144,10 +146,18 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
             self.block_pool.block_hashes(request), request.num_tokens - 1)
-        if self.prefix_cache_stats is not None:
+        if self.prefix_cache_stats is not None and not self.profile.stats_at_admission:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens,
                                            request.num_preemptions > 0)
         return self.create_kv_cache_blocks(hits), num_hit_tokens
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """stats_at_admission: the scheduler counts an admitted request's lookup here
+        (nothing without log_stats, caching, or for a request that skipped the cache)."""
+        if (self.prefix_cache_stats is None or not self.enable_caching
+                or request.skip_reading_prefix_cache):
+            return
+        self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
@@ -163,7 +173,8 @@ class KVCacheManager:
         cover them plus the watermark (out-of-window blocks may be freed all the same).
         ValueError if there are no new and no external tokens.
         """
-        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+        adopts = num_new_computed_tokens > 0 and self.profile.adopt_computed_without_new_tokens
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 and not adopts:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no external computed tokens")
         rid, coordinator = request.request_id, self.coordinator
@@ -186,7 +197,10 @@ class KVCacheManager:
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens,
                                    self.max_model_len)
         # Free out-of-window blocks first (even if we then refuse) so fewer get evicted.
-        coordinator.remove_skipped_blocks(rid, total_computed, request.num_prompt_tokens)
+        processed = total_computed
+        if self.profile.free_on_processed_tokens:  # in-flight steps may still read the rest
+            processed = max(0, total_computed - getattr(request, "num_in_flight_tokens", 0))
+        coordinator.remove_skipped_blocks(rid, processed, request.num_prompt_tokens)
         num_needed = coordinator.get_num_blocks_to_allocate(
             rid, num_tokens_need_slot, hits, num_encoder_tokens, num_computed,
             num_tokens_main_model)
@@ -216,6 +230,9 @@ class KVCacheManager:
 
     def pop_blocks_for_free(self, request: Request) -> list[int]:
         """Forget the request; the caller frees the returned ids later, in reverse."""
+        if self.profile.pop_drops_null_head:  # each group's leading null blocks left out
+            return [b for m in self.coordinator.single_type_managers
+                    for b in drop_null_head(m.pop_blocks_for_free(request.request_id))]
         return self.coordinator.pop_blocks_for_free(request.request_id)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -232,6 +249,8 @@ class KVCacheManager:
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, leading blocks of the request held by every request with a table."""
+        if self.profile.cascade_always_zero:  # cascade attention is gone: zeros, no lookup
+            return [0] * self.num_kv_cache_groups
         return self.coordinator.get_num_common_prefix_blocks(running_request_id)
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -314,3 +333,8 @@ class KVCacheManager:
                         holders[b] += 1
         for b, count in holders.items():
             assert pool.ref_cnt[b] >= count, f"block {b}: ref_cnt {pool.ref_cnt[b]} < {count}"
+
+
+def drop_null_head(ids: list[int]) -> list[int]:
+    """``ids`` without its leading null blocks."""
+    return list(itertools.dropwhile(lambda b: b == NULL_BLOCK, ids))
