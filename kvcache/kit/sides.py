@@ -41,7 +41,7 @@ from typing import Any, cast
 from kvcache.kit.config import GroupConfig, ManagerConfig
 from kvcache.kit.trace import canon, canon_state
 
-BUILTIN_IMPLS = ("kvcache", "spec", "vllm")
+BUILTIN_IMPLS = ("kvcache", "spec", "vllm", "kvcache-0.33")
 
 
 class HarnessError(Exception):
@@ -207,11 +207,16 @@ class Adapter:
                 None if lora is None else rq.LoRARequest(lora[0], lora[1], lora_path="/x")
             ),
             cache_salt=args.get("cache_salt"),
-            block_hasher=self.kv_cache_utils.get_request_block_hasher(
-                config.hash_block_size, self.hash_fn(config.hash_fn)
-            ),
+            block_hasher=self.block_hasher(config),
             skip_reading_prefix_cache=bool(args.get("skip_reading_prefix_cache", False)),
         )
+
+    def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
+        """The requests' block hasher for ``config``'s hash block size and function."""
+        hasher: Callable[[Any], list[Any]] = self.kv_cache_utils.get_request_block_hasher(
+            config.hash_block_size, self.hash_fn(config.hash_fn)
+        )
+        return hasher
 
     def status(self, name: str) -> Any:
         """The ``RequestStatus`` member called ``name``."""
@@ -237,6 +242,45 @@ class SpecAdapter(Adapter):
         kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
         return self.factory(kv_cache_config, **config.manager_kwargs(),
                             caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed)
+
+
+class ProfileAdapter(Adapter):
+    """kvcache under another release's profile, through that release's drop-in module
+    (``kvcache.vllm_0_33``): its constructor names, lookup shape, hasher and
+    NONE_HASH rule, and the scheduler duty it moved (stats at admission).
+
+    ``release_line`` tells the driver which vLLM line it behaves like, so that it
+    is compared with that release as an equal (no ledger judge between them).
+    """
+
+    def __init__(self, name: str, module: str, release_line: str) -> None:
+        drop_in = importlib.import_module(module)
+        super().__init__(name, drop_in.KVCacheManager, _package_version())
+        self.drop_in = drop_in
+        self.release_line = release_line
+        self.renamed_kwargs = {"max_num_batched_tokens": "max_in_flight_tokens"}
+
+    def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
+        hash_fn = self.hash_fn(config.hash_fn)
+        with_hash_seed(hash_seed, lambda: self.drop_in.init_none_hash(hash_fn))
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        kwargs = {self.renamed_kwargs.get(k, k): v for k, v in config.manager_kwargs().items()}
+        return self.factory(kv_cache_config, **kwargs)
+
+    def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
+        blocks, num_computed_tokens, _boundary = manager.get_computed_blocks(request)
+        return blocks, int(num_computed_tokens)
+
+    def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
+        manager.record_prefix_cache_stats(request, num_hit_tokens)
+
+    def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
+        hasher: Callable[[Any], list[Any]] = self.drop_in.get_request_block_hasher(
+            config.hash_block_size, self.hash_fn(config.hash_fn)
+        )
+        return hasher
 
 
 class Side:
@@ -476,6 +520,8 @@ def resolve_adapter(name: str) -> Adapter:
         import kvcache
 
         return Adapter("kvcache", kvcache.KVCacheManager, _package_version())
+    if name == "kvcache-0.33":
+        return ProfileAdapter("kvcache-0.33", "kvcache.vllm_0_33", "0.33")
     if name == "kvcache-pure":
         # The pure-Python build beside whichever build `import kvcache` loaded
         # (kvcache._builds.import_pure_copy): for timing both in one process.
