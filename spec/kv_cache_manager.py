@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,14 +15,18 @@ from spec.kv_cache_coordinator import get_kv_cache_coordinator
 from spec.profile import Profile, resolve_profile
 from spec.pure import cdiv
 from spec.vocab import (
+    BlockRemoved033,
     BlockStored,
+    BlockStored033,
     KVCacheConfig,
     KVCacheEvent,
     PrefixCacheStats,
+    PrefixCacheStats033,
     Request,
     event_kind,
     event_sliding_window,
     is_a,
+    none_hash,
 )
 
 WATERMARKED = ("WAITING", "PREEMPTED")
@@ -126,6 +131,34 @@ class KVCacheManager:
             for g in kv_cache_config.kv_cache_groups)
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool)
+        self._apply_profile(hash_seed)
+
+    def _apply_profile(self, hash_seed: str | None) -> None:
+        """Set the profile's switches on the coordinator, managers and pool."""
+        p, coordinator, pool = self.profile, self.coordinator, self.block_pool
+        pool.tagged_extra_keys = p.tagged_extra_keys
+        pool.mm_keys_by_window = p.mm_keys_by_window
+        if p.none_hash_fixed_seed and hash_seed is None and os.getenv("PYTHONHASHSEED") is None:
+            pool.none_hash = none_hash(pool.hash_fn, None, fixed_default_seed=True)
+        coordinator.trim_every_full_group = p.trim_every_full_group
+        coordinator.eagle_peek_to_hashed_length = p.eagle_peek_to_hashed_length
+        if p.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
+            coordinator.eagle_group_ids = set()  # without use_eagle no group drops a block
+            coordinator._init_groups()
+        groups = self.kv_cache_config.kv_cache_groups
+        zeroing = any(is_a(g.kv_cache_spec, "MambaSpec") for g in groups)
+        for m in coordinator.single_type_managers:
+            m.records_new_block_ids = not (p.new_block_ids_zeroing_only and not zeroing)
+            m.caches_partial_prompt_tail = (p.partial_prompt_tail_entries
+                                            and type(m).__name__ == "FullAttentionManager")
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats = self._new_stats()
+
+    def _new_stats(self) -> PrefixCacheStats:
+        """Empty stats, of 0.33.0's class under stats_hits_by_source."""
+        stats: PrefixCacheStats = (PrefixCacheStats033() if self.profile.stats_hits_by_source
+                                   else PrefixCacheStats())
+        return stats
 
     @property
     def usage(self) -> float:
@@ -136,7 +169,7 @@ class KVCacheManager:
         """Return the hit stats gathered so far and start new ones (None unless log_stats)."""
         if not self.log_stats:
             return None
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._new_stats()
         return stats
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -262,6 +295,10 @@ class KVCacheManager:
                 kind, window = self.kv_cache_event_metadata[event.group_idx]
                 event.kv_cache_spec_kind = kind
                 event.kv_cache_spec_sliding_window = window
+        if self.profile.event_new_fields:  # 0.33.0's classes, the new fields at defaults
+            new = {"BlockStored": BlockStored033, "BlockRemoved": BlockRemoved033}
+            events = [new[type(e).__name__](**vars(e)) if type(e).__name__ in new else e
+                      for e in events]
         return events
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:

@@ -2,9 +2,8 @@
 
 The same switch names and values as kvcache's ``kvcache/profile.py`` (a test holds
 the two equal); the spec keeps its own copy because it imports nothing from
-kvcache. ``Profile("0.25.1")`` (the default) has every switch off. A switch the
-spec consults is in ``MODELLED``; the others (hashing, hybrid lookups, partial
-entries) are modelled by kvcache only, so far.
+kvcache. ``Profile("0.25.1")`` (the default) has every switch off. The spec
+consults every switch (``MODELLED``) at its own points of difference.
 """
 
 from __future__ import annotations
@@ -23,10 +22,7 @@ SWITCHES = (
 ON = {"0.25.1": frozenset[str](), "0.33.0": frozenset(SWITCHES)}
 """The switches each release turns on."""
 
-MODELLED = frozenset({
-    "stats_at_admission", "pop_drops_null_head", "cascade_always_zero",
-    "adopt_computed_without_new_tokens", "free_on_processed_tokens",
-})  # fmt: skip
+MODELLED = frozenset(SWITCHES)
 """The switches the spec's code consults."""
 
 
