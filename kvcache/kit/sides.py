@@ -41,7 +41,7 @@ from typing import Any, cast
 from kvcache.kit.config import GroupConfig, ManagerConfig
 from kvcache.kit.trace import canon, canon_state
 
-BUILTIN_IMPLS = ("kvcache", "spec", "vllm", "kvcache-0.33")
+BUILTIN_IMPLS = ("kvcache", "spec", "vllm", "kvcache-0.33", "spec-0.33")
 
 
 class HarnessError(Exception):
@@ -272,6 +272,40 @@ class ProfileAdapter(Adapter):
     def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
         blocks, num_computed_tokens, _boundary = manager.get_computed_blocks(request)
         return blocks, int(num_computed_tokens)
+
+    def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
+        manager.record_prefix_cache_stats(request, num_hit_tokens)
+
+    def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
+        hasher: Callable[[Any], list[Any]] = self.drop_in.get_request_block_hasher(
+            config.hash_block_size, self.hash_fn(config.hash_fn)
+        )
+        return hasher
+
+
+class SpecProfileAdapter(SpecAdapter):
+    """The spec under another release's profile (``spec/profile.py``), with that
+    release's request hasher (``drop_in``'s) and scheduler duty (stats at admission):
+    the independent check of ``ProfileAdapter`` without that vLLM installed."""
+
+    def __init__(self, name: str, release: str, release_line: str, module: str) -> None:
+        import spec
+
+        super().__init__(name, spec.KVCacheManager, _package_version())
+        self.release = release
+        self.release_line = release_line
+        self.drop_in = importlib.import_module(module)
+
+    def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
+        hash_fn = self.hash_fn(config.hash_fn)
+        with_hash_seed(hash_seed, lambda: self.drop_in.init_none_hash(hash_fn))
+        self.hash_seed = hash_seed
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        return self.factory(kv_cache_config, **config.manager_kwargs(),
+                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
+                            profile=self.release)
 
     def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
         manager.record_prefix_cache_stats(request, num_hit_tokens)
@@ -522,6 +556,8 @@ def resolve_adapter(name: str) -> Adapter:
         return Adapter("kvcache", kvcache.KVCacheManager, _package_version())
     if name == "kvcache-0.33":
         return ProfileAdapter("kvcache-0.33", "kvcache.vllm_0_33", "0.33")
+    if name == "spec-0.33":
+        return SpecProfileAdapter("spec-0.33", "0.33.0", "0.33", "kvcache.vllm_0_33")
     if name == "kvcache-pure":
         # The pure-Python build beside whichever build `import kvcache` loaded
         # (kvcache._builds.import_pure_copy): for timing both in one process.
