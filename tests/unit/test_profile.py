@@ -45,6 +45,13 @@ from kvcache.profile import RELEASES, SWITCHES, Profile, resolve_profile
 BS = 4
 
 
+@pytest.fixture(autouse=True)
+def sha256_none_hash() -> None:
+    """Every test here hashes with sha256 from the process's seed (other tests, e.g. the
+    kit's sequences, leave NONE_HASH at their last hash function)."""
+    kcu.init_none_hash(sha256)
+
+
 def full_config(num_blocks: int = 12, groups: int = 1) -> KVCacheConfig:
     return KVCacheConfig(num_blocks, [], [
         KVCacheGroupSpec([f"layer.{i}"], FullAttentionSpec(
