@@ -985,8 +985,9 @@ def get_manager_for_kv_cache_spec(
     manager_cls = get_manager_class_for_kv_cache_spec(kv_cache_spec)
     if is_spec_kind(kv_cache_spec, "SlidingWindowSpec", "ChunkedLocalAttentionSpec"):
         spec = cast(SlidingWindowSpec | ChunkedLocalAttentionSpec, kv_cache_spec)
+        # Positional: vLLM 0.33.0's specs name the first argument max_in_flight_tokens.
         kwargs["max_admission_blocks_per_request"] = spec.max_admission_blocks_per_request(
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
+            max_num_batched_tokens, max_model_len
         )
     return manager_cls(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
 
