@@ -68,6 +68,9 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
         found = re.findall(rf"^{re.escape(stage)}: \d+ sequences.*$", output, re.MULTILINE)
         detail = found[-1].removeprefix(f"{stage}: ") if found else f"rc={rc}"
         pending = re.findall(r"^not yet conformant \(not run\): ([^(]*)", output, re.MULTILINE)
+        streams = re.findall(r"^vllm scheduler on kvcache \[.*identical$", output, re.MULTILINE)
+        if streams:
+            detail += f"; vLLM's Scheduler: {len(streams)} streams identical"
         if pending:
             detail += f"; not yet conformant: {pending[-1].strip()}"
         return f"{stage}: {'ok' if rc == 0 else 'FAILED'} ({detail})"

@@ -16,6 +16,11 @@ It prints one ``conformance: ...`` line per family and a ``conformance-0.33:``
 total, lists the families not yet conformant (``NOT_YET_CONFORMANT``: not run,
 and said so), and exits 1 on any mismatch, writing the first one's shrunk
 counterexample under ``build/conformance-0.33-failures/``.
+
+Then vLLM 0.33.0's own ``Scheduler`` runs the streams of
+``kvcache.kit.scheduler_drive`` with ``kvcache.vllm_0_33.KVCacheManager`` swapped
+in, and must decide every step exactly as on vLLM's own manager (one ``vllm
+scheduler on kvcache [...]: ... identical`` line per stream).
 """
 
 from __future__ import annotations
@@ -112,6 +117,28 @@ def describe_failure(result: FamilyResult, failure_dir: Path) -> str:
     )
 
 
+def run_scheduler_streams() -> list[str]:
+    """vLLM 0.33.0's Scheduler on ``kvcache.vllm_0_33.KVCacheManager`` and on its own
+    manager, every stream of ``scheduler_drive``; the failures, one line each."""
+    from kvcache import vllm_0_33
+    from kvcache.kit import scheduler_drive
+
+    failures = []
+    with scheduler_drive.cpu_platform():
+        for stream in scheduler_drive.STREAMS:
+            try:
+                result = scheduler_drive.compare(stream, vllm_0_33.KVCacheManager)
+            except scheduler_drive.SchedulerDiffers as exc:
+                failures.append(str(exc))
+                continue
+            print(result.summary(), flush=True)
+            reached = (result.finished == stream.num_requests and result.hits > 0
+                       and result.preemptions > 0)  # fmt: skip
+            if not reached:
+                failures.append(f"{stream.name}: the stream did not reach its cases ({result})")
+    return failures
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the conformance families; 0 when every one has 0 mismatches."""
     parser = argparse.ArgumentParser(prog="python -m kvcache.kit.conformance33")
@@ -121,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--families", default="", help="comma-separated family names (default: all conformant)"
     )
     parser.add_argument("--failure-dir", default="build/conformance-0.33-failures")
+    parser.add_argument(
+        "--no-scheduler", action="store_true", help="skip vLLM 0.33.0's Scheduler streams"
+    )
     args = parser.parse_args(argv)
     if args.sequences < 1:
         parser.error(f"--sequences must be positive, got {args.sequences}")
@@ -155,6 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (", ".join(sorted(NOT_YET_CONFORMANT)) or "none")
         + (f" ({next(iter(NOT_YET_CONFORMANT.values()))})" if NOT_YET_CONFORMANT else "")
     )
+    if not args.no_scheduler:
+        for line in run_scheduler_streams():
+            failed.append("scheduler")
+            print(f"vllm scheduler on kvcache: {line}", flush=True)
     print(f"{total.summary('conformance-0.33')} in {total.seconds:.0f}s")
     if failed:
         print(f"conformance-0.33: FAILED in {', '.join(sorted(set(failed)))}")
