@@ -197,6 +197,11 @@ class KVCacheManager(_KVCacheManager):
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.num_prefill_lookahead = num_prefill_lookahead
         self.enable_mamba_shared_prefix_checkpoint = enable_mamba_shared_prefix_checkpoint
+        # 0.33.0's predicate (EAGLE groups, fine-grained hits, no re-prefill tail) needs
+        # Mamba 'align' fine-grained hits, which no covered layout has.
+        self.mamba_shared_prefix_checkpoint = False
+        # Groups that keep a longer hit than the common one (none without RSWA retention).
+        self.retained_hit_group_ids: tuple[int, ...] = ()
         self.enable_kv_cache_events = enable_kv_cache_events
         super().__init__(
             kv_cache_config,
@@ -423,3 +428,7 @@ class KVCacheManager(_KVCacheManager):
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """Boundary-state hand-offs for a KV connector: none without Mamba 'align'."""
         return {}
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """A finishing request's partial-tail state offloads: none without Mamba 'align'."""
+        return []

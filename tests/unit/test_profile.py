@@ -340,3 +340,26 @@ def test_docs_table_names_every_switch() -> None:
         assert f"`{switch.name}`" in text, switch.name
         if switch.ledger_id:
             assert f"| `{switch.ledger_id}` | `{switch.name}`" in text, switch
+
+
+def test_drop_in_helpers_of_0_33() -> None:
+    m = manager(full_config(), "0.33.0")
+    first = request("a", list(range(13)), "0.33.0")
+    admit(m, first)
+    assert m.estimate_cached_tokens(first) == 12  # three full blocks cached
+    second = request("b", list(range(13)), "0.33.0")
+    blocks, n, boundary, diverged = m.get_computed_blocks_for_connector(second)
+    assert (n, boundary, diverged) == (12, 0, False)
+    cut = m.truncate_computed_blocks(blocks, 4)
+    assert cut.get_block_ids() == (blocks.get_block_ids()[0][:1],)
+    assert blocks.get_block_ids()[0] == m.get_block_ids("a")[0][:3]  # not changed
+    with pytest.raises(ValueError, match="not a multiple"):
+        m.truncate_computed_blocks(blocks, 6)
+    with pytest.raises(ValueError, match="past group 0's hit"):
+        m.truncate_computed_blocks(blocks, 16)
+    m.record_blocks_for_zeroing("a", 0)  # no group zeroes without Mamba
+    assert m.take_new_block_ids() == []
+    assert m.take_kv_cache_block_copies() == ([], [])
+    assert m.take_boundary_state_offloads() == {}
+    assert m.finalize_partial_tail_offloads(first) == []
+    assert m.mamba_shared_prefix_checkpoint is False
