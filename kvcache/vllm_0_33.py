@@ -217,7 +217,11 @@ class KVCacheManager(_KVCacheManager):
             pcp_world_size,
             metrics_collector,
             watermark,
-            PROFILE,
+            # 0.33.0 reads the retention interval from the config, never the environment.
+            prefix_cache_retention_interval=getattr(
+                kv_cache_config, "prefix_cache_retention_interval", None
+            ),
+            profile=PROFILE,
         )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = self._new_stats()
