@@ -67,7 +67,7 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
     if stage.startswith("conformance-"):
         found = re.findall(rf"^{re.escape(stage)}: \d+ sequences.*$", output, re.MULTILINE)
         detail = found[-1].removeprefix(f"{stage}: ") if found else f"rc={rc}"
-        pending = re.findall(r"^not yet conformant \(not run\): ([^(]*)", output, re.MULTILINE)
+        pending = re.findall(r"^not yet conformant \(not run\): (.*)$", output, re.MULTILINE)
         streams = re.findall(r"^vllm scheduler on kvcache \[.*identical$", output, re.MULTILINE)
         if streams:
             detail += f"; vLLM's Scheduler: {len(streams)} streams identical"
