@@ -12,9 +12,11 @@ there either).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
+import kvcache.kv_cache_utils as kcu
 from kvcache.kit.conformance33 import conformant_families, family_seed
 from kvcache.kit.driver import FAMILIES, Family, Stats, run_sequence
 
@@ -22,6 +24,15 @@ pytestmark = pytest.mark.conformance
 
 SEQUENCES = int(os.environ.get("PROFILE_SEQUENCES", "30"))
 FAMILY_LIST = conformant_families()
+
+
+@pytest.fixture(autouse=True)
+def keep_none_hash() -> Iterator[None]:
+    """The kit sets kvcache's process-wide NONE_HASH per sequence (each with its own
+    hash function); later tests (the stateful machines) expect it as it was."""
+    saved = kcu.NONE_HASH
+    yield
+    kcu.NONE_HASH = saved
 
 
 @pytest.mark.parametrize("family", FAMILY_LIST, ids=[f.name for f in FAMILY_LIST])
