@@ -27,7 +27,11 @@ An **Adapter** subclass is for an implementation with another vocabulary
 (``kvcache.kit.vllm_side.VllmAdapter`` builds vLLM's own config and requests).
 
 A ``Side`` is one adapter's manager plus its requests, driven by named calls
-with JSON arguments (the ops of a trace) and returning canonical results.
+with JSON arguments (the ops of a trace) and returning canonical results. A side
+hashes its requests with its trace's chain (``hash_fn`` and ``PYTHONHASHSEED``)
+and leaves the process's chain (``NONE_HASH``, a module global in kvcache as in
+vLLM) as it found it: code that hashes in the same process after the kit (other
+tests, a user's own requests) sees no change.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
 from typing import Any, cast
 
 from kvcache.kit.config import GroupConfig, ManagerConfig
@@ -73,6 +78,23 @@ def with_hash_seed(seed: str, init: Callable[[], None]) -> None:
             del os.environ["PYTHONHASHSEED"]
         else:
             os.environ["PYTHONHASHSEED"] = old
+
+
+_UNSET = object()
+
+
+def chain_seed(module: ModuleType) -> Any:
+    """``module.NONE_HASH``, or a marker when it is not set yet (vLLM sets it only in
+    ``init_none_hash``)."""
+    return module.__dict__.get("NONE_HASH", _UNSET)
+
+
+def set_chain_seed(module: ModuleType, value: Any) -> None:
+    """Put back a value ``chain_seed`` returned (the marker unsets ``NONE_HASH``)."""
+    if value is _UNSET:
+        module.__dict__.pop("NONE_HASH", None)
+    else:
+        module.__dict__["NONE_HASH"] = value
 
 
 RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
@@ -181,9 +203,16 @@ class Adapter:
         return fn
 
     def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
-        """Initialise ``NONE_HASH`` for ``config.hash_fn`` under ``PYTHONHASHSEED``."""
+        """Initialise ``NONE_HASH`` for ``config.hash_fn`` under ``PYTHONHASHSEED``
+        (in ``chain_module``, for the whole process: a ``Side`` restores it)."""
         hash_fn = self.hash_fn(config.hash_fn)
         with_hash_seed(hash_seed, lambda: self.kv_cache_utils.init_none_hash(hash_fn))
+
+    def chain_module(self) -> ModuleType | None:
+        """The module whose ``NONE_HASH`` this adapter's requests chain from
+        (``init_hashes`` sets it); None when it has none the kit knows of."""
+        module: ModuleType | None = getattr(self, "kv_cache_utils", None)
+        return module
 
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
@@ -358,13 +387,38 @@ class Side:
         #: The raw return value of the last get_computed_blocks / allocate_slots.
         self.last_raw: Any = None
         self.last_hit_tokens: dict[str, int] = {}
-        adapter.init_hashes(config, hash_seed)
+        # The chain of this side's trace, kept here: the process's is put back at once.
+        self.chain_module = adapter.chain_module()
+        before = _UNSET if self.chain_module is None else chain_seed(self.chain_module)
         try:
-            self.manager = adapter.build_manager(config)
+            adapter.init_hashes(config, hash_seed)
+            self.none_hash = None if self.chain_module is None else chain_seed(self.chain_module)
+        finally:
+            if self.chain_module is not None:
+                set_chain_seed(self.chain_module, before)
+        try:
+            with self.hashing():
+                self.manager = adapter.build_manager(config)
         except Exception as exc:
             raise CannotBuild(
                 adapter.name, f"{adapter.name} rejects the config ({type(exc).__name__}: {exc})"
             ) from exc
+
+    @contextlib.contextmanager
+    def hashing(self) -> Iterator[None]:
+        """This side's chain installed as the process's ``NONE_HASH`` for the block, the
+        caller's put back after: for code that hashes this side's requests outside
+        ``call`` (a simulation appending tokens to them itself)."""
+        module = self.chain_module
+        if module is None:
+            yield
+            return
+        before = chain_seed(module)
+        set_chain_seed(module, self.none_hash)
+        try:
+            yield
+        finally:
+            set_chain_seed(module, before)
 
     # ------------------------------------------------------------ driving
 
@@ -373,7 +427,15 @@ class Side:
         handler = getattr(self, "op_" + op, None)
         if handler is None:
             raise HarnessError(f"unknown op {op!r}")
-        return handler(args)
+        module = self.chain_module  # as ``hashing``, inlined: this runs on every call
+        if module is None:
+            return handler(args)
+        before = chain_seed(module)
+        set_chain_seed(module, self.none_hash)
+        try:
+            return handler(args)
+        finally:
+            set_chain_seed(module, before)
 
     def raw_state(self) -> dict[str, Any] | None:
         return self.adapter.abstract_state(self.manager)
