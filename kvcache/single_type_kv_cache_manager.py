@@ -20,9 +20,11 @@ from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
     SPEC_MODULES,
     ChunkedLocalAttentionSpec,
+    ContextParallelError,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    check_world_size,
     is_spec_kind,
     spec_exact_class_name,
 )
@@ -98,8 +100,8 @@ class SingleTypeKVCacheManager:
         enable_caching: Whether prefix caching is on.
         kv_cache_group_id: The group's index.
         scheduler_block_size: Scheduling granularity (multiple of block_size).
-        dcp_world_size: Decode context parallel size (only 1 is supported).
-        pcp_world_size: Prefill context parallel size (only 1 is supported).
+        dcp_world_size: Decode context parallel size (scales ``block_size``).
+        pcp_world_size: Prefill context parallel size (scales ``block_size``).
         max_admission_blocks_per_request: Admission cap for groups that recycle
             blocks (None: no cap).
     """
@@ -115,13 +117,12 @@ class SingleTypeKVCacheManager:
         pcp_world_size: int = 1,
         max_admission_blocks_per_request: int | None = None,
     ) -> None:
-        if dcp_world_size != 1 or pcp_world_size != 1:
-            raise NotImplementedError(
-                f"context parallelism is not supported (dcp_world_size={dcp_world_size}, "
-                f"pcp_world_size={pcp_world_size})"
-            )
+        check_world_size("dcp_world_size", dcp_world_size)
+        check_world_size("pcp_world_size", pcp_world_size)
         self.kv_cache_spec = kv_cache_spec
-        self.block_size = kv_cache_spec.block_size
+        # Each context-parallel rank stores 1/(dcp*pcp) of a block's tokens, so to
+        # the manager one block spans block_size * dcp * pcp tokens (as in vLLM).
+        self.block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
         self.scheduler_block_size = scheduler_block_size
         self.dcp_world_size = dcp_world_size
         self.pcp_world_size = pcp_world_size
@@ -497,7 +498,17 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     ) -> tuple[list[KVCacheBlock], ...]:
         """Rightmost run of enough cached blocks whose end is aligned; positions
         before the run are the null block. With no full run, the cached run at
-        the very start (if any) is the hit."""
+        the very start (if any) is the hit.
+
+        Raises:
+            ContextParallelError: for ``dcp_world_size`` or ``pcp_world_size`` > 1
+                (vLLM 0.25.1 asserts: no context parallelism for sliding windows).
+        """
+        if dcp_world_size != 1 or pcp_world_size != 1:
+            raise ContextParallelError(
+                "sliding-window prefix-cache lookups do not support context parallelism "
+                f"(dcp_world_size={dcp_world_size}, pcp_world_size={pcp_world_size})"
+            )
         kv_cache_spec = cast(SlidingWindowSpec, kv_cache_spec)
         block_size = kv_cache_spec.block_size
         need = cls._contiguous_blocks_for_hit(

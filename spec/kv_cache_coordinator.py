@@ -28,7 +28,7 @@ class KVCacheCoordinator:
                  max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
                  enable_kv_cache_events: bool, scheduler_block_size: int,
                  hash_block_size: int, caching_hash_algo: str = "sha256",
-                 hash_seed: str | None = None) -> None:
+                 hash_seed: str | None = None, context_parallel: int = 1) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size or any(
                 scheduler_block_size % g.kv_cache_spec.block_size for g in groups):
@@ -44,10 +44,19 @@ class KVCacheCoordinator:
         self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(groups)))
+        # Context parallelism (dcp * pcp ranks) spreads each block's tokens over the ranks:
+        # to the managers a block spans block_size * context_parallel tokens.
+        if context_parallel > 1 and enable_caching and (
+                len(groups) > 1 or not is_a(groups[0].kv_cache_spec, "FullAttentionSpec")):
+            raise NotImplementedError("context parallelism with prefix caching: one full-"
+                                      "attention group only (vLLM asserts for the rest)")
+        self.specs = [g.kv_cache_spec if context_parallel == 1 else
+                      g.kv_cache_spec.copy_with_new_block_size(
+                          g.kv_cache_spec.block_size * context_parallel) for g in groups]
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            get_manager_for_kv_cache_spec(g.kv_cache_spec, max_num_batched_tokens, max_model_len,
+            get_manager_for_kv_cache_spec(spec, max_num_batched_tokens, max_model_len,
                                           self.block_pool, enable_caching, i, scheduler_block_size)
-            for i, g in enumerate(groups))
+            for i, spec in enumerate(self.specs))
         self._init_groups()
 
     def _init_groups(self) -> None:
@@ -153,7 +162,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """Exactly one group, hashed at its own block size; hits align to that size."""
 
     def _init_groups(self) -> None:
-        self.kv_cache_spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.kv_cache_spec = self.specs[0]
         self.block_size = self.kv_cache_spec.block_size
         if self.enable_caching and self.hash_block_size != self.block_size:
             raise ValueError(f"hash_block_size={self.hash_block_size} must equal the block "
@@ -288,7 +297,8 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
                              max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
                              enable_kv_cache_events: bool, scheduler_block_size: int,
                              hash_block_size: int, caching_hash_algo: str = "sha256",
-                             hash_seed: str | None = None) -> KVCacheCoordinator:
+                             hash_seed: str | None = None, context_parallel: int = 1
+                             ) -> KVCacheCoordinator:
     """No-prefix-cache when caching is off, else unitary for one group, hybrid for more."""
     cls: type[KVCacheCoordinator] = HybridKVCacheCoordinator
     if not enable_caching:
@@ -297,4 +307,4 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
         cls = UnitaryKVCacheCoordinator
     return cls(kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle, enable_caching,
                enable_kv_cache_events, scheduler_block_size, hash_block_size, caching_hash_algo,
-               hash_seed)
+               hash_seed, context_parallel)

@@ -10,6 +10,10 @@ from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.pure import cdiv
 from spec.vocab import KVCacheSpec, Request, admission_cap
 
+ZEROED_SPECS = ("FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec",
+                "HiddenStateCacheSpec")
+"""Spec classes (exact) whose fresh blocks are reported by ``take_new_block_ids``."""
+
 Hits = tuple[list[int], ...]
 """Per group of a lookup, the hit block ids (NULL_BLOCK where skipped)."""
 
@@ -133,10 +137,11 @@ class SingleTypeKVCacheManager:
             self._append_new(req_blocks, cdiv(num_total, self.block_size) - len(req_blocks))
 
     def _append_new(self, req_blocks: list[int], num_blocks: int) -> list[int]:
-        """Append ``num_blocks`` fresh blocks; full attention records them for zeroing."""
+        """Append ``num_blocks`` fresh blocks; full attention and MLA (exact classes,
+        as vLLM tests them) record them for zeroing."""
         new_ids = self.block_pool.get_new_blocks(num_blocks)
         req_blocks.extend(new_ids)
-        if type(self.kv_cache_spec).__name__ == "FullAttentionSpec":
+        if type(self.kv_cache_spec).__name__ in ZEROED_SPECS:
             self.new_block_ids.extend(new_ids)
         return new_ids
 
@@ -457,7 +462,11 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 
 MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
     "FullAttentionSpec": FullAttentionManager,
+    "TQFullAttentionSpec": FullAttentionManager,
+    "MLAAttentionSpec": FullAttentionManager,
+    "HiddenStateCacheSpec": FullAttentionManager,
     "SlidingWindowSpec": SlidingWindowManager,
+    "SlidingWindowMLASpec": SlidingWindowManager,
     "ChunkedLocalAttentionSpec": ChunkedLocalAttentionManager,
     "MambaSpec": MambaManager,
     "CrossAttentionSpec": CrossAttentionManager,

@@ -15,6 +15,7 @@ sequence down to a minimal replayable trace; ``replay_trace`` replays one.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import Counter
@@ -399,6 +400,8 @@ class Family:
     watermark: float | None = None
     eagle: float = 0.15
     mixed_block_sizes: bool = True
+    #: (dcp_world_size, pcp_world_size) choices; empty: no context parallelism.
+    context_parallel: tuple[tuple[int, int], ...] = ()
 
 
 #: Every family the kit knows, by name (fuzz ``--layouts``; the conformance tests).
@@ -421,6 +424,10 @@ FAMILIES: dict[str, Family] = {
         Family("swa+mamba", ("swa", "mamba")),
         Family("full+swa+cross", ("full", "swa", "cross"), enable_caching=False),
         Family("eagle-hybrid", ("full", "swa", "mamba-align"), eagle=1.0),
+        Family("full-dcp", ("full",), context_parallel=((2, 1), (4, 1), (1, 2), (2, 2))),
+        Family("mla", ("mla",)),
+        Family("full+mla", ("full", "mla")),
+        Family("full+swa-mla", ("full", "swa-mla")),
     ]
 }
 
@@ -446,6 +453,12 @@ def random_group(rng: random.Random, token: str, block_size: int, index: int) ->
         )
     if token == "cross":
         return GroupConfig("cross_attention", block_size, num_kv_heads=heads)
+    if token == "swa-mla":
+        return GroupConfig(
+            "sliding_window_mla", block_size, sliding_window=rng.randint(1, 12), num_kv_heads=heads
+        )
+    if token == "mla":
+        return GroupConfig("mla", block_size, num_kv_heads=heads)
     return GroupConfig("full", block_size, num_kv_heads=heads)
 
 
@@ -483,7 +496,7 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
         groups = [
             GroupConfig(**{**g.__dict__, "is_eagle_group": rng.random() < 0.4}) for g in groups
         ]
-    return ManagerConfig(
+    config = ManagerConfig(
         num_blocks=num_blocks,
         groups=tuple(groups),
         max_model_len=rng.choice([64, 64, rng.randint(6, 24)]),
@@ -495,6 +508,10 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
         max_num_batched_tokens=rng.choice([None, 32]),
         hash_fn=rng.choice(["sha256", "sha256", "sha256", "sha256_cbor", "xxhash"]),
     )
+    if family.context_parallel:  # drawn last: other families' draws stay as they were
+        dcp, pcp = rng.choice(family.context_parallel)
+        config = dataclasses.replace(config, dcp_world_size=dcp, pcp_world_size=pcp)
+    return config
 
 
 # ---------------------------------------------------------------- random driver
