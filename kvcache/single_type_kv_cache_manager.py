@@ -913,8 +913,13 @@ _MANAGER_FOR_SPEC: dict[str, type[SingleTypeKVCacheManager]] = {
 """Manager per spec class name, as vLLM 0.25.1 registers them (MLA is full
 attention, sliding-window MLA is sliding window to the manager)."""
 
-_NOT_MODELLED = frozenset({"RSWASpec", "SinkFullAttentionSpec", "UniformTypeKVCacheSpecs"})
+_NOT_MODELLED = frozenset({"RSWASpec", "SinkFullAttentionSpec"})
 """vLLM spec classes kvcache recognises but does not model yet (issue 14)."""
+
+_NO_MANAGER = frozenset({"UniformTypeKVCacheSpecs", "EncoderOnlyAttentionSpec"})
+"""Spec classes vLLM 0.25.1 registers no manager for: a uniform-type spec is
+worker-side (the scheduler's config holds one of its layers' specs instead) and
+encoder-only layers keep no KV cache."""
 
 
 def get_manager_class_for_kv_cache_spec(
@@ -931,6 +936,12 @@ def get_manager_class_for_kv_cache_spec(
     for cls in type(kv_cache_spec).__mro__:
         if cls.__module__ not in SPEC_MODULES:
             continue
+        if cls.__name__ in _NO_MANAGER:
+            raise NotImplementedError(
+                f"kv_cache_spec of type {type(kv_cache_spec).__name__} ({cls.__name__}) has no "
+                "KV-cache manager: vLLM 0.25.1 registers none for it (a scheduler's config "
+                "holds the per-layer specs of a UniformTypeKVCacheSpecs instead)"
+            )
         if cls.__name__ in _NOT_MODELLED:
             raise NotImplementedError(
                 f"kv_cache_spec of type {type(kv_cache_spec).__name__} ({cls.__name__}) is "
