@@ -22,7 +22,7 @@ from stateful.test_new_kinds_machine import NewKindsMachine
 
 import kvcache.kv_cache_interface as interface
 import kvcache.single_type_kv_cache_manager as single_type
-from kvcache import BlockPool, FullAttentionManager, KVCacheBlock
+from kvcache import BlockPool, FullAttentionManager
 
 BUDGET = budget(max_examples=150)
 
@@ -39,14 +39,16 @@ def control_failure() -> BaseException | None:
 
 # ---------------------------------------------------------------- the bugs
 
-_original_full_hit = FullAttentionManager.find_longest_cache_hit.__func__  # type: ignore[attr-defined]
-
-
-def hit_ignoring_context_parallel(cls: Any, *args: Any, **kwargs: Any) -> Any:
+def patch_hit_ignoring_context_parallel(mp: pytest.MonkeyPatch) -> None:
     """Full attention's hit search in the spec's block units, as if every rank
     held whole blocks: hits come out too long under context parallelism."""
-    kwargs["dcp_world_size"] = kwargs["pcp_world_size"] = 1
-    return _original_full_hit(cls, *args, **kwargs)
+    original = FullAttentionManager.find_longest_cache_hit  # bound to the class
+
+    def buggy(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["dcp_world_size"] = kwargs["pcp_world_size"] = 1
+        return original(*args, **kwargs)
+
+    mp.setattr(FullAttentionManager, "find_longest_cache_hit", classmethod(buggy))
 
 
 def touch_without_metrics(self: BlockPool, blocks: Any) -> None:
@@ -59,11 +61,9 @@ def touch_without_metrics(self: BlockPool, blocks: Any) -> None:
 
 
 def _metrics_test() -> None:
-    import pytest as _pytest
-
     from unit.test_kv_cache_metrics_vs_vllm import test_residency_figures_equal_vllms
 
-    with _pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:
         test_residency_figures_equal_vllms(mp, 0, True)
 
 
@@ -76,9 +76,7 @@ MACHINE_BUGS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
         "_KIND_ORDER",
         tuple(k for k in interface._KIND_ORDER if k[0] != "SlidingWindowMLASpec"),
     ),
-    "full-attention hits ignore context parallelism": lambda mp: mp.setattr(
-        FullAttentionManager, "find_longest_cache_hit", classmethod(hit_ignoring_context_parallel)
-    ),
+    "full-attention hits ignore context parallelism": patch_hit_ignoring_context_parallel,
 }
 
 
@@ -107,4 +105,3 @@ def test_metrics_comparison_catches_unreported_hits(monkeypatch: pytest.MonkeyPa
     error = timed_catch("hits not reported to the metrics collector",
                         lambda: unit_failure(_metrics_test))
     assert isinstance(error, AssertionError), f"missed: {error!r}"
-    assert KVCacheBlock  # the pool's blocks are kvcache's own (pure build)
