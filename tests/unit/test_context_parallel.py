@@ -96,9 +96,9 @@ def request_for(impl: str, tokens: list[int]) -> Any:
 def test_world_sizes_are_validated() -> None:
     # (The compiled build type-checks the int annotation itself: a TypeError for 1.5.)
     for bad in (0, -1, 1.5, True):
-        with pytest.raises((ValueError, TypeError), match="dcp_world_size|int object"):
+        with pytest.raises((ValueError, TypeError), match=r"dcp_world_size|int object"):
             both_managers(("full",), True, bad)[0][1]()  # type: ignore[arg-type]
-        with pytest.raises((ValueError, TypeError), match="pcp_world_size|int object"):
+        with pytest.raises((ValueError, TypeError), match=r"pcp_world_size|int object"):
             both_managers(("full",), True, 1, bad)[0][1]()  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="dcp_world_size"):
         ManagerConfig.full_attention(8, 2, 32, dcp_world_size=0)
