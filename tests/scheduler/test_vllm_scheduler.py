@@ -105,6 +105,7 @@ class Stream:
     multimodal: bool = False
     embeds: bool = False
     num_requests: int = 48
+    kv_cache_metrics: bool = False  # vLLM's block residency collector, every block sampled
 
 
 STREAMS = [
@@ -112,11 +113,18 @@ STREAMS = [
     Stream("multimodal", num_blocks=48, multimodal=True, num_requests=64),
     Stream("prompt_embeds", num_blocks=48, embeds=True, num_requests=56),
     Stream("hybrid_full_swa", num_blocks=64, hybrid=True, num_requests=64),
+    Stream("kv_cache_metrics", num_blocks=40, num_requests=48, kv_cache_metrics=True),
 ]
 
 
-def _vllm_config(num_blocks: int) -> Any:
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+def _vllm_config(num_blocks: int, kv_cache_metrics: bool = False) -> Any:
+    from vllm.config import (
+        CacheConfig,
+        ModelConfig,
+        ObservabilityConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
 
     model_config = ModelConfig(
         model=str(MODEL_DIR),
@@ -136,8 +144,12 @@ def _vllm_config(num_blocks: int) -> Any:
     )
     cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
     cache_config.num_gpu_blocks = num_blocks
+    observability = ObservabilityConfig(
+        kv_cache_metrics=kv_cache_metrics, kv_cache_metrics_sample=1.0
+    )
     return VllmConfig(
-        model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
+        model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
+        observability_config=observability,
     )
 
 
@@ -167,7 +179,7 @@ def build_scheduler(stream: Stream, use_kvcache: bool) -> Any:
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.structured_output import StructuredOutputManager
 
-    vllm_config = _vllm_config(stream.num_blocks)
+    vllm_config = _vllm_config(stream.num_blocks, stream.kv_cache_metrics)
     register_all_kvcache_specs(vllm_config)
 
     def make() -> Any:
@@ -346,7 +358,8 @@ def engine_snapshot(outputs: Any) -> Any:
         if stats is not None:
             p = stats.prefix_cache_stats
             prefix = (round(stats.kv_cache_usage, 12), p.requests, p.queries, p.hits,
-                      p.preempted_requests, p.preempted_queries, p.preempted_hits)  # fmt: skip
+                      p.preempted_requests, p.preempted_queries, p.preempted_hits,
+                      [dataclasses.astuple(e) for e in stats.kv_cache_eviction_events])  # fmt: skip
         result.append((
             client,
             [(o.request_id, list(o.new_token_ids), str(o.finish_reason))
@@ -354,6 +367,19 @@ def engine_snapshot(outputs: Any) -> Any:
             prefix,
         ))  # fmt: skip
     return result
+
+
+class Clock:
+    """``time.monotonic_ns`` during a metrics stream: the step's time, so the
+    residency figures of the two schedulers (run step by step in turn) compare."""
+
+    now = 0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+CLOCK = Clock()
 
 
 def run(stream: Stream, use_kvcache: bool, seed: int) -> Iterator[tuple[Any, Any]]:
@@ -366,6 +392,7 @@ def run(stream: Stream, use_kvcache: bool, seed: int) -> Iterator[tuple[Any, Any
     scheduler = build_scheduler(stream, use_kvcache)
     pending = request_stream(stream, seed)
     for step in range(STEPS):
+        CLOCK.now = (step + 1) * 1_000_000_000  # each step of each run at the same time
         while pending and pending[0][0] <= step:
             scheduler.add_request(pending.pop(0)[1](hasher))
         output = scheduler.schedule()
@@ -376,8 +403,15 @@ def run(stream: Stream, use_kvcache: bool, seed: int) -> Iterator[tuple[Any, Any
 
 
 @pytest.mark.parametrize("stream", STREAMS, ids=[s.name for s in STREAMS])
-def test_vllm_scheduler_on_kvcache_matches_stock(stream: Stream, cpu_platform: None) -> None:
+def test_vllm_scheduler_on_kvcache_matches_stock(
+    stream: Stream, cpu_platform: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Step by step, vLLM's Scheduler on kvcache makes the same decisions as on vLLM."""
+    if stream.kv_cache_metrics:
+        import time
+
+        monkeypatch.setattr(time, "monotonic_ns", CLOCK)
+    evictions = 0
     steps = preemptions = finished = 0
     requests: set[str] = set()
     hits = encoder_inputs = embed_requests = 0
@@ -393,6 +427,7 @@ def test_vllm_scheduler_on_kvcache_matches_stock(stream: Stream, cpu_platform: N
         embed_requests += sum(1 for new in theirs["new"] if new[5])
         for _client, outs, prefix in theirs_engine:
             hits += prefix[3] if prefix else 0
+            evictions += len(prefix[7]) if prefix else 0
             finished += sum(1 for _rid, _tokens, reason in outs if reason != "None")
     print(
         f"vllm scheduler on kvcache [{stream.name}]: {steps} steps, {preemptions} preemptions, "
@@ -403,3 +438,4 @@ def test_vllm_scheduler_on_kvcache_matches_stock(stream: Stream, cpu_platform: N
     assert preemptions > 0  # the pool is small enough to preempt
     assert (encoder_inputs > 0) == stream.multimodal
     assert (embed_requests > 0) == stream.embeds
+    assert (evictions > 0) == stream.kv_cache_metrics  # residency figures reach the stats
