@@ -446,6 +446,19 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return num_common
 
 
+def _refuse_context_parallel(kind: str, dcp_world_size: int, pcp_world_size: int) -> None:
+    """Where vLLM 0.25.1 asserts that a kind's hit search has no context parallelism.
+
+    Raises:
+        ContextParallelError: for ``dcp_world_size`` or ``pcp_world_size`` > 1.
+    """
+    if dcp_world_size != 1 or pcp_world_size != 1:
+        raise ContextParallelError(
+            f"{kind} prefix-cache lookups do not support context parallelism "
+            f"(dcp_world_size={dcp_world_size}, pcp_world_size={pcp_world_size})"
+        )
+
+
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding-window attention: only the last ``sliding_window`` tokens are
     attended to, so leading blocks become the null block once the window has
@@ -504,11 +517,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             ContextParallelError: for ``dcp_world_size`` or ``pcp_world_size`` > 1
                 (vLLM 0.25.1 asserts: no context parallelism for sliding windows).
         """
-        if dcp_world_size != 1 or pcp_world_size != 1:
-            raise ContextParallelError(
-                "sliding-window prefix-cache lookups do not support context parallelism "
-                f"(dcp_world_size={dcp_world_size}, pcp_world_size={pcp_world_size})"
-            )
+        _refuse_context_parallel("sliding-window", dcp_world_size, pcp_world_size)
         kv_cache_spec = cast(SlidingWindowSpec, kv_cache_spec)
         block_size = kv_cache_spec.block_size
         need = cls._contiguous_blocks_for_hit(
@@ -607,6 +616,8 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         """Null blocks up to the chunk holding ``max_length``, then cached blocks
         from there left to right until the first miss."""
         kv_cache_spec = cast(ChunkedLocalAttentionSpec, kv_cache_spec)
+        if not drop_eagle_block:  # (vLLM's order of asserts)
+            _refuse_context_parallel("chunked local attention", dcp_world_size, pcp_world_size)
         if drop_eagle_block or kv_cache_spec.block_size != alignment_tokens:
             raise NotImplementedError(
                 "chunked local attention supports neither EAGLE nor groups of other block sizes"
@@ -683,7 +694,13 @@ class MambaManager(SingleTypeKVCacheManager):
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
     ) -> tuple[list[KVCacheBlock], ...]:
-        """Rightmost cached state whose end is aligned, preceded by null blocks."""
+        """Rightmost cached state whose end is aligned, preceded by null blocks.
+
+        Raises:
+            ContextParallelError: for ``dcp_world_size`` or ``pcp_world_size`` > 1
+                (vLLM 0.25.1 asserts).
+        """
+        _refuse_context_parallel("Mamba", dcp_world_size, pcp_world_size)
         kv_cache_spec = cast(MambaSpec, kv_cache_spec)
         num_blocks = kv_cache_math.mamba_hit_num_blocks(
             cast(Sequence[BlockHash], block_hashes),
@@ -736,7 +753,10 @@ class MambaManager(SingleTypeKVCacheManager):
             if last._hash is not None and last._hash in self.cached_blocks_this_step:
                 return self.block_pool.num_gpu_blocks + 1
         if self.mamba_cache_mode != "align":
-            num_tokens += self.block_size * self.num_speculative_blocks
+            # NOTE: the spec's block size, as in vLLM 0.25.1: under context
+            # parallelism this counts fewer speculative blocks than
+            # allocate_new_blocks takes (docs/divergences.md).
+            num_tokens += self.kv_cache_spec.block_size * self.num_speculative_blocks
             return super().get_num_blocks_to_allocate(
                 request_id,
                 num_tokens,

@@ -50,13 +50,12 @@ class KVCacheCoordinator:
                 len(groups) > 1 or not is_a(groups[0].kv_cache_spec, "FullAttentionSpec")):
             raise NotImplementedError("context parallelism with prefix caching: one full-"
                                       "attention group only (vLLM asserts for the rest)")
-        self.specs = [g.kv_cache_spec if context_parallel == 1 else
-                      g.kv_cache_spec.copy_with_new_block_size(
-                          g.kv_cache_spec.block_size * context_parallel) for g in groups]
+        self.context_parallel = context_parallel
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            get_manager_for_kv_cache_spec(spec, max_num_batched_tokens, max_model_len,
-                                          self.block_pool, enable_caching, i, scheduler_block_size)
-            for i, spec in enumerate(self.specs))
+            get_manager_for_kv_cache_spec(g.kv_cache_spec, max_num_batched_tokens, max_model_len,
+                                          self.block_pool, enable_caching, i, scheduler_block_size,
+                                          context_parallel)
+            for i, g in enumerate(groups))
         self._init_groups()
 
     def _init_groups(self) -> None:
@@ -162,8 +161,11 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """Exactly one group, hashed at its own block size; hits align to that size."""
 
     def _init_groups(self) -> None:
-        self.kv_cache_spec = self.specs[0]
-        self.block_size = self.kv_cache_spec.block_size
+        self.kv_cache_spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_size = self.single_type_managers[0].block_size
+        # The hit search works in blocks of block_size * context_parallel tokens.
+        self.lookup_spec = self.kv_cache_spec if self.context_parallel == 1 else (
+            self.kv_cache_spec.copy_with_new_block_size(self.block_size))
         if self.enable_caching and self.hash_block_size != self.block_size:
             raise ValueError(f"hash_block_size={self.hash_block_size} must equal the block "
                              f"size {self.block_size} of the only group")
@@ -173,7 +175,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                                ) -> tuple[Hits, int]:
         """The group's longest hit."""
         hits = self.single_type_managers[0].find_longest_cache_hit(
-            block_hashes, max_cache_hit_length, [0], self.block_pool, self.kv_cache_spec,
+            block_hashes, max_cache_hit_length, [0], self.block_pool, self.lookup_spec,
             0 in self.eagle_group_ids, self.block_size)
         return hits, len(hits[0]) * self.block_size
 

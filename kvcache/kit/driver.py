@@ -55,7 +55,7 @@ def outcome(side: Side, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # Where vLLM only asserts, an implementation may validate (docs/divergences.md).
-SUBJECT_FOR_ASSERT = ("ValueError", "NotImplementedError")
+SUBJECT_FOR_ASSERT = ("ValueError", "NotImplementedError", "ContextParallelError")
 
 
 def assert_allowance(expected_raises: str, actual_raises: str) -> str:
@@ -425,6 +425,13 @@ FAMILIES: dict[str, Family] = {
         Family("full+swa+cross", ("full", "swa", "cross"), enable_caching=False),
         Family("eagle-hybrid", ("full", "swa", "mamba-align"), eagle=1.0),
         Family("full-dcp", ("full",), context_parallel=((2, 1), (4, 1), (1, 2), (2, 2))),
+        # vLLM takes context parallelism with any layout when caching is off.
+        Family(
+            "hybrid-dcp",
+            ("full", "swa", "chunked", "mamba"),
+            enable_caching=False,
+            context_parallel=((2, 1), (4, 1), (1, 2)),
+        ),
         Family("mla", ("mla",)),
         Family("full+mla", ("full", "mla")),
         Family("full+swa-mla", ("full", "swa-mla")),

@@ -462,6 +462,19 @@ class PcpNotScaled(Rule):
         return ctx.config.pcp_world_size > 1
 
 
+class MambaNotDcpSharded(Rule):
+    """0.33.0 scales a block by ``dcp_world_size`` only for ``dcp_sharded`` specs,
+    which Mamba's is not: beside dcp > 1 its blocks stay ``block_size`` tokens."""
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        return ctx.config.dcp_world_size > 1 and ctx.has_mamba
+
+    def recognise_state(self, ctx: Context, op: str, diff_keys: Sequence[str]) -> bool:
+        return ctx.config.dcp_world_size > 1 and ctx.has_mamba
+
+
 def _groups(config: ManagerConfig) -> int:
     return len(config.groups)
 
@@ -501,6 +514,7 @@ RULES: dict[str, Callable[[], Rule]] = {
     "mm_output_block_hash": MmOutputBlockHash,
     "three_full_groups_hit": ThreeFullGroupsHit,
     "pcp_not_scaled": PcpNotScaled,
+    "mamba_not_dcp_sharded": MambaNotDcpSharded,
 }
 
 
