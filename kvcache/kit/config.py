@@ -89,6 +89,9 @@ class ManagerConfig:
     The keyword arguments are vLLM 0.25.1's; ``scheduler_block_size`` and
     ``hash_block_size`` follow vLLM's engine (LCM and, when caching with several
     groups, GCD of the group block sizes) unless overridden.
+    ``prefix_cache_retention_interval`` is vLLM 0.25.1's
+    ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (None: unset); adapters set the
+    variable while the manager is built (``kvcache.kit.sides.retention_env``).
     """
 
     num_blocks: int
@@ -106,6 +109,7 @@ class ManagerConfig:
     hash_block_size_override: int | None = None
     dcp_world_size: int = 1
     pcp_world_size: int = 1
+    prefix_cache_retention_interval: int | None = None
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -114,6 +118,11 @@ class ManagerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}; expected a positive int")
+        retention = self.prefix_cache_retention_interval
+        if retention is not None and type(retention) is not int:
+            raise ValueError(
+                f"prefix_cache_retention_interval={retention!r}; expected an int or None"
+            )
         if self.hash_fn not in HASH_FNS:
             raise ValueError(f"hash_fn={self.hash_fn!r}; expected one of {', '.join(HASH_FNS)}")
 
@@ -194,6 +203,8 @@ class ManagerConfig:
         for name in ("dcp_world_size", "pcp_world_size"):
             if record[name] == 1:  # the default: headers stay as before context parallelism
                 del record[name]
+        if record["prefix_cache_retention_interval"] is None:
+            del record["prefix_cache_retention_interval"]  # headers of older traces
         return record
 
     @classmethod

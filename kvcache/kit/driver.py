@@ -15,12 +15,11 @@ sequence down to a minimal replayable trace; ``replay_trace`` replays one.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -392,6 +391,8 @@ class Family:
     mamba-none, mamba (any mode), cross. ``enable_caching`` / ``watermark``
     None: drawn at random. ``eagle``: probability of ``use_eagle``.
     ``mixed_block_sizes``: groups may have different block sizes.
+    ``retention``: draw a prefix-cache retention interval
+    (``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``): 0 or k * scheduler_block_size.
     """
 
     name: str
@@ -402,6 +403,7 @@ class Family:
     mixed_block_sizes: bool = True
     #: (dcp_world_size, pcp_world_size) choices; empty: no context parallelism.
     context_parallel: tuple[tuple[int, int], ...] = ()
+    retention: bool = False
 
 
 #: Every family the kit knows, by name (fuzz ``--layouts``; the conformance tests).
@@ -424,6 +426,11 @@ FAMILIES: dict[str, Family] = {
         Family("swa+mamba", ("swa", "mamba")),
         Family("full+swa+cross", ("full", "swa", "cross"), enable_caching=False),
         Family("eagle-hybrid", ("full", "swa", "mamba-align"), eagle=1.0),
+        # Sparse retention: the interval thins out sliding-window and Mamba caching.
+        Family("swa-retention", ("swa",), retention=True),
+        Family("full+swa-retention", ("full", "swa"), retention=True),
+        Family("full+mamba-align-retention", ("full", "mamba-align"), retention=True),
+        Family("swa+mamba-retention", ("swa", "mamba"), retention=True),
         Family("full-dcp", ("full",), context_parallel=((2, 1), (4, 1), (1, 2), (2, 2))),
         # vLLM takes context parallelism with any layout when caching is off.
         Family(
@@ -517,7 +524,10 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
     )
     if family.context_parallel:  # drawn last: other families' draws stay as they were
         dcp, pcp = rng.choice(family.context_parallel)
-        config = dataclasses.replace(config, dcp_world_size=dcp, pcp_world_size=pcp)
+        config = replace(config, dcp_world_size=dcp, pcp_world_size=pcp)
+    if family.retention:  # drawn last: the other families' configs stay as they were
+        interval = rng.choice([0, 0, 1, 2, 2, 3, 4]) * config.scheduler_block_size
+        config = replace(config, prefix_cache_retention_interval=interval)
     return config
 
 
