@@ -4,7 +4,7 @@ context-parallel and metrics paths are caught.
 As ``tests/test_injected_bugs_hybrid.py``, for ``NewKindsMachine``
 (``tests/stateful/test_new_kinds_machine.py``: the hybrid machine drawing MLA
 variants and context parallelism): each test monkeypatches one piece of kvcache
-with a small buggy version, runs the machine on a fixed budget
+with a small buggy version, replays the machine's directed programs, runs it on a fixed budget
 (``tests/injected_harness.py``: the same examples every run) and expects a
 failure; the control runs unpatched and must pass. The metrics bug is caught by
 the comparison with vLLM's collector (``tests/unit/test_kv_cache_metrics_vs_vllm.py``).
@@ -18,17 +18,19 @@ from typing import Any
 
 import pytest
 from injected_harness import budget, machine_failure, raised_in, timed_catch, unit_failure
-from stateful.test_new_kinds_machine import NewKindsMachine
+from stateful.test_new_kinds_machine import PROGRAMS, NewKindsMachine
 
 import kvcache.kv_cache_interface as interface
 import kvcache.single_type_kv_cache_manager as single_type
-from kvcache import BlockPool, FullAttentionManager
+from kvcache import BlockPool, FullAttentionManager, init_none_hash, sha256
 
 BUDGET = budget(max_examples=150)
+DIRECTED = [PROGRAMS[name] for name in sorted(PROGRAMS)]
 
 
 def new_kinds_machine_failure() -> BaseException | None:
-    return machine_failure(NewKindsMachine, BUDGET)
+    init_none_hash(sha256)  # other tests may have seeded the chain with another function
+    return machine_failure(NewKindsMachine, BUDGET, DIRECTED)
 
 
 @pytest.fixture(scope="module")
