@@ -22,6 +22,7 @@ from kvcache.kv_cache_utils import (
     ExternalBlockHash,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
+    first_mm_feature_ending_after,
     generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
@@ -261,6 +262,8 @@ class BlockPool:
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
         self.metrics_collector: Any = metrics_collector
+        # The mm_keys_by_window switch (kvcache.profile), set by the KVCacheManager.
+        self.mm_keys_by_window = False
 
     # ------------------------------------------------------------ lookups
 
@@ -487,9 +490,10 @@ class BlockPool:
         if self.enable_kv_cache_events:
             start = (num_hash_blocks - 1) * hash_block_size
             parent = request.block_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None
-            extra_keys, _ = generate_block_hash_extra_keys(
-                request, start, num_tokens, -1 if start > 0 else 0
-            )
+            mm_start = -1 if start > 0 else 0
+            if self.mm_keys_by_window and start > 0:
+                mm_start = first_mm_feature_ending_after(request, start)
+            extra_keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, mm_start)
             lora = request.lora_request
             self.kv_event_queue.append(
                 BlockStored(

@@ -143,6 +143,8 @@ class SingleTypeKVCacheManager:
         # Only attention groups that keep every token report fresh ids for zeroing
         # (vLLM tests the exact class: subclasses such as sink attention do not).
         self._tracks_new_block_ids = spec_exact_class_name(kv_cache_spec) in _TRACKING_SPECS
+        # The partial_prompt_tail_entries switch (kvcache.profile); full attention only.
+        self.caches_partial_prompt_tail = False
 
     # ------------------------------------------------------------ sizing
 
@@ -263,6 +265,11 @@ class SingleTypeKVCacheManager:
         if self._tracks_new_block_ids:
             self.new_block_ids.extend([b.block_id for b in new_blocks])
         return new_blocks
+
+    def stop_tracking_new_block_ids(self) -> None:
+        """Record no new block ids from now on (the ``new_block_ids_zeroing_only``
+        switch of a layout that needs no zeroing)."""
+        self._tracks_new_block_ids = False
 
     def take_new_block_ids(self) -> list[int]:
         """Return and clear the ids allocated since the last call."""
@@ -433,6 +440,37 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             # Some hash maps to several identical blocks: a hit takes the oldest.
             found = [b if isinstance(b, KVCacheBlock) else next(iter(b.values())) for b in found]
         return (found,)
+
+    def cache_blocks(
+        self, request: Request, num_tokens: int, retention_interval: int | None = None
+    ) -> None:
+        """Cache the full blocks, then (``caches_partial_prompt_tail``) the prompt's
+        tail that ends inside a block."""
+        super().cache_blocks(request, num_tokens, retention_interval)
+        if self.caches_partial_prompt_tail:
+            self.cache_partial_prompt_tail(request, num_tokens)
+
+    def cache_partial_prompt_tail(self, request: Request, num_tokens: int) -> None:
+        """Register the prompt's last hash boundary as a partial entry of the block it
+        ends inside (the ``partial_prompt_tail_entries`` switch, for blocks larger
+        than the hash block). The boundary is the last one a later lookup of the
+        same prompt can reach: ``num_prompt_tokens - 1`` tokens, or the whole
+        prompt for an EAGLE group; nothing when it falls on a block boundary or
+        past ``num_tokens``."""
+        hash_block_size = self.block_pool.hash_block_size
+        if self.block_size == hash_block_size:
+            return
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        boundary = min(limit // hash_block_size, len(request.block_hashes)) * hash_block_size
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        block_idx = boundary // self.block_size
+        if block_idx >= len(blocks):
+            return
+        self.block_pool.cache_partial_block(
+            request, blocks[block_idx], boundary, self.kv_cache_group_id, self.block_size
+        )
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading blocks whose ref count equals the number of tracked requests."""
@@ -1025,8 +1063,9 @@ def get_manager_for_kv_cache_spec(
     manager_cls = get_manager_class_for_kv_cache_spec(kv_cache_spec)
     if is_spec_kind(kv_cache_spec, "SlidingWindowSpec", "ChunkedLocalAttentionSpec"):
         spec = cast(SlidingWindowSpec | ChunkedLocalAttentionSpec, kv_cache_spec)
+        # Positional: vLLM 0.33.0's specs name the first argument max_in_flight_tokens.
         kwargs["max_admission_blocks_per_request"] = spec.max_admission_blocks_per_request(
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
+            max_num_batched_tokens, max_model_len
         )
     return manager_cls(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
 

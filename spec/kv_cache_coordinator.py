@@ -66,6 +66,10 @@ class KVCacheCoordinator:
             self._check_retention_interval(self.retention_interval)
         self._init_groups()
 
+    # Release switches (spec/profile.py), set by the KVCacheManager.
+    trim_every_full_group = False
+    eagle_peek_to_hashed_length = False
+
     def _check_retention_interval(self, interval: int) -> None:
         """vLLM's checks: a windowed group to thin out, and a non-negative multiple of
         ``scheduler_block_size`` (hits end only on those)."""
@@ -273,7 +277,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 drop_eagle_block = use_eagle and idx not in eagle_verified
                 max_length = curr_length
                 if drop_eagle_block:
-                    max_length = min(curr_length + spec.block_size, max_cache_hit_length)
+                    max_length = min(curr_length + spec.block_size, max_cache_hit_length
+                                     if not self.eagle_peek_to_hashed_length  # 0.33.0
+                                     else len(block_hashes) * self.hash_block_size)
                 hits = manager_cls.find_longest_cache_hit(
                     self._hashes_for(block_hashes, spec), max_length, group_ids, self.block_pool,
                     spec, drop_eagle_block, self.scheduler_block_size)
@@ -296,6 +302,12 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             for group_id in first.group_ids:
                 if (first_hits := hit_blocks[group_id]) is not None:
                     del first_hits[hit_length // first.spec.block_size:]
+        if self.trim_every_full_group:  # 0.33.0: every full-attention spec, not the first only
+            for sg in self.attention_groups:
+                if is_a(sg.spec, "FullAttentionSpec"):
+                    for group_id in sg.group_ids:
+                        if (full_hits := hit_blocks[group_id]) is not None:
+                            del full_hits[hit_length // sg.spec.block_size:]
         self.num_uncached_common_prefix_tokens = longest_hit_length - hit_length
         return tuple(b if b is not None else [] for b in hit_blocks), hit_length
 

@@ -63,6 +63,10 @@ class SingleTypeKVCacheManager:
     blocks further in); every cached-block count belongs to a table.
     """
 
+    # Release switches (spec/profile.py), set by the KVCacheManager.
+    records_new_block_ids = True
+    caches_partial_prompt_tail = False
+
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
                  max_admission_blocks_per_request: int | None = None,
@@ -143,7 +147,7 @@ class SingleTypeKVCacheManager:
         as vLLM tests them) record them for zeroing."""
         new_ids = self.block_pool.get_new_blocks(num_blocks)
         req_blocks.extend(new_ids)
-        if type(self.kv_cache_spec).__name__ in ZEROED_SPECS:
+        if self.records_new_block_ids and type(self.kv_cache_spec).__name__ in ZEROED_SPECS:
             self.new_block_ids.extend(new_ids)
         return new_ids
 
@@ -249,6 +253,24 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             block_hashes, CachedInAllGroups(pool, group_ids), max_num_blocks, drop_eagle_block,
             kv_cache_spec.block_size, alignment_tokens)
         return hit_blocks(block_hashes, 0, num_blocks, group_ids, pool)
+
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None) -> None:
+        """Cache the full blocks; with partial_prompt_tail_entries (0.33.0), also the block
+        holding the prompt's last reachable hash boundary, as a partial entry: the
+        boundary of ``num_prompt_tokens - 1`` tokens (the whole prompt for EAGLE), when
+        it falls inside a block and within ``num_tokens``."""
+        super().cache_blocks(request, num_tokens, retention_interval)
+        hbs = self.block_pool.hash_block_size
+        if not self.caches_partial_prompt_tail or self.block_size == hbs:
+            return
+        limit = request.num_prompt_tokens - (0 if self.use_eagle else 1)
+        boundary = min(limit // hbs, len(self.block_pool.block_hashes(request))) * hbs
+        blocks = self._blocks_of(request.request_id)
+        if (0 < boundary <= num_tokens and boundary % self.block_size
+                and boundary // self.block_size < len(blocks)):
+            self.block_pool.cache_partial_block(request, blocks[boundary // self.block_size],
+                                                boundary, self.kv_cache_group_id, self.block_size)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading blocks whose ref count equals the number of tables (empty ones count)."""

@@ -151,7 +151,8 @@ def side_line(side: Side) -> str:
     """The release line a side behaves like: vLLM's own, else 0.25 (kvcache, spec)."""
     if side.adapter.name == "vllm":
         return release_line_of(side.adapter.version)
-    return REFERENCE_LINE
+    line: str | None = getattr(side.adapter, "release_line", None)  # kvcache-0.33
+    return line or REFERENCE_LINE
 
 
 def make_judge(config: ManagerConfig, expected_line: str, actual_line: str) -> Judge | None:
