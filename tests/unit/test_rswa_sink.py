@@ -299,3 +299,24 @@ def test_no_manager_can_hold_a_sink_group() -> None:
         config = lib.KVCacheConfig(8, [], [lib.KVCacheGroupSpec(["s"], sink)])
         with pytest.raises(TypeError):  # the compiled build words its message otherwise
             manager_cls(config, max_model_len=16, scheduler_block_size=4, hash_block_size=4)
+
+
+@needs_vllm
+def test_sink_manager_pcp_argument_scales_the_block_as_vllm() -> None:
+    """``pcp_world_size=2`` lands in the base class's ``dcp_world_size``: a block
+    spans twice the tokens, so 8 sink tokens of 4-token blocks are one block."""
+    from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+    from vllm.v1.core.single_type_kv_cache_manager import SinkFullAttentionManager
+
+    ours, theirs = _pair("SinkFullAttentionSpec", 4, sink_len=8)
+    vllm_manager = SinkFullAttentionManager(
+        theirs, VllmBlockPool(12, True, 4), True, 0, pcp_world_size=2
+    )
+    managers = [
+        K.SinkFullAttentionManager(ours, BlockPool(12, True, 4), True, 0, pcp_world_size=2),
+        spec_managers.SinkFullAttentionManager(ours, SpecBlockPool(12, True, 4), True, 0, 1, 2),
+    ]
+    for manager in managers:
+        assert manager.block_size == vllm_manager.block_size == 8
+        assert manager.scheduler_block_size == vllm_manager.scheduler_block_size == 1
+        assert len(manager.sink_blocks) == len(vllm_manager.sink_blocks) == 1
