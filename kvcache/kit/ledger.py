@@ -534,12 +534,35 @@ class MmOutputBlockHash(Rule):
         return op == "append_output_token_ids" and bool(request.get("mm_features"))
 
 
+def _hit_blocks(outcome: Outcome) -> list[list[Any]] | None:
+    value = _ok(outcome)
+    block_ids = value.get("block_ids") if isinstance(value, dict) else None
+    groups = block_ids.get("tuple") if isinstance(block_ids, dict) else None
+    return groups if isinstance(groups, list) else None
+
+
 class ThreeFullGroupsHit(Rule):
+    """A lookup where the old side leaves some full group more hit blocks than its
+    hit needs (only the first group is trimmed) and the new side trims them all."""
+
     def recognise(
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
     ) -> bool:
-        full = sum(g.kind == "full" for g in ctx.config.groups)
-        return op == "get_computed_blocks" and full >= 3
+        groups = ctx.config.groups
+        if op != "get_computed_blocks" or sum(g.kind == "full" for g in groups) < 3:
+            return False
+        o, n = _hit_blocks(old), _hit_blocks(new)
+        o_hit, n_hit = _hit_tokens(old), _hit_tokens(new)
+        if o is None or n is None or o_hit is None or n_hit is None:
+            return False
+
+        def untrimmed(blocks: list[list[Any]], hit: int) -> bool:
+            return any(
+                g.kind == "full" and len(b) > -(-hit // g.block_size)
+                for b, g in zip(blocks, groups, strict=False)
+            )
+
+        return untrimmed(o, o_hit) and not untrimmed(n, n_hit)
 
 
 #: State parts that caching alone changes (which blocks carry which hash).
@@ -732,10 +755,19 @@ class MambaFineGrainedHits(Rule):
         old: Mapping[str, Any],
         new: Mapping[str, Any],
     ) -> bool:
+        if not fine_grained_hits(ctx.config) or not diff_keys:
+            return False
+        if set(diff_keys) <= CACHING_STATE:
+            return True
+        # A running request whose prompt tail is a partial Mamba entry writes on a
+        # private copy of that state block: the new side holds one block more.
+        o, n = old.get("free_queue"), new.get("free_queue")
         return (
-            fine_grained_hits(ctx.config)
-            and bool(diff_keys)
-            and set(diff_keys) <= CACHING_STATE
+            op == "allocate_slots"
+            and set(diff_keys) <= CACHING_STATE | FREEING_STATE
+            and isinstance(o, list)
+            and isinstance(n, list)
+            and len(n) < len(o)
         )
 
 
