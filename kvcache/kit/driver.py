@@ -1310,14 +1310,19 @@ def trace_line(trace: Trace) -> str:
     )
 
 
-def replay_trace(trace: Trace, impl: str) -> ReplayResult:
+def replay_trace(trace: Trace, impl: str, side: Side | None = None) -> ReplayResult:
     """Replay a trace on ``impl`` alone, comparing with the recorded outcomes and
-    states; stops at the first divergence the ledger does not normalise away."""
-    try:
-        side = make_side(impl, trace.config, trace.hash_seed)
-    except CannotBuild as exc:
-        entry = cannot_build_entry(trace.config, exc, impl)
-        return ReplayResult(None, 0, False, cannot_build=str(exc), cannot_build_known=entry)
+    states; stops at the first divergence the ledger does not normalise away.
+
+    ``side``: a side to replay on instead of building ``impl``'s (for instance
+    another recorded trace played back, ``releases.RecordedSide``).
+    """
+    if side is None:
+        try:
+            side = make_side(impl, trace.config, trace.hash_seed)
+        except CannotBuild as exc:
+            entry = cannot_build_entry(trace.config, exc, impl)
+            return ReplayResult(None, 0, False, cannot_build=str(exc), cannot_build_known=entry)
     judge = make_judge(trace.config, trace_line(trace), side_line(side))
     result = ReplayResult(None, 0, False)
 
