@@ -417,6 +417,9 @@ def changelog(
             out += [f"Upstream: {entry.upstream}.", ""]
         out += [f"Recognised by rule `{entry.rule}` (kvcache/kit/ledger.py).", ""]
         traces = seen_in.get(entry.id, [])
+        if not traces and entry.rule == "adapter":  # every replay goes through the adapter
+            replayed = [r for r in check.traces if r.verdict in ("identical", "known")]
+            traces = [min(replayed, key=lambda r: (r.records, r.path)).path] if replayed else []
         more = f" (also in {len(traces) - 1} more)" if len(traces) > 1 else ""
         if traces and trace_sets is None:
             out += [
@@ -443,8 +446,9 @@ def changelog(
             example = candidate if candidate.exists() else None
         if example is not None:
             out += [
-                "Minimal replay (shrunk census counterexample, the difference is at "
-                "the last call):",
+                "Minimal replay (a census example recorded on kvcache, shrunk where the "
+                "entry stops a sequence, else cut after the first call the entry "
+                "normalises; the difference is at the last call):",
                 "",
                 *_replay_block(example),
                 "",
