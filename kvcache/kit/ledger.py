@@ -755,20 +755,40 @@ class MambaFineGrainedHits(Rule):
         old: Mapping[str, Any],
         new: Mapping[str, Any],
     ) -> bool:
-        if not fine_grained_hits(ctx.config) or not diff_keys:
-            return False
-        if set(diff_keys) <= CACHING_STATE:
-            return True
-        # A running request whose prompt tail is a partial Mamba entry writes on a
-        # private copy of that state block: the new side holds one block more.
-        o, n = old.get("free_queue"), new.get("free_queue")
         return (
-            op == "allocate_slots"
-            and set(diff_keys) <= CACHING_STATE | FREEING_STATE
-            and isinstance(o, list)
-            and isinstance(n, list)
-            and len(n) < len(o)
+            fine_grained_hits(ctx.config)
+            and bool(diff_keys)
+            and set(diff_keys) <= CACHING_STATE
         )
+
+
+class MambaPartialTailCopy(Rule):
+    """An align-mode Mamba group with blocks larger than the hash block: 0.33.0
+    registers the prompt's last hash boundary inside a state block as a partial
+    entry, and the request's next step writes on a copy of that block (the cached
+    one stays held). Recognised at an allocation after which the new side holds
+    more blocks and a block has more holders, nothing else differing."""
+
+    def recognise_state(
+        self,
+        ctx: Context,
+        op: str,
+        diff_keys: Sequence[str],
+        old: Mapping[str, Any],
+        new: Mapping[str, Any],
+    ) -> bool:
+        hash_block = ctx.config.hash_block_size
+        if not ctx.config.enable_caching or not any(
+            g.kind == "mamba" and g.mamba_cache_mode == "align" and g.block_size > hash_block
+            for g in ctx.config.groups
+        ):
+            return False
+        if op != "allocate_slots" or not {"free_queue", "ref_cnt"} <= set(diff_keys):
+            return False
+        if not set(diff_keys) <= CACHING_STATE | FREEING_STATE:
+            return False
+        o, n = old.get("free_queue"), new.get("free_queue")
+        return isinstance(o, list) and isinstance(n, list) and len(n) < len(o)
 
 
 def _groups(config: ManagerConfig) -> int:
@@ -821,6 +841,7 @@ RULES: dict[str, Callable[[], Rule]] = {
     "mamba_freed_on_processed_tokens": MambaFreedOnProcessedTokens,
     "eagle_flag_needs_use_eagle": EagleFlagNeedsUseEagle,
     "mamba_fine_grained_hits": MambaFineGrainedHits,
+    "mamba_partial_tail_copy": MambaPartialTailCopy,
     "eagle_lookahead_whole_prompt": EagleLookaheadWholePrompt,
 }
 

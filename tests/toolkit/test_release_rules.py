@@ -211,3 +211,21 @@ def test_trace_sets_that_cannot_be_compared_are_refused_by_name(tmp_path: Path) 
     (other / "a.jsonl").write_text((DATA / "prefix_hits_and_eviction.jsonl").read_text())
     with pytest.raises(ValueError, match=r"both recordings are of release line 0\.25"):
         compare_trace_sets(same, other)
+
+
+def test_a_partial_mamba_tail_copy_needs_a_state_block_larger_than_the_hash_block() -> None:
+    copy_old = {"free_queue": [7, 8, 9], "ref_cnt": {"dict": [[5, 1]]}}
+    copy_new = {"free_queue": [8, 9], "ref_cnt": {"dict": [[5, 2], [7, 1]]}}
+    def layout(mamba_block: int) -> tuple[GroupConfig, ...]:
+        mamba = GroupConfig("mamba", mamba_block, mamba_cache_mode="align", num_kv_heads=2)
+        return (GroupConfig("full", 2), mamba)
+
+    big = layout(4)  # the hash block is 2
+    verdict, _ = _judge(big).state("allocate_slots", copy_old, copy_new)
+    assert verdict.known == ("mamba-partial-tail-copy",)
+    # Fewer blocks held is not a copy.
+    verdict, _ = _judge(big).state("allocate_slots", copy_new, copy_old)
+    assert "mamba-partial-tail-copy" not in verdict.known
+    same = layout(2)
+    verdict, _ = _judge(same).state("allocate_slots", copy_old, copy_new)
+    assert "mamba-partial-tail-copy" not in verdict.known
