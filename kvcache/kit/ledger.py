@@ -493,7 +493,8 @@ class SubBlockEntries(Rule):
         """A free whose queue order alone differs: a block with a partial entry is
         hashed, so it goes to the queue's tail (kept) where 0.25.1 puts the unhashed
         block first (evicted first)."""
-        if op not in ("free", "free_blocks") or list(diff_keys) != ["free_queue"]:
+        freeing_ops = ("free", "free_blocks", "remove_skipped_blocks", "allocate_slots")
+        if op not in freeing_ops or list(diff_keys) != ["free_queue"]:
             return False
         o, n = old.get("free_queue"), new.get("free_queue")
         return (
@@ -571,6 +572,21 @@ CACHING_STATE = frozenset({"block_hash", "cached", "num_cached_block"})
 FREEING_STATE = frozenset({"free_queue", "get_num_free_blocks", "ref_cnt", "req_to_blocks"})
 
 
+def _same_shape(old: Outcome, new: Outcome) -> bool:
+    """Whether two allocation results hand out as many blocks per group (the ids
+    may differ)."""
+    o, n = _ok(old), _ok(new)
+    if not (isinstance(o, dict) and isinstance(n, dict)):
+        return False
+    a, b = o.get("tuple"), n.get("tuple")
+    return (
+        isinstance(a, list)
+        and isinstance(b, list)
+        and len(a) == len(b)
+        and all(len(x) == len(y) for x, y in zip(a, b, strict=True))
+    )
+
+
 class MambaFreedOnProcessedTokens(Rule):
     """0.25.1's Mamba manager frees state only below ``num_computed_tokens -
     num_speculative_blocks``; 0.33.0 frees below the processed tokens (computed
@@ -623,21 +639,16 @@ class MambaFreedOnProcessedTokens(Rule):
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
     ) -> bool:
         """An allocation whose blocks differ (not their number): a state block the
-        new side freed just before allocating is handed out again."""
+        new side freed just before allocating is handed out again; or one that fails
+        on the old side only (the block it needed is that state block)."""
         o, n = _ok(old), _ok(new)
         if op != "allocate_slots" or not any(
             g.kind == "mamba" and g.num_speculative_blocks > 0 for g in ctx.config.groups
         ):
             return False
-        if not (isinstance(o, dict) and isinstance(n, dict)):
-            return False
-        a, b = o.get("tuple"), n.get("tuple")
-        return (
-            isinstance(a, list)
-            and isinstance(b, list)
-            and len(a) == len(b)
-            and all(len(x) == len(y) for x, y in zip(a, b, strict=True))
-        )
+        if "ok" in old and o is None and isinstance(n, dict):
+            return True
+        return _same_shape(old, new)
 
 
 class EagleLookaheadWholePrompt(Rule):
@@ -686,13 +697,7 @@ class EagleFlagNeedsUseEagle(Rule):
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
     ) -> bool:
         o, n = _hit_tokens(old), _hit_tokens(new)
-        return (
-            op == "get_computed_blocks"
-            and self.applies(ctx)
-            and o is not None
-            and n is not None
-            and n != o
-        )
+        return op == "get_computed_blocks" and self.applies(ctx) and o is not None and n is not None
 
     def recognise_state(
         self,
@@ -745,6 +750,8 @@ class MambaFineGrainedHits(Rule):
             return False
         if op == "get_computed_blocks":
             return _hit_tokens(old) is not None and _hit_tokens(new) is not None
+        if op == "allocate_slots":  # other blocks, as other blocks were cached and freed
+            return _same_shape(old, new)
         return op == "take_events"
 
     def recognise_state(
@@ -955,6 +962,19 @@ class Judge:
         for entry, rule in self.rules:
             if rule.recognise_state(self.ctx, op, keys, old, new):
                 return Judgement(False, (entry.id,)), diff
+        # Two causes in one call: one entry explains what was cached, another what
+        # was freed (e.g. a Mamba state freed early beside an EAGLE caching change).
+        caching = [k for k in keys if k in CACHING_STATE]
+        freeing = [k for k in keys if k in FREEING_STATE]
+        if caching and freeing and len(caching) + len(freeing) == len(keys):
+            cached_by = [
+                e.id for e, r in self.rules if r.recognise_state(self.ctx, op, caching, old, new)
+            ]
+            freed_by = [
+                e.id for e, r in self.rules if r.recognise_state(self.ctx, op, freeing, old, new)
+            ]
+            if cached_by and freed_by:
+                return Judgement(False, (cached_by[0], freed_by[0])), diff
         return Judgement(False, self.observed(f"{op}/state:" + ",".join(keys))), diff
 
     def cannot_build(self, reason: str) -> str | None:

@@ -229,3 +229,13 @@ def test_a_partial_mamba_tail_copy_needs_a_state_block_larger_than_the_hash_bloc
     same = layout(2)
     verdict, _ = _judge(same).state("allocate_slots", copy_old, copy_new)
     assert "mamba-partial-tail-copy" not in verdict.known
+
+
+def test_an_allocation_that_only_the_early_free_lets_through_is_that_entry() -> None:
+    args = {"request_id": "r", "num_new_tokens": 2}
+    failed, granted = {"ok": None}, {"ok": {"tuple": [[3], [1]]}}
+    verdict = _judge(MAMBA_SPEC).outcome("allocate_slots", args, failed, granted, _equal)
+    assert verdict.known == ("mamba-freed-on-processed-tokens",)
+    # The other way round (0.33.0 refusing what 0.25.1 grants) is not.
+    verdict = _judge(MAMBA_SPEC).outcome("allocate_slots", args, granted, failed, _equal)
+    assert "mamba-freed-on-processed-tokens" not in verdict.known
