@@ -513,18 +513,31 @@ def _hit_tokens(outcome: Outcome) -> int | None:
 
 
 class ShorterHitMambaEagle(Rule):
+    """With Mamba and EAGLE: the new side's hit is shorter, or the old side's hit is
+    longer than its own full-attention blocks cover (the bug's signature) while the
+    new side's blocks cover its hit."""
+
     def recognise(
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
     ) -> bool:
         o, n = _hit_tokens(old), _hit_tokens(new)
-        return (
-            op == "get_computed_blocks"
-            and ctx.has_mamba
-            and ctx.has_eagle
-            and o is not None
-            and n is not None
-            and n < o
-        )
+        if op != "get_computed_blocks" or not (ctx.has_mamba and ctx.has_eagle):
+            return False
+        if o is None or n is None:
+            return False
+        if n < o:
+            return True
+        groups = ctx.config.groups
+
+        def full_covers(outcome: Outcome, hit: int) -> bool:
+            blocks = _hit_blocks(outcome)
+            return blocks is not None and all(
+                len(b) * g.block_size >= hit
+                for b, g in zip(blocks, groups, strict=False)
+                if g.kind == "full"
+            )
+
+        return not full_covers(old, o) and full_covers(new, n)
 
 
 class MmOutputBlockHash(Rule):
@@ -654,8 +667,9 @@ class MambaFreedOnProcessedTokens(Rule):
 class EagleLookaheadWholePrompt(Rule):
     """With EAGLE in a multi-group layout, 0.25.1 caps the one-block look-ahead an
     EAGLE group matches before dropping it at the lookup's limit (prompt - 1);
-    0.33.0 caps it at the hashed prompt, so a fully cached prompt hits one block
-    more (still below the prompt's length)."""
+    0.33.0 caps it at the hashed prompt, so a fully cached prompt hits longer: one
+    block, or more where the fixed point then settles higher (a Mamba state there).
+    Recognised where the new hit is longer and its full-attention blocks cover it."""
 
     def recognise(
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
@@ -665,7 +679,12 @@ class EagleLookaheadWholePrompt(Rule):
             return False
         if not ctx.config.use_eagle or len(ctx.config.groups) < 2:
             return False
-        return n - o <= max(g.block_size for g in ctx.config.groups)
+        blocks = _hit_blocks(new)
+        return blocks is not None and all(  # the longer hit is covered by every full group
+            len(b) * g.block_size >= n
+            for b, g in zip(blocks, ctx.config.groups, strict=False)
+            if g.kind == "full"
+        )
 
 
 def _num_cached_not_more(old: Mapping[str, Any], new: Mapping[str, Any], fewer: bool) -> bool:

@@ -74,7 +74,7 @@ def test_the_eagle_flag_acts_only_with_use_eagle_in_033() -> None:
     assert "eagle-flag-needs-use-eagle" not in verdict.known
 
 
-def test_eagle_lookahead_over_the_whole_prompt_is_one_block_at_most() -> None:
+def test_eagle_lookahead_over_the_whole_prompt_needs_a_covered_longer_hit() -> None:
     groups = (GroupConfig("full", 1), GroupConfig("full", 1, num_kv_heads=2))
     judge = _judge(groups, use_eagle=True)
     args = {"request_id": "r"}
@@ -83,10 +83,11 @@ def test_eagle_lookahead_over_the_whole_prompt_is_one_block_at_most() -> None:
         _equal,
     )
     assert one_more.known == ("eagle-lookahead-whole-prompt",)
-    two_more = judge.outcome(
-        "get_computed_blocks", args, _hit([[1], [5]], 1), _hit([[1, 2, 3], [5, 6, 7]], 3), _equal
+    # A longer hit that the full-attention blocks do not cover is not this entry.
+    uncovered = judge.outcome(
+        "get_computed_blocks", args, _hit([[1], [5]], 1), _hit([[1, 2], [5, 6]], 3), _equal
     )
-    assert "eagle-lookahead-whole-prompt" not in two_more.known
+    assert "eagle-lookahead-whole-prompt" not in uncovered.known
 
 
 def test_three_full_groups_entry_needs_an_untrimmed_old_hit() -> None:
@@ -239,3 +240,15 @@ def test_an_allocation_that_only_the_early_free_lets_through_is_that_entry() -> 
     # The other way round (0.33.0 refusing what 0.25.1 grants) is not.
     verdict = _judge(MAMBA_SPEC).outcome("allocate_slots", args, granted, failed, _equal)
     assert "mamba-freed-on-processed-tokens" not in verdict.known
+
+
+def test_a_hit_full_attention_does_not_cover_is_the_mamba_eagle_bug() -> None:
+    groups = (GroupConfig("full", 1), GroupConfig("mamba", 1, mamba_cache_mode="align"))
+    judge = _judge(groups, use_eagle=True)
+    args = {"request_id": "r"}
+    uncovered, covered = _hit([[], [9]], 1), _hit([[1], [9]], 1)
+    verdict = judge.outcome("get_computed_blocks", args, uncovered, covered, _equal)
+    assert verdict.known == ("bug-mamba-eagle-long-hit",)
+    # The other way round is not the fixed bug.
+    verdict = judge.outcome("get_computed_blocks", args, covered, uncovered, _equal)
+    assert "bug-mamba-eagle-long-hit" not in verdict.known
