@@ -19,7 +19,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -393,6 +393,8 @@ class Family:
     ``mixed_block_sizes``: groups may have different block sizes.
     ``distinct_block_sizes``: every group has its own block size (the base times
     a shuffle of 1, 2, 4, ...), never all alike.
+    ``retention``: draw a prefix-cache retention interval
+    (``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``): 0 or k * scheduler_block_size.
     """
 
     name: str
@@ -402,6 +404,7 @@ class Family:
     eagle: float = 0.15
     mixed_block_sizes: bool = True
     distinct_block_sizes: bool = False
+    retention: bool = False
 
 
 #: Every family the kit knows, by name (fuzz ``--layouts``; the conformance tests).
@@ -425,8 +428,13 @@ FAMILIES: dict[str, Family] = {
         Family("full+swa+cross", ("full", "swa", "cross"), enable_caching=False),
         Family("eagle-hybrid", ("full", "swa", "mamba-align"), eagle=1.0),
         # Three full-attention groups, each of its own block size: vLLM 0.25.1
-        # trims only the first one's hits (docs/divergences.md #15).
+        # trims only the first one's hits (docs/divergences.md #17).
         Family("full+full+full", ("full", "full", "full"), distinct_block_sizes=True),
+        # Sparse retention: the interval thins out sliding-window and Mamba caching.
+        Family("swa-retention", ("swa",), retention=True),
+        Family("full+swa-retention", ("full", "swa"), retention=True),
+        Family("full+mamba-align-retention", ("full", "mamba-align"), retention=True),
+        Family("swa+mamba-retention", ("swa", "mamba"), retention=True),
     ]
 }
 
@@ -493,7 +501,7 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
         groups = [
             GroupConfig(**{**g.__dict__, "is_eagle_group": rng.random() < 0.4}) for g in groups
         ]
-    return ManagerConfig(
+    config = ManagerConfig(
         num_blocks=num_blocks,
         groups=tuple(groups),
         max_model_len=rng.choice([64, 64, rng.randint(6, 24)]),
@@ -505,6 +513,10 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
         max_num_batched_tokens=rng.choice([None, 32]),
         hash_fn=rng.choice(["sha256", "sha256", "sha256", "sha256_cbor", "xxhash"]),
     )
+    if family.retention:  # drawn last: the other families' configs stay as they were
+        interval = rng.choice([0, 0, 1, 2, 2, 3, 4]) * config.scheduler_block_size
+        config = replace(config, prefix_cache_retention_interval=interval)
+    return config
 
 
 # ---------------------------------------------------------------- random driver
@@ -701,7 +713,7 @@ class RandomScheduler:
                 num_external = max(num_external, 0)
                 load_async = load_async and num_external > 0
         if num_external and self.untrimmed_hit(hit, num_hit_tokens + num_external):
-            num_external = 0  # vLLM 0.25.1 would miscount its pool (docs/divergences.md #15)
+            num_external = 0  # vLLM 0.25.1 would miscount its pool (docs/divergences.md #17)
             load_async = False
         total = req.num_computed_tokens + num_hit_tokens + num_external
         num_new_tokens = 0
@@ -779,7 +791,7 @@ class RandomScheduler:
         more full groups); external tokens then make it ask its pool for a
         negative number of blocks, which inflates its free count and can later
         hand out its sentinel block (id -1). A scheduler meets this only with a
-        KV connector; the driver does not generate it (docs/divergences.md #15).
+        KV connector; the driver does not generate it (docs/divergences.md #17).
         """
         block_ids = hit.get("block_ids", {})
         groups = block_ids.get("tuple") if isinstance(block_ids, dict) else None

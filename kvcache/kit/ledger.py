@@ -827,15 +827,10 @@ WHEN: dict[str, Callable[[ManagerConfig], bool]] = {
     "hybrid": lambda config: _groups(config) > 1,
     "mamba": lambda config: any(g.kind == "mamba" for g in config.groups),
     "mixed-block-sizes": lambda config: len({g.block_size for g in config.groups}) > 1,
-    "mamba-align-spec": lambda config: any(
-        g.kind == "mamba" and g.mamba_cache_mode == "align" and g.num_speculative_blocks > 0
-        for g in config.groups
-    ),
     "mamba-align": lambda config: any(
         g.kind == "mamba" and g.mamba_cache_mode == "align" for g in config.groups
     ),
-    "mamba-align-eagle": lambda config: config.use_eagle
-    and any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in config.groups),
+    "retention": lambda config: config.prefix_cache_retention_interval is not None,
 }
 
 

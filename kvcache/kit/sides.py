@@ -27,15 +27,21 @@ An **Adapter** subclass is for an implementation with another vocabulary
 (``kvcache.kit.vllm_side.VllmAdapter`` builds vLLM's own config and requests).
 
 A ``Side`` is one adapter's manager plus its requests, driven by named calls
-with JSON arguments (the ops of a trace) and returning canonical results.
+with JSON arguments (the ops of a trace) and returning canonical results. A side
+hashes its requests with its trace's chain (``hash_fn`` and ``PYTHONHASHSEED``)
+and leaves the process's chain (``NONE_HASH``, a module global in kvcache as in
+vLLM) as it found it: code that hashes in the same process after the kit (other
+tests, a user's own requests) sees no change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
 from typing import Any, cast
 
 from kvcache.kit.config import GroupConfig, ManagerConfig
@@ -72,6 +78,45 @@ def with_hash_seed(seed: str, init: Callable[[], None]) -> None:
             del os.environ["PYTHONHASHSEED"]
         else:
             os.environ["PYTHONHASHSEED"] = old
+
+
+_UNSET = object()
+
+
+def chain_seed(module: ModuleType) -> Any:
+    """``module.NONE_HASH``, or a marker when it is not set yet (vLLM sets it only in
+    ``init_none_hash``)."""
+    return module.__dict__.get("NONE_HASH", _UNSET)
+
+
+def set_chain_seed(module: ModuleType, value: Any) -> None:
+    """Put back a value ``chain_seed`` returned (the marker unsets ``NONE_HASH``)."""
+    if value is _UNSET:
+        module.__dict__.pop("NONE_HASH", None)
+    else:
+        module.__dict__["NONE_HASH"] = value
+
+
+RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
+
+
+@contextlib.contextmanager
+def retention_env(config: ManagerConfig) -> Iterator[None]:
+    """``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` as ``config`` says (unset for None)
+    while a manager is built, since vLLM 0.25.1 (and a drop-in) reads it there;
+    the caller's value is restored afterwards."""
+    old = os.environ.get(RETENTION_ENV)
+    if config.prefix_cache_retention_interval is None:
+        os.environ.pop(RETENTION_ENV, None)
+    else:
+        os.environ[RETENTION_ENV] = str(config.prefix_cache_retention_interval)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(RETENTION_ENV, None)
+        else:
+            os.environ[RETENTION_ENV] = old
 
 
 def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -> Any:
@@ -158,13 +203,21 @@ class Adapter:
         return fn
 
     def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
-        """Initialise ``NONE_HASH`` for ``config.hash_fn`` under ``PYTHONHASHSEED``."""
+        """Initialise ``NONE_HASH`` for ``config.hash_fn`` under ``PYTHONHASHSEED``
+        (in ``chain_module``, for the whole process: a ``Side`` restores it)."""
         hash_fn = self.hash_fn(config.hash_fn)
         with_hash_seed(hash_seed, lambda: self.kv_cache_utils.init_none_hash(hash_fn))
 
+    def chain_module(self) -> ModuleType | None:
+        """The module whose ``NONE_HASH`` this adapter's requests chain from
+        (``init_hashes`` sets it); None when it has none the kit knows of."""
+        module: ModuleType | None = getattr(self, "kv_cache_utils", None)
+        return module
+
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
-        return self.factory(kv_cache_config, **config.manager_kwargs())
+        with retention_env(config):
+            return self.factory(kv_cache_config, **config.manager_kwargs())
 
     def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
         """The prefix lookup as ``(blocks, num_computed_tokens)`` (0.25.1's shape)."""
@@ -236,7 +289,8 @@ class SpecAdapter(Adapter):
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
         return self.factory(kv_cache_config, **config.manager_kwargs(),
-                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed)
+                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
+                            prefix_cache_retention_interval=config.prefix_cache_retention_interval)
 
 
 class Side:
@@ -252,13 +306,38 @@ class Side:
         #: The raw return value of the last get_computed_blocks / allocate_slots.
         self.last_raw: Any = None
         self.last_hit_tokens: dict[str, int] = {}
-        adapter.init_hashes(config, hash_seed)
+        # The chain of this side's trace, kept here: the process's is put back at once.
+        self.chain_module = adapter.chain_module()
+        before = _UNSET if self.chain_module is None else chain_seed(self.chain_module)
         try:
-            self.manager = adapter.build_manager(config)
+            adapter.init_hashes(config, hash_seed)
+            self.none_hash = None if self.chain_module is None else chain_seed(self.chain_module)
+        finally:
+            if self.chain_module is not None:
+                set_chain_seed(self.chain_module, before)
+        try:
+            with self.hashing():
+                self.manager = adapter.build_manager(config)
         except Exception as exc:
             raise CannotBuild(
                 adapter.name, f"{adapter.name} rejects the config ({type(exc).__name__}: {exc})"
             ) from exc
+
+    @contextlib.contextmanager
+    def hashing(self) -> Iterator[None]:
+        """This side's chain installed as the process's ``NONE_HASH`` for the block, the
+        caller's put back after: for code that hashes this side's requests outside
+        ``call`` (a simulation appending tokens to them itself)."""
+        module = self.chain_module
+        if module is None:
+            yield
+            return
+        before = chain_seed(module)
+        set_chain_seed(module, self.none_hash)
+        try:
+            yield
+        finally:
+            set_chain_seed(module, before)
 
     # ------------------------------------------------------------ driving
 
@@ -267,7 +346,15 @@ class Side:
         handler = getattr(self, "op_" + op, None)
         if handler is None:
             raise HarnessError(f"unknown op {op!r}")
-        return handler(args)
+        module = self.chain_module  # as ``hashing``, inlined: this runs on every call
+        if module is None:
+            return handler(args)
+        before = chain_seed(module)
+        set_chain_seed(module, self.none_hash)
+        try:
+            return handler(args)
+        finally:
+            set_chain_seed(module, before)
 
     def raw_state(self) -> dict[str, Any] | None:
         return self.adapter.abstract_state(self.manager)

@@ -24,6 +24,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -46,6 +47,7 @@ from kvcache.kit.sides import (
     build_kv_cache_config,
     prompt_embeds_tensor,
     request_token_ids,
+    retention_env,
     with_hash_seed,
 )
 
@@ -71,6 +73,9 @@ class ReleaseLine:
             stats, through ``record_prefix_cache_stats(request, num_hits)`` once
             the request is admitted (its allocation succeeded).
         reference_version: The release of the line the kit was checked with.
+        retention_in_kv_cache_config: The prefix-cache retention interval is the
+            field ``KVCacheConfig.prefix_cache_retention_interval``, not 0.25.1's
+            environment variable ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``.
     """
 
     name: str
@@ -78,6 +83,7 @@ class ReleaseLine:
     renamed_kwargs: tuple[tuple[str, str], ...] = ()
     lookup_values: int = 2
     stats_at_admission: bool = False
+    retention_in_kv_cache_config: bool = False
 
     def matches(self, version: str) -> bool:
         """Whether ``version`` (``vllm.__version__``) belongs to this line."""
@@ -100,6 +106,7 @@ RELEASE_LINES: tuple[ReleaseLine, ...] = (
         renamed_kwargs=(("max_num_batched_tokens", "max_in_flight_tokens"),),
         lookup_values=3,
         stats_at_admission=True,
+        retention_in_kv_cache_config=True,
     ),
 )
 
@@ -207,9 +214,20 @@ class VllmAdapter(Adapter):
         hash_fn = vllm_hash_fn(config.hash_fn)
         with_hash_seed(hash_seed, lambda: vllm_kv_cache_utils.init_none_hash(hash_fn))
 
+    def chain_module(self) -> ModuleType:
+        """vLLM's ``kv_cache_utils``: its requests chain from vLLM's ``NONE_HASH``."""
+        module: ModuleType = vllm_kv_cache_utils
+        return module
+
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(vllm_kv_cache_interface, config, torch.float16)
-        return KVCacheManager(kv_cache_config, **self.line.manager_kwargs(config.manager_kwargs()))
+        kwargs = self.line.manager_kwargs(config.manager_kwargs())
+        if self.line.retention_in_kv_cache_config:
+            kv_cache_config.prefix_cache_retention_interval = (
+                config.prefix_cache_retention_interval
+            )
+        with retention_env(config):
+            return KVCacheManager(kv_cache_config, **kwargs)
 
     def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
         result = manager.get_computed_blocks(request)
