@@ -600,12 +600,39 @@ def _same_shape(old: Outcome, new: Outcome) -> bool:
     )
 
 
+def _pairs(state: Mapping[str, Any], key: str) -> dict[str, Any]:
+    value = state.get(key)
+    pairs = value.get("dict") if isinstance(value, dict) else None
+    if not isinstance(pairs, list):
+        return {}
+    return {json.dumps(k, sort_keys=True): v for k, v in pairs}
+
+
+def _only_unhashed(old: Mapping[str, Any], new: Mapping[str, Any], blocks: set[Any]) -> bool:
+    """Whether ``block_hash`` and ``cached`` differ only in that ``blocks`` carry
+    hashes (and cache entries) on the old side and none on the new side."""
+    ids = {json.dumps(b) for b in blocks}
+    o, n = _pairs(old, "block_hash"), _pairs(new, "block_hash")
+    for key in set(o) | set(n):
+        if o.get(key) != n.get(key) and not (key in ids and key not in n):
+            return False
+    o, n = _pairs(old, "cached"), _pairs(new, "cached")
+    for key in set(o) | set(n):
+        before = set(o.get(key) or [])
+        after = set(n.get(key) or [])
+        if not after <= before or not before - after <= blocks:
+            return False
+    return True
+
+
 class MambaFreedOnProcessedTokens(Rule):
     """0.25.1's Mamba manager frees state only below ``num_computed_tokens -
     num_speculative_blocks``; 0.33.0 frees below the processed tokens (computed
     minus in flight, which the kit's scheduler never has). Recognised where the new
     side's Mamba blocks are the old side's with more of them nulled (or an empty
-    entry where the old side has none), everything else alike."""
+    entry where the old side has none), everything else alike but the hashes of
+    the blocks so freed (freed before the allocation caches them, they stay
+    unhashed)."""
 
     def recognise_state(
         self,
@@ -617,7 +644,9 @@ class MambaFreedOnProcessedTokens(Rule):
     ) -> bool:
         if op not in ("allocate_slots", "remove_skipped_blocks"):
             return False
-        if not diff_keys or not set(diff_keys) <= FREEING_STATE:
+        if not diff_keys or not set(diff_keys) <= FREEING_STATE | {"block_hash", "cached"}:
+            return False
+        if not set(diff_keys) & FREEING_STATE:
             return False
         groups = ctx.config.groups
         hedged = {
@@ -627,6 +656,7 @@ class MambaFreedOnProcessedTokens(Rule):
         if not hedged or not isinstance(o, list) or not isinstance(n, list) or len(o) != len(n):
             return False
         freed_more = False
+        freed: set[Any] = set()
         for i, (a, b) in enumerate(zip(o, n, strict=True)):
             if i not in hedged:
                 if a != b:
@@ -645,8 +675,9 @@ class MambaFreedOnProcessedTokens(Rule):
                     return False
                 if any(x != y and y != 0 for x, y in zip(before, blocks, strict=True)):
                     return False
+                freed.update(x for x, y in zip(before, blocks, strict=True) if x != y)
                 freed_more = freed_more or before != blocks
-        return freed_more
+        return freed_more and _only_unhashed(old, new, freed)
 
     def recognise(
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
@@ -827,9 +858,8 @@ WHEN: dict[str, Callable[[ManagerConfig], bool]] = {
     "hybrid": lambda config: _groups(config) > 1,
     "mamba": lambda config: any(g.kind == "mamba" for g in config.groups),
     "mixed-block-sizes": lambda config: len({g.block_size for g in config.groups}) > 1,
-    "mamba-align": lambda config: any(
-        g.kind == "mamba" and g.mamba_cache_mode == "align" for g in config.groups
-    ),
+    "mamba-align-dense": lambda config: config.prefix_cache_retention_interval is None
+    and any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in config.groups),
     "retention": lambda config: config.prefix_cache_retention_interval is not None,
 }
 

@@ -252,3 +252,20 @@ def test_a_hit_full_attention_does_not_cover_is_the_mamba_eagle_bug() -> None:
     # The other way round is not the fixed bug.
     verdict = judge.outcome("get_computed_blocks", args, covered, uncovered, _equal)
     assert "bug-mamba-eagle-long-hit" not in verdict.known
+
+
+def test_a_state_block_freed_before_it_is_cached_stays_unhashed() -> None:
+    def with_hash(state: dict[str, Any], blocks: list[int]) -> dict[str, Any]:
+        hashed = {
+            "block_hash": {"dict": [[b, {"bytes": f"{b:02x}"}] for b in blocks]},
+            "cached": {"dict": [[{"bytes": f"{b:02x}"}, [b]] for b in blocks]},
+        }
+        return {**state, **hashed}
+
+    judge = _judge(MAMBA_SPEC)
+    old = with_hash(_state([0, 3, 5], [6, 7]), [3])
+    verdict, _ = judge.state("allocate_slots", old, with_hash(_state([0, 0, 5], [6, 7, 3]), []))
+    assert verdict.known == ("mamba-freed-on-processed-tokens",)
+    # A hash lost on a block the new side still holds is something else.
+    verdict, _ = judge.state("allocate_slots", with_hash(old, [3, 5]), with_hash(old, [3]))
+    assert "mamba-freed-on-processed-tokens" not in verdict.known
