@@ -241,11 +241,33 @@ def scenario_three_full_groups_trim() -> tuple[ManagerConfig, list[Call]]:
     return config, calls
 
 
+def scenario_mamba_partial_tail_copy() -> tuple[ManagerConfig, list[Call]]:
+    """Full attention (bs 2), sliding window (bs 4) and align-mode Mamba (bs 8, larger
+    than the hash block): a 24-token prompt computed to 22, then 2 more tokens. vLLM
+    0.33.0 caches the prompt tail's Mamba state as a partial entry and continues in a
+    copy of that block, holding one block more (ledger: mamba-partial-tail-copy)."""
+    groups = (
+        GroupConfig("full", 2),
+        GroupConfig("sliding_window", 4, sliding_window=7, num_kv_heads=2),
+        GroupConfig("mamba", 8, mamba_cache_mode="align", num_kv_heads=3),
+    )
+    config = ManagerConfig(num_blocks=34, groups=groups, max_model_len=64, use_eagle=True)
+    prompt = [0, 2, 1, 0, 1, 2, 1, 2, 0, 2, 2, 1, 0, 2, 1, 1, 0, 0, 0, 1, 2, 2, 1, 1]
+    calls: list[Call] = [
+        ("add_request", {"request_id": "a", "prompt_token_ids": prompt, "max_tokens": 5}),
+        running("a", 16),
+        ("allocate_slots", {"request_id": "a", "num_new_tokens": 6}),
+        ("allocate_slots", {"request_id": "a", "num_new_tokens": 2}),
+    ]
+    return config, calls
+
+
 SCENARIOS = {
     "prefix_hits_and_eviction": scenario_prefix_hits_and_eviction,
     "preempt_and_resume": scenario_preempt_and_resume,
     "mm_output_block_hash": scenario_mm_output_block_hash,
     "three_full_groups_trim": scenario_three_full_groups_trim,
+    "mamba_partial_tail_copy": scenario_mamba_partial_tail_copy,
 }
 
 # Known vLLM 0.25.1 bugs the scenarios record: record index -> ledger ids, written
