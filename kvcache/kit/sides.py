@@ -47,7 +47,7 @@ from typing import Any, cast
 from kvcache.kit.config import GroupConfig, ManagerConfig
 from kvcache.kit.trace import canon, canon_state
 
-BUILTIN_IMPLS = ("kvcache", "spec", "vllm")
+BUILTIN_IMPLS = ("kvcache", "spec", "vllm", "kvcache-0.33", "spec-0.33")
 
 
 class HarnessError(Exception):
@@ -144,6 +144,10 @@ def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -
         )
     if group.kind == "cross_attention":
         return lib.CrossAttentionSpec(**common)
+    if group.kind == "mla":
+        return lib.MLAAttentionSpec(**common)
+    if group.kind == "sliding_window_mla":
+        return lib.SlidingWindowMLASpec(**common, sliding_window=group.sliding_window)
     return lib.FullAttentionSpec(**common)
 
 
@@ -260,11 +264,16 @@ class Adapter:
                 None if lora is None else rq.LoRARequest(lora[0], lora[1], lora_path="/x")
             ),
             cache_salt=args.get("cache_salt"),
-            block_hasher=self.kv_cache_utils.get_request_block_hasher(
-                config.hash_block_size, self.hash_fn(config.hash_fn)
-            ),
+            block_hasher=self.block_hasher(config),
             skip_reading_prefix_cache=bool(args.get("skip_reading_prefix_cache", False)),
         )
+
+    def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
+        """The requests' block hasher for ``config``'s hash block size and function."""
+        hasher: Callable[[Any], list[Any]] = self.kv_cache_utils.get_request_block_hasher(
+            config.hash_block_size, self.hash_fn(config.hash_fn)
+        )
+        return hasher
 
     def status(self, name: str) -> Any:
         """The ``RequestStatus`` member called ``name``."""
@@ -291,6 +300,82 @@ class SpecAdapter(Adapter):
         return self.factory(kv_cache_config, **config.manager_kwargs(),
                             caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
                             prefix_cache_retention_interval=config.prefix_cache_retention_interval)
+
+
+class ProfileAdapter(Adapter):
+    """kvcache under another release's profile, through that release's drop-in module
+    (``kvcache.vllm_0_33``): its constructor names, lookup shape, hasher and
+    NONE_HASH rule, and the scheduler duty it moved (stats at admission).
+
+    ``release_line`` tells the driver which vLLM line it behaves like, so that it
+    is compared with that release as an equal (no ledger judge between them).
+    """
+
+    def __init__(self, name: str, module: str, release_line: str) -> None:
+        drop_in = importlib.import_module(module)
+        super().__init__(name, drop_in.KVCacheManager, _package_version())
+        self.drop_in = drop_in
+        self.release_line = release_line
+        self.renamed_kwargs = {"max_num_batched_tokens": "max_in_flight_tokens"}
+
+    def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
+        hash_fn = self.hash_fn(config.hash_fn)
+        with_hash_seed(hash_seed, lambda: self.drop_in.init_none_hash(hash_fn))
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        kwargs = {self.renamed_kwargs.get(k, k): v for k, v in config.manager_kwargs().items()}
+        # 0.33.0's retention interval is a field of the config, not an environment variable.
+        kv_cache_config.prefix_cache_retention_interval = config.prefix_cache_retention_interval
+        return self.factory(kv_cache_config, **kwargs)
+
+    def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
+        blocks, num_computed_tokens, _boundary = manager.get_computed_blocks(request)
+        return blocks, int(num_computed_tokens)
+
+    def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
+        manager.record_prefix_cache_stats(request, num_hit_tokens)
+
+    def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
+        hasher: Callable[[Any], list[Any]] = self.drop_in.get_request_block_hasher(
+            config.hash_block_size, self.hash_fn(config.hash_fn)
+        )
+        return hasher
+
+
+class SpecProfileAdapter(SpecAdapter):
+    """The spec under another release's profile (``spec/profile.py``), with that
+    release's request hasher (``drop_in``'s) and scheduler duty (stats at admission):
+    the independent check of ``ProfileAdapter`` without that vLLM installed."""
+
+    def __init__(self, name: str, release: str, release_line: str, module: str) -> None:
+        import spec
+
+        super().__init__(name, spec.KVCacheManager, _package_version())
+        self.release = release
+        self.release_line = release_line
+        self.drop_in = importlib.import_module(module)
+
+    def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
+        hash_fn = self.hash_fn(config.hash_fn)
+        with_hash_seed(hash_seed, lambda: self.drop_in.init_none_hash(hash_fn))
+        self.hash_seed = hash_seed
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        return self.factory(kv_cache_config, **config.manager_kwargs(),
+                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
+                            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+                            profile=self.release)
+
+    def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
+        manager.record_prefix_cache_stats(request, num_hit_tokens)
+
+    def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
+        hasher: Callable[[Any], list[Any]] = self.drop_in.get_request_block_hasher(
+            config.hash_block_size, self.hash_fn(config.hash_fn)
+        )
+        return hasher
 
 
 class Side:
@@ -563,6 +648,10 @@ def resolve_adapter(name: str) -> Adapter:
         import kvcache
 
         return Adapter("kvcache", kvcache.KVCacheManager, _package_version())
+    if name == "kvcache-0.33":
+        return ProfileAdapter("kvcache-0.33", "kvcache.vllm_0_33", "0.33")
+    if name == "spec-0.33":
+        return SpecProfileAdapter("spec-0.33", "0.33.0", "0.33", "kvcache.vllm_0_33")
     if name == "kvcache-pure":
         # The pure-Python build beside whichever build `import kvcache` loaded
         # (kvcache._builds.import_pure_copy): for timing both in one process.
