@@ -262,12 +262,39 @@ def scenario_mamba_partial_tail_copy() -> tuple[ManagerConfig, list[Call]]:
     return config, calls
 
 
+def scenario_retention_eagle_resend() -> tuple[ManagerConfig, list[Call]]:
+    """One sliding window (bs 4, window 4) with EAGLE and retention interval 0: a
+    10-token prompt computed and freed, then resent. vLLM 0.25.1 keeps the window's
+    tail one block above the replay boundary, so the resend's hit is 0 tokens; 0.33.0
+    keeps the tail below it (ledger: bug-retention-eagle-replay-boundary, fixed in
+    0.33.0)."""
+    groups = (GroupConfig("sliding_window", 4, sliding_window=4),)
+    config = ManagerConfig(
+        num_blocks=12,
+        groups=groups,
+        max_model_len=32,
+        use_eagle=True,
+        prefix_cache_retention_interval=0,
+    )
+    prompt = [1, 2, 0, 0, 2, 1, 1, 2, 0, 2]
+    calls: list[Call] = [
+        ("add_request", {"request_id": "a", "prompt_token_ids": prompt, "max_tokens": 4}),
+        *admit("a", 10, 0),
+        ("free", {"request_id": "a"}),
+        ("add_request", {"request_id": "b", "prompt_token_ids": prompt, "max_tokens": 4}),
+        ("get_computed_blocks", {"request_id": "b"}),
+        ("take_events", {}),
+    ]
+    return config, calls
+
+
 SCENARIOS = {
     "prefix_hits_and_eviction": scenario_prefix_hits_and_eviction,
     "preempt_and_resume": scenario_preempt_and_resume,
     "mm_output_block_hash": scenario_mm_output_block_hash,
     "three_full_groups_trim": scenario_three_full_groups_trim,
     "mamba_partial_tail_copy": scenario_mamba_partial_tail_copy,
+    "retention_eagle_resend": scenario_retention_eagle_resend,
 }
 
 # Known vLLM 0.25.1 bugs the scenarios record: record index -> ledger ids, written
@@ -276,6 +303,7 @@ SCENARIOS = {
 KNOWN_BUGS: dict[str, dict[int, list[str]]] = {
     "mm_output_block_hash": {15: ["bug-mm-output-block-hash"]},
     "three_full_groups_trim": {5: ["bug-three-full-groups-trim"]},
+    "retention_eagle_resend": {2: ["bug-retention-eagle-replay-boundary"]},
 }
 
 

@@ -140,6 +140,7 @@ class Context:
     renamed_old: dict[str, str] = field(default_factory=dict)  # old hex -> new hex
     collision: bool = False
     hash_hex_len: int = 0
+    evicted: set[int] = field(default_factory=set)  # block ids an evict_blocks call named
 
     @property
     def has_mamba(self) -> bool:
@@ -896,6 +897,235 @@ def _groups(config: ManagerConfig) -> int:
     return len(config.groups)
 
 
+#: Hex digits of the group-id suffix of a pool key (hash bytes + 4-byte group id).
+_GROUP_SUFFIX = 8
+
+
+def _held_by_group(state: Mapping[str, Any], groups: set[int]) -> set[int]:
+    """Block ids some request holds in one of ``groups`` (``req_to_blocks``)."""
+    lists = state.get("req_to_blocks")
+    held: set[int] = set()
+    if not isinstance(lists, list):
+        return held
+    for gid, per_request in enumerate(lists):
+        if gid in groups and isinstance(per_request, dict):
+            for blocks in per_request.values():
+                held.update(b for b in blocks if isinstance(b, int) and b != 0)
+    return held
+
+
+def _hash_presence_only(
+    old: Mapping[str, Any], new: Mapping[str, Any], allowed: set[int], direction: str
+) -> set[int] | None:
+    """The blocks whose ``block_hash`` and ``cached`` entries are on one side only,
+    when every difference is of that kind and concerns ``allowed`` blocks
+    (``direction``: ``"new"`` only extra entries on the new side, ``"any"`` either
+    side); ``None`` when the states differ otherwise."""
+    o, n = _pairs(old, "block_hash"), _pairs(new, "block_hash")
+    moved: set[int] = set()
+    for key in set(o) | set(n):
+        if o.get(key) == n.get(key):
+            continue
+        block = json.loads(key)
+        if not isinstance(block, int) or block not in allowed:
+            return None
+        if key in o and key in n:  # hashed on both sides, differently: not presence
+            return None
+        if direction == "new" and key in o:
+            return None
+        moved.add(block)
+    oc, nc = _pairs(old, "cached"), _pairs(new, "cached")
+    for key in set(oc) | set(nc):
+        before, after = set(oc.get(key) or []), set(nc.get(key) or [])
+        if not before ^ after <= moved:
+            return None
+        if direction == "new" and not before <= after:
+            return None
+    return moved
+
+
+class MambaPromptBoundaryRekey(Rule):
+    """0.33.0's align-mode Mamba manager registers the state block at the prompt's
+    last hash boundary on every caching step whose cacheable length is that
+    boundary, unless the block is keyed there already. After ``evict_blocks``
+    dropped that entry from a block the request still holds, 0.33.0 puts it back
+    at the request's next allocation; 0.25.1 (whose cached-block count is already
+    past the block) leaves it unhashed. Recognised where only extra Mamba-group
+    entries appear on the new side, each on a block an earlier ``evict_blocks``
+    named, still held in that Mamba group, under a hash another group has cached."""
+
+    def recognise_state(
+        self,
+        ctx: Context,
+        op: str,
+        diff_keys: Sequence[str],
+        old: Mapping[str, Any],
+        new: Mapping[str, Any],
+    ) -> bool:
+        if op != "allocate_slots" or not diff_keys:
+            return False
+        if not set(diff_keys) <= {"block_hash", "cached"}:
+            return False
+        mamba = {
+            i
+            for i, g in enumerate(ctx.config.groups)
+            if g.kind == "mamba" and g.mamba_cache_mode == "align"
+        }
+        if not mamba or not ctx.evicted:
+            return False
+        held = _held_by_group(old, mamba) & _held_by_group(new, mamba) & ctx.evicted
+        moved = _hash_presence_only(old, new, held, direction="new")
+        if not moved:
+            return False
+        old_keys = [json.loads(k).get("bytes", "") for k in _pairs(old, "cached")]
+        old_hashes = {k[:-_GROUP_SUFFIX] for k in old_keys if isinstance(k, str)}
+        for key, blocks in _pairs(new, "cached").items():
+            if not set(blocks) & moved:
+                continue
+            hex_key = json.loads(key).get("bytes", "")
+            if not isinstance(hex_key, str) or len(hex_key) <= _GROUP_SUFFIX:
+                return False
+            if int(hex_key[-_GROUP_SUFFIX:], 16) not in mamba:
+                return False
+            if hex_key[:-_GROUP_SUFFIX] not in old_hashes:
+                return False
+        return True
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        """The same re-key seen in events (where ``sub-block-prefix-entries`` hides
+        the state's extra entry): the new side's events are the old side's, in
+        order, plus ``BlockStored`` events of one block each for an align-mode
+        Mamba group, after an ``evict_blocks`` (the old side's fields compared,
+        the new side's extra fields left out)."""
+        o, n = _ok(old), _ok(new)
+        if op != "take_events" or not ctx.evicted:
+            return False
+        if not isinstance(o, list) or not isinstance(n, list) or len(n) <= len(o):
+            return False
+        groups = ctx.config.groups
+
+        def rekey(event: Any) -> bool:
+            if not isinstance(event, dict) or event.get("type") != "BlockStored":
+                return False
+            fields = event.get("fields", {})
+            group = fields.get("group_idx")
+            hashes = fields.get("block_hashes")
+            return (
+                isinstance(group, int)
+                and 0 <= group < len(groups)
+                and groups[group].kind == "mamba"
+                and groups[group].mamba_cache_mode == "align"
+                and isinstance(hashes, list)
+                and len(hashes) == 1
+            )
+
+        def same(a: Any, b: Any) -> bool:  # b may carry fields a lacks (event-new-fields)
+            if not isinstance(a, dict) or not isinstance(b, dict) or a.get("type") != b.get("type"):
+                return False
+            fields = b.get("fields", {})
+            return all(results_equal(v, fields.get(k)) for k, v in a.get("fields", {}).items())
+
+        i = 0
+        for event in n:
+            if i < len(o) and same(o[i], event):
+                i += 1
+            elif not rekey(event):
+                return False
+        return i == len(o)
+
+
+class RetentionEagleBoundaries(Rule):
+    """With a retention interval and EAGLE, which sliding-window tails and Mamba
+    states a cached prompt keeps at its replay boundary: 0.25.1 keeps the tail
+    ending one block above the boundary ``(prompt - 1)`` rounds down to, the block
+    an EAGLE lookup matches and then drops, so the tail a resend needs (one block
+    lower) is missing; 0.33.0 keeps the tails below the post-drop positions of both
+    a resend and a longer sibling. Recognised at a caching call where only the
+    presence of block hashes (and their cache entries) differs, on blocks requests
+    hold in sliding-window or Mamba groups."""
+
+    def recognise_state(
+        self,
+        ctx: Context,
+        op: str,
+        diff_keys: Sequence[str],
+        old: Mapping[str, Any],
+        new: Mapping[str, Any],
+    ) -> bool:
+        if op not in ("allocate_slots", "cache_blocks"):
+            return False
+        if not diff_keys or not set(diff_keys) <= {"block_hash", "cached"}:
+            return False
+        if ctx.config.prefix_cache_retention_interval is None or not ctx.has_eagle:
+            return False
+        sparse = {
+            i for i, g in enumerate(ctx.config.groups) if g.kind in ("sliding_window", "mamba")
+        }
+        held = _held_by_group(old, sparse) & _held_by_group(new, sparse)
+        return bool(_hash_presence_only(old, new, held, direction="any"))
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        """The same choice seen one allocation later (where ``sub-block-prefix-entries``
+        hides the extra hashes): a window block hashed on one side only is freed to
+        the other end of the free queue, so an allocation hands out as many blocks
+        per group, other ids only in sliding-window and Mamba groups."""
+        if op != "allocate_slots" or ctx.config.prefix_cache_retention_interval is None:
+            return False
+        if not ctx.has_eagle or not _same_shape(old, new):
+            return False
+        groups = ctx.config.groups
+        pairs = zip(_ok(old)["tuple"], _ok(new)["tuple"], strict=True)
+        differing = [i for i, (a, b) in enumerate(pairs) if a != b]
+        return bool(differing) and all(
+            groups[i].kind in ("sliding_window", "mamba") for i in differing if i < len(groups)
+        )
+
+
+class RetentionEagleLater(RetentionEagleBoundaries):
+    """Where ``sub-block-prefix-entries`` hides the differing hashes, the same choice
+    surfaces in events or in a later hit: events that differ only in sliding-window
+    and Mamba groups' ``BlockStored``/``BlockRemoved``; a hit whose per-group blocks
+    agree as far as both go (one side's hit reaches further)."""
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        if op == "allocate_slots":
+            return super().recognise(ctx, op, args, old, new)
+        if ctx.config.prefix_cache_retention_interval is None or not ctx.has_eagle:
+            return False
+        groups = ctx.config.groups
+        if op == "take_events":
+            o, n = _ok(old), _ok(new)
+            if not isinstance(o, list) or not isinstance(n, list):
+                return False
+
+            def kept(events: list[Any]) -> list[tuple[Any, Any]]:
+                out = []
+                for e in events:
+                    fields = e.get("fields", {}) if isinstance(e, dict) else {}
+                    g = fields.get("group_idx")
+                    if isinstance(g, int) and 0 <= g < len(groups) and groups[g].kind in (
+                        "sliding_window",
+                        "mamba",
+                    ):
+                        continue
+                    out.append((e.get("type") if isinstance(e, dict) else None, g))
+                return out
+
+            return kept(o) == kept(n) and o != n
+        if op == "get_computed_blocks":
+            a, b = _hit_blocks(old), _hit_blocks(new)
+            if a is None or b is None or len(a) != len(b):
+                return False
+            return all(x[: len(y)] == y[: len(x)] for x, y in zip(a, b, strict=True))
+        return False
+
+
 #: Layout conditions an "observed" entry can name.
 WHEN: dict[str, Callable[[ManagerConfig], bool]] = {
     "": lambda config: True,
@@ -920,6 +1150,8 @@ class Observed(Rule):
 
 RULES: dict[str, Callable[[], Rule]] = {
     "observed": Observed,
+    "mamba_prompt_boundary_rekey": MambaPromptBoundaryRekey,
+    "retention_eagle_boundaries": RetentionEagleLater,
     "adapter": Rule,
     "prefix_stats_counts": PrefixStatsCounts,
     "stats_new_fields": StatsNewFields,
@@ -988,6 +1220,8 @@ class Judge:
         """Learn from every call (requests, hash pairs), equal or not."""
         if op == "add_request":
             self.ctx.requests[str(args.get("request_id"))] = dict(args)
+        if op == "evict_blocks":
+            self.ctx.evicted.update(int(b) for b in args.get("block_ids") or ())
         old, new = self._orient(expected, actual)
         for _, rule in self.rules:
             if isinstance(rule, HashRenaming):

@@ -269,3 +269,99 @@ def test_a_state_block_freed_before_it_is_cached_stays_unhashed() -> None:
     # A hash lost on a block the new side still holds is something else.
     verdict, _ = judge.state("allocate_slots", with_hash(old, [3, 5]), with_hash(old, [3]))
     assert "mamba-freed-on-processed-tokens" not in verdict.known
+
+
+def _hashed(state: dict[str, Any], entries: list[tuple[int, str]]) -> dict[str, Any]:
+    """``state`` with ``entries`` (block id, pool key hex) as its hashes and cache."""
+    return {
+        **state,
+        "block_hash": {"dict": [[b, {"bytes": key}] for b, key in entries]},
+        "cached": {"dict": [[{"bytes": key}, [b]] for b, key in entries]},
+    }
+
+
+def test_a_mamba_entry_put_back_after_evict_blocks_is_the_prompt_boundary_rekey() -> None:
+    groups = (GroupConfig("full", 2), GroupConfig("mamba", 2, mamba_cache_mode="align"))
+    held = {"req_to_blocks": [{"r": [1, 2, 3]}, {"r": [0, 0, 4, 5]}]}
+    h = "ab" * 8
+    old = _hashed(held, [(3, h + "00000000")])
+    new = _hashed(held, [(3, h + "00000000"), (4, h + "00000001")])
+    judge = _judge(groups)
+    judge.observe("evict_blocks", {"block_ids": [4]}, {"ok": None}, {"ok": None})
+    verdict, _ = judge.state("allocate_slots", old, new)
+    assert verdict.known == ("mamba-prompt-boundary-rekey",)
+    # Under the full-attention group's id it is not a Mamba re-key.
+    elsewhere = _hashed(held, [(3, h + "0" * 8), (4, h + "0" * 8)])
+    verdict, _ = judge.state("allocate_slots", old, elsewhere)
+    assert "mamba-prompt-boundary-rekey" not in verdict.known
+    # The old side having the extra entry is the other direction.
+    verdict, _ = judge.state("allocate_slots", new, old)
+    assert "mamba-prompt-boundary-rekey" not in verdict.known
+    # Without an evict_blocks of that block there is nothing to put back.
+    verdict, _ = _judge(groups).state("allocate_slots", old, new)
+    assert "mamba-prompt-boundary-rekey" not in verdict.known
+
+
+def test_a_rekey_seen_only_in_events_is_one_extra_mamba_block_stored() -> None:
+    groups = (GroupConfig("full", 2), GroupConfig("mamba", 1, mamba_cache_mode="align"))
+    stored = {"type": "BlockStored", "fields": {"group_idx": 0, "block_hashes": [7]}}
+    rekey = {"type": "BlockStored", "fields": {"group_idx": 1, "block_hashes": [7]}}
+    judge = _judge(groups)
+    judge.observe("evict_blocks", {"block_ids": [5]}, {"ok": None}, {"ok": None})
+    old, new = {"ok": [stored]}, {"ok": [stored, rekey]}
+    verdict = judge.outcome("take_events", {}, old, new, _equal)
+    assert verdict.known == ("mamba-prompt-boundary-rekey",)
+    # An extra full-attention event is not the Mamba re-key.
+    verdict = judge.outcome("take_events", {}, old, {"ok": [stored, stored]}, _equal)
+    assert "mamba-prompt-boundary-rekey" not in verdict.known
+
+
+def test_retention_with_eagle_differs_only_in_which_window_blocks_are_hashed() -> None:
+    swa = (GroupConfig("sliding_window", 4, sliding_window=4),)
+    held = {"req_to_blocks": [{"r": [1, 2, 3]}]}
+    old = _hashed(held, [(2, "aa" * 8 + "0" * 8)])
+    new = _hashed(held, [(1, "bb" * 8 + "0" * 8), (2, "aa" * 8 + "0" * 8)])
+    verdict, _ = _judge(swa, use_eagle=True, prefix_cache_retention_interval=0).state(
+        "allocate_slots", old, new
+    )
+    assert verdict.known == ("bug-retention-eagle-replay-boundary",)
+    # Without EAGLE, or without a retention interval, the boundaries agree.
+    for config in ({"prefix_cache_retention_interval": 0}, {"use_eagle": True}):
+        verdict, _ = _judge(swa, **config).state("allocate_slots", old, new)
+        assert "bug-retention-eagle-replay-boundary" not in verdict.known
+    # A block hashed differently on the two sides is not a retention choice.
+    other = _hashed(held, [(2, "cc" * 8 + "0" * 8)])
+    verdict, _ = _judge(swa, use_eagle=True, prefix_cache_retention_interval=0).state(
+        "allocate_slots", old, other
+    )
+    assert "bug-retention-eagle-replay-boundary" not in verdict.known
+
+
+def test_the_stored_retention_trace_marks_the_fixed_bug() -> None:
+    records = [json.loads(line) for line in (DATA / "retention_eagle_resend.jsonl").open()]
+    marked = [r for r in records if r.get("known")]
+    assert [r["known"] for r in marked] == [["bug-retention-eagle-replay-boundary"]]
+    assert marked[0]["op"] == "allocate_slots"
+    resend = [r for r in records if r.get("op") == "get_computed_blocks"][-1]
+    assert resend["ok"]["num_computed_tokens"] == 0  # 0.25.1's collapsed hit
+
+
+def test_a_retention_choice_hidden_from_the_state_surfaces_in_window_groups_only() -> None:
+    groups = (GroupConfig("full", 4), GroupConfig("sliding_window", 2, sliding_window=3))
+    judge = _judge(groups, use_eagle=True, prefix_cache_retention_interval=0)
+    args = {"request_id": "r", "num_new_tokens": 2}
+    verdict = judge.outcome(
+        "allocate_slots", args, {"ok": {"tuple": [[], [4]]}}, {"ok": {"tuple": [[], [9]]}}, _equal
+    )
+    assert verdict.known == ("bug-retention-eagle-replay-boundary",)
+    # Another full-attention block is not a window group's free order.
+    verdict = judge.outcome(
+        "allocate_slots", args, {"ok": {"tuple": [[4], []]}}, {"ok": {"tuple": [[9], []]}}, _equal
+    )
+    assert "bug-retention-eagle-replay-boundary" not in verdict.known
+    window = {"type": "BlockStored", "fields": {"group_idx": 1, "block_hashes": [3]}}
+    full = {"type": "BlockStored", "fields": {"group_idx": 0, "block_hashes": [3]}}
+    verdict = judge.outcome("take_events", {}, {"ok": [full]}, {"ok": [full, window]}, _equal)
+    assert verdict.known == ("bug-retention-eagle-replay-boundary",)
+    verdict = judge.outcome("take_events", {}, {"ok": [full]}, {"ok": [full, full]}, _equal)
+    assert "bug-retention-eagle-replay-boundary" not in verdict.known
