@@ -27,6 +27,7 @@ from kvcache.profile import Profile, resolve_profile
 from kvcache.request import Request, RequestStatus
 from kvcache.single_type_kv_cache_manager import (
     FullAttentionManager,
+    MambaManager,
     cdiv,
 )
 
@@ -496,6 +497,28 @@ class KVCacheManager:
         ):
             for manager in coordinator.single_type_managers:
                 manager.stop_tracking_new_block_ids()
+        self._apply_mamba_profile(profile)
+
+    def _apply_mamba_profile(self, profile: Profile) -> None:
+        """The Mamba switches: refuse a Mamba group that caches outside 'align'
+        (``mamba_align_only``), and set the state-freeing rules on each Mamba manager.
+
+        Raises:
+            AssertionError: a Mamba group in mode 'all' or 'none' with caching on
+                under ``mamba_align_only`` (vLLM 0.33.0 asserts there too).
+        """
+        for manager in self.coordinator.single_type_managers:
+            if not isinstance(manager, MambaManager):
+                continue
+            if profile.mamba_align_only and manager.enable_caching:
+                mode = manager.mamba_cache_mode
+                if mode != "align":
+                    raise AssertionError(
+                        f"mamba_cache_mode={mode!r} with prefix caching on: under "
+                        f"{profile!r} Mamba groups cache only in 'align' mode"
+                    )
+            manager.frees_processed_states = profile.mamba_frees_processed_states
+            manager.caps_new_state_blocks = profile.mamba_caps_new_state_blocks
 
     def _reject_allocate_args(self, request: Request, **counts: int) -> None:
         """Raise the ValueError for bad ``allocate_slots`` counts (see there)."""

@@ -150,6 +150,31 @@ SWITCHES: tuple[Switch, ...] = (
         "(total computed tokens minus request.num_in_flight_tokens).",
         "0.33.0",
     ),
+    Switch(
+        "mamba_align_only",
+        "mamba-all-removed",
+        "With prefix caching on, a Mamba group must be in 'align' mode: a manager with "
+        "a Mamba group in 'all' (removed) or 'none' cannot be built (AssertionError).",
+        "0.33.0",
+    ),
+    Switch(
+        "mamba_frees_processed_states",
+        "unk-mamba-state-retention",
+        "Mamba frees states by the processed tokens it is given (no "
+        "num_speculative_blocks margin subtracted); in 'align' mode it retires every "
+        "live state before the latest, past the null gaps prefill leaves, from where "
+        "the last removal stopped, and a request counts as allocated after any "
+        "allocate_new_blocks call, even one that adds no block.",
+        "0.33.0",
+    ),
+    Switch(
+        "mamba_caps_new_state_blocks",
+        "unk-mamba-state-retention",
+        "An 'align' Mamba group's block count is its shortfall capped at one state "
+        "block (plus the speculative blocks on the first allocation); 0.25.1 reports "
+        "the cap itself whenever anything is short.",
+        "0.33.0",
+    ),
 )
 """Every switch, in the order of the ledger's entries."""
 
@@ -184,6 +209,9 @@ class Profile:
     eagle_peek_to_hashed_length: bool
     adopt_computed_without_new_tokens: bool
     free_on_processed_tokens: bool
+    mamba_align_only: bool
+    mamba_frees_processed_states: bool
+    mamba_caps_new_state_blocks: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:

@@ -707,6 +707,12 @@ class MambaManager(SingleTypeKVCacheManager):
         self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
         self.last_state_block_idx: dict[str, int] = {}
         self._allocated_block_reqs: set[str] = set()
+        # Release switches (kvcache.profile), set by KVCacheManager._apply_profile.
+        self.frees_processed_states = False
+        self.caps_new_state_blocks = False
+        # Align mode under frees_processed_states: per request, the block index
+        # below which every skipped state has been retired (freed or null).
+        self._num_retired_blocks: dict[str, int] = {}
 
     @classmethod
     def find_longest_cache_hit(
@@ -763,11 +769,21 @@ class MambaManager(SingleTypeKVCacheManager):
     ) -> None:
         """Free states before the latest; in align mode also the previous step's state.
 
-        NOTE: as in vLLM, ``num_speculative_blocks`` is subtracted from the
+        NOTE: as in vLLM 0.25.1, ``num_speculative_blocks`` is subtracted from the
         token count so possibly-rejected draft tokens never free a needed state.
+        Under ``frees_processed_states`` (0.33.0) the caller's count is the
+        processed tokens already, nothing is subtracted, and align mode retires
+        skipped states past null gaps (``_retire_skipped_states``).
         """
-        num_computed_tokens = max(0, total_computed_tokens - self.num_speculative_blocks)
-        super().remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
+        if self.frees_processed_states:
+            num_computed_tokens = total_computed_tokens
+            if self.mamba_cache_mode == "align":
+                self._retire_skipped_states(request_id, num_computed_tokens)
+            else:
+                super().remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
+        else:
+            num_computed_tokens = max(0, total_computed_tokens - self.num_speculative_blocks)
+            super().remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
         if self.mamba_cache_mode != "align":
             return
         idx = self.last_state_block_idx.get(request_id)
@@ -776,6 +792,27 @@ class MambaManager(SingleTypeKVCacheManager):
             if blocks[idx] is not self._null_block:
                 self.block_pool.release_blocks([blocks[idx]])
                 blocks[idx] = self._null_block
+
+    def _retire_skipped_states(self, request_id: str, num_computed_tokens: int) -> None:
+        """Align mode under ``frees_processed_states``: free every live state before
+        the latest, from where the last call stopped, right to left, skipping the
+        null gaps prefill leaves between states (0.25.1's scan stops at the first
+        null), and remember how far the retirement got."""
+        num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self.req_to_blocks[request_id]
+        stop = min(num_skipped_tokens // self.block_size, len(blocks))
+        start = self._num_retired_blocks.get(request_id, 0)
+        if start >= stop:
+            return
+        null = self._null_block
+        freed = [blocks[i] for i in range(stop - 1, start - 1, -1) if blocks[i] is not null]
+        if freed:
+            self.block_pool.release_blocks(freed)
+            for i in range(start, stop):
+                blocks[i] = null
+        self._num_retired_blocks[request_id] = stop
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """0: cascade attention does not apply to Mamba."""
@@ -817,8 +854,23 @@ class MambaManager(SingleTypeKVCacheManager):
             len(self.req_to_blocks[request_id]),  # may create an entry, as in vLLM
             request_id in self._allocated_block_reqs,
         )
+        if self.caps_new_state_blocks and num_new_blocks > 0:
+            num_new_blocks = self._capped_new_state_blocks(
+                request_id, num_tokens_main_model, len(new_computed_blocks)
+            )
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_new_blocks + num_evictable
+
+    def _capped_new_state_blocks(
+        self, request_id: str, num_tokens_main_model: int, num_hits: int
+    ) -> int:
+        """Under ``caps_new_state_blocks`` (0.33.0): align mode's shortfall capped at
+        one state block (plus the speculative blocks on the first allocation),
+        where 0.25.1 reports the cap itself whenever anything is short."""
+        num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        shortfall = num_required - num_hits - len(self.req_to_blocks[request_id])
+        allocated_before = request_id in self._allocated_block_reqs
+        return min(shortfall, 1 if allocated_before else 1 + self.num_speculative_blocks)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
@@ -834,6 +886,8 @@ class MambaManager(SingleTypeKVCacheManager):
         num_spec = self.num_speculative_blocks
         num_required_blocks = cdiv(num_tokens_main_model, self.block_size) + num_spec
         if num_required_blocks <= len(req_blocks):
+            if self.frees_processed_states:  # 0.33.0: allocated, even with nothing new
+                self._allocated_block_reqs.add(request_id)
             return []
         prev_len = len(req_blocks)
         allocated_before = request_id in self._allocated_block_reqs
@@ -861,6 +915,7 @@ class MambaManager(SingleTypeKVCacheManager):
         """Forget the request, including align-mode bookkeeping."""
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
+        self._num_retired_blocks.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:

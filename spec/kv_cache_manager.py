@@ -14,6 +14,7 @@ from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.kv_cache_coordinator import get_kv_cache_coordinator
 from spec.profile import Profile, resolve_profile
 from spec.pure import cdiv
+from spec.single_type_kv_cache_manager import MambaManager
 from spec.vocab import (
     BlockRemoved033,
     BlockStored,
@@ -156,6 +157,14 @@ class KVCacheManager:
             m.records_new_block_ids = not (p.new_block_ids_zeroing_only and not zeroing)
             m.caches_partial_prompt_tail = (p.partial_prompt_tail_entries
                                             and type(m).__name__ == "FullAttentionManager")
+        for m in coordinator.single_type_managers:
+            if not isinstance(m, MambaManager):
+                continue
+            if p.mamba_align_only and m.enable_caching and m.mamba_cache_mode != "align":
+                raise AssertionError(f"mamba_cache_mode={m.mamba_cache_mode!r} with prefix "
+                                     "caching on: this release caches Mamba only in 'align'")
+            m.frees_processed_states = p.mamba_frees_processed_states
+            m.caps_new_state_blocks = p.mamba_caps_new_state_blocks
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = self._new_stats()
 
