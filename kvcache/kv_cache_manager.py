@@ -507,7 +507,17 @@ class KVCacheManager:
             AssertionError: a Mamba group in mode 'all' or 'none' with caching on
                 under ``mamba_align_only`` (vLLM 0.33.0 asserts there too).
         """
-        for manager in self.coordinator.single_type_managers:
+        managers = self.coordinator.single_type_managers
+        if profile.zero_every_attention_group and any(
+            isinstance(m, MambaManager) for m in managers
+        ):
+            for manager in managers:
+                spec = manager.kv_cache_spec
+                if is_spec_kind(spec, "AttentionSpec") and not is_spec_kind(
+                    spec, "CircularBufferSpec"
+                ):
+                    manager._tracks_new_block_ids = True
+        for manager in managers:
             if not isinstance(manager, MambaManager):
                 continue
             if profile.mamba_align_only and manager.enable_caching:

@@ -168,6 +168,14 @@ SWITCHES: tuple[Switch, ...] = (
         "0.33.0",
     ),
     Switch(
+        "zero_every_attention_group",
+        "new-block-ids-zeroing-only",
+        "Beside a Mamba group (the KV cache needs zeroing), every attention group "
+        "records its newly allocated block ids (sliding window, chunked local, cross "
+        "attention too), not only full-attention-class groups.",
+        "0.33.0",
+    ),
+    Switch(
         "mamba_caps_new_state_blocks",
         "unk-mamba-state-retention",
         "An 'align' Mamba group's block count is its shortfall capped at one state "
@@ -211,6 +219,7 @@ class Profile:
     free_on_processed_tokens: bool
     mamba_align_only: bool
     mamba_frees_processed_states: bool
+    zero_every_attention_group: bool
     mamba_caps_new_state_blocks: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:

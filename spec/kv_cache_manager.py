@@ -158,6 +158,9 @@ class KVCacheManager:
             m.caches_partial_prompt_tail = (p.partial_prompt_tail_entries
                                             and type(m).__name__ == "FullAttentionManager")
         for m in coordinator.single_type_managers:
+            m.zeroes_any_attention_kind = (
+                p.zero_every_attention_group and zeroing and is_a(m.kv_cache_spec, "AttentionSpec")
+                and not is_a(m.kv_cache_spec, "CircularBufferSpec"))
             if not isinstance(m, MambaManager):
                 continue
             if p.mamba_align_only and m.enable_caching and m.mamba_cache_mode != "align":

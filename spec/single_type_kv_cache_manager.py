@@ -62,6 +62,7 @@ class SingleTypeKVCacheManager:
     # Release switches (spec/profile.py), set by the KVCacheManager.
     records_new_block_ids = True
     caches_partial_prompt_tail = False
+    zeroes_any_attention_kind = False  # zero_every_attention_group, beside Mamba
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
@@ -140,7 +141,9 @@ class SingleTypeKVCacheManager:
         """Append ``num_blocks`` fresh blocks; full attention records them for zeroing."""
         new_ids = self.block_pool.get_new_blocks(num_blocks)
         req_blocks.extend(new_ids)
-        if self.records_new_block_ids and type(self.kv_cache_spec).__name__ == "FullAttentionSpec":
+        if self.records_new_block_ids and (
+                type(self.kv_cache_spec).__name__ == "FullAttentionSpec"
+                or self.zeroes_any_attention_kind):
             self.new_block_ids.extend(new_ids)
         return new_ids
 
