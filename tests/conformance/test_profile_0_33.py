@@ -53,4 +53,5 @@ def test_kvcache_0_33_matches_spec_0_33(family: Family) -> None:
         f"{len(failures)} sequence(s) differ, first seed {failures[0].seed}, config "
         f"{failures[0].config}:\n{failures[0].mismatch or failures[0].cannot_build}"
     )
-    assert stats.events["get_computed_blocks"] > 0 and stats.calls > 50 * SEQUENCES
+    built = SEQUENCES - stats.events["both_refuse"]  # layouts 0.33.0 removed are not run
+    assert built > 0 and stats.events["get_computed_blocks"] > 0 and stats.calls > 50 * built
