@@ -186,6 +186,7 @@ class KVCacheCoordinator:
         self.pop_drops_null_head = False
         self.trim_every_full_group = False
         self.eagle_peek_to_hashed_length = False
+        self.mamba_no_eagle_margin = False
         # Precomputed dispatch for the per-call loops.
         self._is_cross = tuple(
             isinstance(m, CrossAttentionManager) for m in self.single_type_managers
@@ -599,7 +600,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     continue
                 drop_eagle_block = use_eagle and idx not in eagle_verified
                 max_length = curr_hit_length
-                if drop_eagle_block:
+                if drop_eagle_block and not (
+                    self.mamba_no_eagle_margin and is_spec_kind(spec, "MambaSpec")
+                ):  # 0.33.0: no peek past the candidate for Mamba (its finder never drops)
                     max_length = min(curr_hit_length + spec.block_size, max_cache_hit_length)
                     if self.eagle_peek_to_hashed_length:
                         max_length = min(

@@ -484,6 +484,7 @@ class KVCacheManager:
         coordinator.pop_drops_null_head = profile.pop_drops_null_head
         coordinator.trim_every_full_group = profile.trim_every_full_group
         coordinator.eagle_peek_to_hashed_length = profile.eagle_peek_to_hashed_length
+        coordinator.mamba_no_eagle_margin = profile.mamba_no_eagle_margin
         coordinator.block_pool.mm_keys_by_window = profile.mm_keys_by_window
         if profile.partial_prompt_tail_entries:
             for manager in coordinator.single_type_managers:

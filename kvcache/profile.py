@@ -176,6 +176,14 @@ SWITCHES: tuple[Switch, ...] = (
         "0.33.0",
     ),
     Switch(
+        "mamba_no_eagle_margin",
+        "bug-mamba-eagle-long-hit",
+        "A hybrid lookup gives a Mamba group with EAGLE no peek past the candidate "
+        "length (its finder never drops a block), so the Mamba hit cannot outgrow the "
+        "other groups' hit.",
+        "0.33.0",
+    ),
+    Switch(
         "mamba_caps_new_state_blocks",
         "unk-mamba-state-retention",
         "An 'align' Mamba group's block count is its shortfall capped at one state "
@@ -220,6 +228,7 @@ class Profile:
     mamba_align_only: bool
     mamba_frees_processed_states: bool
     zero_every_attention_group: bool
+    mamba_no_eagle_margin: bool
     mamba_caps_new_state_blocks: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:

@@ -148,6 +148,7 @@ class KVCacheManager:
             pool.none_hash = none_hash(pool.hash_fn, None, fixed_default_seed=True)
         coordinator.trim_every_full_group = p.trim_every_full_group
         coordinator.eagle_peek_to_hashed_length = p.eagle_peek_to_hashed_length
+        coordinator.mamba_no_eagle_margin = p.mamba_no_eagle_margin
         if p.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
             coordinator.eagle_group_ids = set()  # without use_eagle no group drops a block
             coordinator._init_groups()
