@@ -41,9 +41,10 @@ REFERENCE_VERSION = "0.33.0"
 #: Layout families of ``kvcache.kit.driver.FAMILIES`` the 0.33.0 profile does not
 #: model yet, with why. Every other family runs (``conformant_families``).
 MAMBA_REASON = (
-    "Mamba under 0.33.0: 'align' only (mamba_cache_mode 'all' removed), prefill "
-    "checkpoints and their freeing rules, sub-block (fine-grained) hits, zeroing with "
-    "new_block_ids for every attention group, CoW copies"
+    "Mamba 'align' beside attention under 0.33.0: fine-grained (sub-block) hits when "
+    "the Mamba block is larger than the hash block (cache_hit_alignment_tokens = "
+    "hash block, unrounded cacheable tokens, partial-hit CoW copies, Mamba prompt-tail "
+    "partial entries), and a state cached twice after external tokens and an eviction"
 )
 RETENTION_REASON = (
     "sparse retention with EAGLE under 0.33.0: the tails kept are those before the "
