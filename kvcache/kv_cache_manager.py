@@ -530,6 +530,8 @@ class KVCacheManager:
                     )
             manager.frees_processed_states = profile.mamba_frees_processed_states
             manager.caps_new_state_blocks = profile.mamba_caps_new_state_blocks
+            manager.caches_prompt_tail_state = profile.mamba_prompt_tail_state
+            manager.prompt_tail_drops_eagle = profile.mamba_prompt_tail_state and self.use_eagle
 
     def _reject_allocate_args(self, request: Request, **counts: int) -> None:
         """Raise the ValueError for bad ``allocate_slots`` counts (see there)."""

@@ -184,6 +184,15 @@ SWITCHES: tuple[Switch, ...] = (
         "0.33.0",
     ),
     Switch(
+        "mamba_prompt_tail_state",
+        "sub-block-prefix-entries",
+        "An 'align' Mamba group caching up to the prompt's last reusable hash boundary "
+        "(num_prompt_tokens - 1 rounded down; with EAGLE the prompt rounded down less "
+        "one hash block) keys the state block there unless it already is (a state "
+        "evict_blocks unkeyed is keyed again, with its BlockStored event).",
+        "0.33.0",
+    ),
+    Switch(
         "mamba_caps_new_state_blocks",
         "unk-mamba-state-retention",
         "An 'align' Mamba group's block count is its shortfall capped at one state "
@@ -229,6 +238,7 @@ class Profile:
     mamba_frees_processed_states: bool
     zero_every_attention_group: bool
     mamba_no_eagle_margin: bool
+    mamba_prompt_tail_state: bool
     mamba_caps_new_state_blocks: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:

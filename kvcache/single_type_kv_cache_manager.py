@@ -26,7 +26,13 @@ from kvcache.kv_cache_interface import (
     is_spec_kind,
     spec_exact_class_name,
 )
-from kvcache.kv_cache_utils import BlockHash, BlockHashList, KVCacheBlock
+from kvcache.kv_cache_utils import (
+    BlockHash,
+    BlockHashList,
+    BlockHashWithGroupId,
+    KVCacheBlock,
+    get_block_hash,
+)
 
 if TYPE_CHECKING:
     from kvcache.request import Request
@@ -710,6 +716,8 @@ class MambaManager(SingleTypeKVCacheManager):
         # Release switches (kvcache.profile), set by KVCacheManager._apply_profile.
         self.frees_processed_states = False
         self.caps_new_state_blocks = False
+        self.caches_prompt_tail_state = False
+        self.prompt_tail_drops_eagle = False  # the manager's use_eagle, with the switch
         # Align mode under frees_processed_states: per request, the block index
         # below which every skipped state has been retired (freed or null).
         self._num_retired_blocks: dict[str, int] = {}
@@ -928,12 +936,44 @@ class MambaManager(SingleTypeKVCacheManager):
         """Cache as the base class and remember states cached in this step."""
         before = self.num_cached_block.get(request.request_id, 0)
         super().cache_blocks(request, num_tokens, retention_interval)
+        if self.caches_prompt_tail_state and self.mamba_cache_mode == "align":
+            key = self._cache_prompt_tail_state(request, num_tokens)
+            if key is not None:
+                self.cached_blocks_this_step.add(get_block_hash(key))
         after = self.num_cached_block.get(request.request_id, 0)
         if after <= before:
             return
         for block in self.req_to_blocks[request.request_id][before:after]:
             if not block.is_null and block._hash is not None:
                 self.cached_blocks_this_step.add(block._hash)
+
+    def _cache_prompt_tail_state(
+        self, request: Request, num_tokens: int
+    ) -> BlockHashWithGroupId | None:
+        """Under ``caches_prompt_tail_state`` (0.33.0, 'align'): when ``num_tokens``
+        is the prompt's last reusable hash boundary, key the state block holding it
+        there unless it already is (a state the pool lost, e.g. by ``evict_blocks``,
+        is keyed again). The boundary leaves one token for the logits, or with
+        EAGLE one whole hash block less. Boundaries inside a block (fine-grained
+        hits) are not modelled."""
+        hash_block_size = self.block_pool.hash_block_size
+        if num_tokens <= 0 or num_tokens % hash_block_size:
+            return None
+        boundary = kv_cache_math.mamba_prompt_tail_boundary(
+            request.num_prompt_tokens, hash_block_size, self.prompt_tail_drops_eagle
+        )
+        if num_tokens != boundary or num_tokens % self.block_size:
+            return None
+        blocks = self.req_to_blocks[request.request_id]
+        block_idx = num_tokens // self.block_size - 1
+        if block_idx >= len(blocks):
+            return None
+        block = blocks[block_idx]
+        if block.is_null or block._block_hash_num_tokens == num_tokens:
+            return None
+        return self.block_pool.cache_state_entry(
+            request, block, num_tokens, self.kv_cache_group_id
+        )
 
     def new_step_starts(self) -> None:
         """States cached in the previous step become hittable."""

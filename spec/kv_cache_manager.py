@@ -169,6 +169,8 @@ class KVCacheManager:
                                      "caching on: this release caches Mamba only in 'align'")
             m.frees_processed_states = p.mamba_frees_processed_states
             m.caps_new_state_blocks = p.mamba_caps_new_state_blocks
+            m.caches_prompt_tail_state = p.mamba_prompt_tail_state
+            m.prompt_tail_drops_eagle = p.mamba_prompt_tail_state and self.use_eagle
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = self._new_stats()
 

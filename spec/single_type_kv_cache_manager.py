@@ -369,6 +369,8 @@ class MambaManager(SingleTypeKVCacheManager):
         # Release switches (spec/profile.py), set by the KVCacheManager.
         self.frees_processed_states = False
         self.caps_new_state_blocks = False
+        self.caches_prompt_tail_state = False
+        self.prompt_tail_drops_eagle = False
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
@@ -455,10 +457,27 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def cache_blocks(self, request: Request, num_tokens: int,
                      retention_interval: int | None = None) -> None:
-        """As the base class; remember the keys cached in this step."""
+        """As the base class; remember the keys cached in this step. With
+        ``caches_prompt_tail_state`` (0.33.0, align) also key the state block at the
+        prompt's last reusable hash boundary when caching reaches exactly there and the
+        block is not keyed there already (e.g. after ``evict_blocks``)."""
         rid = request.request_id
         num_cached_before = self.num_cached_block.get(rid, 0)
         super().cache_blocks(request, num_tokens, retention_interval)
+        hbs = self.block_pool.hash_block_size
+        if (self.caches_prompt_tail_state and self.mamba_cache_mode == "align"
+                and num_tokens > 0 and num_tokens % self.block_size == 0
+                and num_tokens == pure.mamba_prompt_tail_boundary(
+                    request.num_prompt_tokens, hbs, self.prompt_tail_drops_eagle)):
+            blocks = self._blocks_of(rid)
+            idx = num_tokens // self.block_size - 1
+            if (idx < len(blocks) and blocks[idx] != NULL_BLOCK
+                    and self.block_pool.hash_num_tokens.get(blocks[idx]) != num_tokens):
+                key = self.block_pool.cache_partial_block(
+                    request, blocks[idx], num_tokens, self.kv_cache_group_id, self.block_size,
+                    any_boundary=True)
+                if key is not None:
+                    self.cached_blocks_this_step.add(key)
         num_cached_after = self.num_cached_block.get(rid, 0)
         if num_cached_after > num_cached_before:
             for block_id in self.req_to_blocks[rid][num_cached_before:num_cached_after]:

@@ -158,3 +158,24 @@ def test_mamba_caps_new_state_blocks_reports_the_shortfall(impl: str) -> None:
         hits = [null, *m.block_pool.get_new_blocks(1)]
         counts[release] = group.get_num_blocks_to_allocate("x", 8, hits, 8, 8)
     assert counts == {"0.25.1": 3, "0.33.0": 2}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mamba_prompt_tail_state_keys_an_evicted_state_again(impl: str) -> None:
+    # A 9-token prompt's last reusable boundary is 8 tokens; its state block, cached
+    # by the first chunk, loses its key to evict_blocks. Caching up to 8 tokens again
+    # keys it again under 0.33.0 (with a BlockStored event), not under 0.25.1.
+    stored = {}
+    for release in RELEASES:
+        m = build(impl, config(mamba_spec("align")), release, enable_kv_cache_events=True)
+        r = request("a", 9)
+        assert m.allocate_slots(r, 8) is not None
+        r.num_computed_tokens = 8
+        state = mamba_table(m, "a", 0)[-1]
+        m.take_events()
+        m.evict_blocks({state})
+        m.take_events()
+        m.cache_blocks(r, 8)
+        events = m.take_events()
+        stored[release] = [type(e).__name__ for e in events]
+    assert stored == {"0.25.1": [], "0.33.0": ["BlockStored"]}
