@@ -79,9 +79,19 @@ REQUIRED_PATHS = ("allocate_none", "raises:ValueError", "raises:AssertionError",
 REQUIRED_WITH_CACHING = ("prefix_hit", "event:BlockStored", "event:BlockRemoved")
 
 
+def under_0_33(family: Family) -> Family:
+    """``family`` as the runner drives it: a family whose Mamba mode vLLM 0.33.0
+    builds only uncached ('all', 'none') runs with caching off, so that every
+    sequence runs (the refusal with caching on is checked in the ``mamba`` family,
+    whose random modes include them, and by the unit tests)."""
+    if CACHING_OFF_MAMBA_KINDS & set(family.kinds):
+        return dataclasses.replace(family, enable_caching=False)
+    return family
+
+
 def conformant_families() -> list[Family]:
     """The families run: every driver family not in ``NOT_YET_CONFORMANT``."""
-    return [f for name, f in FAMILIES.items() if name not in NOT_YET_CONFORMANT]
+    return [under_0_33(f) for name, f in FAMILIES.items() if name not in NOT_YET_CONFORMANT]
 
 
 def family_seed(base_seed: int, family_index: int, index: int) -> int:
@@ -108,6 +118,7 @@ def run_family(
     family: Family, family_index: int, sequences: int, base_seed: int = 0
 ) -> FamilyResult:
     """Run ``sequences`` random sequences of ``family`` on both sides."""
+    family = under_0_33(family)
     stats = Stats()
     started = time.monotonic()
     failures = []
@@ -121,11 +132,7 @@ def run_family(
         if result.mismatch is not None or result.cannot_build is not None:
             failures.append(result)
     stats.seconds = time.monotonic() - started
-    caching = (
-        family.enable_caching is not False
-        and "cross" not in family.kinds
-        and not CACHING_OFF_MAMBA_KINDS & set(family.kinds)  # 0.33.0 builds them uncached
-    )
+    caching = family.enable_caching is not False and "cross" not in family.kinds
     required = REQUIRED_PATHS + (REQUIRED_WITH_CACHING if caching else ())
     missing = [path for path in required if stats.events[path] == 0]
     return FamilyResult(family, stats, failures, missing)
