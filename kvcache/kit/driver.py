@@ -326,6 +326,8 @@ class Lockstep:
         """Compare abstract states and free counts; returns the reference's
         canonical state when recording (else None)."""
         expected_raw = self.reference.raw_state()
+        if expected_raw is not None:
+            self.observe_state(expected_raw)
         if self.subject is not None:
             diff: list[str] = []
             actual_raw = self.subject.raw_state()
@@ -362,6 +364,18 @@ class Lockstep:
             return canon_state(expected_raw)
         return None
 
+    def observe_state(self, state: Mapping[str, Any]) -> None:
+        """Count states where an R-SWA table holds a null after a live block (a freed
+        gap), so tests can check the driver makes decodes pass the window."""
+        for index, group in enumerate(self.config.groups):
+            if group.kind != "rswa":
+                continue
+            for table in state["req_to_blocks"][index].values():
+                live = [i for i, block in enumerate(table) if block != 0]
+                if live and 0 in table[live[0] :]:
+                    self.stats.events["rswa_gap"] += 1
+                    return
+
     def observe(self, op: str, expected: Mapping[str, Any]) -> None:
         """Count the paths the reference took, so tests can check the driver reaches them."""
         events = self.stats.events
@@ -389,7 +403,8 @@ class Family:
     """A family of random configs: the group layout and the knobs held fixed.
 
     ``kinds`` are layout tokens: full, swa, chunked, mamba-align, mamba-all,
-    mamba-none, mamba (any mode), cross. ``enable_caching`` / ``watermark``
+    mamba-none, mamba (any mode), cross, rswa (no sink: vLLM 0.25.1 cannot build
+    a manager with a sink group). ``enable_caching`` / ``watermark``
     None: drawn at random. ``eagle``: probability of ``use_eagle``.
     ``mixed_block_sizes``: groups may have different block sizes.
     ``retention``: draw a prefix-cache retention interval
@@ -443,6 +458,9 @@ FAMILIES: dict[str, Family] = {
         Family("mla", ("mla",)),
         Family("full+mla", ("full", "mla")),
         Family("full+swa-mla", ("full", "swa-mla")),
+        Family("rswa", ("rswa",)),
+        Family("full+rswa", ("full", "rswa")),
+        Family("rswa+swa", ("rswa", "swa")),
     ]
 }
 
@@ -474,6 +492,8 @@ def random_group(rng: random.Random, token: str, block_size: int, index: int) ->
         )
     if token == "mla":
         return GroupConfig("mla", block_size, num_kv_heads=heads)
+    if token == "rswa":  # short windows: decodes of a few tokens pass them
+        return GroupConfig("rswa", block_size, rswa_window=rng.randint(1, 5), num_kv_heads=heads)
     return GroupConfig("full", block_size, num_kv_heads=heads)
 
 
@@ -578,6 +598,7 @@ class RandomScheduler:
         # Draft tokens need a speculative state block each in every Mamba group.
         self.max_draft_tokens = min((g.num_speculative_blocks for g in mamba), default=3)
         self.encoder_decoder = any(g.kind == "cross_attention" for g in config.groups)
+        self.rswa = any(g.kind == "rswa" for g in config.groups)
 
     # ------------------------------------------------------------ helpers
 
@@ -658,7 +679,8 @@ class RandomScheduler:
             tail = [rng.randrange(3) for _ in range(rng.randint(0, 2 * self.block_size + 1))]
             prompt = (stem + tail)[: self.config.max_model_len - 1] or [rng.randrange(3)]
             args = {"request_id": request_id, "prompt_token_ids": prompt}
-            args["max_tokens"] = rng.randint(1, 12)
+            # R-SWA frees its gap only once a decode passes its window: longer decodes.
+            args["max_tokens"] = rng.randint(1, 24 if self.rswa else 12)
             if rng.random() < 0.15:
                 args["lora"] = rng.choice([["lora-a", 1], ["lora-b", 2]])
             if rng.random() < 0.1:
