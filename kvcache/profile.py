@@ -159,7 +159,7 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "mamba_frees_processed_states",
-        "unk-mamba-state-retention",
+        "mamba-freed-on-processed-tokens",
         "Mamba frees states by the processed tokens it is given (no "
         "num_speculative_blocks margin subtracted); in 'align' mode it retires every "
         "live state before the latest, past the null gaps prefill leaves, from where "
@@ -185,7 +185,7 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "mamba_prompt_tail_state",
-        "sub-block-prefix-entries",
+        "unk-mamba-align-recache",
         "An 'align' Mamba group caching up to the prompt's last reusable hash boundary "
         "(num_prompt_tokens - 1 rounded down; with EAGLE the prompt rounded down less "
         "one hash block) keys the state block there unless it already is (a state "
@@ -194,7 +194,7 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "mamba_caps_new_state_blocks",
-        "unk-mamba-state-retention",
+        "",
         "An 'align' Mamba group's block count is its shortfall capped at one state "
         "block (plus the speculative blocks on the first allocation); 0.25.1 reports "
         "the cap itself whenever anything is short.",

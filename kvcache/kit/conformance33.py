@@ -44,7 +44,7 @@ MAMBA_REASON = (
     "Mamba 'align' beside attention under 0.33.0: fine-grained (sub-block) hits when "
     "the Mamba block is larger than the hash block (cache_hit_alignment_tokens = "
     "hash block, unrounded cacheable tokens, partial-hit CoW copies, Mamba prompt-tail "
-    "partial entries), and a state cached twice after external tokens and an eviction"
+    "partial entries)"
 )
 RETENTION_REASON = (
     "sparse retention with EAGLE under 0.33.0: the tails kept are those before the "
