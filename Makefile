@@ -142,9 +142,13 @@ bench-kernels: $(REF_STAMP)
 	TRITON_INTERPRET=0 $(PY) -m kernels.bench
 
 # kvcache (compiled and pure) vs vLLM 0.25.1 vs spec on the same workloads (ratios,
-# per-method us, scaling).
+# per-method us, scaling), then the stored workload traces and three traces of 100
+# requests recorded from vLLM now, replayed side by side.
+BENCH_TRACES := $(wildcard tests/data/*workload_chat*.jsonl.gz)
+BENCH_TRACE_REQUESTS ?= 100
 bench: $(BENCH_STAMP) $(COMPILED_STAMP)
-	$(PY) -m kvcache bench --scaling --json build/bench.json --plot build/bench.png
+	$(PY) -m kvcache bench --scaling --json build/bench.json --plot build/bench.png \
+		--traces $(BENCH_TRACES) --trace-requests $(BENCH_TRACE_REQUESTS)
 
 # mutmut over kvcache/*.py (not the kit) with the quick test selection of [tool.mutmut]
 # (HYPOTHESIS_PROFILE=mutation): counts and score against docs/mutation.md, which lists the
