@@ -96,7 +96,9 @@ conformance: $(REF_STAMP)
 	KVCACHE_PURE=1 $(PY) -m pytest -q -m conformance tests/conformance
 
 # Tests run twice (README, "Two builds"): everything on the pure-Python sources, then
-# the stateful machines, conformance and reliability on the compiled build.
+# the stateful machines, conformance and reliability on the compiled build; the
+# exhaustive kvcache-vs-spec search too, on the compiled build shallower (states pickled).
+PROOFS_COMPILED_SHALLOWER ?= 2
 verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py lint -- $(VENV)/bin/ruff check $(LINT_PATHS)
 	@$(PY) scripts/stage.py typecheck -- $(VENV)/bin/mypy --strict $(TYPED_PATHS)
@@ -107,6 +109,8 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py upstream-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
 		$(PY) -m kvcache.kit.upstream --reuse-baseline
 	@$(PY) scripts/stage.py proofs -- env KVCACHE_PURE=1 $(PY) -m proofs.run
+	@$(PY) scripts/stage.py proofs-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
+		$(PY) -m proofs.exhaustive --shallower $(PROOFS_COMPILED_SHALLOWER)
 	@$(PY) scripts/stage.py check-0.33 -- env KVCACHE_PURE=1 $(MAKE) --no-print-directory check-0.33
 
 # vLLM 0.25.1's own tests/v1/core, fetched into build/upstream, run unchanged on stock vLLM,

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from mypy_extensions import mypyc_attr
+
 from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
@@ -39,6 +41,7 @@ def _is_full(spec: KVCacheSpec) -> bool:
     return is_spec_kind(spec, "FullAttentionSpec")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheCoordinator:
     """Fans each manager-level operation out to every group's manager.
 
@@ -244,6 +247,7 @@ class KVCacheCoordinator:
             manager.new_step_starts()
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     """Coordinator without prefix caching: any number of groups, never a hit."""
 
@@ -286,6 +290,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         return tuple([] for _ in range(self.num_single_type_manager)), 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """Coordinator for a model with exactly one KV-cache group."""
 
@@ -360,6 +365,7 @@ class SpecGroup(NamedTuple):
     use_eagle: bool
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Coordinator for models mixing KV-cache kinds (e.g. full + sliding window).
 

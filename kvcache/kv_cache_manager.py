@@ -75,6 +75,7 @@ def enable_self_check(manager: KVCacheManager) -> None:
     wrap(manager.block_pool, "free_blocks")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass
 class KVCacheBlocks:
     """Blocks handed to the scheduler: ``blocks[g][i]`` is block ``i`` of group ``g``.

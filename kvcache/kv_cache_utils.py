@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType, TypeAlias, TypeVar, cast, overload
 
 import cbor2
+from mypy_extensions import mypyc_attr
 
 from kvcache.kv_cache_math import coarse_hash_index, num_coarse_hashes
 
@@ -309,6 +310,7 @@ def get_request_block_hasher(
     return request_block_hasher
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockHashListWithBlockSize:
     """Read-only view of hashes computed at ``hash_block_size`` as hashes of
     ``target_block_size`` blocks (a multiple): block ``i``'s hash is the fine hash
@@ -360,6 +362,7 @@ BlockHashList: TypeAlias = list[BlockHash] | BlockHashListWithBlockSize
 # ---------------------------------------------------------------- blocks
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """Metadata of one physical block.
@@ -420,6 +423,7 @@ class KVCacheBlock:
         )
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FreeKVCacheBlockQueue:
     """Free blocks in eviction order: the front is evicted (reused) first.
 

@@ -15,6 +15,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from mypy_extensions import mypyc_attr
+
 from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
@@ -36,6 +38,7 @@ cdiv = kv_cache_math.cdiv
 _is_not_none = functools.partial(operator.is_not, None)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class _CachedInAllGroups:
     """Hashes cached in every one of ``kv_cache_group_ids``: the ``cached`` container
     of the hit searches when several groups share a spec."""
@@ -81,6 +84,7 @@ def _hit_blocks(
     return computed
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SingleTypeKVCacheManager:
     """Block tables of one KV-cache group over the shared ``BlockPool``.
 
@@ -383,6 +387,7 @@ class SingleTypeKVCacheManager:
         raise NotImplementedError
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: every token is attended to, so every block is kept and a
     hit is the longest run of cached leading blocks."""
@@ -445,6 +450,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return num_common
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding-window attention: only the last ``sliding_window`` tokens are
     attended to, so leading blocks become the null block once the window has
@@ -550,6 +556,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """Chunked local attention: a token sees only its own chunk, so chunks
     before the current one are null blocks, and a hit only needs the cached
@@ -620,6 +627,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MambaManager(SingleTypeKVCacheManager):
     """Mamba state blocks: only the latest state is needed, so everything before
     the last computed token is released; a hit is the rightmost cached state.
@@ -811,6 +819,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self.cached_blocks_this_step.clear()
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class CrossAttentionManager(SingleTypeKVCacheManager):
     """Cross attention: blocks for the encoder output, allocated once from
     ``num_encoder_tokens``; request-specific, so never cached or shared."""
@@ -861,6 +870,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         raise NotImplementedError("CrossAttentionManager does not support caching")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RSWAManager(FullAttentionManager):
     """vLLM's manager for reference sliding-window attention (``RSWASpec``): the
     name exists for vLLM's callers; the kind is not modelled yet (issue 14)."""
@@ -872,6 +882,7 @@ class RSWAManager(FullAttentionManager):
         )
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SinkFullAttentionManager(FullAttentionManager):
     """vLLM's manager for full attention with sink tokens (``SinkFullAttentionSpec``):
     the name exists for vLLM's callers; the kind is not modelled yet (issue 14)."""
