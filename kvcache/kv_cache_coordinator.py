@@ -7,6 +7,7 @@ several groups -> ``HybridKVCacheCoordinator``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -35,6 +36,70 @@ if TYPE_CHECKING:
     from kvcache.request import Request
 
 
+RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
+#: Default of ``prefix_cache_retention_interval``: read ``RETENTION_ENV`` at construction.
+RETENTION_FROM_ENV = "env"
+
+
+def prefix_cache_retention_interval_from_env() -> int | None:
+    """``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` as vLLM 0.25.1 reads it: unset -> None
+    (dense caching), else ``int(value)``.
+
+    Raises:
+        ValueError: the variable is set but is not an integer.
+    """
+    value = os.environ.get(RETENTION_ENV)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{RETENTION_ENV}={value!r} is not an integer") from None
+
+
+def resolve_prefix_cache_retention_interval(
+    prefix_cache_retention_interval: int | str | None,
+    scheduler_block_size: int,
+    kv_cache_config: KVCacheConfig,
+) -> int | None:
+    """The retention interval a coordinator uses, checked as vLLM 0.25.1 checks it.
+
+    ``RETENTION_FROM_ENV`` reads the environment (vLLM's only source); None keeps
+    dense caching; 0 keeps only the latest replay boundary; a positive multiple of
+    ``scheduler_block_size`` keeps one checkpoint per that many tokens. It thins
+    sliding-window and Mamba groups only, so a model without one is refused.
+
+    Raises:
+        ValueError: not an int; no sliding-window or Mamba group; negative or not a
+            multiple of ``scheduler_block_size`` (vLLM raises ValueError too).
+    """
+    name = "prefix_cache_retention_interval"
+    interval: object = prefix_cache_retention_interval
+    if interval == RETENTION_FROM_ENV:
+        name = RETENTION_ENV
+        interval = prefix_cache_retention_interval_from_env()
+    if interval is None:
+        return None
+    if isinstance(interval, bool) or not isinstance(interval, int):
+        raise ValueError(
+            f"{name}={interval!r}: expected an int, None or {RETENTION_FROM_ENV!r}"
+        )
+    if not any(
+        is_spec_kind(g.kv_cache_spec, "SlidingWindowSpec", "MambaSpec")
+        for g in kv_cache_config.kv_cache_groups
+    ):
+        raise ValueError(
+            f"{name}={interval} is set but no KV-cache group is sliding-window or Mamba, "
+            "the only kinds whose cached blocks it thins out; unset it"
+        )
+    if interval < 0 or interval % scheduler_block_size != 0:
+        raise ValueError(
+            f"{name}={interval} must be non-negative and a multiple of "
+            f"scheduler_block_size={scheduler_block_size}"
+        )
+    return interval
+
+
 def _is_full(spec: KVCacheSpec) -> bool:
     """Whether ``spec`` is full attention (kvcache's or vLLM's class, or a subclass:
     MLA and the other full-attention variants count, as in vLLM's isinstance test)."""
@@ -58,6 +123,9 @@ class KVCacheCoordinator:
             block size and of ``hash_block_size``.
         hash_block_size: Granularity of request block hashes.
         metrics_collector: Must be None.
+        prefix_cache_retention_interval: Sparse caching of sliding-window and Mamba
+            groups (``resolve_prefix_cache_retention_interval``); by default read from
+            ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``, as vLLM does.
     """
 
     def __init__(
@@ -73,6 +141,8 @@ class KVCacheCoordinator:
         scheduler_block_size: int,
         hash_block_size: int,
         metrics_collector: Any = None,
+        *,
+        prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size != 0 or any(
@@ -112,7 +182,9 @@ class KVCacheCoordinator:
             )
             for i, g in enumerate(groups)
         )
-        self.retention_interval: int | None = None
+        self.retention_interval = resolve_prefix_cache_retention_interval(
+            prefix_cache_retention_interval, scheduler_block_size, kv_cache_config
+        )
         # Precomputed dispatch for the per-call loops.
         self._is_cross = tuple(
             isinstance(m, CrossAttentionManager) for m in self.single_type_managers
@@ -263,6 +335,8 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         scheduler_block_size: int,
         hash_block_size: int,
         metrics_collector: Any = None,
+        *,
+        prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -276,6 +350,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
             scheduler_block_size,
             hash_block_size,
             metrics_collector,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
         self.num_single_type_manager = len(self.single_type_managers)
 
@@ -307,6 +382,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         scheduler_block_size: int,
         hash_block_size: int,
         metrics_collector: Any = None,
+        *,
+        prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -320,6 +397,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             scheduler_block_size,
             hash_block_size,
             metrics_collector,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
@@ -388,6 +466,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         scheduler_block_size: int,
         hash_block_size: int,
         metrics_collector: Any = None,
+        *,
+        prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -401,6 +481,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             scheduler_block_size,
             hash_block_size,
             metrics_collector,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
         self.hash_block_size = hash_block_size
         sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
@@ -562,6 +643,8 @@ def get_kv_cache_coordinator(
     scheduler_block_size: int,
     hash_block_size: int,
     metrics_collector: Any = None,
+    *,
+    prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
 ) -> KVCacheCoordinator:
     """Pick the coordinator for this config (see the module docstring).
 
@@ -587,6 +670,7 @@ def get_kv_cache_coordinator(
             scheduler_block_size,
             hash_block_size,
             metrics_collector,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
     if len(kv_cache_config.kv_cache_groups) == 1:
         return UnitaryKVCacheCoordinator(
@@ -601,6 +685,7 @@ def get_kv_cache_coordinator(
             scheduler_block_size,
             hash_block_size,
             metrics_collector,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
     return HybridKVCacheCoordinator(
         kv_cache_config,
@@ -614,4 +699,5 @@ def get_kv_cache_coordinator(
         scheduler_block_size,
         hash_block_size,
         metrics_collector,
+        prefix_cache_retention_interval=prefix_cache_retention_interval,
     )

@@ -12,7 +12,7 @@ from typing import Any, Literal, cast, overload
 
 from mypy_extensions import mypyc_attr
 
-from kvcache.kv_cache_coordinator import get_kv_cache_coordinator
+from kvcache.kv_cache_coordinator import RETENTION_FROM_ENV, get_kv_cache_coordinator
 from kvcache.kv_cache_interface import (
     KVCacheConfig,
     get_kv_cache_spec_kind,
@@ -145,6 +145,13 @@ class KVCacheManager:
         metrics_collector: Must be None (block residency metrics are not supported).
         watermark: Fraction of the pool kept free when admitting waiting or
             preempted requests while others are scheduled.
+        prefix_cache_retention_interval: Keyword only, not in vLLM's signature
+            (vLLM 0.25.1 reads ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` when the
+            coordinator is built, and so does the default ``"env"``). None: dense
+            caching; 0: sliding-window and Mamba groups keep only the tail at the
+            prompt's replay boundary; k * scheduler_block_size: also one per k
+            scheduler blocks. ValueError for other values, or without a
+            sliding-window or Mamba group.
     """
 
     def __init__(
@@ -162,6 +169,8 @@ class KVCacheManager:
         pcp_world_size: int = 1,
         metrics_collector: Any = None,
         watermark: float = 0.0,
+        *,
+        prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
     ) -> None:
         if metrics_collector is not None:
             raise NotImplementedError(
@@ -191,6 +200,7 @@ class KVCacheManager:
             pcp_world_size=pcp_world_size,
             scheduler_block_size=scheduler_block_size,
             hash_block_size=hash_block_size,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool

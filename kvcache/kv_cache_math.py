@@ -162,6 +162,70 @@ def sliding_window_reachable_mask(
     ]
 
 
+def replay_boundary_tokens(num_prompt_tokens: int, alignment_tokens: int) -> int:
+    """The longest hit a replay of a ``num_prompt_tokens`` prompt can get: hits stop
+    one token short of the prompt (its logits are recomputed), on an aligned boundary."""
+    return (num_prompt_tokens - 1) // alignment_tokens * alignment_tokens
+
+
+def sliding_window_retention_mask(
+    start_block: int,
+    end_block: int,
+    num_needed: int,
+    block_size: int,
+    alignment_tokens: int,
+    retention_interval: int,
+    num_prompt_tokens: int | None,
+    use_eagle: bool,
+) -> list[bool] | None:
+    """Sparse retention (``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``) for a sliding window:
+    the ``num_needed`` blocks before each ``retention_interval`` boundary (no such tails
+    when it is 0), plus those before the prompt's replay boundary, which a replay of
+    the prompt hits. Shifted one block with EAGLE. None: every block."""
+    if retention_interval != 0:
+        mask = sliding_window_reachable_mask(
+            start_block, end_block, num_needed, retention_interval // block_size, use_eagle
+        )
+        if mask is None:
+            return None
+    else:
+        mask = [False] * max(0, end_block - start_block)
+    if num_prompt_tokens is not None:
+        shift = 1 if use_eagle else 0
+        replay_end = replay_boundary_tokens(num_prompt_tokens, alignment_tokens) // block_size
+        replay_end += shift
+        for i in range(max(start_block, replay_end - num_needed), min(end_block, replay_end)):
+            mask[i - start_block] = True
+    return mask
+
+
+def mamba_retention_mask(
+    start_block: int,
+    end_block: int,
+    block_size: int,
+    alignment_tokens: int,
+    retention_interval: int,
+    num_prompt_tokens: int | None,
+) -> list[bool] | None:
+    """Sparse retention for Mamba states: block ``i`` holds the state after token
+    ``(i + 1) * block_size``; keep the states ending on a ``retention_interval``
+    boundary (none when it is 0) and the state at the prompt's replay boundary.
+    None: every block (an interval of at most one block)."""
+    if retention_interval != 0 and retention_interval // block_size <= 1:
+        return None
+    replay = -1
+    if num_prompt_tokens is not None:
+        replay = replay_boundary_tokens(num_prompt_tokens, alignment_tokens)
+    mask = []
+    for i in range(start_block, end_block):
+        num_state_tokens = (i + 1) * block_size  # the tokens block i's state follows
+        mask.append(
+            (retention_interval != 0 and num_state_tokens % retention_interval == 0)
+            or num_state_tokens == replay
+        )
+    return mask
+
+
 # ---------------------------------------------------------------- hit searches
 
 

@@ -533,14 +533,25 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     ) -> list[bool] | None:
         """A hit ends on an ``alignment_tokens`` boundary and reads only the
         ``need`` blocks before it (shifted by one with EAGLE), so only those
-        tails of each aligned segment are worth caching."""
+        tails of each aligned segment are worth caching. With a retention
+        interval (not None), only the tails of each ``retention_interval``
+        segment (none for 0) and the tail before the prompt's replay boundary."""
         kv_cache_spec = cast(SlidingWindowSpec, kv_cache_spec)
         if alignment_tokens is None:
             return None
-        if retention_interval is not None:
-            raise NotImplementedError("prefix-cache retention intervals are not supported")
         block_size = kv_cache_spec.block_size
         need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size, use_eagle)
+        if retention_interval is not None:
+            return kv_cache_math.sliding_window_retention_mask(
+                start_block,
+                end_block,
+                need,
+                block_size,
+                alignment_tokens,
+                retention_interval,
+                num_prompt_tokens,
+                use_eagle,
+            )
         return kv_cache_math.sliding_window_reachable_mask(
             start_block, end_block, need, alignment_tokens // block_size, use_eagle
         )
@@ -691,6 +702,31 @@ class MambaManager(SingleTypeKVCacheManager):
         )
         first = num_blocks - 1 if num_blocks else 0
         return _hit_blocks(block_hashes, first, num_blocks, kv_cache_group_ids, block_pool)
+
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        num_prompt_tokens: int | None = None,
+    ) -> list[bool] | None:
+        """Every state (None) unless a retention interval is set: then the states
+        ending on a ``retention_interval`` boundary (none for 0) and the state at the
+        prompt's replay boundary. EAGLE does not apply (draft models have no Mamba)."""
+        if retention_interval is None or alignment_tokens is None:
+            return None
+        return kv_cache_math.mamba_retention_mask(
+            start_block,
+            end_block,
+            kv_cache_spec.block_size,
+            alignment_tokens,
+            retention_interval,
+            num_prompt_tokens,
+        )
 
     def remove_skipped_blocks(
         self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None

@@ -145,6 +145,15 @@ PAIRS: tuple[Pair, ...] = (
     Pair("sliding_window_reachable_mask", f"{S}.sliding_window_reachable_mask",
          f"{K}.sliding_window_reachable_mask",
          lambda start, end, need, per_segment, eagle: _nonneg(start, need) and per_segment >= 1),
+    Pair("replay_boundary", f"{S}.replay_boundary", f"{K}.replay_boundary_tokens",
+         lambda n, alignment: alignment >= 1),
+    Pair("sliding_window_retention_mask", f"{S}.sliding_window_retention_mask",
+         f"{K}.sliding_window_retention_mask",
+         lambda start, end, need, bs, alignment, interval, prompt, eagle: (
+             _nonneg(start, need, interval) and bs >= 1 and alignment >= 1)),
+    Pair("mamba_retention_mask", f"{S}.mamba_retention_mask", f"{K}.mamba_retention_mask",
+         lambda start, end, bs, alignment, interval, prompt: (
+             _nonneg(start, interval) and bs >= 1 and alignment >= 1)),
     Pair("align_num_hit_blocks", f"{S}.align_num_hit_blocks", f"{K}.align_num_hit_blocks",
          lambda n, bs, alignment: n >= 0 and bs >= 1 and alignment >= 1),
     Pair("full_attention_hit_num_blocks", f"{S}.full_attention_hit_num_blocks",

@@ -22,13 +22,18 @@ class KVCacheCoordinator:
 
     Groups flagged ``is_eagle_group`` drop their last hit block; when none is flagged,
     ``use_eagle`` flags them all. Cross-attention groups are sized by the encoder tokens.
+    ``retention_interval`` (vLLM's ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``, given
+    here explicitly) thins out what sliding-window and Mamba groups cache: None caches
+    densely, 0 only at the prompt's replay boundary, a multiple of
+    ``scheduler_block_size`` there and at each of its multiples.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
                  max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
                  enable_kv_cache_events: bool, scheduler_block_size: int,
                  hash_block_size: int, caching_hash_algo: str = "sha256",
-                 hash_seed: str | None = None) -> None:
+                 hash_seed: str | None = None, *,
+                 prefix_cache_retention_interval: int | None = None) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size or any(
                 scheduler_block_size % g.kv_cache_spec.block_size for g in groups):
@@ -48,7 +53,21 @@ class KVCacheCoordinator:
             get_manager_for_kv_cache_spec(g.kv_cache_spec, max_num_batched_tokens, max_model_len,
                                           self.block_pool, enable_caching, i, scheduler_block_size)
             for i, g in enumerate(groups))
+        self.retention_interval = prefix_cache_retention_interval
+        if self.retention_interval is not None:
+            self._check_retention_interval(self.retention_interval)
         self._init_groups()
+
+    def _check_retention_interval(self, interval: int) -> None:
+        """vLLM's checks: a windowed group to thin out, and a non-negative multiple of
+        ``scheduler_block_size`` (hits end only on those)."""
+        if not any(is_a(g.kv_cache_spec, "SlidingWindowSpec") or is_a(g.kv_cache_spec, "MambaSpec")
+                   for g in self.kv_cache_config.kv_cache_groups):
+            raise ValueError(f"prefix_cache_retention_interval={interval} needs a sliding-window "
+                             "or Mamba group")
+        if interval < 0 or interval % self.scheduler_block_size:
+            raise ValueError(f"prefix_cache_retention_interval={interval} must be non-negative "
+                             f"and a multiple of scheduler_block_size={self.scheduler_block_size}")
 
     def _init_groups(self) -> None:
         """Coordinator-specific checks and EAGLE flags, run at the end of ``__init__``."""
@@ -99,7 +118,7 @@ class KVCacheCoordinator:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's full blocks among its first ``num_computed_tokens`` tokens."""
         for m in self.single_type_managers:
-            m.cache_blocks(request, num_computed_tokens)
+            m.cache_blocks(request, num_computed_tokens, self.retention_interval)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, group by group."""
@@ -210,7 +229,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         further, since their hits look one block past a boundary)."""
         for m in self.single_type_managers:
             m.cache_blocks(request, pure.num_tokens_to_cache(
-                num_computed_tokens, self.scheduler_block_size, m.block_size, m.use_eagle))
+                num_computed_tokens, self.scheduler_block_size, m.block_size, m.use_eagle),
+                self.retention_interval)
 
     def _hashes_for(self, block_hashes: list[bytes], spec: KVCacheSpec) -> list[bytes]:
         """The request's hashes at the spec's block size."""
@@ -288,7 +308,9 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
                              max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
                              enable_kv_cache_events: bool, scheduler_block_size: int,
                              hash_block_size: int, caching_hash_algo: str = "sha256",
-                             hash_seed: str | None = None) -> KVCacheCoordinator:
+                             hash_seed: str | None = None, *,
+                             prefix_cache_retention_interval: int | None = None
+                             ) -> KVCacheCoordinator:
     """No-prefix-cache when caching is off, else unitary for one group, hybrid for more."""
     cls: type[KVCacheCoordinator] = HybridKVCacheCoordinator
     if not enable_caching:
@@ -297,4 +319,4 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
         cls = UnitaryKVCacheCoordinator
     return cls(kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle, enable_caching,
                enable_kv_cache_events, scheduler_block_size, hash_block_size, caching_hash_algo,
-               hash_seed)
+               hash_seed, prefix_cache_retention_interval=prefix_cache_retention_interval)

@@ -79,7 +79,9 @@ class KVCacheManager:
 
     Beyond vLLM's arguments, two engine settings vLLM gives its request hasher: the spec
     hashes requests itself with ``caching_hash_algo`` (sha256, sha256_cbor, xxhash,
-    xxhash_cbor), the chain seeded by ``hash_seed`` (None: ``PYTHONHASHSEED``).
+    xxhash_cbor), the chain seeded by ``hash_seed`` (None: ``PYTHONHASHSEED``). vLLM
+    reads the retention interval from its environment; the spec is told it
+    (``prefix_cache_retention_interval``, see the coordinator).
 
     Invariants (``check_invariants``), besides the pool's and the managers':
       - every id in a table or in ``new_block_ids`` is a valid block id (and not 0 in
@@ -96,7 +98,8 @@ class KVCacheManager:
                  enable_kv_cache_events: bool = False, dcp_world_size: int = 1,
                  pcp_world_size: int = 1, metrics_collector: Any = None,
                  watermark: float = 0.0, *, caching_hash_algo: str = "sha256",
-                 hash_seed: str | None = None) -> None:
+                 hash_seed: str | None = None,
+                 prefix_cache_retention_interval: int | None = None) -> None:
         if dcp_world_size > 1 or pcp_world_size > 1:
             raise NotImplementedError("context parallelism (dcp/pcp > 1) is not modelled")
         if metrics_collector is not None:
@@ -112,7 +115,8 @@ class KVCacheManager:
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config, max_model_len, self.max_num_batched_tokens, use_eagle,
             enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
-            caching_hash_algo, hash_seed)
+            caching_hash_algo, hash_seed,
+            prefix_cache_retention_interval=prefix_cache_retention_interval)
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config

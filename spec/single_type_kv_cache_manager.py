@@ -152,20 +152,26 @@ class SingleTypeKVCacheManager:
         ids, self.new_block_ids = self.new_block_ids, []
         return ids
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Cache the request's full blocks among its first ``num_tokens`` tokens."""
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None) -> None:
+        """Cache the request's full blocks among its first ``num_tokens`` tokens (those
+        the group's mask keeps, for the coordinator's ``retention_interval``)."""
         rid = request.request_id
         num_cached = self.num_cached_block.get(rid, 0)
         num_full = num_tokens // self.block_size
         if num_cached >= num_full:
             return
-        mask = self.reachable_block_mask(num_cached, num_full)
+        mask = self.reachable_block_mask(num_cached, num_full, retention_interval,
+                                         request.num_prompt_tokens)
         self.block_pool.cache_full_blocks(request, self._blocks_of(rid), num_cached, num_full,
                                           self.block_size, self.kv_cache_group_id, mask)
         self.num_cached_block[rid] = num_full
 
-    def reachable_block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
-        """Which of the blocks to cache a hit can ever use; None for all."""
+    def reachable_block_mask(self, start_block: int, end_block: int,
+                             retention_interval: int | None = None,
+                             num_prompt_tokens: int | None = None) -> list[bool] | None:
+        """Which of the blocks to cache a hit can ever use (None: all). A retention
+        interval (not None) thins them out further: see the windowed kinds."""
         return None
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
@@ -269,12 +275,21 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             kv_cache_spec.block_size, alignment_tokens)
         return hit_blocks(block_hashes, first, num_blocks, group_ids, pool)
 
-    def reachable_block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+    def reachable_block_mask(self, start_block: int, end_block: int,
+                             retention_interval: int | None = None,
+                             num_prompt_tokens: int | None = None) -> list[bool] | None:
         """Only the window's blocks before each ``scheduler_block_size`` boundary (shifted by
-        one block with EAGLE) can serve a hit; None when that is every block."""
+        one block with EAGLE) can serve a hit; None when that is every block. With a
+        retention interval: before each ``retention_interval`` boundary instead (none
+        for 0), and before the prompt's replay boundary."""
+        num_needed = self._num_blocks_for_hit(self.kv_cache_spec, self.use_eagle)
+        if retention_interval is not None:
+            return pure.sliding_window_retention_mask(
+                start_block, end_block, num_needed, self.block_size, self.scheduler_block_size,
+                retention_interval, num_prompt_tokens, self.use_eagle)
         return pure.sliding_window_reachable_mask(
-            start_block, end_block, self._num_blocks_for_hit(self.kv_cache_spec, self.use_eagle),
-            self.scheduler_block_size // self.block_size, self.use_eagle)
+            start_block, end_block, num_needed, self.scheduler_block_size // self.block_size,
+            self.use_eagle)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the window of the next token."""
@@ -391,11 +406,23 @@ class MambaManager(SingleTypeKVCacheManager):
         self._allocated_block_reqs.add(request_id)
         return req_blocks[num_held:]
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def reachable_block_mask(self, start_block: int, end_block: int,
+                             retention_interval: int | None = None,
+                             num_prompt_tokens: int | None = None) -> list[bool] | None:
+        """Every state (None), unless a retention interval thins them out to those on
+        its boundaries and the prompt's replay boundary."""
+        if retention_interval is None:
+            return None
+        return pure.mamba_retention_mask(start_block, end_block, self.block_size,
+                                         self.scheduler_block_size, retention_interval,
+                                         num_prompt_tokens)
+
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None) -> None:
         """As the base class; remember the keys cached in this step."""
         rid = request.request_id
         num_cached_before = self.num_cached_block.get(rid, 0)
-        super().cache_blocks(request, num_tokens)
+        super().cache_blocks(request, num_tokens, retention_interval)
         num_cached_after = self.num_cached_block.get(rid, 0)
         if num_cached_after > num_cached_before:
             for block_id in self.req_to_blocks[rid][num_cached_before:num_cached_after]:
@@ -450,7 +477,8 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
                                           num_external_computed_tokens: int) -> None:
         """Nothing: a KV connector loads no encoder output."""
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None) -> None:
         """Refused: cross-attention blocks are never cached."""
         raise ValueError("cross-attention blocks are never cached")
 

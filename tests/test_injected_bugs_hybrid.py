@@ -147,6 +147,58 @@ def mamba_keeping_previous_state(
     )
 
 
+_swa_mask = SlidingWindowManager.reachable_block_mask
+_mamba_mask = MambaManager.reachable_block_mask
+
+
+def swa_replay_tail_uncapped(
+    cls: type[SlidingWindowManager],
+    start_block: int,
+    end_block: int,
+    alignment_tokens: int | None,
+    kv_cache_spec: Any,
+    use_eagle: bool,
+    retention_interval: int | None = None,
+    num_prompt_tokens: int | None = None,
+) -> list[bool] | None:
+    """Sparse retention keeps the window before the prompt's end, forgetting that a
+    replay's hit stops one token short: a segment late when the prompt is aligned."""
+    if num_prompt_tokens is not None:
+        num_prompt_tokens += 1
+    return _swa_mask(
+        start_block, end_block, alignment_tokens, kv_cache_spec, use_eagle,
+        retention_interval, num_prompt_tokens,
+    )  # fmt: skip
+
+
+def mamba_states_one_block_early(
+    cls: type[MambaManager],
+    start_block: int,
+    end_block: int,
+    alignment_tokens: int | None,
+    kv_cache_spec: Any,
+    use_eagle: bool,
+    retention_interval: int | None = None,
+    num_prompt_tokens: int | None = None,
+) -> list[bool] | None:
+    """Sparse retention keeps the state one block before each interval boundary."""
+    if not retention_interval:
+        return _mamba_mask(
+            start_block, end_block, alignment_tokens, kv_cache_spec, use_eagle,
+            retention_interval, num_prompt_tokens,
+        )  # fmt: skip
+    early = _mamba_mask(
+        start_block + 1, end_block + 1, alignment_tokens, kv_cache_spec, use_eagle,
+        retention_interval,
+    )  # fmt: skip
+    replay = _mamba_mask(
+        start_block, end_block, alignment_tokens, kv_cache_spec, use_eagle, 0, num_prompt_tokens
+    )
+    if early is None or replay is None:
+        return early
+    return [a or b for a, b in zip(early, replay, strict=True)]
+
+
 BUGS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     "external allocation interleaved with hits per group": lambda mp: mp.setattr(
         KVCacheCoordinator, "allocate_new_computed_blocks", interleaved_computed_blocks
@@ -159,6 +211,12 @@ BUGS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     ),
     "Mamba align keeps the previous state": lambda mp: mp.setattr(
         MambaManager, "remove_skipped_blocks", mamba_keeping_previous_state
+    ),
+    "retention's replay tail ignores the num_prompt - 1 cap": lambda mp: mp.setattr(
+        SlidingWindowManager, "reachable_block_mask", classmethod(swa_replay_tail_uncapped)
+    ),
+    "Mamba retention keeps states one block early": lambda mp: mp.setattr(
+        MambaManager, "reachable_block_mask", classmethod(mamba_states_one_block_early)
     ),
 }
 

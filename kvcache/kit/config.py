@@ -76,6 +76,9 @@ class ManagerConfig:
     The keyword arguments are vLLM 0.25.1's; ``scheduler_block_size`` and
     ``hash_block_size`` follow vLLM's engine (LCM and, when caching with several
     groups, GCD of the group block sizes) unless overridden.
+    ``prefix_cache_retention_interval`` is vLLM 0.25.1's
+    ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (None: unset); adapters set the
+    variable while the manager is built (``kvcache.kit.sides.retention_env``).
     """
 
     num_blocks: int
@@ -91,10 +94,16 @@ class ManagerConfig:
     head_size: int = 8
     scheduler_block_size_override: int | None = None
     hash_block_size_override: int | None = None
+    prefix_cache_retention_interval: int | None = None
 
     def __post_init__(self) -> None:
         if not self.groups:
             raise ValueError("a manager config needs at least one group")
+        retention = self.prefix_cache_retention_interval
+        if retention is not None and type(retention) is not int:
+            raise ValueError(
+                f"prefix_cache_retention_interval={retention!r}; expected an int or None"
+            )
         if self.hash_fn not in HASH_FNS:
             raise ValueError(f"hash_fn={self.hash_fn!r}; expected one of {', '.join(HASH_FNS)}")
 
@@ -157,6 +166,8 @@ class ManagerConfig:
         """JSON form (the ``config`` of a trace header)."""
         record = asdict(self)
         record["groups"] = [asdict(g) for g in self.groups]
+        if record["prefix_cache_retention_interval"] is None:
+            del record["prefix_cache_retention_interval"]  # headers of older traces
         return record
 
     @classmethod

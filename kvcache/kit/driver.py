@@ -19,7 +19,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -391,6 +391,8 @@ class Family:
     mamba-none, mamba (any mode), cross. ``enable_caching`` / ``watermark``
     None: drawn at random. ``eagle``: probability of ``use_eagle``.
     ``mixed_block_sizes``: groups may have different block sizes.
+    ``retention``: draw a prefix-cache retention interval
+    (``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``): 0 or k * scheduler_block_size.
     """
 
     name: str
@@ -399,6 +401,7 @@ class Family:
     watermark: float | None = None
     eagle: float = 0.15
     mixed_block_sizes: bool = True
+    retention: bool = False
 
 
 #: Every family the kit knows, by name (fuzz ``--layouts``; the conformance tests).
@@ -421,6 +424,11 @@ FAMILIES: dict[str, Family] = {
         Family("swa+mamba", ("swa", "mamba")),
         Family("full+swa+cross", ("full", "swa", "cross"), enable_caching=False),
         Family("eagle-hybrid", ("full", "swa", "mamba-align"), eagle=1.0),
+        # Sparse retention: the interval thins out sliding-window and Mamba caching.
+        Family("swa-retention", ("swa",), retention=True),
+        Family("full+swa-retention", ("full", "swa"), retention=True),
+        Family("full+mamba-align-retention", ("full", "mamba-align"), retention=True),
+        Family("swa+mamba-retention", ("swa", "mamba"), retention=True),
     ]
 }
 
@@ -483,7 +491,7 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
         groups = [
             GroupConfig(**{**g.__dict__, "is_eagle_group": rng.random() < 0.4}) for g in groups
         ]
-    return ManagerConfig(
+    config = ManagerConfig(
         num_blocks=num_blocks,
         groups=tuple(groups),
         max_model_len=rng.choice([64, 64, rng.randint(6, 24)]),
@@ -495,6 +503,10 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
         max_num_batched_tokens=rng.choice([None, 32]),
         hash_fn=rng.choice(["sha256", "sha256", "sha256", "sha256_cbor", "xxhash"]),
     )
+    if family.retention:  # drawn last: the other families' configs stay as they were
+        interval = rng.choice([0, 0, 1, 2, 2, 3, 4]) * config.scheduler_block_size
+        config = replace(config, prefix_cache_retention_interval=interval)
+    return config
 
 
 # ---------------------------------------------------------------- random driver

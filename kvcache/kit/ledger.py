@@ -455,6 +455,7 @@ WHEN: dict[str, Callable[[ManagerConfig], bool]] = {
     "hybrid": lambda config: _groups(config) > 1,
     "mamba": lambda config: any(g.kind == "mamba" for g in config.groups),
     "mixed-block-sizes": lambda config: len({g.block_size for g in config.groups}) > 1,
+    "retention": lambda config: config.prefix_cache_retention_interval is not None,
 }
 
 

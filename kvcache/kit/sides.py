@@ -37,7 +37,7 @@ import importlib
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 from kvcache.kit.config import GroupConfig, ManagerConfig
@@ -74,6 +74,28 @@ def with_hash_seed(seed: str, init: Callable[[], None]) -> None:
             del os.environ["PYTHONHASHSEED"]
         else:
             os.environ["PYTHONHASHSEED"] = old
+
+
+RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
+
+
+@contextlib.contextmanager
+def retention_env(config: ManagerConfig) -> Iterator[None]:
+    """``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` as ``config`` says (unset for None)
+    while a manager is built, since vLLM 0.25.1 (and a drop-in) reads it there;
+    the caller's value is restored afterwards."""
+    old = os.environ.get(RETENTION_ENV)
+    if config.prefix_cache_retention_interval is None:
+        os.environ.pop(RETENTION_ENV, None)
+    else:
+        os.environ[RETENTION_ENV] = str(config.prefix_cache_retention_interval)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(RETENTION_ENV, None)
+        else:
+            os.environ[RETENTION_ENV] = old
 
 
 def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -> Any:
@@ -166,7 +188,8 @@ class Adapter:
 
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
-        return self.factory(kv_cache_config, **config.manager_kwargs())
+        with retention_env(config):
+            return self.factory(kv_cache_config, **config.manager_kwargs())
 
     def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
         """The prefix lookup as ``(blocks, num_computed_tokens)`` (0.25.1's shape)."""
@@ -238,7 +261,8 @@ class SpecAdapter(Adapter):
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
         return self.factory(kv_cache_config, **config.manager_kwargs(),
-                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed)
+                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
+                            prefix_cache_retention_interval=config.prefix_cache_retention_interval)
 
 
 class Stopwatch:

@@ -218,23 +218,6 @@ RELEASES: dict[str, Release] = {
             "tests/v1/core/test_kv_sharing.py",
         ),
         known_failing=(
-            *(
-                Excluded(
-                    f"tests/v1/core/test_prefix_caching.py::{name}",
-                    "issue 14: prefix-cache retention interval "
-                    "(VLLM_PREFIX_CACHE_RETENTION_INTERVAL) is not modelled yet",
-                )
-                for name in (
-                    "test_hybrid_local_kv_retention_interval_aligns_in_manager",
-                    "test_hybrid_local_kv_retention_interval_rejects_invalid[",
-                    "test_hybrid_local_kv_retention_interval_survives_recycling",
-                    "test_hybrid_local_kv_retention_latest_only_reuses_replay_boundary",
-                    "test_hybrid_local_kv_retention_mtp_reuses_latest_boundary",
-                    "test_mamba_reachable_block_mask_sparsifies_retention",
-                    "test_pure_swa_retention_interval_caches_sparse_tails",
-                    "test_pure_swa_retention_latest_only",
-                )
-            ),
             Excluded(
                 "tests/v1/core/test_single_type_kv_cache_manager.py::"
                 "test_rswa_remove_skipped_blocks_gap_range",

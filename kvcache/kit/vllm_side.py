@@ -46,6 +46,7 @@ from kvcache.kit.sides import (
     build_kv_cache_config,
     prompt_embeds_tensor,
     request_token_ids,
+    retention_env,
     with_hash_seed,
 )
 
@@ -71,6 +72,9 @@ class ReleaseLine:
             stats, through ``record_prefix_cache_stats(request, num_hits)`` once
             the request is admitted (its allocation succeeded).
         reference_version: The release of the line the kit was checked with.
+        retention_in_kv_cache_config: The prefix-cache retention interval is the
+            field ``KVCacheConfig.prefix_cache_retention_interval``, not 0.25.1's
+            environment variable ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``.
     """
 
     name: str
@@ -78,6 +82,7 @@ class ReleaseLine:
     renamed_kwargs: tuple[tuple[str, str], ...] = ()
     lookup_values: int = 2
     stats_at_admission: bool = False
+    retention_in_kv_cache_config: bool = False
 
     def matches(self, version: str) -> bool:
         """Whether ``version`` (``vllm.__version__``) belongs to this line."""
@@ -100,6 +105,7 @@ RELEASE_LINES: tuple[ReleaseLine, ...] = (
         renamed_kwargs=(("max_num_batched_tokens", "max_in_flight_tokens"),),
         lookup_values=3,
         stats_at_admission=True,
+        retention_in_kv_cache_config=True,
     ),
 )
 
@@ -209,7 +215,13 @@ class VllmAdapter(Adapter):
 
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(vllm_kv_cache_interface, config, torch.float16)
-        return KVCacheManager(kv_cache_config, **self.line.manager_kwargs(config.manager_kwargs()))
+        kwargs = self.line.manager_kwargs(config.manager_kwargs())
+        if self.line.retention_in_kv_cache_config:
+            kv_cache_config.prefix_cache_retention_interval = (
+                config.prefix_cache_retention_interval
+            )
+        with retention_env(config):
+            return KVCacheManager(kv_cache_config, **kwargs)
 
     def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
         result = manager.get_computed_blocks(request)

@@ -37,3 +37,11 @@ class StatsCountPreemptedAsNew(kvcache.KVCacheManager):
             return super().get_computed_blocks(request)
         finally:
             request.num_preemptions = num_preemptions
+
+
+class IgnoresRetentionInterval(kvcache.KVCacheManager):
+    """Bug: a drop-in that never reads ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``, so
+    sliding-window and Mamba groups cache densely where vLLM caches sparsely."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs, prefix_cache_retention_interval=None)

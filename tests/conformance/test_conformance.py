@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from kvcache.kit.config import ManagerConfig
+from kvcache.kit.config import GroupConfig, ManagerConfig
 from kvcache.kit.driver import (
     FAMILIES,
     Family,
@@ -35,7 +35,7 @@ from kvcache.kit.driver import (
     run_sequence,
     write_counterexample,
 )
-from kvcache.kit.sides import make_side
+from kvcache.kit.sides import CannotBuild, make_side
 
 pytestmark = pytest.mark.conformance
 
@@ -114,6 +114,7 @@ BAD_CONFIGS: list[Any] = [
     pytest.param({"watermark": -0.1}, id="negative-watermark"),
     pytest.param({"num_blocks": 0}, id="zero-blocks"),
     pytest.param({"hash_block_size_override": 2}, id="hash-size"),
+    pytest.param({"prefix_cache_retention_interval": 4}, id="retention-without-window"),
 ]
 
 
@@ -137,3 +138,27 @@ def test_constructor_rejects_what_vllm_rejects(
     assert subject_error in (vllm_error, "ValueError"), (
         f"vLLM raised {vllm_error} for {change}; {subject_impl} gave {subject_error}"
     )
+
+
+@pytest.mark.parametrize("interval", [-4, 6, 0, 8])
+def test_retention_interval_is_checked_as_vllm_checks_it(
+    vllm_reference: ModuleType, subject_impl: str, interval: int
+) -> None:
+    """VLLM_PREFIX_CACHE_RETENTION_INTERVAL on full + sliding window (scheduler
+    block size 4): negative or not a multiple of 4 is refused, 0 and 8 are not."""
+    groups = (GroupConfig("full", 4), GroupConfig("sliding_window", 2, sliding_window=3))
+    config = ManagerConfig(16, groups, 32, prefix_cache_retention_interval=interval)
+    errors = []
+    for impl in ("vllm", subject_impl):
+        try:
+            make_side(impl, config)
+        except CannotBuild as exc:
+            assert isinstance(exc.__cause__, ValueError), f"{impl}: {exc.__cause__!r}"
+            errors.append(str(exc.__cause__))
+        else:
+            errors.append(None)
+    vllm_error, subject_error = errors
+    assert (vllm_error is None) == (interval in (0, 8)), vllm_error
+    assert (subject_error is None) == (vllm_error is None), (vllm_error, subject_error)
+    if subject_error is not None and subject_impl == "kvcache":
+        assert f"VLLM_PREFIX_CACHE_RETENTION_INTERVAL={interval} must be" in subject_error

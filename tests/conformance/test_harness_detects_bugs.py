@@ -25,6 +25,8 @@ MUTANTS = {
     "StatsCountPreemptedAsNew": Family("full", ("full",), enable_caching=True, watermark=0.0),
     # the same bug in a hybrid layout: the free order matters per group
     "FreeInAllocationOrder-hybrid": Family("full+swa+mamba", ("full", "swa", "mamba-align")),
+    # the retention interval must reach the sliding-window and Mamba caches
+    "IgnoresRetentionInterval": Family("swa+mamba", ("swa", "mamba"), retention=True),
 }
 
 

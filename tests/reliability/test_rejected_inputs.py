@@ -130,6 +130,11 @@ CONFIG_CASES: list[tuple[str, str, Callable[[], object]]] = [
     ("bad max_model_len", "max_model_len", lambda: manager(max_model_len=0)),
     ("negative watermark", "watermark", lambda: manager(watermark=-0.1)),
     (
+        "retention without a window",
+        "prefix_cache_retention_interval=4",
+        lambda: manager(prefix_cache_retention_interval=4),
+    ),
+    (
         "hash size mismatch",
         "hash_block_size",
         lambda: K.KVCacheManager(

@@ -134,3 +134,47 @@ def test_invariants_catch_a_block_in_two_groups() -> None:
     manager.coordinator.single_type_managers[1].req_to_blocks["a"][0] = 1  # group 0's block
     with pytest.raises(AssertionError, match="two groups"):
         manager.check_invariants()
+
+
+def cached_positions(manager: KVCacheManager, request_id: str, group: int) -> list[int]:
+    """Positions of the request's blocks in ``group`` that are in the prefix cache."""
+    hashed = manager.abstract_state()["block_hash"]
+    return [i for i, b in enumerate(manager.get_block_ids(request_id)[group]) if b in hashed]
+
+
+@pytest.mark.parametrize("interval, expected", [
+    (None, list(range(16))),        # dense: each 4-token block is a boundary
+    (16, [3, 7, 11, 14, 15]),       # the block before each 16-token boundary, and before 60
+    (0, [14]),                      # only the replay tail: hits stop at 63 -> 60
+])
+def test_sliding_window_retention_keeps_segment_and_replay_tails(
+        interval: int | None, expected: list[int]) -> None:
+    spec = SlidingWindowSpec(block_size=4, sliding_window=4, **ATTN)  # a hit reads 1 block
+    manager = make_manager([spec], 20, 4, 4, prefix_cache_retention_interval=interval)
+    manager.allocate_slots(make_request("a", list(range(64)), 4), 64)
+    assert cached_positions(manager, "a", 0) == expected
+
+
+@pytest.mark.parametrize("interval, expected", [
+    (4, list(range(16))),           # an interval of one block keeps every state
+    (16, [3, 7, 11, 14, 15]),       # states after 16, 32, 48, 64 tokens, and after 60
+    (0, [14]),
+])
+def test_mamba_retention_keeps_one_state_per_interval(interval: int,
+                                                      expected: list[int]) -> None:
+    spec = MambaSpec(block_size=4, shapes=((2,),), dtypes=("float16",), mamba_cache_mode="all")
+    manager = make_manager([spec], 20, 4, 4, prefix_cache_retention_interval=interval)
+    manager.allocate_slots(make_request("a", list(range(64)), 4), 64)
+    assert cached_positions(manager, "a", 0) == expected
+
+
+@pytest.mark.parametrize("specs, interval, match", [
+    ([FullAttentionSpec(block_size=4, **ATTN)], 0, "needs a sliding-window or Mamba group"),
+    ([SlidingWindowSpec(block_size=2, sliding_window=3, **ATTN)], 3, "a multiple of"),
+    ([SlidingWindowSpec(block_size=2, sliding_window=3, **ATTN)], -2, "non-negative"),
+])
+def test_retention_interval_is_validated(specs: list[KVCacheSpec], interval: int,
+                                         match: str) -> None:
+    with pytest.raises(ValueError, match=f"prefix_cache_retention_interval={interval} .*{match}"):
+        make_manager(specs, 10, specs[0].block_size, specs[0].block_size,
+                     prefix_cache_retention_interval=interval)

@@ -6,8 +6,10 @@ comparison) with a layout drawn by its ``@initialize``: one to three KV-cache
 groups from full attention, sliding window, chunked local attention, Mamba
 (``none``/``all``/``align``, with speculative blocks) and cross attention, block
 sizes 1, 2, 4 (times 1 or 2 per group), EAGLE and per-group ``is_eagle_group``
-flags. The managers get ``hash_block_size`` = GCD and ``scheduler_block_size`` =
-LCM of the group block sizes, as vLLM's hybrid coordinator does.
+flags, and, with a sliding-window or Mamba group, a prefix-cache retention
+interval (None, 0 or k * scheduler_block_size). The managers get
+``hash_block_size`` = GCD and ``scheduler_block_size`` = LCM of the group block
+sizes, as vLLM's hybrid coordinator does.
 
 The layout follows vLLM 0.25.1's rules (as ``/tmp/hd/spec_diff_ext.py``):
 chunked local attention only with one block size and without EAGLE; cross
@@ -147,6 +149,12 @@ class HybridMachine(ManagerMachine):
             not has_chunk and data.draw(st.sampled_from([False, False, True]), label="eagle_group")
             for _ in layout
         ]
+        # Sparse retention, where vLLM allows it: None (dense), 0 or k scheduler blocks.
+        retention = None
+        if {"swa", "mamba"} & set(kinds):
+            factor = data.draw(st.sampled_from([None, 0, 1, 2, 3]), label="retention")
+            retention = None if factor is None else factor * scheduler_block_size
+            event("retention", "dense" if factor is None else f"{factor} scheduler blocks")
         self.align = any(o.get("mamba_cache_mode") == "align" for _, _, o in layout)
         # vLLM refuses to start unless the pool holds one max_model_len sequence.
         max_model_len = max(2, min(max_model_len, (num_blocks - 1) // len(layout) * min(sizes)))
@@ -162,6 +170,7 @@ class HybridMachine(ManagerMachine):
             log_stats=log_stats,
             enable_kv_cache_events=True,
             watermark=watermark,
+            prefix_cache_retention_interval=retention,
         )
         note(f"layout={layout}, is_eagle_group={eagle_flags}")
         note(f"KVCacheManager(num_blocks={num_blocks}, {kwargs})")
@@ -401,6 +410,29 @@ PROGRAMS: dict[str, list[Step]] = {
     # Full attention and align-mode Mamba (block size 2). r1 hits r0's cached
     # Mamba state (4 tokens), then decodes 5 tokens: each state block it has
     # passed (the hit's first) must be freed.
+    # Full attention and a 3-token window (block size 2) with retention 0: of r0's
+    # 8-token prompt the window caches only the block before the replay boundary
+    # (6 = 7 rounded down), so r1, the same prompt plus a token, hits 6 tokens.
+    "latest-only retention keeps the replay tail": [
+        start(21, 2, ["full", "swa"], window=3, retention=0,
+              **tokens("tokens", [0, 1, 2, 0, 1, 2, 0, 1])),
+        admit("r0", mode="sync", whole=True),
+        finish("r0"),
+        extend([0, 1, 2, 0, 1, 2, 0, 1], [2]),
+        admit("r1", mode="sync", whole=True, expect=computed("r1", 6)),
+    ],
+    # Mamba alone ("all" mode, block size 2), retention 2 blocks: of r0's 9-token
+    # prompt the states after 4 and 8 tokens are cached (8 is also the replay
+    # boundary), not those after 2 and 6; r1 (r0's first 7 tokens and another) hits 4.
+    "Mamba retention keeps one state per interval": [
+        start(21, 2, ["mamba"], mode="all", retention=2,
+              **tokens("tokens", [0, 1, 2, 0, 1, 2, 0, 1, 2])),
+        admit("r0", mode="sync", whole=True),
+        Step("new_step_starts"),
+        finish("r0"),
+        extend([0, 1, 2, 0, 1, 2, 0], [0]),
+        admit("r1", mode="sync", whole=True, expect=computed("r1", 4)),
+    ],
     "align-mode Mamba decodes past a cached state": [
         start(13, 2, ["full", "mamba"], mode="align", **tokens("tokens", [0, 0, 0, 0])),
         admit("r0"),

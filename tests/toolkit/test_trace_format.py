@@ -50,6 +50,13 @@ def test_config_round_trip() -> None:
     assert ManagerConfig.from_record(json.loads(json.dumps(config.to_record()))) == config
     assert config.layout == "full+mamba-align+swa"
     assert (config.scheduler_block_size, config.hash_block_size) == (4, 2)
+    # The retention interval travels in the header only when it is set.
+    assert "prefix_cache_retention_interval" not in config.to_record()
+    sparse = ManagerConfig(9, config.groups, 40, prefix_cache_retention_interval=0)
+    assert sparse.to_record()["prefix_cache_retention_interval"] == 0
+    assert ManagerConfig.from_record(json.loads(json.dumps(sparse.to_record()))) == sparse
+    with pytest.raises(ValueError, match="prefix_cache_retention_interval='8'"):
+        ManagerConfig(9, config.groups, 40, prefix_cache_retention_interval="8")  # type: ignore[arg-type]
 
 
 def _text(path: Path) -> str:

@@ -591,8 +591,12 @@ def test_exact_messages_of_refusals() -> None:
             [], 8, [0], m.block_pool, chunk, True, BS),
          "NotImplementedError: chunked local attention supports neither EAGLE nor groups of "
          "other block sizes"),
-        (lambda: K.SlidingWindowManager.reachable_block_mask(0, 4, BS, SWA, False, 4),
-         "NotImplementedError: prefix-cache retention intervals are not supported"),
+        (lambda: make_manager(prefix_cache_retention_interval=4),
+         "ValueError: prefix_cache_retention_interval=4 is set but no KV-cache group is "
+         "sliding-window or Mamba, the only kinds whose cached blocks it thins out; unset it"),
+        (lambda: make_manager(SWA, prefix_cache_retention_interval=6),
+         "ValueError: prefix_cache_retention_interval=6 must be non-negative and a multiple "
+         "of scheduler_block_size=4"),
         (lambda: view["0"], "TypeError: Invalid index type: <class 'str'>"),
         (lambda: K.KVCacheBlocks(([], [])).get_unhashed_block_ids(),
          "ValueError: get_unhashed_block_ids needs one group, got 2"),
@@ -603,12 +607,42 @@ def test_exact_messages_of_refusals() -> None:
         assert message(call) == expected
 
 
+def swa_cached_positions(m: K.KVCacheManager, r: K.Request, group: int) -> list[int]:
+    """Positions of ``r``'s blocks in ``group`` whose hash is in the prefix cache."""
+    return [i for i, h in enumerate(r.block_hashes)
+            if m.block_pool.get_cached_block(h, [group]) is not None]
+
+
 def test_retention_interval_reaches_the_sliding_window_cache() -> None:
-    m = make_manager(attn(), SWA, num_blocks=32)
-    m.coordinator.retention_interval = 4
-    r = make_request("a", list(range(9)))
-    with pytest.raises(NotImplementedError, match="retention intervals"):
+    # Window 5 of 4-token blocks: a hit needs 1 block. Dense caching keeps all 4;
+    # interval 8 keeps every 2nd block's tail and the replay tail (16 -> block 3);
+    # interval 0 only the replay tail.
+    for interval, expected in ((None, [0, 1, 2, 3]), (8, [1, 3]), (0, [3])):
+        m = make_manager(attn(), SWA, num_blocks=32)
+        m.coordinator.retention_interval = interval
+        r = make_request("a", list(range(17)))
         admit(m, r)
+        assert swa_cached_positions(m, r, 1) == expected, interval
+        assert swa_cached_positions(m, r, 0) == [0, 1, 2, 3]  # full attention: all
+
+
+def test_retention_interval_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_PREFIX_CACHE_RETENTION_INTERVAL", "8")
+    assert make_manager(attn(), SWA).coordinator.retention_interval == 8
+    # An explicit value wins, None included (dense caching).
+    m = make_manager(attn(), SWA, prefix_cache_retention_interval=None)
+    assert m.coordinator.retention_interval is None
+    monkeypatch.setenv("VLLM_PREFIX_CACHE_RETENTION_INTERVAL", "-4")
+    with pytest.raises(ValueError, match="VLLM_PREFIX_CACHE_RETENTION_INTERVAL=-4 must be non-"):
+        make_manager(attn(), SWA)
+    monkeypatch.setenv("VLLM_PREFIX_CACHE_RETENTION_INTERVAL", "eight")
+    with pytest.raises(ValueError, match="VLLM_PREFIX_CACHE_RETENTION_INTERVAL='eight' is not"):
+        make_manager(attn(), SWA)
+    monkeypatch.delenv("VLLM_PREFIX_CACHE_RETENTION_INTERVAL")
+    assert make_manager(attn(), SWA).coordinator.retention_interval is None
+    for bad in ("8", True):  # (a float: TypeError on the compiled build, as its annotation says)
+        with pytest.raises(ValueError, match=f"prefix_cache_retention_interval={bad!r}: expected"):
+            make_manager(attn(), SWA, prefix_cache_retention_interval=bad)
 
 
 def test_coordinator_records_its_setup() -> None:
@@ -748,10 +782,13 @@ def test_retention_interval_reaches_running_hybrid_requests() -> None:
     m = make_manager(attn(), SWA, num_blocks=32)
     r = make_request("a", list(range(9)))
     admit(m, r)
-    m.coordinator.retention_interval = 4
-    r.append_output_token_ids([1, 2, 3, 4])
-    with pytest.raises(NotImplementedError, match="retention intervals"):
-        m.allocate_slots(r, 4)
+    assert swa_cached_positions(m, r, 1) == [0, 1]  # dense so far
+    m.coordinator.retention_interval = 0
+    r.append_output_token_ids(list(range(8)))
+    assert m.allocate_slots(r, 8) is not None
+    # Decode blocks are past the prompt's replay tail (block 1): none is cached.
+    assert swa_cached_positions(m, r, 1) == [0, 1]
+    assert swa_cached_positions(m, r, 0) == [0, 1, 2, 3]
 
 
 def test_event_hashes_are_the_low_64_bits_unless_bytes_are_asked_for(
