@@ -13,8 +13,9 @@ implementation replays the trace's calls (``kvcache.kit.driver.replay_trace``
 first checks that it replays identically, states included), then the calls are
 replayed again, timed: only the time inside the manager's own methods (and its
 block pool's) counts (``kvcache.kit.sides.Stopwatch``), not the kit's request
-building or result normalising. Every timed replay's results must equal the
-recorded ones.
+building or result normalising, and each call's fastest time over a repetition's
+replays (``bench_trace``). Every timed replay's results must equal the recorded
+ones.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class TraceResult:
     def ratios(self, other: str, base: str = "kvcache", net: bool = False) -> list[float]:
         """``other / base`` manager time, one value per repetition; ``net``: with the
         stopwatch's own cost (``timer_overhead`` per timed call) taken off both."""
-        cost = self.timer_overhead * self.timed_calls * self.replays_per_repetition if net else 0.0
+        cost = self.timer_overhead * self.timed_calls if net else 0.0
         a, b = self.manager_seconds[other], self.manager_seconds[base]
         return [(x - cost) / (y - cost) for x, y in zip(a, b, strict=True)]
 
@@ -168,9 +169,9 @@ class TraceReplayError(AssertionError):
     """An implementation did not replay a benchmarked trace identically."""
 
 
-def timed_replay(trace: Any, impl: str) -> tuple[float, int, str]:
-    """Replay ``trace``'s calls on a fresh ``impl``; return the manager seconds, the
-    number of timed calls and a digest of the results.
+def timed_replay(trace: Any, impl: str) -> tuple[list[float], str]:
+    """Replay ``trace``'s calls on a fresh ``impl``; return the seconds of each timed
+    manager call and a digest of the results.
 
     Raises:
         TraceReplayError: a result differs from the recorded one.
@@ -198,7 +199,7 @@ def timed_replay(trace: Any, impl: str) -> tuple[float, int, str]:
             sha.update(json.dumps(actual.get("ok", "raised"), sort_keys=True).encode())
     finally:
         gc.unfreeze()
-    return stopwatch.seconds, stopwatch.calls, sha.hexdigest()
+    return stopwatch.durations, sha.hexdigest()
 
 
 def record_bench_trace(workload: str, num_requests: int) -> Any:
@@ -217,17 +218,23 @@ def record_bench_trace(workload: str, num_requests: int) -> Any:
 
 
 def bench_trace(
-    trace: Any, impls: list[str], repetitions: int = 5, min_records: int = 10_000
+    trace: Any,
+    impls: list[str],
+    repetitions: int = 5,
+    min_records: int = 10_000,
+    min_replays: int = 3,
 ) -> TraceResult:
     """Replay one trace (a ``Trace`` or a path) on each implementation ``repetitions``
     times, alternating order.
 
     Each implementation first replays the trace as ``python -m kvcache replay``
     does (results and recorded states); then each timed repetition replays its
-    calls again, on a fresh manager, as often as it takes to replay
-    ``min_records`` records (a short trace takes milliseconds: one replay alone
-    would time the machine's other load more than the manager), the
-    implementations taking turns replay by replay.
+    calls again, on a fresh manager, ``min_replays`` times or as often as it takes
+    to replay ``min_records`` records, the implementations taking turns replay by
+    replay. A repetition's manager time is the sum over the calls of each call's
+    fastest time in its replays: the replays make the same calls, and on a shared
+    machine a call that was descheduled midway (milliseconds, against a
+    microsecond call) would otherwise weigh more than all the others.
 
     Raises:
         ValueError: if ``repetitions`` < 1 or ``impls`` is empty.
@@ -250,21 +257,24 @@ def bench_trace(
             )
     from kvcache.kit.sides import Stopwatch
 
-    replays = max(1, -(-min_records // max(1, len(trace.records))))
+    replays = max(min_replays, -(-min_records // max(1, len(trace.records))))
     seconds: dict[str, list[float]] = {impl: [] for impl in impls}
     digests: dict[str, str] = {}
     calls: set[int] = set()
     for rep in range(repetitions):
-        total = dict.fromkeys(impls, 0.0)
+        fastest: dict[str, list[float]] = {}
         for replay in range(replays):
             for impl in impls if (rep + replay) % 2 == 0 else impls[::-1]:
-                secs, num_calls, digests[impl] = timed_replay(trace, impl)
-                total[impl] += secs
-                calls.add(num_calls)
+                durations, digests[impl] = timed_replay(trace, impl)
+                calls.add(len(durations))
+                if len(calls) != 1:
+                    raise TraceReplayError(
+                        f"{name}: the implementations made {sorted(calls)} timed calls"
+                    )
+                best = fastest.setdefault(impl, durations)
+                fastest[impl] = [min(a, b) for a, b in zip(best, durations, strict=True)]
         for impl in impls:
-            seconds[impl].append(total[impl])
-    if len(calls) != 1:
-        raise TraceReplayError(f"{name}: the implementations made {sorted(calls)} timed calls")
+            seconds[impl].append(sum(fastest[impl]))
     return TraceResult(
         name,
         len(trace.records),
@@ -280,13 +290,14 @@ def bench_trace(
 def format_trace(result: TraceResult) -> str:
     """A readable table of one trace's replay timings and ratios."""
     lines = [
-        f"== trace {result.trace} ({result.layout}): {result.num_records} records "
-        f"x {result.replays_per_repetition} replays per repetition, outputs "
+        f"== trace {result.trace} ({result.layout}): {result.num_records} records, "
+        f"{result.replays_per_repetition} replays per repetition (each call's fastest "
+        "counts), outputs "
         + ("identical" if result.identical else f"DIFFER {result.digests}")
     ]
     for impl, secs in result.manager_seconds.items():
         med, lo, hi = _median_min_max(secs)
-        lines.append(f"{impl:<14}manager s {med:.4f} ({lo:.4f}-{hi:.4f})")
+        lines.append(f"{impl:<14}manager s per replay {med:.5f} ({lo:.5f}-{hi:.5f})")
     bases = [b for b in ("kvcache", "kvcache-pure") if b in result.manager_seconds]
     for base in bases:
         for impl in result.manager_seconds:

@@ -46,7 +46,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     trace_results = []
     for trace in traces:
         trace_result = bench.bench_trace(
-            trace, trace_impls, args.trace_repetitions, args.trace_min_records
+            trace,
+            trace_impls,
+            args.trace_repetitions,
+            args.trace_min_records,
+            args.trace_min_replays,
         )
         print(bench.format_trace(trace_result), flush=True)
         trace_results.append(trace_result)
@@ -395,6 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=10_000,
         metavar="N",
         help="a repetition replays a short trace until N records are replayed (default 10000)",
+    )
+    p.add_argument(
+        "--trace-min-replays",
+        type=int,
+        default=3,
+        metavar="N",
+        help="replays per repetition at least (default 3; each call's fastest counts)",
     )
     p.add_argument("--json", default="", help="write results as JSON to this path")
     p.add_argument("--plot", default="", help="draw a PNG bar chart to this path")

@@ -266,26 +266,34 @@ class SpecAdapter(Adapter):
 
 
 class Stopwatch:
-    """Adds the time spent inside its ``with`` blocks to ``seconds``.
+    """Records the time spent inside each of its ``with`` blocks in ``durations``.
 
     A side's ``timing``: each manager call (or property read) in a ``Side``
     handler is such a block, so a benchmark times exactly the calls a replay
     makes and nothing of the kit's own request building or result normalising.
     """
 
-    __slots__ = ("_start", "calls", "seconds")
+    __slots__ = ("_start", "durations")
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self.calls = 0
+        self.durations: list[float] = []
         self._start = 0.0
 
     def __enter__(self) -> None:
         self._start = time.perf_counter()
 
     def __exit__(self, *exc_info: object) -> None:
-        self.seconds += time.perf_counter() - self._start
-        self.calls += 1
+        self.durations.append(time.perf_counter() - self._start)
+
+    @property
+    def seconds(self) -> float:
+        """Time inside all blocks."""
+        return sum(self.durations)
+
+    @property
+    def calls(self) -> int:
+        """Blocks timed."""
+        return len(self.durations)
 
     @staticmethod
     def overhead(blocks: int = 20_000) -> float:

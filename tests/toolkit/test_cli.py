@@ -190,7 +190,9 @@ def test_bench_times_a_vllm_trace_side_by_side(
 
     trace = read_trace(ROOT / "tests/data/random_caching_watermark.jsonl")
     assert any("raises" in r for r in trace.records)
-    result = bench.bench_trace(trace, ["kvcache", "vllm"], repetitions=2, min_records=200)
+    result = bench.bench_trace(
+        trace, ["kvcache", "vllm"], repetitions=2, min_records=200, min_replays=1
+    )
     assert result.identical and result.replays_per_repetition == 2
     manager_ops = [r for r in trace.records if r["op"] not in ("add_request", "update_request")]
     ops = {r["op"] for r in manager_ops}
@@ -217,6 +219,8 @@ def test_bench_times_a_vllm_trace_side_by_side(
         "--trace-repetitions",
         "1",
         "--trace-min-records",
+        "1",
+        "--trace-min-replays",
         "1",
     )
     assert code == 0 and "random_no_caching.jsonl (full)" in stdout, stdout
