@@ -28,13 +28,13 @@ from kvcache.kv_cache_interface import (
     is_spec_kind,
     spec_exact_class_name,
 )
+from kvcache.kv_cache_math import cdiv  # imported, not aliased: a native call when compiled
 from kvcache.kv_cache_utils import BlockHash, BlockHashList, KVCacheBlock
 
 if TYPE_CHECKING:
     from kvcache.request import Request
 
 
-cdiv = kv_cache_math.cdiv
 _is_not_none = functools.partial(operator.is_not, None)
 
 
