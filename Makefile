@@ -40,7 +40,7 @@ FUZZ_SECONDS ?=
 FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(FUZZ_HOST) \
 	FUZZ_PORT=$(FUZZ_PORT) FUZZ_SECONDS=$(FUZZ_SECONDS)
 
-.PHONY: setup compiled reference reference-0.33 check-0.33 lint typecheck test conformance \
+.PHONY: setup compiled reference reference-0.33 check-0.33 conformance-0.33 lint typecheck test conformance \
 	verify upstream proofs traces fuzz fuzz-worker fuzz-dashboard test-kernels bench-kernels \
 	bench mutation clean distclean
 
@@ -72,6 +72,13 @@ CHECK33_SEQUENCES ?= 600
 check-0.33: $(REF33_STAMP)
 	$(REF33_VENV)/bin/python -m kvcache release-check --census-sequences $(CHECK33_SEQUENCES) \
 		--census-dir build/census-0.33 tests/data/*.jsonl*
+
+# kvcache's 0.33.0 profile (kvcache.vllm_0_33) against the real vLLM 0.33.0: the random
+# scheduler sequences of the conformance tests, CONFORMANCE33_SEQUENCES per family, for every
+# family kvcache.kit.conformance33 does not list as NOT_YET_CONFORMANT (it prints those).
+CONFORMANCE33_SEQUENCES ?= 100
+conformance-0.33: $(REF33_STAMP)
+	$(REF33_VENV)/bin/python -m kvcache.kit.conformance33 --sequences $(CONFORMANCE33_SEQUENCES)
 
 $(FUZZ_STAMP): pyproject.toml
 	@bash scripts/bootstrap.sh fuzz $@
@@ -112,6 +119,8 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py proofs-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
 		$(PY) -m proofs.exhaustive --shallower $(PROOFS_COMPILED_SHALLOWER)
 	@$(PY) scripts/stage.py check-0.33 -- env KVCACHE_PURE=1 $(MAKE) --no-print-directory check-0.33
+	@$(PY) scripts/stage.py conformance-0.33 -- env KVCACHE_PURE=1 \
+		$(MAKE) --no-print-directory conformance-0.33
 
 # vLLM 0.25.1's own tests/v1/core, fetched into build/upstream, run unchanged on stock vLLM,
 # with vLLM's core modules served by kvcache (vLLM's objects), and with kvcache's vocabulary too.

@@ -16,6 +16,7 @@ from mypy_extensions import mypyc_attr
 from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
+    ContextParallelError,
     KVCacheConfig,
     KVCacheSpec,
     is_spec_kind,
@@ -117,12 +118,13 @@ class KVCacheCoordinator:
         use_eagle: Whether EAGLE drafting needs the last hit block recomputed.
         enable_caching: Whether prefix caching is on.
         enable_kv_cache_events: Whether the pool queues KV events.
-        dcp_world_size: Must be 1.
-        pcp_world_size: Must be 1.
+        dcp_world_size: Decode context parallel size (each group's block spans
+            ``block_size * dcp * pcp`` tokens; one group only under caching).
+        pcp_world_size: Prefill context parallel size (likewise).
         scheduler_block_size: Scheduling granularity, a multiple of every group's
             block size and of ``hash_block_size``.
         hash_block_size: Granularity of request block hashes.
-        metrics_collector: Must be None.
+        metrics_collector: Handed to the ``BlockPool`` (residency metrics), or None.
         prefix_cache_retention_interval: Sparse caching of sliding-window and Mamba
             groups (``resolve_prefix_cache_retention_interval``); by default read from
             ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``, as vLLM does.
@@ -185,6 +187,10 @@ class KVCacheCoordinator:
         self.retention_interval = resolve_prefix_cache_retention_interval(
             prefix_cache_retention_interval, scheduler_block_size, kv_cache_config
         )
+        # Release-profile switches (kvcache.profile), set by the KVCacheManager.
+        self.pop_drops_null_head = False
+        self.trim_every_full_group = False
+        self.eagle_peek_to_hashed_length = False
         # Precomputed dispatch for the per-call loops.
         self._is_cross = tuple(
             isinstance(m, CrossAttentionManager) for m in self.single_type_managers
@@ -287,7 +293,10 @@ class KVCacheCoordinator:
         allocation order, for the caller to free (tail first)."""
         blocks: list[KVCacheBlock] = []
         for manager in self.single_type_managers:
-            blocks.extend(manager.pop_blocks_for_free(request_id))
+            group_blocks = manager.pop_blocks_for_free(request_id)
+            if self.pop_drops_null_head:
+                group_blocks = trim_null_head(group_blocks)
+            blocks.extend(group_blocks)
         return blocks
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
@@ -317,6 +326,17 @@ class KVCacheCoordinator:
         """Tell every group a scheduler step begins."""
         for manager in self.single_type_managers:
             manager.new_step_starts()
+
+    def clear_eagle_groups(self) -> None:
+        """Make no group an EAGLE group (the ``eagle_master_switch`` switch with
+        ``use_eagle`` off: groups marked ``is_eagle_group`` drop no hit block then)."""
+        self.eagle_group_ids = set()
+        for manager in self.single_type_managers:
+            manager.use_eagle = False
+        self._eagle_groups_changed()
+
+    def _eagle_groups_changed(self) -> None:
+        """Recompute what depends on ``eagle_group_ids`` (subclasses that cache it)."""
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -405,18 +425,24 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 f"{len(kv_cache_config.kv_cache_groups)}"
             )
         self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = self.kv_cache_spec.block_size
         self.dcp_world_size = dcp_world_size
         self.pcp_world_size = pcp_world_size
+        # A block spans block_size * dcp * pcp tokens (hits, hashes and alignment).
+        self.block_size = self.kv_cache_spec.block_size * dcp_world_size * pcp_world_size
         if enable_caching and hash_block_size != self.block_size:
             raise ValueError(
                 f"hash_block_size={hash_block_size} must equal the block size "
-                f"{self.block_size} of the only KV-cache group"
+                f"{self.block_size} of the only KV-cache group (its spec's block size "
+                f"{self.kv_cache_spec.block_size} times dcp_world_size={dcp_world_size} "
+                f"and pcp_world_size={pcp_world_size})"
             )
         self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
         self._manager_cls = type(self.single_type_managers[0])
         self._drop_eagle_block = 0 in self.eagle_group_ids
         self._group_ids = [0]
+
+    def _eagle_groups_changed(self) -> None:
+        self._drop_eagle_block = 0 in self.eagle_group_ids
 
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
@@ -430,8 +456,18 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             kv_cache_spec=self.kv_cache_spec,
             drop_eagle_block=self._drop_eagle_block,
             alignment_tokens=self.block_size,
+            dcp_world_size=self.dcp_world_size,
+            pcp_world_size=self.pcp_world_size,
         )
         return hit_blocks, len(hit_blocks[0]) * self.block_size
+
+
+def trim_null_head(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+    """``blocks`` without its leading null blocks (``blocks`` itself when none)."""
+    start = 0
+    while start < len(blocks) and blocks[start].is_null:
+        start += 1
+    return blocks[start:] if start else blocks
 
 
 class SpecGroup(NamedTuple):
@@ -483,6 +519,12 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
+        if dcp_world_size != 1 or pcp_world_size != 1:
+            raise ContextParallelError(
+                "several KV-cache groups with prefix caching do not support context "
+                f"parallelism (dcp_world_size={dcp_world_size}, "
+                f"pcp_world_size={pcp_world_size}); vLLM 0.25.1 asserts the same"
+            )
         self.hash_block_size = hash_block_size
         sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
         if any(size % hash_block_size for size in sizes):
@@ -491,6 +533,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 f"hash_block_size={hash_block_size}"
             )
         self.num_uncached_common_prefix_tokens = 0
+        self.verify_and_split_kv_cache_groups()
+
+    def _eagle_groups_changed(self) -> None:
         self.verify_and_split_kv_cache_groups()
 
     def verify_and_split_kv_cache_groups(self) -> None:
@@ -575,6 +620,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 max_length = curr_hit_length
                 if drop_eagle_block:
                     max_length = min(curr_hit_length + spec.block_size, max_cache_hit_length)
+                    if self.eagle_peek_to_hashed_length:
+                        max_length = min(
+                            curr_hit_length + spec.block_size,
+                            len(block_hashes) * self.hash_block_size,
+                        )
                 hit_blocks = manager_cls.find_longest_cache_hit(
                     block_hashes=self._block_hashes_for(block_hashes, spec),
                     max_length=max_length,
@@ -605,8 +655,24 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 full_blocks = hit_blocks_by_group[group_id]
                 if full_blocks is not None:
                     del full_blocks[num_blocks:]
+        if self.trim_every_full_group:
+            self._trim_full_groups(hit_blocks_by_group, hit_length)
         self.num_uncached_common_prefix_tokens = longest_hit_length - hit_length
         return tuple(b if b is not None else [] for b in hit_blocks_by_group), hit_length
+
+    def _trim_full_groups(
+        self, hit_blocks_by_group: list[list[KVCacheBlock] | None], hit_length: int
+    ) -> None:
+        """Cut every full-attention group's hits to ``hit_length`` tokens
+        (``trim_every_full_group``; 0.25.1 trims the first kind's groups only)."""
+        for group in self.attention_groups:
+            if not _is_full(group.spec):
+                continue
+            num_blocks = hit_length // group.spec.block_size
+            for group_id in group.group_ids:
+                full_blocks = hit_blocks_by_group[group_id]
+                if full_blocks is not None:
+                    del full_blocks[num_blocks:]
 
     def find_longest_cache_hit_per_group(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int

@@ -23,7 +23,9 @@ from kvcache.kv_cache_math import admits, cdiv
 from kvcache.kv_cache_utils import KVCacheBlock
 from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
+from kvcache.profile import Profile, resolve_profile
 from kvcache.request import Request, RequestStatus
+from kvcache.single_type_kv_cache_manager import FullAttentionManager
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +94,36 @@ class KVCacheBlocks:
         )
 
     @overload
-    def get_block_ids(self, allow_none: Literal[False] = False) -> tuple[list[int], ...]: ...
+    def get_block_ids(
+        self, allow_none: Literal[False] = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...]: ...
 
     @overload
-    def get_block_ids(self, allow_none: Literal[True] = True) -> tuple[list[int], ...] | None: ...
+    def get_block_ids(
+        self, allow_none: Literal[True] = True, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None: ...
 
-    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
-        """Block ids per group; with ``allow_none``, None when every group is empty."""
-        if allow_none and all(len(group) == 0 for group in self.blocks):
+    def get_block_ids(
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None:
+        """Block ids per group; with ``allow_none``, None when every group is empty.
+
+        ``group_ids`` (vLLM 0.33.0's argument) selects the groups, in that order;
+        None (the default, and 0.25.1's only form) takes every group.
+        """
+        groups = self.blocks if group_ids is None else self._select_groups(group_ids)
+        if allow_none and all(len(group) == 0 for group in groups):
             return None
-        return tuple([block.block_id for block in group] for group in self.blocks)
+        return tuple([block.block_id for block in group] for group in groups)
+
+    def _select_groups(self, group_ids: Sequence[int]) -> tuple[Sequence[KVCacheBlock], ...]:
+        """The groups ``group_ids`` names (ValueError naming a bad id)."""
+        for group_id in group_ids:
+            if not isinstance(group_id, int) or not 0 <= group_id < len(self.blocks):
+                raise ValueError(
+                    f"group_ids: {group_id!r} is no group id (there are {len(self.blocks)})"
+                )
+        return tuple(self.blocks[group_id] for group_id in group_ids)
 
     def get_unhashed_block_ids(self) -> list[int]:
         """Ids of blocks without a hash (single-group configs only)."""
@@ -137,9 +159,13 @@ class KVCacheManager:
         use_eagle: Recompute the last hit block for EAGLE drafting.
         log_stats: Keep ``PrefixCacheStats``.
         enable_kv_cache_events: Queue KV events for ``take_events``.
-        dcp_world_size: Must be 1.
-        pcp_world_size: Must be 1.
-        metrics_collector: Must be None (block residency metrics are not supported).
+        dcp_world_size: Decode context parallel size: each rank stores a share
+            of every block, so a block spans ``block_size * dcp * pcp`` tokens
+            (``scheduler_block_size`` and ``hash_block_size`` are that size).
+            With several KV-cache groups only without prefix caching.
+        pcp_world_size: Prefill context parallel size (likewise).
+        metrics_collector: A ``KVCacheMetricsCollector`` (kvcache's or vLLM's) for
+            sampled block residency figures, handed to the ``BlockPool``; or None.
         watermark: Fraction of the pool kept free when admitting waiting or
             preempted requests while others are scheduled.
         prefix_cache_retention_interval: Keyword only, not in vLLM's signature
@@ -149,6 +175,9 @@ class KVCacheManager:
             prompt's replay boundary; k * scheduler_block_size: also one per k
             scheduler blocks. ValueError for other values, or without a
             sliding-window or Mamba group.
+        profile: The vLLM release to behave like (``kvcache.profile``): a
+            ``Profile``, a release string, or None for ``Profile("0.25.1")``.
+            ``kvcache.vllm_0_33`` builds managers with ``Profile("0.33.0")``.
     """
 
     def __init__(
@@ -168,12 +197,9 @@ class KVCacheManager:
         watermark: float = 0.0,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
+        profile: Profile | str | None = None,
     ) -> None:
-        if metrics_collector is not None:
-            raise NotImplementedError(
-                f"metrics_collector={metrics_collector!r}: block residency metrics are not "
-                "supported by kvcache; pass None"
-            )
+        self.profile = resolve_profile(profile)
         if not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         if not watermark >= 0.0:
@@ -184,7 +210,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
         self.log_stats = log_stats
-        self.metrics_collector = None
+        self.metrics_collector = metrics_collector
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config=kv_cache_config,
@@ -197,6 +223,7 @@ class KVCacheManager:
             pcp_world_size=pcp_world_size,
             scheduler_block_size=scheduler_block_size,
             hash_block_size=hash_block_size,
+            metrics_collector=metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
@@ -214,6 +241,8 @@ class KVCacheManager:
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
         self._owners: dict[str, Request] = {}
+        self.stats_at_admission = self.profile.stats_at_admission
+        self._apply_profile()
         if os.environ.get(SELF_CHECK_ENV, "0") not in ("", "0"):
             enable_self_check(self)
 
@@ -231,21 +260,30 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         return stats
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int]:
         """Longest cached prefix of a request that is not running yet.
 
         The hit never covers the last token (its logits must be computed), so it
-        is capped at ``num_tokens - 1`` and then rounded down to whole blocks.
+        is capped at ``num_tokens - 1`` (or at ``max_cache_hit_length``, vLLM
+        0.33.0's argument) and then rounded down to whole blocks.
 
         Returns:
             ``(hit blocks, number of hit tokens)``; the blocks are not yet touched.
         """
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        elif not isinstance(max_cache_hit_length, int) or max_cache_hit_length < 0:
+            raise ValueError(
+                f"max_cache_hit_length must be a non-negative int, got {max_cache_hit_length!r}"
+            )
         computed_blocks, num_new_computed_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1
+            request.block_hashes, max_cache_hit_length
         )
-        if self.prefix_cache_stats is not None:
+        if self.prefix_cache_stats is not None and not self.stats_at_admission:
             self.prefix_cache_stats.record(
                 num_tokens=request.num_tokens,
                 num_hits=num_new_computed_tokens,
@@ -301,7 +339,11 @@ class KVCacheManager:
                 ``max_model_len``, or ``new_computed_blocks`` has the wrong
                 number of groups. Nothing changes then.
         """
-        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+        if (
+            num_new_tokens == 0
+            and num_external_computed_tokens == 0
+            and (num_new_computed_tokens == 0 or not self.adopt_computed_without_new_tokens)
+        ):
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no external "
                 f"computed tokens (request {request.request_id!r})"
@@ -380,7 +422,11 @@ class KVCacheManager:
         # Freeing out-of-window blocks first means fewer cached blocks get evicted;
         # it happens even if the allocation then fails.
         coordinator.remove_skipped_blocks(
-            request.request_id, total_computed_tokens, request.num_prompt_tokens
+            request.request_id,
+            self._processed_tokens(request, total_computed_tokens)
+            if self.free_on_processed_tokens
+            else total_computed_tokens,
+            request.num_prompt_tokens,
         )
         num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
             request_id=request.request_id,
@@ -416,6 +462,38 @@ class KVCacheManager:
                 request, min(total_computed_tokens + num_new_tokens, request.num_tokens)
             )
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _processed_tokens(self, request: Request, total_computed_tokens: int) -> int:
+        """Computed tokens whose forward pass is done (``free_on_processed_tokens``):
+        the total less the request's in-flight tokens (vLLM 0.33.0's
+        ``Request.num_in_flight_tokens``; 0 for a request without it)."""
+        in_flight: int = getattr(request, "num_in_flight_tokens", 0) or 0
+        return max(0, total_computed_tokens - in_flight)
+
+    def _apply_profile(self) -> None:
+        """Copy the profile's switches into the manager, its coordinator and its
+        single-type managers, where the points of difference read them."""
+        profile = self.profile
+        self.adopt_computed_without_new_tokens = profile.adopt_computed_without_new_tokens
+        self.free_on_processed_tokens = profile.free_on_processed_tokens
+        self.cascade_always_zero = profile.cascade_always_zero
+        coordinator = self.coordinator
+        coordinator.pop_drops_null_head = profile.pop_drops_null_head
+        coordinator.trim_every_full_group = profile.trim_every_full_group
+        coordinator.eagle_peek_to_hashed_length = profile.eagle_peek_to_hashed_length
+        coordinator.block_pool.mm_keys_by_window = profile.mm_keys_by_window
+        if profile.partial_prompt_tail_entries:
+            for manager in coordinator.single_type_managers:
+                if isinstance(manager, FullAttentionManager):
+                    manager.caches_partial_prompt_tail = True
+        if profile.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
+            coordinator.clear_eagle_groups()
+        if profile.new_block_ids_zeroing_only and not any(
+            is_spec_kind(g.kv_cache_spec, "MambaSpec")
+            for g in self.kv_cache_config.kv_cache_groups
+        ):
+            for manager in coordinator.single_type_managers:
+                manager.stop_tracking_new_block_ids()
 
     def _reject_allocate_args(self, request: Request, **counts: int) -> None:
         """Raise the ValueError for bad ``allocate_slots`` counts (see there)."""
@@ -471,7 +549,11 @@ class KVCacheManager:
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, leading blocks of ``running_request_id`` held by every request
-        that holds blocks (which may include requests not scheduled this step)."""
+        that holds blocks (which may include requests not scheduled this step).
+
+        Zeros without looking at the request under ``cascade_always_zero``."""
+        if self.cascade_always_zero:
+            return [0] * self.num_kv_cache_groups
         return self.coordinator.get_num_common_prefix_blocks(running_request_id)
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -45,6 +45,13 @@ a ``bytes`` annotation at run time, and erases ``Hashable``."""
 _HashT = TypeVar("_HashT", bound=Hashable)
 
 
+# Two builtin bases: an ordinary (non-native) class in the compiled build.
+@mypyc_attr(native_class=False)
+class UniformityError(ValueError, AssertionError):
+    """Specs that should share one page size do not: a ``ValueError`` that is
+    also the ``AssertionError`` vLLM 0.25.1 raises."""
+
+
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
     """Pack ``block_hash`` and ``group_id`` into one pool key (hash + 4 bytes big-endian)."""
     return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big", signed=False))
@@ -122,12 +129,28 @@ NONE_HASH: HashValue = BlockHash(b"")
 set by ``init_none_hash``."""
 
 
-def init_none_hash(hash_fn: Callable[[Any], HashValue]) -> None:
+def init_none_hash(
+    hash_fn: Callable[[Any], HashValue], fixed_default_seed: bool = False
+) -> None:
     """Seed the chain: ``NONE_HASH = hash_fn(PYTHONHASHSEED)``, or 32 random bytes
-    when the variable is unset (then hashes differ between processes, as in vLLM)."""
+    when the variable is unset (then hashes differ between processes, as in vLLM).
+
+    ``fixed_default_seed`` (the ``none_hash_fixed_seed`` switch of vLLM 0.33.0's
+    profile): with the variable unset, the cryptographic hashes (sha256,
+    sha256_cbor) seed from ``DEFAULT_NONE_HASH_SEED`` instead, so their hashes
+    agree across processes; the xxhash ones stay random.
+    """
     global NONE_HASH
     seed = os.getenv("PYTHONHASHSEED")
+    if seed is None and fixed_default_seed:
+        cryptographic = hash_fn not in (xxhash, xxhash_cbor)
+        seed = DEFAULT_NONE_HASH_SEED if cryptographic else os.urandom(32).hex()
     NONE_HASH = BlockHash(os.urandom(32)) if seed is None else hash_fn(seed)
+
+
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+"""The seed of ``NONE_HASH`` for a cryptographic hash without PYTHONHASHSEED
+(vLLM 0.33.0; ``init_none_hash(..., fixed_default_seed=True)``)."""
 
 
 init_none_hash(sha256)
@@ -266,9 +289,17 @@ def generate_block_hash_extra_keys(
 
 
 def get_request_block_hasher(
-    hash_block_size: int, caching_hash_fn: Callable[[Any], bytes]
+    hash_block_size: int,
+    caching_hash_fn: Callable[[Any], bytes],
+    tagged_extra_keys: bool = False,
+    mm_keys_by_window: bool = False,
 ) -> Callable[[Request], list[BlockHash]]:
     """A function returning the hashes of a request's full blocks not hashed yet.
+
+    The two flags are switches of vLLM 0.33.0's profile (``kvcache.profile``):
+    ``tagged_extra_keys`` tags each extra key with its source
+    (``tag_extra_keys``); ``mm_keys_by_window`` finds a later block's
+    multimodal items by its token window instead of from the last item only.
 
     Raises:
         ValueError: if ``hash_block_size`` is not a positive int.
@@ -285,6 +316,8 @@ def get_request_block_hasher(
             return []
         # Blocks completed after the first call can only touch the last MM item.
         mm_idx = 0 if start == 0 else -1
+        if mm_keys_by_window and start > 0:
+            mm_idx = first_mm_feature_ending_after(request, start)
         parent: HashValue | None = block_hashes[-1] if block_hashes else None
         tokens = request.all_token_ids
         # NOTE: a request without isolation keys has no extra keys in any block;
@@ -301,6 +334,8 @@ def get_request_block_hasher(
             extra_keys: tuple[Any, ...] | None = None
             if not keyless:
                 extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
+                if tagged_extra_keys and extra_keys is not None:
+                    extra_keys = tag_extra_keys(request, start, extra_keys)
             parent = hash_block_tokens(caching_hash_fn, parent, tokens[start:end], extra_keys)
             new_hashes.append(parent)
             start = end
@@ -308,6 +343,54 @@ def get_request_block_hasher(
         return cast(list[BlockHash], new_hashes)
 
     return request_block_hasher
+
+
+def first_mm_feature_ending_after(request: Request, start: int) -> int:
+    """Index of the first multimodal item that ends after token ``start`` (0 when
+    none does: then no item reaches the block). Items are sorted by offset and do
+    not overlap, as vLLM assumes, so their ends are sorted too."""
+    features = request.mm_features
+    if not features:
+        return 0
+    last = features[-1].mm_position
+    if last.offset + last.length <= start:
+        return 0
+    lo, hi = 0, len(features)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        pos = features[mid].mm_position
+        if pos.offset + pos.length < start + 1:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def tag_extra_keys(request: Request, start: int, keys: tuple[Any, ...]) -> tuple[Any, ...]:
+    """One block's extra keys (``generate_block_hash_extra_keys``) tagged with their
+    source, as vLLM 0.33.0 hashes them: ``("lora", name, path)``, ``("mm",
+    identifier, offset)``, ``("cache_salt", salt)``, ``("prompt_embeds", digest)``.
+
+    The untagged keys come in that order: the LoRA name when the request has a
+    LoRA, the multimodal pairs, the salt on the first block, then the digest when
+    the request has prompt embeddings.
+    """
+    tagged: list[Any] = []
+    index = 0
+    lora = request.lora_request
+    if lora:
+        tagged.append(("lora", lora.lora_name, lora.lora_path))
+        index = 1
+    has_embeds = getattr(request, "prompt_embeds", None) is not None
+    has_salt = start == 0 and bool(request.cache_salt)
+    end = len(keys) - has_embeds - has_salt
+    for key in keys[index:end]:
+        tagged.append(("mm", key[0], key[1]))
+    if has_salt:
+        tagged.append(("cache_salt", request.cache_salt))
+    if has_embeds:
+        tagged.append(("prompt_embeds", keys[-1]))
+    return tuple(tagged)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -552,3 +635,50 @@ class FreeKVCacheBlockQueue:
             out.append(block)
             block = block.next_free_block
         return out
+
+
+# ---------------------------------------------------------------- spec uniformity
+# The checks vLLM's KV-cache config code runs over a model's per-layer specs
+# before forming groups (which layers can share one group, one page size).
+
+
+def is_kv_cache_spec_uniform(kv_cache_spec: dict[str, Any]) -> bool:
+    """Whether every layer's spec merges into one (one KV-cache group can hold
+    them all); full attention with and without a recorded window counts as one
+    kind. True for no layers (an encoder-only model keeps no KV cache).
+
+    A merge's ``AssertionError`` (kvcache's ``KVCacheSpecMergeError`` is one)
+    means "not uniform"; a ``ValueError`` of two different windows propagates,
+    as in vLLM.
+    """
+    if not kv_cache_spec:
+        return True
+    specs = list(kv_cache_spec.values())
+    try:
+        specs[0].merge(specs)
+    except AssertionError:
+        return False
+    return True
+
+
+def get_uniform_page_size(kv_cache_specs: Iterable[Any]) -> int:
+    """The one page size of ``kv_cache_specs``.
+
+    Raises:
+        ValueError: (also an ``AssertionError``, as vLLM asserts) when the specs
+            have several page sizes, or none.
+    """
+    page_sizes = {spec.page_size_bytes for spec in kv_cache_specs}
+    if len(page_sizes) != 1:
+        raise UniformityError(f"expected one page size, got {sorted(page_sizes)}")
+    return int(page_sizes.pop())
+
+
+def is_kv_cache_page_size_uniform(kv_cache_spec: dict[str, Any]) -> bool:
+    """Whether every layer's spec has the same page size."""
+    return len({spec.page_size_bytes for spec in kv_cache_spec.values()}) == 1
+
+
+def is_kv_cache_type_attention_free(kv_cache_spec: dict[str, Any]) -> bool:
+    """Whether the model has no KV-cache layers at all (an empty spec dict)."""
+    return not kv_cache_spec

@@ -22,9 +22,11 @@ from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
     SPEC_MODULES,
     ChunkedLocalAttentionSpec,
+    ContextParallelError,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    check_world_size,
     is_spec_kind,
     spec_exact_class_name,
 )
@@ -102,8 +104,8 @@ class SingleTypeKVCacheManager:
         enable_caching: Whether prefix caching is on.
         kv_cache_group_id: The group's index.
         scheduler_block_size: Scheduling granularity (multiple of block_size).
-        dcp_world_size: Decode context parallel size (only 1 is supported).
-        pcp_world_size: Prefill context parallel size (only 1 is supported).
+        dcp_world_size: Decode context parallel size (scales ``block_size``).
+        pcp_world_size: Prefill context parallel size (scales ``block_size``).
         max_admission_blocks_per_request: Admission cap for groups that recycle
             blocks (None: no cap).
     """
@@ -119,13 +121,12 @@ class SingleTypeKVCacheManager:
         pcp_world_size: int = 1,
         max_admission_blocks_per_request: int | None = None,
     ) -> None:
-        if dcp_world_size != 1 or pcp_world_size != 1:
-            raise NotImplementedError(
-                f"context parallelism is not supported (dcp_world_size={dcp_world_size}, "
-                f"pcp_world_size={pcp_world_size})"
-            )
+        check_world_size("dcp_world_size", dcp_world_size)
+        check_world_size("pcp_world_size", pcp_world_size)
         self.kv_cache_spec = kv_cache_spec
-        self.block_size = kv_cache_spec.block_size
+        # Each context-parallel rank stores 1/(dcp*pcp) of a block's tokens, so to
+        # the manager one block spans block_size * dcp * pcp tokens (as in vLLM).
+        self.block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
         self.scheduler_block_size = scheduler_block_size
         self.dcp_world_size = dcp_world_size
         self.pcp_world_size = pcp_world_size
@@ -146,6 +147,8 @@ class SingleTypeKVCacheManager:
         # Only attention groups that keep every token report fresh ids for zeroing
         # (vLLM tests the exact class: subclasses such as sink attention do not).
         self._tracks_new_block_ids = spec_exact_class_name(kv_cache_spec) in _TRACKING_SPECS
+        # The partial_prompt_tail_entries switch (kvcache.profile); full attention only.
+        self.caches_partial_prompt_tail = False
 
     # ------------------------------------------------------------ sizing
 
@@ -266,6 +269,11 @@ class SingleTypeKVCacheManager:
         if self._tracks_new_block_ids:
             self.new_block_ids.extend([b.block_id for b in new_blocks])
         return new_blocks
+
+    def stop_tracking_new_block_ids(self) -> None:
+        """Record no new block ids from now on (the ``new_block_ids_zeroing_only``
+        switch of a layout that needs no zeroing)."""
+        self._tracks_new_block_ids = False
 
     def take_new_block_ids(self) -> list[int]:
         """Return and clear the ids allocated since the last call."""
@@ -438,6 +446,37 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             found = [b if isinstance(b, KVCacheBlock) else next(iter(b.values())) for b in found]
         return (found,)
 
+    def cache_blocks(
+        self, request: Request, num_tokens: int, retention_interval: int | None = None
+    ) -> None:
+        """Cache the full blocks, then (``caches_partial_prompt_tail``) the prompt's
+        tail that ends inside a block."""
+        super().cache_blocks(request, num_tokens, retention_interval)
+        if self.caches_partial_prompt_tail:
+            self.cache_partial_prompt_tail(request, num_tokens)
+
+    def cache_partial_prompt_tail(self, request: Request, num_tokens: int) -> None:
+        """Register the prompt's last hash boundary as a partial entry of the block it
+        ends inside (the ``partial_prompt_tail_entries`` switch, for blocks larger
+        than the hash block). The boundary is the last one a later lookup of the
+        same prompt can reach: ``num_prompt_tokens - 1`` tokens, or the whole
+        prompt for an EAGLE group; nothing when it falls on a block boundary or
+        past ``num_tokens``."""
+        hash_block_size = self.block_pool.hash_block_size
+        if self.block_size == hash_block_size:
+            return
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        boundary = min(limit // hash_block_size, len(request.block_hashes)) * hash_block_size
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        block_idx = boundary // self.block_size
+        if block_idx >= len(blocks):
+            return
+        self.block_pool.cache_partial_block(
+            request, blocks[block_idx], boundary, self.kv_cache_group_id, self.block_size
+        )
+
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading blocks whose ref count equals the number of tracked requests."""
         blocks = self.req_to_blocks[running_request_id]  # may create an entry, as in vLLM
@@ -448,6 +487,19 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 break
             num_common += 1
         return num_common
+
+
+def _refuse_context_parallel(kind: str, dcp_world_size: int, pcp_world_size: int) -> None:
+    """Where vLLM 0.25.1 asserts that a kind's hit search has no context parallelism.
+
+    Raises:
+        ContextParallelError: for ``dcp_world_size`` or ``pcp_world_size`` > 1.
+    """
+    if dcp_world_size != 1 or pcp_world_size != 1:
+        raise ContextParallelError(
+            f"{kind} prefix-cache lookups do not support context parallelism "
+            f"(dcp_world_size={dcp_world_size}, pcp_world_size={pcp_world_size})"
+        )
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -503,7 +555,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     ) -> tuple[list[KVCacheBlock], ...]:
         """Rightmost run of enough cached blocks whose end is aligned; positions
         before the run are the null block. With no full run, the cached run at
-        the very start (if any) is the hit."""
+        the very start (if any) is the hit.
+
+        Raises:
+            ContextParallelError: for ``dcp_world_size`` or ``pcp_world_size`` > 1
+                (vLLM 0.25.1 asserts: no context parallelism for sliding windows).
+        """
+        _refuse_context_parallel("sliding-window", dcp_world_size, pcp_world_size)
         kv_cache_spec = cast(SlidingWindowSpec, kv_cache_spec)
         block_size = kv_cache_spec.block_size
         need = cls._contiguous_blocks_for_hit(
@@ -614,6 +672,8 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         """Null blocks up to the chunk holding ``max_length``, then cached blocks
         from there left to right until the first miss."""
         kv_cache_spec = cast(ChunkedLocalAttentionSpec, kv_cache_spec)
+        if not drop_eagle_block:  # (vLLM's order of asserts)
+            _refuse_context_parallel("chunked local attention", dcp_world_size, pcp_world_size)
         if drop_eagle_block or kv_cache_spec.block_size != alignment_tokens:
             raise NotImplementedError(
                 "chunked local attention supports neither EAGLE nor groups of other block sizes"
@@ -691,7 +751,13 @@ class MambaManager(SingleTypeKVCacheManager):
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
     ) -> tuple[list[KVCacheBlock], ...]:
-        """Rightmost cached state whose end is aligned, preceded by null blocks."""
+        """Rightmost cached state whose end is aligned, preceded by null blocks.
+
+        Raises:
+            ContextParallelError: for ``dcp_world_size`` or ``pcp_world_size`` > 1
+                (vLLM 0.25.1 asserts).
+        """
+        _refuse_context_parallel("Mamba", dcp_world_size, pcp_world_size)
         kv_cache_spec = cast(MambaSpec, kv_cache_spec)
         num_blocks = kv_cache_math.mamba_hit_num_blocks(
             cast(Sequence[BlockHash], block_hashes),
@@ -769,7 +835,10 @@ class MambaManager(SingleTypeKVCacheManager):
             if last._hash is not None and last._hash in self.cached_blocks_this_step:
                 return self.block_pool.num_gpu_blocks + 1
         if self.mamba_cache_mode != "align":
-            num_tokens += self.block_size * self.num_speculative_blocks
+            # NOTE: the spec's block size, as in vLLM 0.25.1: under context
+            # parallelism this counts fewer speculative blocks than
+            # allocate_new_blocks takes (docs/divergences.md).
+            num_tokens += self.kv_cache_spec.block_size * self.num_speculative_blocks
             return super().get_num_blocks_to_allocate(
                 request_id,
                 num_tokens,
@@ -949,8 +1018,13 @@ _MANAGER_FOR_SPEC: dict[str, type[SingleTypeKVCacheManager]] = {
 """Manager per spec class name, as vLLM 0.25.1 registers them (MLA is full
 attention, sliding-window MLA is sliding window to the manager)."""
 
-_NOT_MODELLED = frozenset({"RSWASpec", "SinkFullAttentionSpec", "UniformTypeKVCacheSpecs"})
+_NOT_MODELLED = frozenset({"RSWASpec", "SinkFullAttentionSpec"})
 """vLLM spec classes kvcache recognises but does not model yet (issue 14)."""
+
+_NO_MANAGER = frozenset({"UniformTypeKVCacheSpecs", "EncoderOnlyAttentionSpec"})
+"""Spec classes vLLM 0.25.1 registers no manager for: a uniform-type spec is
+worker-side (the scheduler's config holds one of its layers' specs instead) and
+encoder-only layers keep no KV cache."""
 
 
 def get_manager_class_for_kv_cache_spec(
@@ -967,6 +1041,12 @@ def get_manager_class_for_kv_cache_spec(
     for cls in type(kv_cache_spec).__mro__:
         if cls.__module__ not in SPEC_MODULES:
             continue
+        if cls.__name__ in _NO_MANAGER:
+            raise NotImplementedError(
+                f"kv_cache_spec of type {type(kv_cache_spec).__name__} ({cls.__name__}) has no "
+                "KV-cache manager: vLLM 0.25.1 registers none for it (a scheduler's config "
+                "holds the per-layer specs of a UniformTypeKVCacheSpecs instead)"
+            )
         if cls.__name__ in _NOT_MODELLED:
             raise NotImplementedError(
                 f"kv_cache_spec of type {type(kv_cache_spec).__name__} ({cls.__name__}) is "
@@ -994,8 +1074,9 @@ def get_manager_for_kv_cache_spec(
     manager_cls = get_manager_class_for_kv_cache_spec(kv_cache_spec)
     if is_spec_kind(kv_cache_spec, "SlidingWindowSpec", "ChunkedLocalAttentionSpec"):
         spec = cast(SlidingWindowSpec | ChunkedLocalAttentionSpec, kv_cache_spec)
+        # Positional: vLLM 0.33.0's specs name the first argument max_in_flight_tokens.
         kwargs["max_admission_blocks_per_request"] = spec.max_admission_blocks_per_request(
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
+            max_num_batched_tokens, max_model_len
         )
     return manager_cls(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
 

@@ -2,7 +2,8 @@
 """Run one ``make verify`` stage quietly and print ONE summary line.
 
 Usage: ``scripts/stage.py STAGE -- COMMAND...``, STAGE one of lint, typecheck, tests,
-tests-compiled, upstream, upstream-compiled, proofs, proofs-compiled, check-0.33.
+tests-compiled, upstream, upstream-compiled, proofs, proofs-compiled, check-0.33,
+conformance-0.33.
 
 The command's full output goes to ``build/<stage>.log``; on failure its tail is
 printed above the summary line. The exit status is the command's (pytest's
@@ -68,6 +69,16 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
     if stage.startswith("upstream"):
         found = re.findall(r"^upstream: .*$", output, re.MULTILINE)
         detail = found[-1].removeprefix("upstream: ") if found else f"rc={rc}"
+        return f"{stage}: {'ok' if rc == 0 else 'FAILED'} ({detail})"
+    if stage.startswith("conformance-"):
+        found = re.findall(rf"^{re.escape(stage)}: \d+ sequences.*$", output, re.MULTILINE)
+        detail = found[-1].removeprefix(f"{stage}: ") if found else f"rc={rc}"
+        pending = re.findall(r"^not yet conformant \(not run\): (.*)$", output, re.MULTILINE)
+        streams = re.findall(r"^vllm scheduler on kvcache \[.*identical$", output, re.MULTILINE)
+        if streams:
+            detail += f"; vLLM's Scheduler: {len(streams)} streams identical"
+        if pending:
+            detail += f"; not yet conformant: {pending[-1].strip()}"
         return f"{stage}: {'ok' if rc == 0 else 'FAILED'} ({detail})"
     if stage.startswith("check-"):
         found = re.findall(r"^release-check .*$", output, re.MULTILINE)

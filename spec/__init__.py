@@ -15,9 +15,13 @@ imports):
   ``num_speculative_blocks``, and ``==`` between specs;
 - request: ``request_id``, ``all_token_ids``, ``num_tokens``, ``num_prompt_tokens``,
   ``num_computed_tokens``, ``num_preemptions``, ``status.name``,
-  ``skip_reading_prefix_cache``, ``lora_request.lora_name`` / ``.adapter_id``,
+  ``skip_reading_prefix_cache``, ``lora_request.lora_name`` / ``.adapter_id`` (and
+  ``.lora_path`` under the 0.33.0 profile), ``num_in_flight_tokens`` (0.33.0, if present),
   ``cache_salt``, ``mm_features[i].identifier`` / ``.mm_position.offset`` /
   ``.length``, and ``prompt_embeds`` (a torch tensor, or absent / None).
+
+Release differences (vLLM 0.25.1, the default, and 0.33.0) are named switches of
+``spec/profile.py``, passed as ``KVCacheManager(..., profile="0.33.0")``.
 """
 
 from spec.block_pool import NULL_BLOCK, BlockPool

@@ -44,6 +44,10 @@ class BlockPool:
     never cached.
     """
 
+    # Release switches (spec/profile.py), set by the KVCacheManager.
+    tagged_extra_keys = False
+    mm_keys_by_window = False
+
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
                  caching_hash_algo: str = "sha256", hash_seed: str | None = None) -> None:
@@ -71,7 +75,8 @@ class BlockPool:
     def block_hashes(self, request: Request, block_size: int | None = None) -> list[bytes]:
         """The request's block hashes, computed by the spec from its tokens and keys
         (never read from the request), at ``block_size`` (default: the hash block size)."""
-        hashes = request_block_hashes(request, self.hash_block_size, self.hash_fn, self.none_hash)
+        hashes = request_block_hashes(request, self.hash_block_size, self.hash_fn, self.none_hash,
+                                      self.tagged_extra_keys, self.mm_keys_by_window)
         if block_size is None or block_size == self.hash_block_size:
             return hashes
         return coarsen(hashes, self.hash_block_size, block_size)
@@ -165,6 +170,8 @@ class BlockPool:
             start = (n - 1) * hbs
             # As vLLM: past the first block the multimodal scan starts at the last item.
             first_mm = max(len(request.mm_features) - 1, 0) if start > 0 else 0
+            if self.mm_keys_by_window:  # 0.33.0: every item of the window
+                first_mm = 0
             lora = request.lora_request
             self.kv_event_queue.append(BlockStored(
                 block_hashes=[external_hash(hashes[n - 1])],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,16 +12,21 @@ from typing import Any, Literal, overload
 from spec import pure
 from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.kv_cache_coordinator import get_kv_cache_coordinator
+from spec.profile import Profile, resolve_profile
 from spec.pure import cdiv
 from spec.vocab import (
+    BlockRemoved033,
     BlockStored,
+    BlockStored033,
     KVCacheConfig,
     KVCacheEvent,
     PrefixCacheStats,
+    PrefixCacheStats033,
     Request,
     event_kind,
     event_sliding_window,
     is_a,
+    none_hash,
 )
 
 WATERMARKED = ("WAITING", "PREEMPTED")
@@ -99,9 +105,12 @@ class KVCacheManager:
                  pcp_world_size: int = 1, metrics_collector: Any = None,
                  watermark: float = 0.0, *, caching_hash_algo: str = "sha256",
                  hash_seed: str | None = None,
-                 prefix_cache_retention_interval: int | None = None) -> None:
-        if dcp_world_size > 1 or pcp_world_size > 1:
-            raise NotImplementedError("context parallelism (dcp/pcp > 1) is not modelled")
+                 prefix_cache_retention_interval: int | None = None,
+                 profile: Profile | str | None = None) -> None:
+        self.profile = resolve_profile(profile)  # spec/profile.py
+        for name, size in (("dcp_world_size", dcp_world_size), ("pcp_world_size", pcp_world_size)):
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be a positive int, got {size!r}")
         if metrics_collector is not None:
             raise NotImplementedError("metrics_collector is not modelled by the spec")
         self.max_model_len = max_model_len
@@ -115,7 +124,7 @@ class KVCacheManager:
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config, max_model_len, self.max_num_batched_tokens, use_eagle,
             enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
-            caching_hash_algo, hash_seed,
+            caching_hash_algo, hash_seed, dcp_world_size * pcp_world_size,
             prefix_cache_retention_interval=prefix_cache_retention_interval)
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
@@ -128,6 +137,34 @@ class KVCacheManager:
             for g in kv_cache_config.kv_cache_groups)
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool)
+        self._apply_profile(hash_seed)
+
+    def _apply_profile(self, hash_seed: str | None) -> None:
+        """Set the profile's switches on the coordinator, managers and pool."""
+        p, coordinator, pool = self.profile, self.coordinator, self.block_pool
+        pool.tagged_extra_keys = p.tagged_extra_keys
+        pool.mm_keys_by_window = p.mm_keys_by_window
+        if p.none_hash_fixed_seed and hash_seed is None and os.getenv("PYTHONHASHSEED") is None:
+            pool.none_hash = none_hash(pool.hash_fn, None, fixed_default_seed=True)
+        coordinator.trim_every_full_group = p.trim_every_full_group
+        coordinator.eagle_peek_to_hashed_length = p.eagle_peek_to_hashed_length
+        if p.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
+            coordinator.eagle_group_ids = set()  # without use_eagle no group drops a block
+            coordinator._init_groups()
+        groups = self.kv_cache_config.kv_cache_groups
+        zeroing = any(is_a(g.kv_cache_spec, "MambaSpec") for g in groups)
+        for m in coordinator.single_type_managers:
+            m.records_new_block_ids = not (p.new_block_ids_zeroing_only and not zeroing)
+            m.caches_partial_prompt_tail = (p.partial_prompt_tail_entries
+                                            and type(m).__name__ == "FullAttentionManager")
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats = self._new_stats()
+
+    def _new_stats(self) -> PrefixCacheStats:
+        """Empty stats, of 0.33.0's class under stats_hits_by_source."""
+        stats: PrefixCacheStats = (PrefixCacheStats033() if self.profile.stats_hits_by_source
+                                   else PrefixCacheStats())
+        return stats
 
     @property
     def usage(self) -> float:
@@ -138,7 +175,7 @@ class KVCacheManager:
         """Return the hit stats gathered so far and start new ones (None unless log_stats)."""
         if not self.log_stats:
             return None
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._new_stats()
         return stats
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -148,10 +185,18 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
             self.block_pool.block_hashes(request), request.num_tokens - 1)
-        if self.prefix_cache_stats is not None:
+        if self.prefix_cache_stats is not None and not self.profile.stats_at_admission:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens,
                                            request.num_preemptions > 0)
         return self.create_kv_cache_blocks(hits), num_hit_tokens
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """stats_at_admission: the scheduler counts an admitted request's lookup here
+        (nothing without log_stats, caching, or for a request that skipped the cache)."""
+        if (self.prefix_cache_stats is None or not self.enable_caching
+                or request.skip_reading_prefix_cache):
+            return
+        self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
@@ -167,7 +212,8 @@ class KVCacheManager:
         cover them plus the watermark (out-of-window blocks may be freed all the same).
         ValueError if there are no new and no external tokens.
         """
-        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+        adopts = num_new_computed_tokens > 0 and self.profile.adopt_computed_without_new_tokens
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 and not adopts:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no external computed tokens")
         rid, coordinator = request.request_id, self.coordinator
@@ -190,7 +236,10 @@ class KVCacheManager:
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens,
                                    self.max_model_len)
         # Free out-of-window blocks first (even if we then refuse) so fewer get evicted.
-        coordinator.remove_skipped_blocks(rid, total_computed, request.num_prompt_tokens)
+        processed = total_computed
+        if self.profile.free_on_processed_tokens:  # in-flight steps may still read the rest
+            processed = max(0, total_computed - getattr(request, "num_in_flight_tokens", 0))
+        coordinator.remove_skipped_blocks(rid, processed, request.num_prompt_tokens)
         num_needed = coordinator.get_num_blocks_to_allocate(
             rid, num_tokens_need_slot, hits, num_encoder_tokens, num_computed,
             num_tokens_main_model)
@@ -220,6 +269,9 @@ class KVCacheManager:
 
     def pop_blocks_for_free(self, request: Request) -> list[int]:
         """Forget the request; the caller frees the returned ids later, in reverse."""
+        if self.profile.pop_drops_null_head:  # each group's leading null blocks left out
+            return [b for m in self.coordinator.single_type_managers
+                    for b in drop_null_head(m.pop_blocks_for_free(request.request_id))]
         return self.coordinator.pop_blocks_for_free(request.request_id)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -236,6 +288,8 @@ class KVCacheManager:
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, leading blocks of the request held by every request with a table."""
+        if self.profile.cascade_always_zero:  # cascade attention is gone: zeros, no lookup
+            return [0] * self.num_kv_cache_groups
         return self.coordinator.get_num_common_prefix_blocks(running_request_id)
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -247,6 +301,10 @@ class KVCacheManager:
                 kind, window = self.kv_cache_event_metadata[event.group_idx]
                 event.kv_cache_spec_kind = kind
                 event.kv_cache_spec_sliding_window = window
+        if self.profile.event_new_fields:  # 0.33.0's classes, the new fields at defaults
+            new = {"BlockStored": BlockStored033, "BlockRemoved": BlockRemoved033}
+            events = [new[type(e).__name__](**vars(e)) if type(e).__name__ in new else e
+                      for e in events]
         return events
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
@@ -318,3 +376,8 @@ class KVCacheManager:
                         holders[b] += 1
         for b, count in holders.items():
             assert pool.ref_cnt[b] >= count, f"block {b}: ref_cnt {pool.ref_cnt[b]} < {count}"
+
+
+def drop_null_head(ids: list[int]) -> list[int]:
+    """``ids`` without its leading null blocks."""
+    return list(itertools.dropwhile(lambda b: b == NULL_BLOCK, ids))

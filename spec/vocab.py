@@ -15,7 +15,7 @@ import hashlib
 import os
 import pickle
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 Request = Any
@@ -70,9 +70,14 @@ def get_hash_fn(name: str) -> Callable[[Any], bytes]:
     return HASH_FUNCTIONS[name]
 
 
-def none_hash(hash_fn: Callable[[Any], bytes], seed: str | None) -> bytes:
+def none_hash(hash_fn: Callable[[Any], bytes], seed: str | None,
+              fixed_default_seed: bool = False) -> bytes:
     """The parent of every first block: ``hash_fn(seed)`` (the ``PYTHONHASHSEED``
-    string), or 32 random bytes without a seed, so hashes differ between processes."""
+    string), or 32 random bytes without a seed, so hashes differ between processes.
+    With ``fixed_default_seed`` (0.33.0's none_hash_fixed_seed) a missing seed is
+    ``"vllm-none-hash"`` for sha256 / sha256_cbor, and random for the xxhash ones."""
+    if seed is None and fixed_default_seed and hash_fn in (sha256, sha256_cbor):
+        seed = "vllm-none-hash"
     return os.urandom(32) if seed is None else hash_fn(seed)
 
 
@@ -111,38 +116,46 @@ def _end_of(item: Any) -> int:
     return int(item.mm_position.offset + item.mm_position.length)
 
 
-def block_extra_keys(request: Any, start: int, end: int, first_mm: int = 0
-                     ) -> tuple[Any, ...] | None:
+def block_extra_keys(request: Any, start: int, end: int, first_mm: int = 0,
+                     tagged: bool = False) -> tuple[Any, ...] | None:
     """Extra keys of the block of tokens ``[start, end)``: the LoRA name, the multimodal
     keys, the cache salt (first block only), the digest of the block's prompt
-    embeddings; None when there are none."""
+    embeddings; None when there are none. ``tagged`` (0.33.0's tagged_extra_keys): each
+    key is tagged with its source, ``("lora", name, path)``, ``("mm", identifier,
+    offset)``, ``("cache_salt", salt)``, ``("prompt_embeds", digest)``."""
     keys: list[Any] = []
-    if request.lora_request:
-        keys.append(request.lora_request.lora_name)
-    keys += mm_extra_keys(request.mm_features, start, end, first_mm)
+    lora = request.lora_request
+    if lora:
+        keys.append(("lora", lora.lora_name, lora.lora_path) if tagged else lora.lora_name)
+    keys += [("mm", *key) if tagged else key
+             for key in mm_extra_keys(request.mm_features, start, end, first_mm)]
     if start == 0 and request.cache_salt:
-        keys.append(request.cache_salt)
+        keys.append(("cache_salt", request.cache_salt) if tagged else request.cache_salt)
     embeds = getattr(request, "prompt_embeds", None)
     if embeds is not None:
-        keys.append(embeds_digest(embeds[start:end]))
+        digest = embeds_digest(embeds[start:end])
+        keys.append(("prompt_embeds", digest) if tagged else digest)
     return tuple(keys) if keys else None
 
 
 def request_block_hashes(request: Any, block_size: int, hash_fn: Callable[[Any], bytes],
-                         first_parent: bytes) -> list[bytes]:
+                         first_parent: bytes, tagged: bool = False,
+                         by_window: bool = False) -> list[bytes]:
     """The hashes of the request's full ``block_size`` blocks, chained from ``first_parent``.
 
     As in vLLM, where a request's hashes grow as tokens arrive: a block that was not
     full when the request was made (the prompt's partial tail) is hashed later,
-    and that later hashing looks at the last multimodal item only.
+    and that later hashing looks at the last multimodal item only (0.33.0's
+    mm_keys_by_window, ``by_window``: at every item in the block, as the first
+    hashing does). ``tagged``: see ``block_extra_keys``.
     """
     tokens, num_prompt = request.all_token_ids, request.num_prompt_tokens
     hashes: list[bytes] = []
     parent = first_parent
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        hashed_later = start > 0 and start + block_size > num_prompt
+        hashed_later = start > 0 and start + block_size > num_prompt and not by_window
         first_mm = len(request.mm_features) - 1 if hashed_later else 0
-        keys = block_extra_keys(request, start, start + block_size, max(first_mm, 0))
+        keys = block_extra_keys(request, start, start + block_size, max(first_mm, 0), tagged)
         parent = hash_fn((parent, tuple(tokens[start:start + block_size]), keys))
         hashes.append(parent)
     return hashes
@@ -235,6 +248,20 @@ class PrefixCacheStats:
             self.requests += 1
             self.queries += num_tokens
             self.hits += num_hits
+
+
+# vLLM 0.33.0's classes of the same names (event_new_fields, stats_hits_by_source): 0.25.1's
+# fields plus the new ones, at their defaults (the spec has no sessions, tiers or lookahead).
+BlockStored033: Any = make_dataclass(
+    "BlockStored", [("locality", str | None, None), ("ownership", str | None, None),
+                    ("session_id", str | None, None),
+                    ("lookahead_token_ids", list[list[int]] | None, None)], bases=(BlockStored,))
+BlockRemoved033: Any = make_dataclass(
+    "BlockRemoved", [("locality", str | None, None), ("ownership", str | None, None)],
+    bases=(BlockRemoved,))
+PrefixCacheStats033: Any = make_dataclass(
+    "PrefixCacheStats", [("hits_by_source", dict[str, int], field(default_factory=dict))],
+    bases=(PrefixCacheStats,))
 
 
 # ---------------------------------------------------------------- layer specs, by class name

@@ -267,9 +267,10 @@ def record_workload(workload: Workload, impl: str, state_every: int = 1) -> Reco
     )
     recording = Recording(header, recorder.records)
     try:
-        recording.result = simulate(
-            workload, Impl(adapter.name, manager, new_request, recorder.set_status)
-        )
+        with side.hashing():  # the simulation appends tokens to the requests itself
+            recording.result = simulate(
+                workload, Impl(adapter.name, manager, new_request, recorder.set_status)
+            )
     except Exception as exc:
         recording.error = exc
     recorder.finish()

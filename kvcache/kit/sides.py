@@ -27,7 +27,11 @@ An **Adapter** subclass is for an implementation with another vocabulary
 (``kvcache.kit.vllm_side.VllmAdapter`` builds vLLM's own config and requests).
 
 A ``Side`` is one adapter's manager plus its requests, driven by named calls
-with JSON arguments (the ops of a trace) and returning canonical results.
+with JSON arguments (the ops of a trace) and returning canonical results. A side
+hashes its requests with its trace's chain (``hash_fn`` and ``PYTHONHASHSEED``)
+and leaves the process's chain (``NONE_HASH``, a module global in kvcache as in
+vLLM) as it found it: code that hashes in the same process after the kit (other
+tests, a user's own requests) sees no change.
 """
 
 from __future__ import annotations
@@ -38,12 +42,13 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
 from typing import Any, cast
 
 from kvcache.kit.config import GroupConfig, ManagerConfig
 from kvcache.kit.trace import canon, canon_state
 
-BUILTIN_IMPLS = ("kvcache", "spec", "vllm")
+BUILTIN_IMPLS = ("kvcache", "spec", "vllm", "kvcache-0.33", "spec-0.33")
 
 
 class HarnessError(Exception):
@@ -74,6 +79,23 @@ def with_hash_seed(seed: str, init: Callable[[], None]) -> None:
             del os.environ["PYTHONHASHSEED"]
         else:
             os.environ["PYTHONHASHSEED"] = old
+
+
+_UNSET = object()
+
+
+def chain_seed(module: ModuleType) -> Any:
+    """``module.NONE_HASH``, or a marker when it is not set yet (vLLM sets it only in
+    ``init_none_hash``)."""
+    return module.__dict__.get("NONE_HASH", _UNSET)
+
+
+def set_chain_seed(module: ModuleType, value: Any) -> None:
+    """Put back a value ``chain_seed`` returned (the marker unsets ``NONE_HASH``)."""
+    if value is _UNSET:
+        module.__dict__.pop("NONE_HASH", None)
+    else:
+        module.__dict__["NONE_HASH"] = value
 
 
 RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
@@ -123,6 +145,10 @@ def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -
         )
     if group.kind == "cross_attention":
         return lib.CrossAttentionSpec(**common)
+    if group.kind == "mla":
+        return lib.MLAAttentionSpec(**common)
+    if group.kind == "sliding_window_mla":
+        return lib.SlidingWindowMLASpec(**common, sliding_window=group.sliding_window)
     return lib.FullAttentionSpec(**common)
 
 
@@ -182,9 +208,16 @@ class Adapter:
         return fn
 
     def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
-        """Initialise ``NONE_HASH`` for ``config.hash_fn`` under ``PYTHONHASHSEED``."""
+        """Initialise ``NONE_HASH`` for ``config.hash_fn`` under ``PYTHONHASHSEED``
+        (in ``chain_module``, for the whole process: a ``Side`` restores it)."""
         hash_fn = self.hash_fn(config.hash_fn)
         with_hash_seed(hash_seed, lambda: self.kv_cache_utils.init_none_hash(hash_fn))
+
+    def chain_module(self) -> ModuleType | None:
+        """The module whose ``NONE_HASH`` this adapter's requests chain from
+        (``init_hashes`` sets it); None when it has none the kit knows of."""
+        module: ModuleType | None = getattr(self, "kv_cache_utils", None)
+        return module
 
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
@@ -232,11 +265,16 @@ class Adapter:
                 None if lora is None else rq.LoRARequest(lora[0], lora[1], lora_path="/x")
             ),
             cache_salt=args.get("cache_salt"),
-            block_hasher=self.kv_cache_utils.get_request_block_hasher(
-                config.hash_block_size, self.hash_fn(config.hash_fn)
-            ),
+            block_hasher=self.block_hasher(config),
             skip_reading_prefix_cache=bool(args.get("skip_reading_prefix_cache", False)),
         )
+
+    def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
+        """The requests' block hasher for ``config``'s hash block size and function."""
+        hasher: Callable[[Any], list[Any]] = self.kv_cache_utils.get_request_block_hasher(
+            config.hash_block_size, self.hash_fn(config.hash_fn)
+        )
+        return hasher
 
     def status(self, name: str) -> Any:
         """The ``RequestStatus`` member called ``name``."""
@@ -309,6 +347,82 @@ class Stopwatch:
         return best
 
 
+class ProfileAdapter(Adapter):
+    """kvcache under another release's profile, through that release's drop-in module
+    (``kvcache.vllm_0_33``): its constructor names, lookup shape, hasher and
+    NONE_HASH rule, and the scheduler duty it moved (stats at admission).
+
+    ``release_line`` tells the driver which vLLM line it behaves like, so that it
+    is compared with that release as an equal (no ledger judge between them).
+    """
+
+    def __init__(self, name: str, module: str, release_line: str) -> None:
+        drop_in = importlib.import_module(module)
+        super().__init__(name, drop_in.KVCacheManager, _package_version())
+        self.drop_in = drop_in
+        self.release_line = release_line
+        self.renamed_kwargs = {"max_num_batched_tokens": "max_in_flight_tokens"}
+
+    def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
+        hash_fn = self.hash_fn(config.hash_fn)
+        with_hash_seed(hash_seed, lambda: self.drop_in.init_none_hash(hash_fn))
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        kwargs = {self.renamed_kwargs.get(k, k): v for k, v in config.manager_kwargs().items()}
+        # 0.33.0's retention interval is a field of the config, not an environment variable.
+        kv_cache_config.prefix_cache_retention_interval = config.prefix_cache_retention_interval
+        return self.factory(kv_cache_config, **kwargs)
+
+    def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
+        blocks, num_computed_tokens, _boundary = manager.get_computed_blocks(request)
+        return blocks, int(num_computed_tokens)
+
+    def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
+        manager.record_prefix_cache_stats(request, num_hit_tokens)
+
+    def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
+        hasher: Callable[[Any], list[Any]] = self.drop_in.get_request_block_hasher(
+            config.hash_block_size, self.hash_fn(config.hash_fn)
+        )
+        return hasher
+
+
+class SpecProfileAdapter(SpecAdapter):
+    """The spec under another release's profile (``spec/profile.py``), with that
+    release's request hasher (``drop_in``'s) and scheduler duty (stats at admission):
+    the independent check of ``ProfileAdapter`` without that vLLM installed."""
+
+    def __init__(self, name: str, release: str, release_line: str, module: str) -> None:
+        import spec
+
+        super().__init__(name, spec.KVCacheManager, _package_version())
+        self.release = release
+        self.release_line = release_line
+        self.drop_in = importlib.import_module(module)
+
+    def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
+        hash_fn = self.hash_fn(config.hash_fn)
+        with_hash_seed(hash_seed, lambda: self.drop_in.init_none_hash(hash_fn))
+        self.hash_seed = hash_seed
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        return self.factory(kv_cache_config, **config.manager_kwargs(),
+                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
+                            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+                            profile=self.release)
+
+    def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
+        manager.record_prefix_cache_stats(request, num_hit_tokens)
+
+    def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
+        hasher: Callable[[Any], list[Any]] = self.drop_in.get_request_block_hasher(
+            config.hash_block_size, self.hash_fn(config.hash_fn)
+        )
+        return hasher
+
+
 class Side:
     """An adapter's manager plus its requests, driven by ``call(op, args)``.
 
@@ -327,13 +441,38 @@ class Side:
         self.last_raw: Any = None
         self.last_hit_tokens: dict[str, int] = {}
         self.timing: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        adapter.init_hashes(config, hash_seed)
+        # The chain of this side's trace, kept here: the process's is put back at once.
+        self.chain_module = adapter.chain_module()
+        before = _UNSET if self.chain_module is None else chain_seed(self.chain_module)
         try:
-            self.manager = adapter.build_manager(config)
+            adapter.init_hashes(config, hash_seed)
+            self.none_hash = None if self.chain_module is None else chain_seed(self.chain_module)
+        finally:
+            if self.chain_module is not None:
+                set_chain_seed(self.chain_module, before)
+        try:
+            with self.hashing():
+                self.manager = adapter.build_manager(config)
         except Exception as exc:
             raise CannotBuild(
                 adapter.name, f"{adapter.name} rejects the config ({type(exc).__name__}: {exc})"
             ) from exc
+
+    @contextlib.contextmanager
+    def hashing(self) -> Iterator[None]:
+        """This side's chain installed as the process's ``NONE_HASH`` for the block, the
+        caller's put back after: for code that hashes this side's requests outside
+        ``call`` (a simulation appending tokens to them itself)."""
+        module = self.chain_module
+        if module is None:
+            yield
+            return
+        before = chain_seed(module)
+        set_chain_seed(module, self.none_hash)
+        try:
+            yield
+        finally:
+            set_chain_seed(module, before)
 
     # ------------------------------------------------------------ driving
 
@@ -342,7 +481,15 @@ class Side:
         handler = getattr(self, "op_" + op, None)
         if handler is None:
             raise HarnessError(f"unknown op {op!r}")
-        return handler(args)
+        module = self.chain_module  # as ``hashing``, inlined: this runs on every call
+        if module is None:
+            return handler(args)
+        before = chain_seed(module)
+        set_chain_seed(module, self.none_hash)
+        try:
+            return handler(args)
+        finally:
+            set_chain_seed(module, before)
 
     def raw_state(self) -> dict[str, Any] | None:
         return self.adapter.abstract_state(self.manager)
@@ -594,6 +741,10 @@ def resolve_adapter(name: str) -> Adapter:
         import kvcache
 
         return Adapter("kvcache", kvcache.KVCacheManager, _package_version())
+    if name == "kvcache-0.33":
+        return ProfileAdapter("kvcache-0.33", "kvcache.vllm_0_33", "0.33")
+    if name == "spec-0.33":
+        return SpecProfileAdapter("spec-0.33", "0.33.0", "0.33", "kvcache.vllm_0_33")
     if name == "kvcache-pure":
         # The pure-Python build beside whichever build `import kvcache` loaded
         # (kvcache._builds.import_pure_copy): for timing both in one process.

@@ -24,6 +24,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -212,6 +213,11 @@ class VllmAdapter(Adapter):
     def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
         hash_fn = vllm_hash_fn(config.hash_fn)
         with_hash_seed(hash_seed, lambda: vllm_kv_cache_utils.init_none_hash(hash_fn))
+
+    def chain_module(self) -> ModuleType:
+        """vLLM's ``kv_cache_utils``: its requests chain from vLLM's ``NONE_HASH``."""
+        module: ModuleType = vllm_kv_cache_utils
+        return module
 
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(vllm_kv_cache_interface, config, torch.float16)

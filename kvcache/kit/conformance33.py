@@ -1,0 +1,217 @@
+"""Conformance of kvcache's 0.33.0 profile against the real vLLM 0.33.0 (``make conformance-0.33``).
+
+The same seeded random scheduler sequences as the 0.25.1 conformance tests
+(``tests/conformance/test_conformance.py``; ``kvcache.kit.driver``), run in
+lockstep on vLLM 0.33.0 (the reference) and on ``kvcache-0.33``: kvcache through
+its drop-in module ``kvcache.vllm_0_33`` (``Profile("0.33.0")``). Both sides are
+of the same release line, so no ledger entry normalises anything: results,
+exceptions, events, stats, block hashes and the abstract state must be equal
+after every call.
+
+Run it with vLLM 0.33.0 importable (``.venv-0.33``, ``make reference-0.33``)::
+
+    .venv-0.33/bin/python -m kvcache.kit.conformance33 --sequences 100
+
+It prints one ``conformance: ...`` line per family and a ``conformance-0.33:``
+total, lists the families not yet conformant (``NOT_YET_CONFORMANT``: not run,
+and said so), and exits 1 on any mismatch, writing the first one's shrunk
+counterexample under ``build/conformance-0.33-failures/``.
+
+Then vLLM 0.33.0's own ``Scheduler`` runs the streams of
+``kvcache.kit.scheduler_drive`` with ``kvcache.vllm_0_33.KVCacheManager`` swapped
+in, and must decide every step exactly as on vLLM's own manager (one ``vllm
+scheduler on kvcache [...]: ... identical`` line per stream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvcache.kit.driver import FAMILIES, Family, SequenceResult, Stats, run_sequence
+
+SUBJECT = "kvcache-0.33"
+REFERENCE = "vllm"
+REFERENCE_VERSION = "0.33.0"
+
+#: Layout families of ``kvcache.kit.driver.FAMILIES`` the 0.33.0 profile does not
+#: model yet, with why. Every other family runs (``conformant_families``).
+MAMBA_REASON = (
+    "Mamba under 0.33.0: 'align' only (mamba_cache_mode 'all' removed), prefill "
+    "checkpoints and their freeing rules, sub-block (fine-grained) hits, zeroing with "
+    "new_block_ids for every attention group, CoW copies"
+)
+RETENTION_REASON = (
+    "sparse retention with EAGLE under 0.33.0: the tails kept are those before the "
+    "replay boundaries {resend - b, extension - b} (b = scheduler_block_size) of the "
+    "coordinator's EAGLE groups, not the one replay boundary shifted by the group's "
+    "EAGLE bit (3-4 % of sequences, all with use_eagle)"
+)
+CONTEXT_PARALLEL_REASON = (
+    "context parallelism under 0.33.0: a block spans block_size * dcp_world_size tokens "
+    "(pcp no longer counts), and only for dcp_sharded specs (Mamba's is not); ledger "
+    "entries pcp-not-scaled, mamba-not-dcp-sharded"
+)
+NOT_YET_CONFORMANT: dict[str, str] = {
+    name: MAMBA_REASON if "mamba" in name or name == "eagle-hybrid" else RETENTION_REASON
+    for name, family in FAMILIES.items()
+    if "mamba" in name or name == "eagle-hybrid" or family.retention
+}
+NOT_YET_CONFORMANT.update(
+    {name: CONTEXT_PARALLEL_REASON for name, family in FAMILIES.items() if family.context_parallel}
+)
+
+# Paths the driver must reach in every family (as in the 0.25.1 conformance tests),
+# so that a driver bug cannot make the comparison trivial.
+REQUIRED_PATHS = ("allocate_none", "raises:ValueError", "raises:AssertionError", "reset_True")
+REQUIRED_WITH_CACHING = ("prefix_hit", "event:BlockStored", "event:BlockRemoved")
+
+
+def conformant_families() -> list[Family]:
+    """The families run: every driver family not in ``NOT_YET_CONFORMANT``."""
+    return [f for name, f in FAMILIES.items() if name not in NOT_YET_CONFORMANT]
+
+
+def family_seed(base_seed: int, family_index: int, index: int) -> int:
+    """The seed of sequence ``index`` of a family (distinct across families)."""
+    return base_seed * 10_000_000 + family_index * 100_000 + index
+
+
+@dataclasses.dataclass
+class FamilyResult:
+    """One family's run: its stats, mismatching sequences and unreached paths."""
+
+    family: Family
+    stats: Stats
+    failures: list[SequenceResult]
+    missing_paths: list[str]
+
+    @property
+    def ok(self) -> bool:
+        """No mismatch, nothing that could not be built, every required path reached."""
+        return not self.failures and not self.missing_paths
+
+
+def run_family(
+    family: Family, family_index: int, sequences: int, base_seed: int = 0
+) -> FamilyResult:
+    """Run ``sequences`` random sequences of ``family`` on both sides."""
+    stats = Stats()
+    started = time.monotonic()
+    failures = []
+    for index in range(sequences):
+        result = run_sequence(
+            family_seed(base_seed, family_index, index), family, SUBJECT, REFERENCE, stats
+        )
+        if result.mismatch is not None or result.cannot_build is not None:
+            failures.append(result)
+    stats.seconds = time.monotonic() - started
+    caching = family.enable_caching is not False and "cross" not in family.kinds
+    required = REQUIRED_PATHS + (REQUIRED_WITH_CACHING if caching else ())
+    missing = [path for path in required if stats.events[path] == 0]
+    return FamilyResult(family, stats, failures, missing)
+
+
+def describe_failure(result: FamilyResult, failure_dir: Path) -> str:
+    """The first failure of a family, its counterexample written under ``failure_dir``."""
+    from kvcache.kit.driver import write_counterexample
+
+    first = result.failures[0]
+    if first.cannot_build is not None:
+        return f"seed {first.seed}: {first.cannot_build} (config {first.config})"
+    path = failure_dir / f"{first.family}-seed-{first.seed}.jsonl"
+    write_counterexample(first, SUBJECT, REFERENCE, path)
+    return (
+        f"{len(result.failures)} sequence(s) diverge, first seed {first.seed}, config "
+        f"{first.config}:\n{first.mismatch}\nMinimal trace: {path}\n"
+        f"Replay it: python -m kvcache replay {path} --impl {SUBJECT}"
+    )
+
+
+def run_scheduler_streams() -> list[str]:
+    """vLLM 0.33.0's Scheduler on ``kvcache.vllm_0_33.KVCacheManager`` and on its own
+    manager, every stream of ``scheduler_drive``; the failures, one line each."""
+    from kvcache import vllm_0_33
+    from kvcache.kit import scheduler_drive
+
+    failures = []
+    with scheduler_drive.cpu_platform():
+        for stream in scheduler_drive.STREAMS:
+            try:
+                result = scheduler_drive.compare(stream, vllm_0_33.KVCacheManager)
+            except scheduler_drive.SchedulerDiffers as exc:
+                failures.append(str(exc))
+                continue
+            print(result.summary(), flush=True)
+            reached = (result.finished == stream.num_requests and result.hits > 0
+                       and result.preemptions > 0)  # fmt: skip
+            if not reached:
+                failures.append(f"{stream.name}: the stream did not reach its cases ({result})")
+    return failures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the conformance families; 0 when every one has 0 mismatches."""
+    parser = argparse.ArgumentParser(prog="python -m kvcache.kit.conformance33")
+    parser.add_argument("--sequences", type=int, default=100, help="sequences per family")
+    parser.add_argument("--seed", type=int, default=0, help="shifts every seed")
+    parser.add_argument(
+        "--families", default="", help="comma-separated family names (default: all conformant)"
+    )
+    parser.add_argument("--failure-dir", default="build/conformance-0.33-failures")
+    parser.add_argument(
+        "--no-scheduler", action="store_true", help="skip vLLM 0.33.0's Scheduler streams"
+    )
+    args = parser.parse_args(argv)
+    if args.sequences < 1:
+        parser.error(f"--sequences must be positive, got {args.sequences}")
+
+    import vllm
+
+    if vllm.__version__ != REFERENCE_VERSION:
+        print(f"conformance-0.33: needs vLLM {REFERENCE_VERSION}, found {vllm.__version__}")
+        return 2
+    names = list(FAMILIES)
+    chosen = conformant_families()
+    if args.families:
+        wanted = [n.strip() for n in args.families.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in FAMILIES]
+        if unknown:
+            parser.error(f"--families: unknown {unknown}; known: {', '.join(FAMILIES)}")
+        chosen = [FAMILIES[n] for n in wanted]
+    total = Stats()
+    failed: list[str] = []
+    for family in chosen:
+        result = run_family(family, names.index(family.name), args.sequences, args.seed)
+        total.add(result.stats)
+        print(f"{result.stats.summary()} in {result.stats.seconds:.1f}s", flush=True)
+        if result.failures:
+            failed.append(family.name)
+            print(describe_failure(result, Path(args.failure_dir)), flush=True)
+        if result.missing_paths:
+            failed.append(family.name)
+            print(f"{family.name}: the driver never reached {result.missing_paths}", flush=True)
+    print(
+        "not yet conformant (not run): "
+        + (", ".join(sorted(NOT_YET_CONFORMANT)) or "none")
+    )
+    for reason in sorted(set(NOT_YET_CONFORMANT.values())):
+        names = sorted(n for n, r in NOT_YET_CONFORMANT.items() if r == reason)
+        print(f"  {', '.join(names)}: {reason}")
+    if not args.no_scheduler:
+        for line in run_scheduler_streams():
+            failed.append("scheduler")
+            print(f"vllm scheduler on kvcache: {line}", flush=True)
+    print(f"{total.summary('conformance-0.33')} in {total.seconds:.0f}s")
+    if failed:
+        print(f"conformance-0.33: FAILED in {', '.join(sorted(set(failed)))}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

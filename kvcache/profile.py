@@ -1,0 +1,224 @@
+"""Release profiles: the named switches where vLLM 0.25.1 and 0.33.0 behave differently.
+
+kvcache has one implementation of the KV-cache lifecycle. Where vLLM releases
+differ, the code consults a switch of the manager's ``Profile`` at the point of
+difference; there is no forked module per release. ``Profile("0.25.1")`` (the
+default) is bit-for-bit vLLM 0.25.1; ``Profile("0.33.0")`` turns on the switches
+vLLM 0.33.0 needs. ``kvcache.vllm_0_33`` is the drop-in import path that builds
+managers with the 0.33.0 profile and 0.33.0's names.
+
+``SWITCHES`` documents every switch: what it changes, and the entry of the
+known-differences ledger (``kvcache/kit/ledger.toml``) it covers. The spec keeps
+its own copy of the switch values (``spec/profile.py``; the spec imports nothing
+from kvcache); a test checks that both agree.
+
+This module is part of the vocabulary: it is never compiled (``kvcache._builds``).
+Compiled managers copy the switches they read into their own attributes at
+construction, so a switch costs one attribute read at the point of difference.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["DEFAULT_RELEASE", "RELEASES", "SWITCHES", "Profile", "Switch"]
+
+RELEASES = ("0.25.1", "0.33.0")
+"""The vLLM releases kvcache has a profile for, oldest first."""
+
+DEFAULT_RELEASE = "0.25.1"
+"""The profile a manager gets when none is given."""
+
+
+class Switch(NamedTuple):
+    """One documented switch: its name, the ledger entry it covers ("": a difference
+    no kit rule needs, as the kit never drives that case or both sides already agree
+    there), what it changes, and the first release where it is on."""
+
+    name: str
+    ledger_id: str
+    what: str
+    since: str
+
+
+SWITCHES: tuple[Switch, ...] = (
+    Switch(
+        "stats_at_admission",
+        "stats-at-admission",
+        "get_computed_blocks records no prefix-cache stats; the scheduler records them "
+        "with record_prefix_cache_stats(request, num_hits) once the request is admitted.",
+        "0.33.0",
+    ),
+    Switch(
+        "stats_hits_by_source",
+        "stats-hits-by-source",
+        "PrefixCacheStats carries hits_by_source (connector hits by tier; empty for "
+        "local lookups).",
+        "0.33.0",
+    ),
+    Switch(
+        "event_new_fields",
+        "event-new-fields",
+        "BlockStored / BlockRemoved / AllBlocksCleared carry 0.33.0's new fields "
+        "(locality, ownership, session_id, lookahead_token_ids; their defaults).",
+        "0.33.0",
+    ),
+    Switch(
+        "tagged_extra_keys",
+        "tagged-extra-keys",
+        "Block-hash extra keys are tagged: ('lora', name, path), ('mm', identifier, "
+        "offset), ('cache_salt', salt), ('prompt_embeds', digest).",
+        "0.33.0",
+    ),
+    Switch(
+        "mm_keys_by_window",
+        "bug-mm-output-block-hash",
+        "A block hashed after the first hashing call finds its multimodal items by "
+        "their token window (every item overlapping the block), not from the last "
+        "item only.",
+        "0.33.0",
+    ),
+    Switch(
+        "none_hash_fixed_seed",
+        "",
+        "Without PYTHONHASHSEED, NONE_HASH is derived from the fixed seed "
+        "'vllm-none-hash' for the cryptographic hashes (sha256, sha256_cbor) instead "
+        "of 32 random bytes (the xxhash ones stay random).",
+        "0.33.0",
+    ),
+    Switch(
+        "new_block_ids_zeroing_only",
+        "new-block-ids-zeroing-only",
+        "new_block_ids (take_new_block_ids) records newly allocated blocks only when "
+        "the KV cache needs zeroing (a Mamba group); never for attention-only layouts.",
+        "0.33.0",
+    ),
+    Switch(
+        "pop_drops_null_head",
+        "pop-drops-null-head",
+        "pop_blocks_for_free leaves out the null blocks a group holds in front of a "
+        "request's blocks.",
+        "0.33.0",
+    ),
+    Switch(
+        "cascade_always_zero",
+        "cascade-always-zero",
+        "get_num_common_prefix_blocks returns 0 for every group without looking at "
+        "the request (cascade attention removed).",
+        "0.33.0",
+    ),
+    Switch(
+        "trim_every_full_group",
+        "bug-three-full-groups-trim",
+        "A hybrid lookup trims every full-attention group's hits to the common "
+        "length, not only the first group's.",
+        "0.33.0",
+    ),
+    Switch(
+        "partial_prompt_tail_entries",
+        "sub-block-prefix-entries",
+        "A full-attention group whose blocks are larger than the hash block also "
+        "caches its block holding the prompt's last reachable hash boundary under that "
+        "boundary's hash (a partial, sub-block entry).",
+        "0.33.0",
+    ),
+    Switch(
+        "eagle_master_switch",
+        "",
+        "use_eagle is the master switch: without it, groups marked is_eagle_group "
+        "drop no hit block (0.25.1 drops for marked groups whatever use_eagle says).",
+        "0.33.0",
+    ),
+    Switch(
+        "eagle_peek_to_hashed_length",
+        "",
+        "A hybrid lookup's EAGLE group peeks one block past the candidate length up "
+        "to the request's hashed tokens (0.25.1: up to max_cache_hit_length).",
+        "0.33.0",
+    ),
+    Switch(
+        "adopt_computed_without_new_tokens",
+        "",
+        "allocate_slots accepts num_new_tokens == 0 when new computed tokens are "
+        "adopted (not only with external computed tokens).",
+        "0.33.0",
+    ),
+    Switch(
+        "free_on_processed_tokens",
+        "",
+        "allocate_slots frees skipped blocks up to the processed tokens only "
+        "(total computed tokens minus request.num_in_flight_tokens).",
+        "0.33.0",
+    ),
+)
+"""Every switch, in the order of the ledger's entries."""
+
+_SWITCH_NAMES = tuple(s.name for s in SWITCHES)
+
+
+class Profile:
+    """The switch values of one vLLM release (see ``SWITCHES``).
+
+    Args:
+        release: One of ``RELEASES`` (default ``"0.25.1"``).
+
+    Raises:
+        ValueError: for a release kvcache has no profile for.
+    """
+
+    __slots__ = ("release", *_SWITCH_NAMES)
+
+    release: str
+    stats_at_admission: bool
+    stats_hits_by_source: bool
+    event_new_fields: bool
+    tagged_extra_keys: bool
+    mm_keys_by_window: bool
+    none_hash_fixed_seed: bool
+    new_block_ids_zeroing_only: bool
+    pop_drops_null_head: bool
+    cascade_always_zero: bool
+    trim_every_full_group: bool
+    partial_prompt_tail_entries: bool
+    eagle_master_switch: bool
+    eagle_peek_to_hashed_length: bool
+    adopt_computed_without_new_tokens: bool
+    free_on_processed_tokens: bool
+
+    def __init__(self, release: str = DEFAULT_RELEASE) -> None:
+        if release not in RELEASES:
+            raise ValueError(
+                f"release={release!r}: kvcache has profiles for {', '.join(RELEASES)}"
+            )
+        self.release = release
+        index = RELEASES.index(release)
+        for switch in SWITCHES:
+            setattr(self, switch.name, index >= RELEASES.index(switch.since))
+
+    def switches(self) -> dict[str, bool]:
+        """Every switch's value, by name (for reports and tests)."""
+        return {name: bool(getattr(self, name)) for name in _SWITCH_NAMES}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Profile) and other.release == self.release
+
+    def __hash__(self) -> int:
+        return hash(self.release)
+
+    def __repr__(self) -> str:
+        return f"Profile({self.release!r})"
+
+
+def resolve_profile(profile: Profile | str | None) -> Profile:
+    """``profile`` as a ``Profile``: None is the default release, a string a release.
+
+    Raises:
+        ValueError: for an unknown release or a value that is no profile.
+    """
+    if profile is None:
+        return Profile(DEFAULT_RELEASE)
+    if isinstance(profile, str):
+        return Profile(profile)
+    if not isinstance(profile, Profile):
+        raise ValueError(f"profile={profile!r}: expected a kvcache Profile or a release string")
+    return profile

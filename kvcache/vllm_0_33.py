@@ -1,0 +1,438 @@
+"""Drop-in for vLLM 0.33.0's KV-cache manager: 0.33.0's names over kvcache's one implementation.
+
+``from kvcache.vllm_0_33 import KVCacheManager`` gives a manager with vLLM
+0.33.0's constructor (``max_in_flight_tokens``, ``num_hash_lookahead_tokens``,
+``num_prefill_lookahead``, ``enable_mamba_shared_prefix_checkpoint``) and
+methods (``get_computed_blocks(request, max_cache_hit_length=None)`` returning
+``(blocks, num_hit_tokens, shared_prefix_boundary)``, ``record_prefix_cache_stats``,
+``allocate_slots(..., skip_zeroing_group_ids=())``, ...), built on
+``kvcache.KVCacheManager`` with ``Profile("0.33.0")`` (``kvcache.profile``): the
+behaviour differences are the profile's switches, consulted inside the shared
+code; this module only maps names, shapes and the 0.33.0 vocabulary (events and
+stats with the new fields).
+
+Covered: layouts of full attention, sliding window and chunked local attention
+(one group or several), with or without caching and EAGLE. Not covered yet
+(``NotImplementedError`` naming the argument): lookahead hashing
+(``num_hash_lookahead_tokens`` > 0), prefill lookahead (``num_prefill_lookahead``
+> 0), the Mamba shared-prefix checkpoint, and asking to skip zeroing for a
+layout that zeroes (Mamba). Mamba layouts build, but their 0.33.0 rules (align
+only, prefill checkpoints, sub-block hits) are not modelled: see
+``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcache import kv_cache_utils as _utils
+from kvcache import kv_events as _events
+from kvcache.kv_cache_interface import KVCacheConfig, is_spec_kind
+from kvcache.kv_cache_manager import KVCacheBlocks
+from kvcache.kv_cache_manager import KVCacheManager as _KVCacheManager
+from kvcache.kv_cache_utils import BlockHash, KVCacheBlock
+from kvcache.metrics import PrefixCacheStats as _PrefixCacheStats
+from kvcache.profile import Profile
+from kvcache.request import Request
+
+__all__ = [
+    "PROFILE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVCacheBlocks",
+    "KVCacheManager",
+    "PrefixCacheStats",
+    "get_request_block_hasher",
+    "init_none_hash",
+]
+
+PROFILE = Profile("0.33.0")
+"""The profile every manager of this module is built with."""
+
+
+# ---------------------------------------------------------------- vocabulary
+
+
+@dataclass
+class PrefixCacheStats(_PrefixCacheStats):
+    """0.33.0's stats: 0.25.1's fields plus ``hits_by_source`` (hits per cache tier,
+    filled by connectors only; local lookups leave it empty)."""
+
+    hits_by_source: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class BlockStored(_events.BlockStored):
+    """0.33.0's ``BlockStored``: 0.25.1's fields plus the new ones, at their defaults
+    for blocks this manager caches (no lookahead hashing, no session, local)."""
+
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+    def __hash__(self) -> int:
+        return hash(_events._freeze(dataclasses.astuple(self)))
+
+
+@dataclass
+class BlockRemoved(_events.BlockRemoved):
+    """0.33.0's ``BlockRemoved``: 0.25.1's fields plus ``locality`` and ``ownership``."""
+
+    locality: str | None = None
+    ownership: str | None = None
+
+    def __hash__(self) -> int:
+        return hash(_events._freeze(dataclasses.astuple(self)))
+
+
+AllBlocksCleared = _events.AllBlocksCleared
+
+
+def with_new_event_fields(events: list[Any]) -> list[Any]:
+    """kvcache's events as 0.33.0's (the ``event_new_fields`` switch); others unchanged."""
+    out: list[Any] = []
+    for event in events:
+        cls = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}.get(
+            type(event).__name__
+        )
+        if cls is None or not dataclasses.is_dataclass(event):
+            out.append(event)
+            continue
+        out.append(cls(**{f.name: getattr(event, f.name) for f in dataclasses.fields(event)}))
+    return out
+
+
+# ---------------------------------------------------------------- hashing
+
+
+def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
+    """0.33.0's seed rule (``none_hash_fixed_seed``): PYTHONHASHSEED when set, else a
+    fixed seed for sha256 / sha256_cbor and a random one for the xxhash functions."""
+    _utils.init_none_hash(hash_fn, fixed_default_seed=PROFILE.none_hash_fixed_seed)
+
+
+def get_request_block_hasher(
+    hash_block_size: int,
+    caching_hash_fn: Callable[[Any], bytes],
+    num_hash_lookahead_tokens: int = 0,
+) -> Callable[[Request], list[BlockHash]]:
+    """0.33.0's request block hasher: tagged extra keys, multimodal items by window.
+
+    Raises:
+        NotImplementedError: for ``num_hash_lookahead_tokens`` > 0 (not covered yet).
+        ValueError: for a negative ``num_hash_lookahead_tokens`` or a bad block size.
+    """
+    _check_lookahead("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
+    return _utils.get_request_block_hasher(
+        hash_block_size,
+        caching_hash_fn,
+        tagged_extra_keys=PROFILE.tagged_extra_keys,
+        mm_keys_by_window=PROFILE.mm_keys_by_window,
+    )
+
+
+def _check_lookahead(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if value:
+        raise NotImplementedError(
+            f"{name}={value}: kvcache's 0.33.0 profile does not model lookahead yet "
+            "(only 0 is supported)"
+        )
+
+
+# ---------------------------------------------------------------- the manager
+
+
+class KVCacheManager(_KVCacheManager):
+    """vLLM 0.33.0's ``KVCacheManager`` (see the module docstring).
+
+    Args:
+        max_in_flight_tokens: 0.33.0's name for 0.25.1's ``max_num_batched_tokens``
+            (the admission cap's token budget; default ``max_model_len``).
+        num_hash_lookahead_tokens: Must be 0 (lookahead hashing is not modelled).
+        num_prefill_lookahead: Must be 0 (prefill lookahead is not modelled).
+        enable_mamba_shared_prefix_checkpoint: Must be False with a Mamba group
+            (a no-op without one, as in vLLM).
+
+    The other arguments are ``kvcache.KVCacheManager``'s.
+
+    Raises:
+        NotImplementedError: naming an argument whose non-default value is not covered.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> None:
+        _check_lookahead("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
+        _check_lookahead("num_prefill_lookahead", num_prefill_lookahead)
+        if enable_mamba_shared_prefix_checkpoint and any(
+            is_spec_kind(g.kv_cache_spec, "MambaSpec") for g in kv_cache_config.kv_cache_groups
+        ):
+            raise NotImplementedError(
+                "enable_mamba_shared_prefix_checkpoint=True: kvcache's 0.33.0 profile does "
+                "not model Mamba shared-prefix checkpoints yet"
+            )
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        self.num_prefill_lookahead = num_prefill_lookahead
+        self.enable_mamba_shared_prefix_checkpoint = enable_mamba_shared_prefix_checkpoint
+        # 0.33.0's predicate (EAGLE groups, fine-grained hits, no re-prefill tail) needs
+        # Mamba 'align' fine-grained hits, which no covered layout has.
+        self.mamba_shared_prefix_checkpoint = False
+        # Groups that keep a longer hit than the common one (none without RSWA retention).
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.enable_kv_cache_events = enable_kv_cache_events
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            scheduler_block_size,
+            hash_block_size,
+            max_in_flight_tokens,
+            enable_caching,
+            use_eagle,
+            log_stats,
+            enable_kv_cache_events,
+            dcp_world_size,
+            pcp_world_size,
+            metrics_collector,
+            watermark,
+            # 0.33.0 reads the retention interval from the config, never the environment.
+            prefix_cache_retention_interval=getattr(
+                kv_cache_config, "prefix_cache_retention_interval", None
+            ),
+            profile=PROFILE,
+        )
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats = self._new_stats()
+
+    def _new_stats(self) -> _PrefixCacheStats:
+        """Empty stats of the profile's class (``stats_hits_by_source``: 0.33.0's)."""
+        return PrefixCacheStats() if self.profile.stats_hits_by_source else _PrefixCacheStats()
+
+    # ------------------------------------------------------------ lookups and stats
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """Whether a local prefix-cache lookup runs for ``request`` (caching on, and the
+        request does not skip reading the cache)."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count an admitted request's lookup (``stats_at_admission``): the scheduler
+        calls this once the request's allocation succeeded. No-op without
+        ``log_stats`` or for a request that skipped the lookup."""
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    def make_prefix_cache_stats(self) -> _PrefixCacheStats | None:
+        """The stats gathered since the last call (0.33.0's class), and start new ones."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = self._new_stats()
+        return stats
+
+    def get_computed_blocks(  # type: ignore[override]
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """The longest cached prefix: ``(blocks, num_hit_tokens, shared_prefix_boundary)``.
+
+        ``shared_prefix_boundary`` is 0: it is non-zero only beside sparse-retention
+        groups (Mamba, retained sliding windows), which this profile does not model.
+        """
+        blocks, num_hit_tokens = super().get_computed_blocks(request, max_cache_hit_length)
+        return blocks, num_hit_tokens, 0
+
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The lookup for a request scheduled with a KV connector: ``get_computed_blocks``'s
+        triple plus ``hit_diverged`` (False: groups diverge only beside Mamba).
+
+        Raises:
+            NotImplementedError: for a layout with a Mamba group (not covered yet).
+        """
+        if any(
+            is_spec_kind(g.kv_cache_spec, "MambaSpec")
+            for g in self.kv_cache_config.kv_cache_groups
+        ):
+            raise NotImplementedError(
+                "get_computed_blocks_for_connector: Mamba layouts are not covered by "
+                "kvcache's 0.33.0 profile yet"
+            )
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+
+    # ------------------------------------------------------------ allocation
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        """``kvcache.KVCacheManager.allocate_slots`` with 0.33.0's rules (the profile)
+        and argument ``skip_zeroing_group_ids``: groups an async load writes, whose
+        new blocks must not be zeroed. No group of a covered layout zeroes, so it
+        only is validated.
+
+        Raises:
+            ValueError: for a ``skip_zeroing_group_ids`` entry that names no group.
+            NotImplementedError: for a non-empty ``skip_zeroing_group_ids`` where
+                groups record blocks for zeroing (Mamba layouts).
+        """
+        if skip_zeroing_group_ids:
+            self._check_skip_zeroing(skip_zeroing_group_ids)
+        return super().allocate_slots(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+        )
+
+    def _check_skip_zeroing(self, group_ids: Sequence[int]) -> None:
+        for group_id in group_ids:
+            if not isinstance(group_id, int) or not 0 <= group_id < self.num_kv_cache_groups:
+                raise ValueError(
+                    f"skip_zeroing_group_ids: {group_id!r} is no group id "
+                    f"(there are {self.num_kv_cache_groups})"
+                )
+        if any(m._tracks_new_block_ids for m in self.coordinator.single_type_managers):
+            raise NotImplementedError(
+                f"skip_zeroing_group_ids={tuple(group_ids)!r}: this layout records blocks "
+                "for zeroing, which kvcache's 0.33.0 profile does not model yet"
+            )
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Free blocks no future token attends to, up to ``processed_computed_tokens``
+        (0.33.0's name: computed tokens whose forward pass is done)."""
+        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+
+    def take_events(self) -> list[Any]:
+        """Drain queued KV events, as 0.33.0's classes (``event_new_fields``)."""
+        events: list[Any] = super().take_events()
+        return with_new_event_fields(events) if self.profile.event_new_fields else events
+
+    # ------------------------------------------------------------ new helpers
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """Tokens of ``request`` its cached blocks cover, the least over the groups
+        that prefix-cache (cross-attention groups left out); 0 if none."""
+        cached: int | None = None
+        for group, blocks in zip(
+            self.kv_cache_config.kv_cache_groups,
+            self.get_blocks(request.request_id).blocks,
+            strict=True,
+        ):
+            if is_spec_kind(group.kv_cache_spec, "CrossAttentionSpec", "EncoderOnlyAttentionSpec"):
+                continue
+            covered = max((b.block_hash_num_tokens or 0 for b in blocks), default=0)
+            cached = covered if cached is None else min(cached, covered)
+        return cached or 0
+
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        """A lookup result cut to its first ``num_computed_tokens`` tokens (a view:
+        reference counts untouched, ``blocks`` not changed).
+
+        Raises:
+            ValueError: if ``num_computed_tokens`` is not a multiple of a group's
+                block size, or longer than a group's hit.
+        """
+        truncated: list[list[KVCacheBlock]] = []
+        for group_blocks, manager in zip(
+            blocks.blocks, self.coordinator.single_type_managers, strict=True
+        ):
+            if num_computed_tokens % manager.block_size:
+                raise ValueError(
+                    f"num_computed_tokens={num_computed_tokens} is not a multiple of group "
+                    f"{manager.kv_cache_group_id}'s block size {manager.block_size}"
+                )
+            num_blocks = num_computed_tokens // manager.block_size
+            if is_spec_kind(manager.kv_cache_spec, "MambaSpec"):
+                num_blocks = min(num_blocks, len(group_blocks))
+            elif num_blocks > len(group_blocks):
+                raise ValueError(
+                    f"num_computed_tokens={num_computed_tokens} is past group "
+                    f"{manager.kv_cache_group_id}'s hit of {len(group_blocks)} blocks"
+                )
+            truncated.append(list(group_blocks[:num_blocks]))
+        return self.create_kv_cache_blocks(tuple(truncated))
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Record the request's blocks from ``start_token`` on for zeroing again, in the
+        groups that record new blocks (none in the covered layouts).
+
+        Raises:
+            ValueError: if ``start_token`` is not a multiple of such a group's block size.
+        """
+        for manager in self.coordinator.single_type_managers:
+            if not manager._tracks_new_block_ids:
+                continue
+            if start_token % manager.block_size:
+                raise ValueError(
+                    f"start_token={start_token} is not a multiple of group "
+                    f"{manager.kv_cache_group_id}'s block size {manager.block_size}"
+                )
+            held = manager.req_to_blocks.get(request_id, [])
+            start = start_token // manager.block_size
+            manager.new_block_ids.extend(b.block_id for b in held[start:])
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
+        """Pending copy-on-write block copies and the blocks they keep: none, as no
+        covered layout copies blocks."""
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Boundary-state hand-offs for a KV connector: none without Mamba 'align'."""
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """A finishing request's partial-tail state offloads: none without Mamba 'align'."""
+        return []

@@ -1,0 +1,53 @@
+"""kvcache's 0.33.0 profile against the spec's 0.33.0 profile, call by call.
+
+The real vLLM 0.33.0 check is ``make conformance-0.33`` (it needs ``.venv-0.33``);
+this one runs wherever the tests run: the same random scheduler sequences
+(``kvcache.kit.driver``) in lockstep on ``kvcache-0.33`` (``kvcache.vllm_0_33``) and
+``spec-0.33`` (the spec with ``profile="0.33.0"``), both of the 0.33 line, so no
+ledger rule normalises anything. ``PROFILE_SEQUENCES`` (default 30) sequences per
+family of ``kvcache.kit.conformance33`` (the families not yet conformant are not run
+there either).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+import kvcache.kv_cache_utils as kcu
+from kvcache.kit.conformance33 import conformant_families, family_seed
+from kvcache.kit.driver import FAMILIES, Family, Stats, run_sequence
+
+pytestmark = pytest.mark.conformance
+
+SEQUENCES = int(os.environ.get("PROFILE_SEQUENCES", "30"))
+FAMILY_LIST = conformant_families()
+
+
+@pytest.fixture(autouse=True)
+def keep_none_hash() -> Iterator[None]:
+    """The kit sets kvcache's process-wide NONE_HASH per sequence (each with its own
+    hash function); later tests (the stateful machines) expect it as it was."""
+    saved = kcu.NONE_HASH
+    yield
+    kcu.NONE_HASH = saved
+
+
+@pytest.mark.parametrize("family", FAMILY_LIST, ids=[f.name for f in FAMILY_LIST])
+def test_kvcache_0_33_matches_spec_0_33(family: Family) -> None:
+    stats = Stats()
+    failures = []
+    index = list(FAMILIES).index(family.name)
+    for i in range(SEQUENCES):
+        result = run_sequence(family_seed(7, index, i), family, "kvcache-0.33", "spec-0.33", stats)
+        if result.mismatch is not None or result.cannot_build is not None:
+            failures.append(result)
+    print(f"\n{stats.summary('profile-0.33 vs spec')}")
+    assert not stats.known, f"a ledger rule normalised a same-release comparison: {stats.known}"
+    assert not failures, (
+        f"{len(failures)} sequence(s) differ, first seed {failures[0].seed}, config "
+        f"{failures[0].config}:\n{failures[0].mismatch or failures[0].cannot_build}"
+    )
+    assert stats.events["get_computed_blocks"] > 0 and stats.calls > 50 * SEQUENCES
