@@ -52,6 +52,7 @@ class PartialBlockError(ValueError, AssertionError):
     """
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockHashToBlockMap:
     """Prefix-cache map: pool key -> cached block(s), per KV-cache group.
 
@@ -159,6 +160,7 @@ class BlockHashToBlockMap:
 _CacheEntry = KVCacheBlock | dict[int, KVCacheBlock]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class _VllmCacheView(MutableMapping[BlockHashWithGroupId, _CacheEntry]):
     """A :class:`BlockHashToBlockMap` seen as vLLM 0.25.1 lays it out.
 
@@ -211,6 +213,7 @@ class _VllmCacheView(MutableMapping[BlockHashWithGroupId, _CacheEntry]):
         return dict(self.items())
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockPool:
     """All physical blocks of the KV cache, and which of them are free or cached.
 

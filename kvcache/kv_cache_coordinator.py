@@ -11,6 +11,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from mypy_extensions import mypyc_attr
+
 from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
@@ -105,6 +107,7 @@ def _is_full(spec: KVCacheSpec) -> bool:
     return is_spec_kind(spec, "FullAttentionSpec")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheCoordinator:
     """Fans each manager-level operation out to every group's manager.
 
@@ -337,6 +340,7 @@ class KVCacheCoordinator:
         """Recompute what depends on ``eagle_group_ids`` (subclasses that cache it)."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     """Coordinator without prefix caching: any number of groups, never a hit."""
 
@@ -382,6 +386,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         return tuple([] for _ in range(self.num_single_type_manager)), 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """Coordinator for a model with exactly one KV-cache group."""
 
@@ -475,6 +480,7 @@ class SpecGroup(NamedTuple):
     use_eagle: bool
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Coordinator for models mixing KV-cache kinds (e.g. full + sliding window).
 

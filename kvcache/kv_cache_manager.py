@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast, overload
+from typing import Any, Final, Literal, cast, overload
 
 from mypy_extensions import mypyc_attr
 
@@ -19,21 +19,17 @@ from kvcache.kv_cache_interface import (
     get_kv_cache_spec_sliding_window,
     is_spec_kind,
 )
-from kvcache.kv_cache_math import admits
+from kvcache.kv_cache_math import admits, cdiv
 from kvcache.kv_cache_utils import KVCacheBlock
 from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
 from kvcache.profile import Profile, resolve_profile
 from kvcache.request import Request, RequestStatus
-from kvcache.single_type_kv_cache_manager import (
-    FullAttentionManager,
-    MambaManager,
-    cdiv,
-)
+from kvcache.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 
 logger = logging.getLogger(__name__)
 
-_WATERMARKED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_WATERMARKED: Final = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 SELF_CHECK_ENV = "KVCACHE_SELF_CHECK"
 """Set to 1 to check every invariant after every manager call (slow; for debugging)."""
@@ -78,6 +74,7 @@ def enable_self_check(manager: KVCacheManager) -> None:
     wrap(manager.block_pool, "free_blocks")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass
 class KVCacheBlocks:
     """Blocks handed to the scheduler: ``blocks[g][i]`` is block ``i`` of group ``g``.

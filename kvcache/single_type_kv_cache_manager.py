@@ -15,6 +15,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from mypy_extensions import mypyc_attr
+
 from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
@@ -29,6 +31,7 @@ from kvcache.kv_cache_interface import (
     is_spec_kind,
     spec_exact_class_name,
 )
+from kvcache.kv_cache_math import cdiv  # imported, not aliased: a native call when compiled
 from kvcache.kv_cache_utils import (
     BlockHash,
     BlockHashList,
@@ -41,10 +44,10 @@ if TYPE_CHECKING:
     from kvcache.request import Request
 
 
-cdiv = kv_cache_math.cdiv
 _is_not_none = functools.partial(operator.is_not, None)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class _CachedInAllGroups:
     """Hashes cached in every one of ``kv_cache_group_ids``: the ``cached`` container
     of the hit searches when several groups share a spec."""
@@ -90,6 +93,7 @@ def _hit_blocks(
     return computed
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SingleTypeKVCacheManager:
     """Block tables of one KV-cache group over the shared ``BlockPool``.
 
@@ -398,6 +402,7 @@ class SingleTypeKVCacheManager:
         raise NotImplementedError
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: every token is attended to, so every block is kept and a
     hit is the longest run of cached leading blocks."""
@@ -504,6 +509,7 @@ def _refuse_context_parallel(kind: str, dcp_world_size: int, pcp_world_size: int
         )
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding-window attention: only the last ``sliding_window`` tokens are
     attended to, so leading blocks become the null block once the window has
@@ -626,6 +632,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """Chunked local attention: a token sees only its own chunk, so chunks
     before the current one are null blocks, and a hit only needs the cached
@@ -698,6 +705,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MambaManager(SingleTypeKVCacheManager):
     """Mamba state blocks: only the latest state is needed, so everything before
     the last computed token is released; a hit is the rightmost cached state.
@@ -1012,6 +1020,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self.cached_blocks_this_step.clear()
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class CrossAttentionManager(SingleTypeKVCacheManager):
     """Cross attention: blocks for the encoder output, allocated once from
     ``num_encoder_tokens``; request-specific, so never cached or shared."""
@@ -1062,6 +1071,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         raise NotImplementedError("CrossAttentionManager does not support caching")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RSWAManager(FullAttentionManager):
     """Reference sliding-window attention (``RSWASpec``): full attention whose gap
     blocks, lying wholly between the prompt's last block and the decode window
@@ -1123,6 +1133,7 @@ class RSWAManager(FullAttentionManager):
             blocks[start:stop] = [self._null_block] * (stop - start)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SinkFullAttentionManager(FullAttentionManager):
     """Full attention with sink tokens (``SinkFullAttentionSpec``): at construction
     the manager takes ``sink_len // block_size`` blocks off the front of the free
