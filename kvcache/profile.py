@@ -185,7 +185,7 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "mamba_prompt_tail_state",
-        "unk-mamba-align-recache",
+        "mamba-prompt-boundary-rekey",
         "An 'align' Mamba group caching up to the prompt's last reusable hash boundary "
         "(num_prompt_tokens - 1 rounded down; with EAGLE the prompt rounded down less "
         "one hash block) keys the state block there unless it already is (a state "
