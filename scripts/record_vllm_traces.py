@@ -289,6 +289,29 @@ def scenario_retention_eagle_resend() -> tuple[ManagerConfig, list[Call]]:
     return config, calls
 
 
+def scenario_mamba_prompt_boundary_rekey() -> tuple[ManagerConfig, list[Call]]:
+    """Full attention and align-mode Mamba (bs 2, one speculative block): a 7-token
+    prompt computed to 6, evict_blocks drops the Mamba state block's entry (the request
+    still holds it), then one more token. vLLM 0.33.0 keys that block at the prompt's
+    last hash boundary again; 0.25.1 leaves it unhashed (ledger:
+    mamba-prompt-boundary-rekey)."""
+    groups = (
+        GroupConfig("full", 2),
+        GroupConfig("mamba", 2, mamba_cache_mode="align", num_speculative_blocks=1,
+                    num_kv_heads=2),
+    )  # fmt: skip
+    config = ManagerConfig(num_blocks=18, groups=groups, max_model_len=64)
+    prompt = [1, 2, 1, 1, 1, 1, 0]
+    calls: list[Call] = [
+        ("add_request", {"request_id": "a", "prompt_token_ids": prompt, "max_tokens": 1}),
+        *admit("a", 6, 0),
+        ("evict_blocks", {"block_ids": [4, 5]}),
+        ("allocate_slots", {"request_id": "a", "num_new_tokens": 1}),
+        ("take_events", {}),
+    ]
+    return config, calls
+
+
 SCENARIOS = {
     "prefix_hits_and_eviction": scenario_prefix_hits_and_eviction,
     "preempt_and_resume": scenario_preempt_and_resume,
@@ -296,6 +319,7 @@ SCENARIOS = {
     "three_full_groups_trim": scenario_three_full_groups_trim,
     "mamba_partial_tail_copy": scenario_mamba_partial_tail_copy,
     "retention_eagle_resend": scenario_retention_eagle_resend,
+    "mamba_prompt_boundary_rekey": scenario_mamba_prompt_boundary_rekey,
 }
 
 # Known vLLM 0.25.1 bugs the scenarios record: record index -> ledger ids, written

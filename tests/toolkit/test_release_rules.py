@@ -365,3 +365,15 @@ def test_a_retention_choice_hidden_from_the_state_surfaces_in_window_groups_only
     assert verdict.known == ("bug-retention-eagle-replay-boundary",)
     verdict = judge.outcome("take_events", {}, {"ok": [full]}, {"ok": [full, full]}, _equal)
     assert "bug-retention-eagle-replay-boundary" not in verdict.known
+
+
+def test_the_stored_rekey_trace_leaves_the_evicted_state_block_unhashed_on_0_25_1() -> None:
+    records = [json.loads(line) for line in (DATA / "mamba_prompt_boundary_rekey.jsonl").open()]
+    calls = [r for r in records if r.get("record") == "call"]
+    evict = next(i for i, r in enumerate(calls) if r["op"] == "evict_blocks")
+    after = calls[evict + 1]
+    assert after["op"] == "allocate_slots"
+    hashed = {b for b, _ in after["state"]["block_hash"]["dict"]}
+    mamba_held = set(after["state"]["req_to_blocks"][1]["a"])
+    assert set(calls[evict]["args"]["block_ids"]) & mamba_held
+    assert not hashed & set(calls[evict]["args"]["block_ids"])  # 0.33.0 re-keys block 4
