@@ -1072,7 +1072,8 @@ class RetentionEagleBoundaries(Rule):
         """The same choice seen one allocation later (where ``sub-block-prefix-entries``
         hides the extra hashes): a window block hashed on one side only is freed to
         the other end of the free queue, so an allocation hands out as many blocks
-        per group, other ids only in sliding-window and Mamba groups."""
+        per group, other ids in a sliding-window or Mamba group (and, where the
+        block so freed went to another group, there too)."""
         if op != "allocate_slots" or ctx.config.prefix_cache_retention_interval is None:
             return False
         if not ctx.has_eagle or not _same_shape(old, new):
@@ -1080,7 +1081,7 @@ class RetentionEagleBoundaries(Rule):
         groups = ctx.config.groups
         pairs = zip(_ok(old)["tuple"], _ok(new)["tuple"], strict=True)
         differing = [i for i, (a, b) in enumerate(pairs) if a != b]
-        return bool(differing) and all(
+        return any(
             groups[i].kind in ("sliding_window", "mamba") for i in differing if i < len(groups)
         )
 

@@ -354,7 +354,7 @@ def test_a_retention_choice_hidden_from_the_state_surfaces_in_window_groups_only
         "allocate_slots", args, {"ok": {"tuple": [[], [4]]}}, {"ok": {"tuple": [[], [9]]}}, _equal
     )
     assert verdict.known == ("bug-retention-eagle-replay-boundary",)
-    # Another full-attention block is not a window group's free order.
+    # Another full-attention block alone is not a window group's free order.
     verdict = judge.outcome(
         "allocate_slots", args, {"ok": {"tuple": [[4], []]}}, {"ok": {"tuple": [[9], []]}}, _equal
     )
