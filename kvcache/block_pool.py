@@ -230,7 +230,10 @@ class BlockPool:
         hash_block_size: Token granularity of ``Request.block_hashes``; a
             group's block size is a multiple of it.
         enable_kv_cache_events: Whether to queue KV events.
-        metrics_collector: Not supported; must be None.
+        metrics_collector: A ``KVCacheMetricsCollector`` (kvcache's or vLLM's:
+            anything with ``on_block_allocated`` / ``on_block_accessed`` /
+            ``on_block_evicted`` / ``reset``), told of allocations, hits and
+            evictions exactly where vLLM 0.25.1 tells it; None for none.
     """
 
     def __init__(
@@ -245,8 +248,6 @@ class BlockPool:
             raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
         if not isinstance(hash_block_size, int) or hash_block_size <= 0:
             raise ValueError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
-        if metrics_collector is not None:
-            raise NotImplementedError("metrics_collector is not supported by kvcache")
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -260,7 +261,7 @@ class BlockPool:
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
-        self.metrics_collector = None
+        self.metrics_collector: Any = metrics_collector
         # The mm_keys_by_window switch (kvcache.profile), set by the KVCacheManager.
         self.mm_keys_by_window = False
 
@@ -522,7 +523,18 @@ class BlockPool:
         if not 0 <= num_blocks <= self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks = self.free_block_queue.popleft_n(num_blocks)
-        if self.enable_caching:
+        collector = self.metrics_collector
+        if collector is not None:
+            # vLLM's order: with caching, each reused block is reported evicted
+            # (hashed or not) before its allocation is.
+            for block in blocks:
+                if self.enable_caching:
+                    collector.on_block_evicted(block)
+                    if block._hash is not None:
+                        self._evict(block)
+                block.ref_cnt = 1
+                collector.on_block_allocated(block)
+        elif self.enable_caching:
             try:
                 for block in blocks:
                     if block._hash is not None:
@@ -573,8 +585,11 @@ class BlockPool:
         return removed
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """vLLM's name for ``_evict`` (its own tests call it). A method, not a class
-        attribute alias: the compiled build does not support aliases."""
+        """vLLM's name for ``_evict`` (its own tests call it), which also tells the
+        metrics collector. A method, not a class attribute alias: the compiled
+        build does not support aliases."""
+        if self.metrics_collector is not None:
+            self.metrics_collector.on_block_evicted(block)
         return self._evict(block)
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -585,6 +600,9 @@ class BlockPool:
             if block.ref_cnt == 0 and not block.is_null:
                 queue.remove(block)
             block.ref_cnt += 1
+        if self.metrics_collector is not None:
+            for block in blocks:
+                self.metrics_collector.on_block_accessed(block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in eviction-priority order.
@@ -649,7 +667,7 @@ class BlockPool:
                     f"block_ids contains {block_id!r}, not a block id in [0, {self.num_gpu_blocks})"
                 )
         for block_id in ids:
-            self._evict(self.blocks[block_id])
+            self._maybe_evict_cached_block(self.blocks[block_id])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, if no block is in use.
@@ -663,6 +681,8 @@ class BlockPool:
         self.cached_block_hashes_by_block.clear()
         for block in self.blocks:
             block.reset_hash()
+        if self.metrics_collector is not None:
+            self.metrics_collector.reset()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True

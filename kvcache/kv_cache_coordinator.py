@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
+    ContextParallelError,
     KVCacheConfig,
     KVCacheSpec,
     is_spec_kind,
@@ -114,12 +115,13 @@ class KVCacheCoordinator:
         use_eagle: Whether EAGLE drafting needs the last hit block recomputed.
         enable_caching: Whether prefix caching is on.
         enable_kv_cache_events: Whether the pool queues KV events.
-        dcp_world_size: Must be 1.
-        pcp_world_size: Must be 1.
+        dcp_world_size: Decode context parallel size (each group's block spans
+            ``block_size * dcp * pcp`` tokens; one group only under caching).
+        pcp_world_size: Prefill context parallel size (likewise).
         scheduler_block_size: Scheduling granularity, a multiple of every group's
             block size and of ``hash_block_size``.
         hash_block_size: Granularity of request block hashes.
-        metrics_collector: Must be None.
+        metrics_collector: Handed to the ``BlockPool`` (residency metrics), or None.
         prefix_cache_retention_interval: Sparse caching of sliding-window and Mamba
             groups (``resolve_prefix_cache_retention_interval``); by default read from
             ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``, as vLLM does.
@@ -418,13 +420,16 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 f"{len(kv_cache_config.kv_cache_groups)}"
             )
         self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = self.kv_cache_spec.block_size
         self.dcp_world_size = dcp_world_size
         self.pcp_world_size = pcp_world_size
+        # A block spans block_size * dcp * pcp tokens (hits, hashes and alignment).
+        self.block_size = self.kv_cache_spec.block_size * dcp_world_size * pcp_world_size
         if enable_caching and hash_block_size != self.block_size:
             raise ValueError(
                 f"hash_block_size={hash_block_size} must equal the block size "
-                f"{self.block_size} of the only KV-cache group"
+                f"{self.block_size} of the only KV-cache group (its spec's block size "
+                f"{self.kv_cache_spec.block_size} times dcp_world_size={dcp_world_size} "
+                f"and pcp_world_size={pcp_world_size})"
             )
         self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
         self._manager_cls = type(self.single_type_managers[0])
@@ -446,6 +451,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             kv_cache_spec=self.kv_cache_spec,
             drop_eagle_block=self._drop_eagle_block,
             alignment_tokens=self.block_size,
+            dcp_world_size=self.dcp_world_size,
+            pcp_world_size=self.pcp_world_size,
         )
         return hit_blocks, len(hit_blocks[0]) * self.block_size
 
@@ -506,6 +513,12 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
+        if dcp_world_size != 1 or pcp_world_size != 1:
+            raise ContextParallelError(
+                "several KV-cache groups with prefix caching do not support context "
+                f"parallelism (dcp_world_size={dcp_world_size}, "
+                f"pcp_world_size={pcp_world_size}); vLLM 0.25.1 asserts the same"
+            )
         self.hash_block_size = hash_block_size
         sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
         if any(size % hash_block_size for size in sizes):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, cast
@@ -46,6 +47,29 @@ def get_dtype_size(dtype: Any) -> int:
     return _DTYPE_SIZES[name]
 
 
+# vLLM 0.25.1's ``KVQuantMode`` values (``kv_quant_mode`` is an int here; vLLM's
+# IntEnum members compare equal to them).
+KV_QUANT_INT8_PER_TOKEN_HEAD = 2
+KV_QUANT_FP8_PER_TOKEN_HEAD = 3
+KV_QUANT_INT4_PER_TOKEN_HEAD = 4
+KV_QUANT_NVFP4 = 5
+_PER_TOKEN_HEAD_MODES = (
+    KV_QUANT_INT8_PER_TOKEN_HEAD,
+    KV_QUANT_FP8_PER_TOKEN_HEAD,
+    KV_QUANT_INT4_PER_TOKEN_HEAD,
+)
+
+
+def _kv_head_dim(kv_quant_mode: int, head_size: int, *, int4_halves: bool = True) -> int:
+    """Bytes-per-element units one head of K (or V) takes in a block's last dim:
+    NVFP4 packs fp4 data plus fp8 block scales, INT4 packs two values a byte."""
+    if kv_quant_mode == KV_QUANT_NVFP4:
+        return head_size // 2 + head_size // 16
+    if int4_halves and kv_quant_mode == KV_QUANT_INT4_PER_TOKEN_HEAD:
+        return head_size // 2
+    return head_size
+
+
 class KVCacheSpecKind(enum.StrEnum):
     """Kind label attached to ``BlockStored`` events (same strings as vLLM)."""
 
@@ -70,6 +94,28 @@ class KVCacheSpecMergeError(ValueError, AssertionError):
     ``AssertionError`` (what vLLM 0.25.1 raises for the same inputs), so callers
     written against either catch it.
     """
+
+
+# Two builtin bases: an ordinary (non-native) class in the compiled build.
+@mypyc_attr(native_class=False)
+class ContextParallelError(ValueError, AssertionError):
+    """Decode / prefill context parallelism (``dcp_world_size`` or
+    ``pcp_world_size`` > 1) where vLLM 0.25.1 does not support it: with several
+    KV-cache groups under prefix caching, and for sliding-window hit lookups.
+
+    Both a ``ValueError`` and the ``AssertionError`` vLLM raises there.
+    """
+
+
+def check_world_size(name: str, value: object) -> int:
+    """``value`` if it is a positive int (a context-parallel world size).
+
+    Raises:
+        ValueError: naming ``name`` and the value otherwise.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 _SpecT = TypeVar("_SpecT", bound="KVCacheSpec")
@@ -145,12 +191,16 @@ class AttentionSpec(KVCacheSpec):
     @property
     def real_page_size_bytes(self) -> int:
         """Bytes of one block's K and V before padding."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * get_dtype_size(self.dtype)
+        head_dim = _kv_head_dim(self.kv_quant_mode, self.head_size)
+        return 2 * self.block_size * self.num_kv_heads * head_dim * get_dtype_size(self.dtype)
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes of one block (K and V), or the padded size when one is given."""
+        """Bytes of one block (K and V, plus the float32 per-token-head scales of
+        those quantisation modes), or the padded size when one is given."""
         real = self.real_page_size_bytes
+        if self.kv_quant_mode in _PER_TOKEN_HEAD_MODES:
+            real += 2 * self.block_size * self.num_kv_heads * 4
         if self.page_size_padded is not None:
             if self.page_size_padded < real:
                 raise ValueError(
@@ -243,10 +293,11 @@ class FullAttentionSpec(AttentionSpec):
     def real_page_size_bytes(self) -> int:
         """Bytes of one block before padding: K uses ``head_size``, V ``head_size_v``."""
         head_size_v = self.head_size if self.head_size_v is None else self.head_size_v
+        mode = self.kv_quant_mode
         return (
             self.block_size
             * self.num_kv_heads
-            * (self.head_size + head_size_v)
+            * (_kv_head_dim(mode, self.head_size) + _kv_head_dim(mode, head_size_v))
             * get_dtype_size(self.dtype)
         )
 
@@ -306,12 +357,17 @@ class SlidingWindowSpec(AttentionSpec):
 
     @property
     def real_page_size_bytes(self) -> int:
-        """Bytes of one block before padding: K uses ``head_size``, V ``head_size_v``."""
+        """Bytes of one block before padding: K uses ``head_size``, V ``head_size_v``
+        (NVFP4 packed; vLLM 0.25.1 does not halve INT4 for sliding windows)."""
         head_size_v = self.head_size if self.head_size_v is None else self.head_size_v
+        mode = self.kv_quant_mode
         return (
             self.block_size
             * self.num_kv_heads
-            * (self.head_size + head_size_v)
+            * (
+                _kv_head_dim(mode, self.head_size, int4_halves=False)
+                + _kv_head_dim(mode, head_size_v, int4_halves=False)
+            )
             * get_dtype_size(self.dtype)
         )
 
@@ -443,6 +499,334 @@ class CrossAttentionSpec(AttentionSpec):
         """Blocks for the longest encoder input the scheduler admits."""
         max_encoder_len = vllm_config.scheduler_config.max_num_encoder_input_tokens
         return kv_cache_math.cdiv(max_encoder_len, self.block_size) * self.page_size_bytes
+
+
+# ---------------------------------------------------------------- MLA-style and marker kinds
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _apply_alignment_padding(spec: MLAAttentionSpec | SlidingWindowMLASpec) -> None:
+    """With an ``alignment``, pad the page to a multiple of it (vLLM sets
+    ``page_size_padded`` then, replacing any given one; an aligned page keeps it)."""
+    if spec.alignment is None:
+        return
+    if not isinstance(spec.alignment, int) or spec.alignment <= 0:
+        raise ValueError(f"alignment must be a positive int or None, got {spec.alignment!r}")
+    real = spec.real_page_size_bytes
+    padded = _round_up(real, spec.alignment)
+    if padded != real:
+        object.__setattr__(spec, "page_size_padded", padded)
+
+
+def _check_compress_ratio(compress_ratio: int) -> None:
+    if not isinstance(compress_ratio, int) or compress_ratio <= 0:
+        raise ValueError(f"compress_ratio must be a positive int, got {compress_ratio!r}")
+
+
+def _one_value(specs: Sequence[Any], names: Sequence[str], kind: str) -> list[Any]:
+    """The common value of each field ``names`` over ``specs``.
+
+    Raises:
+        KVCacheSpecMergeError: if some field has two values (vLLM asserts).
+    """
+    values = []
+    for name in names:
+        seen = {getattr(spec, name) for spec in specs}
+        if len(seen) != 1:
+            raise KVCacheSpecMergeError(
+                f"all layers of one {kind} group must have the same {name}, got "
+                f"{sorted(map(repr, seen))}"
+            )
+        values.append(seen.pop())
+    return values
+
+
+def _mla_page_bytes(
+    spec: MLAAttentionSpec | SlidingWindowMLASpec, storage_block_size: int, custom_v3: bool
+) -> int | None:
+    """Bytes of a DeepSeek fp8 MLA page (584 per stored token for V4; 656 per
+    token for V3.2 when ``custom_v3``), None for the element-size layout."""
+    if spec.cache_dtype_str != "fp8_ds_mla":
+        return None
+    if spec.model_version == "deepseek_v4":
+        return storage_block_size * 584
+    return spec.block_size * 656 if custom_v3 else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TQFullAttentionSpec(FullAttentionSpec):
+    """Full attention whose page holds ``tq_slot_size`` bytes per head and token
+    (when positive) instead of K and V elements. Full attention to the manager."""
+
+    tq_slot_size: int = 0
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """``block_size * num_kv_heads * tq_slot_size``, or full attention's size."""
+        if self.tq_slot_size > 0:
+            return self.block_size * self.num_kv_heads * self.tq_slot_size
+        return super().real_page_size_bytes
+
+    @classmethod
+    def merge(cls: type[_SpecT], specs: Sequence[_SpecT]) -> _SpecT:
+        """Full attention's merge, then the layers' one ``tq_slot_size``.
+
+        Raises:
+            KVCacheSpecMergeError: as ``FullAttentionSpec.merge``, or if the layers'
+                ``tq_slot_size`` differ (or a layer is not a ``TQFullAttentionSpec``).
+        """
+        merged = super().merge(specs)
+        if not all(is_spec_kind(s, "TQFullAttentionSpec") for s in specs):
+            raise KVCacheSpecMergeError(
+                "every layer of a TQ full-attention group must be a TQFullAttentionSpec"
+            )
+        (slot,) = _one_value(specs, ("tq_slot_size",), "TQ full-attention")
+        return dataclasses.replace(merged, tq_slot_size=slot)  # type: ignore[call-arg]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention: one latent vector per token (no separate V).
+
+    Full attention to the manager (same block tables, hits and hashing); only
+    the page size and the event kind (``mla_attention``) differ. DeepSeek V4
+    fields: ``compress_ratio`` tokens share one stored entry
+    (``storage_block_size``), ``alignment`` pads the page, ``model_version``
+    and ``cache_dtype_str`` pick fp8 layouts.
+    """
+
+    cache_dtype_str: str | None = None
+    alignment: int | None = None
+    compress_ratio: int = 1
+    model_version: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_compress_ratio(self.compress_ratio)
+        _apply_alignment_padding(self)
+
+    @property
+    def storage_block_size(self) -> int:
+        """Stored entries per block: ``block_size // compress_ratio``."""
+        return self.block_size // self.compress_ratio
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Latent bytes of one block before padding (fp8 DeepSeek layouts fixed)."""
+        custom = _mla_page_bytes(self, self.storage_block_size, custom_v3=True)
+        if custom is not None:
+            return custom
+        head_dim = self.head_size  # vLLM packs only INT4 (not NVFP4) for MLA
+        if self.kv_quant_mode == KV_QUANT_INT4_PER_TOKEN_HEAD:
+            head_dim //= 2
+        return self.storage_block_size * self.num_kv_heads * head_dim * get_dtype_size(self.dtype)
+
+    @classmethod
+    def merge(cls: type[_SpecT], specs: Sequence[_SpecT]) -> _SpecT:
+        """One MLA spec for a group, as vLLM merges them: the layers' one cache
+        dtype string, compress ratio, model version and block-stride flag; the
+        rest from the first layer (``head_size_v`` re-derived, window, chunk,
+        ``non_causal`` and ``alignment`` dropped).
+
+        Raises:
+            KVCacheSpecMergeError: if ``specs`` is empty, a layer is not MLA, or
+                those fields differ.
+        """
+        if not specs:
+            raise KVCacheSpecMergeError("specs is empty: nothing to merge")
+        if not all(is_spec_kind(s, "MLAAttentionSpec") for s in specs):
+            raise KVCacheSpecMergeError(
+                "every layer of an MLA group must be an MLAAttentionSpec, got "
+                f"{[type(s).__name__ for s in specs]}"
+            )
+        mla = [cast(MLAAttentionSpec, s) for s in specs]
+        dtype_str, ratio, version, stride = _one_value(
+            mla,
+            ("cache_dtype_str", "compress_ratio", "model_version", "indexes_kv_by_block_stride"),
+            "MLA",
+        )
+        first = mla[0]
+        return cls(  # type: ignore[call-arg]
+            block_size=first.block_size,
+            num_kv_heads=first.num_kv_heads,
+            head_size=first.head_size,
+            dtype=first.dtype,
+            kv_quant_mode=first.kv_quant_mode,
+            page_size_padded=first.page_size_padded,
+            indexes_kv_by_block_stride=stride,
+            cache_dtype_str=dtype_str,
+            compress_ratio=ratio,
+            model_version=version,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiddenStateCacheSpec(MLAAttentionSpec):
+    """Marker for layers that cache hidden states (vLLM's extract_hidden_states):
+    an MLA spec in every respect (full attention to the manager, kind
+    ``mla_attention``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowMLASpec(SlidingWindowSpec):
+    """Sliding-window attention with MLA's page layout (DeepSeek V4 fields as
+    ``MLAAttentionSpec``). A sliding window to the manager; event kind
+    ``sliding_window_mla``.
+
+    NOTE: as in vLLM 0.25.1, ``head_size_v`` stays None (vLLM's initialiser
+    skips the base one that derives it); the page has no V part anyway.
+    """
+
+    cache_dtype_str: str | None = None
+    alignment: int | None = None
+    compress_ratio: int = 1
+    model_version: str | None = None
+
+    def __post_init__(self) -> None:
+        KVCacheSpec.__post_init__(self)
+        if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive int, got {self.sliding_window!r}")
+        _check_compress_ratio(self.compress_ratio)
+        _apply_alignment_padding(self)
+
+    @property
+    def storage_block_size(self) -> int:
+        """Stored entries per block: ``block_size // compress_ratio``."""
+        return self.block_size // self.compress_ratio
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Latent bytes of one block before padding.
+
+        Raises:
+            ValueError: for a ``model_version`` other than None or "deepseek_v4"
+                (vLLM asserts).
+        """
+        custom = _mla_page_bytes(self, self.storage_block_size, custom_v3=False)
+        if custom is not None:
+            return custom
+        if self.model_version not in (None, "deepseek_v4"):
+            raise ValueError(f"model_version={self.model_version!r} is not supported")
+        return (
+            self.storage_block_size
+            * self.num_kv_heads
+            * self.head_size
+            * get_dtype_size(self.dtype)
+        )
+
+    @classmethod
+    def merge(cls: type[_SpecT], specs: Sequence[_SpecT]) -> _SpecT:
+        """One sliding-window MLA spec for a group, as vLLM merges them: the
+        layers' one cache dtype string, compress ratio, model version, window and
+        block-stride flag; the rest from the first layer (``kv_quant_mode`` and
+        ``alignment`` dropped, as vLLM drops them).
+
+        Raises:
+            KVCacheSpecMergeError: if ``specs`` is empty, a layer is not a
+                ``SlidingWindowMLASpec``, or those fields differ.
+        """
+        if not specs:
+            raise KVCacheSpecMergeError("specs is empty: nothing to merge")
+        if not all(is_spec_kind(s, "SlidingWindowMLASpec") for s in specs):
+            raise KVCacheSpecMergeError(
+                "every layer of a sliding-window MLA group must be a SlidingWindowMLASpec, "
+                f"got {[type(s).__name__ for s in specs]}"
+            )
+        swa = [cast(SlidingWindowMLASpec, s) for s in specs]
+        dtype_str, ratio, version, window, stride = _one_value(
+            swa,
+            (
+                "cache_dtype_str",
+                "compress_ratio",
+                "model_version",
+                "sliding_window",
+                "indexes_kv_by_block_stride",
+            ),
+            "sliding-window MLA",
+        )
+        first = swa[0]
+        return cls(  # type: ignore[call-arg]
+            block_size=first.block_size,
+            num_kv_heads=first.num_kv_heads,
+            head_size=first.head_size,
+            dtype=first.dtype,
+            page_size_padded=first.page_size_padded,
+            indexes_kv_by_block_stride=stride,
+            sliding_window=window,
+            cache_dtype_str=dtype_str,
+            compress_ratio=ratio,
+            model_version=version,
+        )
+
+
+@dataclass(frozen=True)
+class EncoderOnlyAttentionSpec(AttentionSpec):
+    """Layers of an encoder-only model: no KV cache is kept between steps.
+
+    vLLM 0.25.1 registers no manager for it (a KV-cache group of this kind
+    cannot be managed); it appears in layer specs and as an event kind.
+    """
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """0: encoder-only layers keep no KV cache."""
+        return 0
+
+
+@dataclass(frozen=True)
+class UniformTypeKVCacheSpecs(KVCacheSpec):
+    """Layers of one kind (same tokens per slot, same block size) whose specs
+    differ otherwise (e.g. head sizes), kept per layer: ``kv_cache_specs``.
+
+    Worker-side only: vLLM's scheduler config replaces it by one of its layers'
+    specs, and vLLM 0.25.1 registers no manager for it.
+    """
+
+    kv_cache_specs: dict[str, KVCacheSpec]
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Sum of the layers' page sizes (one block holds a page of each)."""
+        return sum(spec.page_size_bytes for spec in self.kv_cache_specs.values())
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """The most pages any layer needs, times this spec's page size."""
+        return self.max_memory_usage_pages(vllm_config) * self.page_size_bytes
+
+    def max_memory_usage_pages(self, vllm_config: Any) -> int:
+        """The most pages (blocks) any one layer needs for one request."""
+        return max(
+            kv_cache_math.cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
+            for spec in self.kv_cache_specs.values()
+        )
+
+    @classmethod
+    def is_uniform_type(cls, kv_cache_specs: dict[str, Any]) -> bool:
+        """Whether the layers share a block size and a kind family (the first
+        layer's ``is_uniform_with_collection``)."""
+        if len({spec.block_size for spec in kv_cache_specs.values()}) > 1:
+            return False
+        first = next(iter(kv_cache_specs.values()))
+        return bool(first.is_uniform_with_collection(kv_cache_specs))
+
+    @classmethod
+    def from_specs(cls, kv_cache_specs: dict[str, Any]) -> UniformTypeKVCacheSpecs | None:
+        """The layers as one ``UniformTypeKVCacheSpecs`` if uniform, else None."""
+        if not cls.is_uniform_type(kv_cache_specs):
+            return None
+        block_size = next(iter(kv_cache_specs.values())).block_size
+        return cls(block_size=block_size, kv_cache_specs=kv_cache_specs)
+
+    def get_page_sizes(self) -> list[int]:
+        """The distinct page sizes of the layers."""
+        return list({spec.page_size_bytes for spec in self.kv_cache_specs.values()})
+
+    def get_num_layer_tuples(self) -> int:
+        """How many layers share the most common page size."""
+        counts = Counter(spec.page_size_bytes for spec in self.kv_cache_specs.values())
+        return counts.most_common(1)[0][1]
 
 
 # The spec class each kind's layers share a group by (vLLM's registry bases), most

@@ -161,9 +161,13 @@ class KVCacheManager:
         use_eagle: Recompute the last hit block for EAGLE drafting.
         log_stats: Keep ``PrefixCacheStats``.
         enable_kv_cache_events: Queue KV events for ``take_events``.
-        dcp_world_size: Must be 1.
-        pcp_world_size: Must be 1.
-        metrics_collector: Must be None (block residency metrics are not supported).
+        dcp_world_size: Decode context parallel size: each rank stores a share
+            of every block, so a block spans ``block_size * dcp * pcp`` tokens
+            (``scheduler_block_size`` and ``hash_block_size`` are that size).
+            With several KV-cache groups only without prefix caching.
+        pcp_world_size: Prefill context parallel size (likewise).
+        metrics_collector: A ``KVCacheMetricsCollector`` (kvcache's or vLLM's) for
+            sampled block residency figures, handed to the ``BlockPool``; or None.
         watermark: Fraction of the pool kept free when admitting waiting or
             preempted requests while others are scheduled.
         prefix_cache_retention_interval: Keyword only, not in vLLM's signature
@@ -198,11 +202,6 @@ class KVCacheManager:
         profile: Profile | str | None = None,
     ) -> None:
         self.profile = resolve_profile(profile)
-        if metrics_collector is not None:
-            raise NotImplementedError(
-                f"metrics_collector={metrics_collector!r}: block residency metrics are not "
-                "supported by kvcache; pass None"
-            )
         if not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         if not watermark >= 0.0:
@@ -213,7 +212,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
         self.log_stats = log_stats
-        self.metrics_collector = None
+        self.metrics_collector = metrics_collector
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config=kv_cache_config,
@@ -226,6 +225,7 @@ class KVCacheManager:
             pcp_world_size=pcp_world_size,
             scheduler_block_size=scheduler_block_size,
             hash_block_size=hash_block_size,
+            metrics_collector=metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType, TypeAlias, overload
 
 import cbor2
+from mypy_extensions import mypyc_attr
 
 from kvcache.kv_cache_math import coarse_hash_index, num_coarse_hashes
 
@@ -31,6 +32,13 @@ BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 
 ExternalBlockHash: TypeAlias = bytes | int
 """Block hash as reported in KV events."""
+
+
+# Two builtin bases: an ordinary (non-native) class in the compiled build.
+@mypyc_attr(native_class=False)
+class UniformityError(ValueError, AssertionError):
+    """Specs that should share one page size do not: a ``ValueError`` that is
+    also the ``AssertionError`` vLLM 0.25.1 raises."""
 
 
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
@@ -600,3 +608,50 @@ class FreeKVCacheBlockQueue:
             out.append(block)
             block = block.next_free_block
         return out
+
+
+# ---------------------------------------------------------------- spec uniformity
+# The checks vLLM's KV-cache config code runs over a model's per-layer specs
+# before forming groups (which layers can share one group, one page size).
+
+
+def is_kv_cache_spec_uniform(kv_cache_spec: dict[str, Any]) -> bool:
+    """Whether every layer's spec merges into one (one KV-cache group can hold
+    them all); full attention with and without a recorded window counts as one
+    kind. True for no layers (an encoder-only model keeps no KV cache).
+
+    A merge's ``AssertionError`` (kvcache's ``KVCacheSpecMergeError`` is one)
+    means "not uniform"; a ``ValueError`` of two different windows propagates,
+    as in vLLM.
+    """
+    if not kv_cache_spec:
+        return True
+    specs = list(kv_cache_spec.values())
+    try:
+        specs[0].merge(specs)
+    except AssertionError:
+        return False
+    return True
+
+
+def get_uniform_page_size(kv_cache_specs: Iterable[Any]) -> int:
+    """The one page size of ``kv_cache_specs``.
+
+    Raises:
+        ValueError: (also an ``AssertionError``, as vLLM asserts) when the specs
+            have several page sizes, or none.
+    """
+    page_sizes = {spec.page_size_bytes for spec in kv_cache_specs}
+    if len(page_sizes) != 1:
+        raise UniformityError(f"expected one page size, got {sorted(page_sizes)}")
+    return int(page_sizes.pop())
+
+
+def is_kv_cache_page_size_uniform(kv_cache_spec: dict[str, Any]) -> bool:
+    """Whether every layer's spec has the same page size."""
+    return len({spec.page_size_bytes for spec in kv_cache_spec.values()}) == 1
+
+
+def is_kv_cache_type_attention_free(kv_cache_spec: dict[str, Any]) -> bool:
+    """Whether the model has no KV-cache layers at all (an empty spec dict)."""
+    return not kv_cache_spec

@@ -31,3 +31,14 @@ class PrefixCacheStats:
             self.requests += 1
             self.queries += num_tokens
             self.hits += num_hits
+
+
+@dataclass
+class KVCacheEvictionEvent:
+    """One sampled block leaving the prefix cache (``KVCacheMetricsCollector``):
+    how long it lived since allocation, how long since its last hit, and the
+    gaps between its last few hits, in seconds."""
+
+    lifetime_seconds: float
+    idle_seconds: float
+    reuse_gaps_seconds: tuple[float, ...]

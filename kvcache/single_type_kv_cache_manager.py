@@ -20,9 +20,11 @@ from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
     SPEC_MODULES,
     ChunkedLocalAttentionSpec,
+    ContextParallelError,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    check_world_size,
     is_spec_kind,
     spec_exact_class_name,
 )
@@ -98,8 +100,8 @@ class SingleTypeKVCacheManager:
         enable_caching: Whether prefix caching is on.
         kv_cache_group_id: The group's index.
         scheduler_block_size: Scheduling granularity (multiple of block_size).
-        dcp_world_size: Decode context parallel size (only 1 is supported).
-        pcp_world_size: Prefill context parallel size (only 1 is supported).
+        dcp_world_size: Decode context parallel size (scales ``block_size``).
+        pcp_world_size: Prefill context parallel size (scales ``block_size``).
         max_admission_blocks_per_request: Admission cap for groups that recycle
             blocks (None: no cap).
     """
@@ -115,13 +117,12 @@ class SingleTypeKVCacheManager:
         pcp_world_size: int = 1,
         max_admission_blocks_per_request: int | None = None,
     ) -> None:
-        if dcp_world_size != 1 or pcp_world_size != 1:
-            raise NotImplementedError(
-                f"context parallelism is not supported (dcp_world_size={dcp_world_size}, "
-                f"pcp_world_size={pcp_world_size})"
-            )
+        check_world_size("dcp_world_size", dcp_world_size)
+        check_world_size("pcp_world_size", pcp_world_size)
         self.kv_cache_spec = kv_cache_spec
-        self.block_size = kv_cache_spec.block_size
+        # Each context-parallel rank stores 1/(dcp*pcp) of a block's tokens, so to
+        # the manager one block spans block_size * dcp * pcp tokens (as in vLLM).
+        self.block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
         self.scheduler_block_size = scheduler_block_size
         self.dcp_world_size = dcp_world_size
         self.pcp_world_size = pcp_world_size
@@ -483,6 +484,19 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return num_common
 
 
+def _refuse_context_parallel(kind: str, dcp_world_size: int, pcp_world_size: int) -> None:
+    """Where vLLM 0.25.1 asserts that a kind's hit search has no context parallelism.
+
+    Raises:
+        ContextParallelError: for ``dcp_world_size`` or ``pcp_world_size`` > 1.
+    """
+    if dcp_world_size != 1 or pcp_world_size != 1:
+        raise ContextParallelError(
+            f"{kind} prefix-cache lookups do not support context parallelism "
+            f"(dcp_world_size={dcp_world_size}, pcp_world_size={pcp_world_size})"
+        )
+
+
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding-window attention: only the last ``sliding_window`` tokens are
     attended to, so leading blocks become the null block once the window has
@@ -535,7 +549,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     ) -> tuple[list[KVCacheBlock], ...]:
         """Rightmost run of enough cached blocks whose end is aligned; positions
         before the run are the null block. With no full run, the cached run at
-        the very start (if any) is the hit."""
+        the very start (if any) is the hit.
+
+        Raises:
+            ContextParallelError: for ``dcp_world_size`` or ``pcp_world_size`` > 1
+                (vLLM 0.25.1 asserts: no context parallelism for sliding windows).
+        """
+        _refuse_context_parallel("sliding-window", dcp_world_size, pcp_world_size)
         kv_cache_spec = cast(SlidingWindowSpec, kv_cache_spec)
         block_size = kv_cache_spec.block_size
         need = cls._contiguous_blocks_for_hit(
@@ -645,6 +665,8 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         """Null blocks up to the chunk holding ``max_length``, then cached blocks
         from there left to right until the first miss."""
         kv_cache_spec = cast(ChunkedLocalAttentionSpec, kv_cache_spec)
+        if not drop_eagle_block:  # (vLLM's order of asserts)
+            _refuse_context_parallel("chunked local attention", dcp_world_size, pcp_world_size)
         if drop_eagle_block or kv_cache_spec.block_size != alignment_tokens:
             raise NotImplementedError(
                 "chunked local attention supports neither EAGLE nor groups of other block sizes"
@@ -721,7 +743,13 @@ class MambaManager(SingleTypeKVCacheManager):
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
     ) -> tuple[list[KVCacheBlock], ...]:
-        """Rightmost cached state whose end is aligned, preceded by null blocks."""
+        """Rightmost cached state whose end is aligned, preceded by null blocks.
+
+        Raises:
+            ContextParallelError: for ``dcp_world_size`` or ``pcp_world_size`` > 1
+                (vLLM 0.25.1 asserts).
+        """
+        _refuse_context_parallel("Mamba", dcp_world_size, pcp_world_size)
         kv_cache_spec = cast(MambaSpec, kv_cache_spec)
         num_blocks = kv_cache_math.mamba_hit_num_blocks(
             cast(Sequence[BlockHash], block_hashes),
@@ -799,7 +827,10 @@ class MambaManager(SingleTypeKVCacheManager):
             if last._hash is not None and last._hash in self.cached_blocks_this_step:
                 return self.block_pool.num_gpu_blocks + 1
         if self.mamba_cache_mode != "align":
-            num_tokens += self.block_size * self.num_speculative_blocks
+            # NOTE: the spec's block size, as in vLLM 0.25.1: under context
+            # parallelism this counts fewer speculative blocks than
+            # allocate_new_blocks takes (docs/divergences.md).
+            num_tokens += self.kv_cache_spec.block_size * self.num_speculative_blocks
             return super().get_num_blocks_to_allocate(
                 request_id,
                 num_tokens,
@@ -976,8 +1007,13 @@ _MANAGER_FOR_SPEC: dict[str, type[SingleTypeKVCacheManager]] = {
 """Manager per spec class name, as vLLM 0.25.1 registers them (MLA is full
 attention, sliding-window MLA is sliding window to the manager)."""
 
-_NOT_MODELLED = frozenset({"RSWASpec", "SinkFullAttentionSpec", "UniformTypeKVCacheSpecs"})
+_NOT_MODELLED = frozenset({"RSWASpec", "SinkFullAttentionSpec"})
 """vLLM spec classes kvcache recognises but does not model yet (issue 14)."""
+
+_NO_MANAGER = frozenset({"UniformTypeKVCacheSpecs", "EncoderOnlyAttentionSpec"})
+"""Spec classes vLLM 0.25.1 registers no manager for: a uniform-type spec is
+worker-side (the scheduler's config holds one of its layers' specs instead) and
+encoder-only layers keep no KV cache."""
 
 
 def get_manager_class_for_kv_cache_spec(
@@ -994,6 +1030,12 @@ def get_manager_class_for_kv_cache_spec(
     for cls in type(kv_cache_spec).__mro__:
         if cls.__module__ not in SPEC_MODULES:
             continue
+        if cls.__name__ in _NO_MANAGER:
+            raise NotImplementedError(
+                f"kv_cache_spec of type {type(kv_cache_spec).__name__} ({cls.__name__}) has no "
+                "KV-cache manager: vLLM 0.25.1 registers none for it (a scheduler's config "
+                "holds the per-layer specs of a UniformTypeKVCacheSpecs instead)"
+            )
         if cls.__name__ in _NOT_MODELLED:
             raise NotImplementedError(
                 f"kv_cache_spec of type {type(kv_cache_spec).__name__} ({cls.__name__}) is "

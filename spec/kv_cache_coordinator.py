@@ -32,7 +32,7 @@ class KVCacheCoordinator:
                  max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
                  enable_kv_cache_events: bool, scheduler_block_size: int,
                  hash_block_size: int, caching_hash_algo: str = "sha256",
-                 hash_seed: str | None = None, *,
+                 hash_seed: str | None = None, context_parallel: int = 1, *,
                  prefix_cache_retention_interval: int | None = None) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size or any(
@@ -49,9 +49,17 @@ class KVCacheCoordinator:
         self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(groups)))
+        # Context parallelism (dcp * pcp ranks) spreads each block's tokens over the ranks:
+        # to the managers a block spans block_size * context_parallel tokens.
+        if context_parallel > 1 and enable_caching and (
+                len(groups) > 1 or not is_a(groups[0].kv_cache_spec, "FullAttentionSpec")):
+            raise NotImplementedError("context parallelism with prefix caching: one full-"
+                                      "attention group only (vLLM asserts for the rest)")
+        self.context_parallel = context_parallel
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(g.kv_cache_spec, max_num_batched_tokens, max_model_len,
-                                          self.block_pool, enable_caching, i, scheduler_block_size)
+                                          self.block_pool, enable_caching, i, scheduler_block_size,
+                                          context_parallel)
             for i, g in enumerate(groups))
         self.retention_interval = prefix_cache_retention_interval
         if self.retention_interval is not None:
@@ -177,7 +185,10 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
     def _init_groups(self) -> None:
         self.kv_cache_spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = self.kv_cache_spec.block_size
+        self.block_size = self.single_type_managers[0].block_size
+        # The hit search works in blocks of block_size * context_parallel tokens.
+        self.lookup_spec = self.kv_cache_spec if self.context_parallel == 1 else (
+            self.kv_cache_spec.copy_with_new_block_size(self.block_size))
         if self.enable_caching and self.hash_block_size != self.block_size:
             raise ValueError(f"hash_block_size={self.hash_block_size} must equal the block "
                              f"size {self.block_size} of the only group")
@@ -187,7 +198,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                                ) -> tuple[Hits, int]:
         """The group's longest hit."""
         hits = self.single_type_managers[0].find_longest_cache_hit(
-            block_hashes, max_cache_hit_length, [0], self.block_pool, self.kv_cache_spec,
+            block_hashes, max_cache_hit_length, [0], self.block_pool, self.lookup_spec,
             0 in self.eagle_group_ids, self.block_size)
         return hits, len(hits[0]) * self.block_size
 
@@ -320,8 +331,8 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
                              max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
                              enable_kv_cache_events: bool, scheduler_block_size: int,
                              hash_block_size: int, caching_hash_algo: str = "sha256",
-                             hash_seed: str | None = None, *,
-                             prefix_cache_retention_interval: int | None = None
+                             hash_seed: str | None = None, context_parallel: int = 1,
+                             *, prefix_cache_retention_interval: int | None = None
                              ) -> KVCacheCoordinator:
     """No-prefix-cache when caching is off, else unitary for one group, hybrid for more."""
     cls: type[KVCacheCoordinator] = HybridKVCacheCoordinator
@@ -331,4 +342,5 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
         cls = UnitaryKVCacheCoordinator
     return cls(kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle, enable_caching,
                enable_kv_cache_events, scheduler_block_size, hash_block_size, caching_hash_algo,
-               hash_seed, prefix_cache_retention_interval=prefix_cache_retention_interval)
+               hash_seed, context_parallel,
+               prefix_cache_retention_interval=prefix_cache_retention_interval)

@@ -108,8 +108,9 @@ class KVCacheManager:
                  prefix_cache_retention_interval: int | None = None,
                  profile: Profile | str | None = None) -> None:
         self.profile = resolve_profile(profile)  # spec/profile.py
-        if dcp_world_size > 1 or pcp_world_size > 1:
-            raise NotImplementedError("context parallelism (dcp/pcp > 1) is not modelled")
+        for name, size in (("dcp_world_size", dcp_world_size), ("pcp_world_size", pcp_world_size)):
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be a positive int, got {size!r}")
         if metrics_collector is not None:
             raise NotImplementedError("metrics_collector is not modelled by the spec")
         self.max_model_len = max_model_len
@@ -123,7 +124,7 @@ class KVCacheManager:
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config, max_model_len, self.max_num_batched_tokens, use_eagle,
             enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
-            caching_hash_algo, hash_seed,
+            caching_hash_algo, hash_seed, dcp_world_size * pcp_world_size,
             prefix_cache_retention_interval=prefix_cache_retention_interval)
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool

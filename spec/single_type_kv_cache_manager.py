@@ -10,6 +10,10 @@ from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.pure import cdiv
 from spec.vocab import KVCacheSpec, Request, admission_cap
 
+ZEROED_SPECS = ("FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec",
+                "HiddenStateCacheSpec")
+"""Spec classes (exact) whose fresh blocks are reported by ``take_new_block_ids``."""
+
 Hits = tuple[list[int], ...]
 """Per group of a lookup, the hit block ids (NULL_BLOCK where skipped)."""
 
@@ -65,9 +69,11 @@ class SingleTypeKVCacheManager:
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
-                 max_admission_blocks_per_request: int | None = None) -> None:
+                 max_admission_blocks_per_request: int | None = None,
+                 context_parallel: int = 1) -> None:
         self.kv_cache_spec = kv_cache_spec
-        self.block_size = kv_cache_spec.block_size
+        # Context parallelism (dcp * pcp ranks) spreads a block's tokens over the ranks.
+        self.block_size = kv_cache_spec.block_size * context_parallel
         self.block_pool = block_pool
         self.enable_caching = enable_caching
         self.kv_cache_group_id = kv_cache_group_id
@@ -137,10 +143,11 @@ class SingleTypeKVCacheManager:
             self._append_new(req_blocks, cdiv(num_total, self.block_size) - len(req_blocks))
 
     def _append_new(self, req_blocks: list[int], num_blocks: int) -> list[int]:
-        """Append ``num_blocks`` fresh blocks; full attention records them for zeroing."""
+        """Append ``num_blocks`` fresh blocks; full attention and MLA (exact classes,
+        as vLLM tests them) record them for zeroing."""
         new_ids = self.block_pool.get_new_blocks(num_blocks)
         req_blocks.extend(new_ids)
-        if self.records_new_block_ids and type(self.kv_cache_spec).__name__ == "FullAttentionSpec":
+        if self.records_new_block_ids and type(self.kv_cache_spec).__name__ in ZEROED_SPECS:
             self.new_block_ids.extend(new_ids)
         return new_ids
 
@@ -386,10 +393,12 @@ class MambaManager(SingleTypeKVCacheManager):
                 in self.cached_blocks_this_step):
             return self.block_pool.num_gpu_blocks + 1
         if self.mamba_cache_mode != "align":
+            # vLLM counts these tokens in the layer's block size, not the manager's (they
+            # differ under context parallelism): then it takes more than it counts.
+            num_tokens += self.kv_cache_spec.block_size * self.num_speculative_blocks
             return super().get_num_blocks_to_allocate(
-                request_id, num_tokens + self.block_size * self.num_speculative_blocks,
-                new_computed_blocks, total_computed_tokens, num_tokens_main_model,
-                apply_admission_cap)
+                request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                num_tokens_main_model, apply_admission_cap)
         # Align mode ignores lookahead tokens (they would break the alignment).
         num_new = pure.mamba_align_num_new_blocks(
             num_tokens_main_model, self.block_size, self.num_speculative_blocks,
@@ -507,7 +516,11 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 
 MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
     "FullAttentionSpec": FullAttentionManager,
+    "TQFullAttentionSpec": FullAttentionManager,
+    "MLAAttentionSpec": FullAttentionManager,
+    "HiddenStateCacheSpec": FullAttentionManager,
     "SlidingWindowSpec": SlidingWindowManager,
+    "SlidingWindowMLASpec": SlidingWindowManager,
     "ChunkedLocalAttentionSpec": ChunkedLocalAttentionManager,
     "MambaSpec": MambaManager,
     "CrossAttentionSpec": CrossAttentionManager,
@@ -517,8 +530,8 @@ MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
 
 def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_tokens: int,
                                   max_model_len: int, block_pool: BlockPool, enable_caching: bool,
-                                  kv_cache_group_id: int, scheduler_block_size: int
-                                  ) -> SingleTypeKVCacheManager:
+                                  kv_cache_group_id: int, scheduler_block_size: int,
+                                  context_parallel: int = 1) -> SingleTypeKVCacheManager:
     """The manager of the spec's kind; windowed kinds get their admission cap.
     NotImplementedError for unmodelled spec types and for cross attention with caching."""
     manager_cls = MANAGER_CLASSES.get(type(kv_cache_spec).__name__)
@@ -528,4 +541,4 @@ def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_to
         raise NotImplementedError("prefix caching with a cross-attention group")
     cap = admission_cap(kv_cache_spec, max_num_batched_tokens, max_model_len)
     return manager_cls(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
-                       scheduler_block_size, cap)
+                       scheduler_block_size, cap, context_parallel)

@@ -14,7 +14,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-GROUP_KINDS = ("full", "sliding_window", "chunked_local", "mamba", "cross_attention")
+GROUP_KINDS = (
+    "full",
+    "sliding_window",
+    "chunked_local",
+    "mamba",
+    "cross_attention",
+    "mla",
+    "sliding_window_mla",
+)
 MAMBA_CACHE_MODES = ("none", "all", "align")
 HASH_FNS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
@@ -24,9 +32,10 @@ class GroupConfig:
     """One KV-cache group.
 
     Attributes:
-        kind: full | sliding_window | chunked_local | mamba | cross_attention.
+        kind: full | sliding_window | chunked_local | mamba | cross_attention |
+            mla (``MLAAttentionSpec``) | sliding_window_mla (``SlidingWindowMLASpec``).
         block_size: Tokens per block.
-        sliding_window: Window of a sliding_window group.
+        sliding_window: Window of a sliding_window (or sliding_window_mla) group.
         attention_chunk_size: Chunk of a chunked_local group.
         mamba_cache_mode: none | all | align, for a mamba group.
         num_speculative_blocks: Extra state blocks of a mamba group (speculative decoding).
@@ -48,8 +57,8 @@ class GroupConfig:
             raise ValueError(f"group kind={self.kind!r}; expected one of {', '.join(GROUP_KINDS)}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size={self.block_size!r}; expected a positive int")
-        if self.kind == "sliding_window" and not self.sliding_window:
-            raise ValueError("a sliding_window group needs sliding_window")
+        if self.kind in ("sliding_window", "sliding_window_mla") and not self.sliding_window:
+            raise ValueError(f"a {self.kind} group needs sliding_window")
         if self.kind == "chunked_local" and not self.attention_chunk_size:
             raise ValueError("a chunked_local group needs attention_chunk_size")
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
@@ -66,6 +75,10 @@ class GroupConfig:
             return f"mamba-{self.mamba_cache_mode}"
         if self.kind == "cross_attention":
             return "cross"
+        if self.kind == "mla":
+            return "mla"
+        if self.kind == "sliding_window_mla":
+            return "swa-mla"
         return "full"
 
 
@@ -94,11 +107,17 @@ class ManagerConfig:
     head_size: int = 8
     scheduler_block_size_override: int | None = None
     hash_block_size_override: int | None = None
+    dcp_world_size: int = 1
+    pcp_world_size: int = 1
     prefix_cache_retention_interval: int | None = None
 
     def __post_init__(self) -> None:
         if not self.groups:
             raise ValueError("a manager config needs at least one group")
+        for name in ("dcp_world_size", "pcp_world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}; expected a positive int")
         retention = self.prefix_cache_retention_interval
         if retention is not None and type(retention) is not int:
             raise ValueError(
@@ -119,10 +138,19 @@ class ManagerConfig:
         return tuple(g.block_size for g in self.groups)
 
     @property
+    def context_parallel(self) -> int:
+        """``dcp_world_size * pcp_world_size``: tokens of a block are spread over
+        that many ranks, so one group's block spans ``block_size`` times it."""
+        return self.dcp_world_size * self.pcp_world_size
+
+    @property
     def scheduler_block_size(self) -> int:
-        """LCM of the group block sizes (vLLM's ``resolve_kv_cache_block_sizes``)."""
+        """LCM of the group block sizes; one group's block size times the
+        context-parallel size (vLLM's ``resolve_kv_cache_block_sizes``)."""
         if self.scheduler_block_size_override is not None:
             return self.scheduler_block_size_override
+        if len(self.groups) == 1:
+            return self.groups[0].block_size * self.context_parallel
         return math.lcm(*self.block_sizes)
 
     @property
@@ -160,12 +188,21 @@ class ManagerConfig:
             "log_stats": self.log_stats,
             "enable_kv_cache_events": self.enable_kv_cache_events,
             "watermark": self.watermark,
+            # Only when set, so factories written before context parallelism still fit.
+            **{
+                name: getattr(self, name)
+                for name in ("dcp_world_size", "pcp_world_size")
+                if getattr(self, name) != 1
+            },
         }
 
     def to_record(self) -> dict[str, Any]:
         """JSON form (the ``config`` of a trace header)."""
         record = asdict(self)
         record["groups"] = [asdict(g) for g in self.groups]
+        for name in ("dcp_world_size", "pcp_world_size"):
+            if record[name] == 1:  # the default: headers stay as before context parallelism
+                del record[name]
         if record["prefix_cache_retention_interval"] is None:
             del record["prefix_cache_retention_interval"]  # headers of older traces
         return record

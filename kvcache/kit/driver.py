@@ -54,7 +54,7 @@ def outcome(side: Side, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # Where vLLM only asserts, an implementation may validate (docs/divergences.md).
-SUBJECT_FOR_ASSERT = ("ValueError", "NotImplementedError")
+SUBJECT_FOR_ASSERT = ("ValueError", "NotImplementedError", "ContextParallelError")
 
 
 def assert_allowance(expected_raises: str, actual_raises: str) -> str:
@@ -402,6 +402,8 @@ class Family:
     watermark: float | None = None
     eagle: float = 0.15
     mixed_block_sizes: bool = True
+    #: (dcp_world_size, pcp_world_size) choices; empty: no context parallelism.
+    context_parallel: tuple[tuple[int, int], ...] = ()
     retention: bool = False
 
 
@@ -430,6 +432,17 @@ FAMILIES: dict[str, Family] = {
         Family("full+swa-retention", ("full", "swa"), retention=True),
         Family("full+mamba-align-retention", ("full", "mamba-align"), retention=True),
         Family("swa+mamba-retention", ("swa", "mamba"), retention=True),
+        Family("full-dcp", ("full",), context_parallel=((2, 1), (4, 1), (1, 2), (2, 2))),
+        # vLLM takes context parallelism with any layout when caching is off.
+        Family(
+            "hybrid-dcp",
+            ("full", "swa", "chunked", "mamba"),
+            enable_caching=False,
+            context_parallel=((2, 1), (4, 1), (1, 2)),
+        ),
+        Family("mla", ("mla",)),
+        Family("full+mla", ("full", "mla")),
+        Family("full+swa-mla", ("full", "swa-mla")),
     ]
 }
 
@@ -455,6 +468,12 @@ def random_group(rng: random.Random, token: str, block_size: int, index: int) ->
         )
     if token == "cross":
         return GroupConfig("cross_attention", block_size, num_kv_heads=heads)
+    if token == "swa-mla":
+        return GroupConfig(
+            "sliding_window_mla", block_size, sliding_window=rng.randint(1, 12), num_kv_heads=heads
+        )
+    if token == "mla":
+        return GroupConfig("mla", block_size, num_kv_heads=heads)
     return GroupConfig("full", block_size, num_kv_heads=heads)
 
 
@@ -504,6 +523,9 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
         max_num_batched_tokens=rng.choice([None, 32]),
         hash_fn=rng.choice(["sha256", "sha256", "sha256", "sha256_cbor", "xxhash"]),
     )
+    if family.context_parallel:  # drawn last: other families' draws stay as they were
+        dcp, pcp = rng.choice(family.context_parallel)
+        config = replace(config, dcp_world_size=dcp, pcp_world_size=pcp)
     if family.retention:  # drawn last: the other families' configs stay as they were
         interval = rng.choice([0, 0, 1, 2, 2, 3, 4]) * config.scheduler_block_size
         config = replace(config, prefix_cache_retention_interval=interval)

@@ -445,6 +445,36 @@ class ThreeFullGroupsHit(Rule):
         return op == "get_computed_blocks" and full >= 3
 
 
+class PcpNotScaled(Rule):
+    """0.33.0 scales a block by ``dcp_world_size`` only (not ``pcp_world_size``):
+    with pcp > 1 a cached config cannot be built (its hash block size is the
+    0.25.1 block), an uncached one allocates smaller blocks."""
+
+    def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
+        return config.pcp_world_size > 1 and "hash_block_size" in reason
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        return ctx.config.pcp_world_size > 1
+
+    def recognise_state(self, ctx: Context, op: str, diff_keys: Sequence[str]) -> bool:
+        return ctx.config.pcp_world_size > 1
+
+
+class MambaNotDcpSharded(Rule):
+    """0.33.0 scales a block by ``dcp_world_size`` only for ``dcp_sharded`` specs,
+    which Mamba's is not: beside dcp > 1 its blocks stay ``block_size`` tokens."""
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        return ctx.config.dcp_world_size > 1 and ctx.has_mamba
+
+    def recognise_state(self, ctx: Context, op: str, diff_keys: Sequence[str]) -> bool:
+        return ctx.config.dcp_world_size > 1 and ctx.has_mamba
+
+
 def _groups(config: ManagerConfig) -> int:
     return len(config.groups)
 
@@ -484,6 +514,8 @@ RULES: dict[str, Callable[[], Rule]] = {
     "shorter_hit_mamba_eagle": ShorterHitMambaEagle,
     "mm_output_block_hash": MmOutputBlockHash,
     "three_full_groups_hit": ThreeFullGroupsHit,
+    "pcp_not_scaled": PcpNotScaled,
+    "mamba_not_dcp_sharded": MambaNotDcpSharded,
 }
 
 

@@ -144,6 +144,10 @@ def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -
         )
     if group.kind == "cross_attention":
         return lib.CrossAttentionSpec(**common)
+    if group.kind == "mla":
+        return lib.MLAAttentionSpec(**common)
+    if group.kind == "sliding_window_mla":
+        return lib.SlidingWindowMLASpec(**common, sliding_window=group.sliding_window)
     return lib.FullAttentionSpec(**common)
 
 

@@ -57,6 +57,7 @@ CORE_SWAPS: dict[str, str] = {
     "vllm.v1.core.single_type_kv_cache_manager": "kvcache.single_type_kv_cache_manager",
     "vllm.v1.core.kv_cache_coordinator": "kvcache.kv_cache_coordinator",
     "vllm.v1.core.kv_cache_manager": "kvcache.kv_cache_manager",
+    "vllm.v1.core.kv_cache_metrics": "kvcache.kv_cache_metrics",
 }
 VOCABULARY_SWAPS: dict[str, str] = {
     "vllm.v1.kv_cache_interface": "kvcache.kv_cache_interface",
@@ -72,6 +73,7 @@ AUDITED_FILES = (
     "vllm/v1/core/kv_cache_coordinator.py",
     "vllm/v1/core/single_type_kv_cache_manager.py",
     "vllm/v1/core/kv_cache_utils.py",
+    "vllm/v1/core/kv_cache_metrics.py",
 )
 
 # Names kvcache lacks that may be served by vLLM's own module, with the reason.
@@ -91,10 +93,6 @@ FALLBACKS: dict[str, dict[str, str]] = {
             "check_enough_kv_cache_memory",
             "get_max_concurrency_for_kv_cache_config",
             "get_num_blocks",
-            "get_uniform_page_size",
-            "is_kv_cache_spec_uniform",
-            "is_kv_cache_page_size_uniform",
-            "is_kv_cache_type_attention_free",
             "unify_hybrid_kv_cache_specs",
             "unify_kv_cache_spec_page_size",
             "may_override_num_blocks",
@@ -119,14 +117,8 @@ FALLBACKS: dict[str, dict[str, str]] = {
         name: "data type kvcache does not model (worker-side or issue 14)"
         for name in (
             "KVCacheTensor",
-            "UniformTypeKVCacheSpecs",
-            "MLAAttentionSpec",
-            "SlidingWindowMLASpec",
             "SinkFullAttentionSpec",
             "RSWASpec",
-            "EncoderOnlyAttentionSpec",
-            "HiddenStateCacheSpec",
-            "TQFullAttentionSpec",
             "KVQuantMode",
             "KVCacheSpecKind",
             "get_kv_quant_mode",

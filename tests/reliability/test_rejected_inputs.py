@@ -192,10 +192,10 @@ def test_bad_config_is_rejected_with_a_named_argument(
 
 
 def test_unsupported_features_say_so() -> None:
-    with pytest.raises(NotImplementedError, match="metrics_collector"):
-        manager(metrics_collector=object())
-    with pytest.raises(NotImplementedError, match="context parallel"):
-        manager(dcp_world_size=2)
+    with pytest.raises(ValueError, match="dcp_world_size"):
+        manager(dcp_world_size=0)
+    with pytest.raises((ValueError, TypeError), match=r"pcp_world_size|int object"):
+        manager(pcp_world_size=1.5)  # the compiled build's own type check: TypeError
     cross = K.CrossAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16")
     full = K.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16")
     cfg = K.KVCacheConfig(

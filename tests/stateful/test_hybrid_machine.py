@@ -62,8 +62,10 @@ from kvcache import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    MLAAttentionSpec,
     Request,
     RequestStatus,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     get_request_block_hasher,
     sha256,
@@ -80,6 +82,11 @@ CI_EXAMPLES = 400
 
 def layer_spec(kind: str, block_size: int, index: int, options: dict[str, Any]) -> Any:
     heads = dict(num_kv_heads=1 + index, head_size=8, dtype="float16")
+    options = dict(options)
+    if options.pop("mla", False):  # NewKindsMachine's MLA variants of full / sliding window
+        if kind == "full":
+            return MLAAttentionSpec(block_size=block_size, **heads)
+        return SlidingWindowMLASpec(block_size=block_size, **heads, **options)
     if kind == "full":
         return FullAttentionSpec(block_size=block_size, **heads)
     if kind == "swa":
@@ -95,6 +102,9 @@ class HybridMachine(ManagerMachine):
     """``ManagerMachine`` over a drawn hybrid layout, with the hybrid invariants."""
 
     counters: ClassVar[dict[str, int]] = {"steps": 0, "examples": 0}
+    #: Draw issue 14's kinds too (MLA variants, context parallelism): off here, so
+    #: this machine's examples stay as they were (``test_new_kinds_machine.py``).
+    NEW_KINDS: ClassVar[bool] = False
 
     @initialize(
         # Small pools half the time: eviction (of hits too) needs a pool under pressure.
@@ -117,7 +127,12 @@ class HybridMachine(ManagerMachine):
         data: st.DataObject,
     ) -> None:
         self.counters["examples"] += 1
-        kinds = data.draw(st.lists(st.sampled_from(KINDS), min_size=1, max_size=3), label="kinds")
+        if self.NEW_KINDS and data.draw(st.booleans(), label="context-parallel layout"):
+            kinds = ["full"]
+        else:
+            kinds = data.draw(
+                st.lists(st.sampled_from(KINDS), min_size=1, max_size=3), label="kinds"
+            )
         has_chunk = "chunk" in kinds
         layout: list[tuple[str, int, dict[str, Any]]] = []
         for kind in kinds:
@@ -136,10 +151,18 @@ class HybridMachine(ManagerMachine):
                 options["num_speculative_blocks"] = data.draw(
                     st.sampled_from([0, 0, 1, 2]), label="spec_blocks"
                 )
+            if self.NEW_KINDS and kind in ("full", "swa"):
+                options["mla"] = data.draw(st.booleans(), label="mla")
             layout.append((kind, block_size, options))
         sizes = [b for _, b, _ in layout]
-        scheduler_block_size = math.lcm(*sizes)
-        hash_block_size = math.gcd(*sizes)
+        # Context parallelism: one full-attention (or MLA) group, a block spanning
+        # block_size * dcp * pcp tokens (vLLM refuses it elsewhere under caching).
+        dcp = pcp = 1
+        if self.NEW_KINDS and kinds == ["full"]:
+            dcp = data.draw(st.sampled_from([1, 2, 2, 4]), label="dcp")
+            pcp = data.draw(st.sampled_from([1, 1, 2]), label="pcp")
+        scheduler_block_size = math.lcm(*sizes) * dcp * pcp
+        hash_block_size = math.gcd(*sizes) * dcp * pcp
         has_cross = "cross" in kinds
         enable_caching = not has_cross and data.draw(
             st.sampled_from([False, True, True, True]), label="caching"
@@ -172,6 +195,11 @@ class HybridMachine(ManagerMachine):
             watermark=watermark,
             prefix_cache_retention_interval=retention,
         )
+        if dcp * pcp > 1:
+            kwargs.update(dcp_world_size=dcp, pcp_world_size=pcp)
+        if self.NEW_KINDS:
+            event("context parallel", dcp * pcp)
+            event("mla groups", sum(bool(o.get("mla")) for _, _, o in layout))
         note(f"layout={layout}, is_eagle_group={eagle_flags}")
         note(f"KVCacheManager(num_blocks={num_blocks}, {kwargs})")
         event("layout", "+".join(sorted(k + o.get("mamba_cache_mode", "") for k, _, o in layout)))

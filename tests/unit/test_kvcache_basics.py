@@ -183,9 +183,15 @@ def test_evict_blocks_rejects_out_of_range_ids_without_change() -> None:
     assert m.abstract_state() == before
 
 
-def test_metrics_collector_is_refused_clearly() -> None:
-    with pytest.raises(NotImplementedError, match="metrics_collector"):
-        make_manager(metrics_collector=object())
+def test_metrics_collector_reaches_the_block_pool() -> None:
+    from kvcache.kv_cache_metrics import KVCacheMetricsCollector
+
+    collector = KVCacheMetricsCollector(sample_rate=1.0)
+    m = make_manager(metrics_collector=collector)
+    assert m.metrics_collector is collector and m.block_pool.metrics_collector is collector
+    r = make_request("r", list(range(2 * BS + 1)))
+    m.allocate_slots(r, 2 * BS + 1)
+    assert sorted(collector.block_metrics) == m.get_block_ids("r")[0]
 
 
 def test_free_queue_order_operations() -> None:

@@ -136,6 +136,7 @@ def test_conformance_families_not_yet_passing_are_listed_not_dropped() -> None:
         "mamba", "full+mamba-align", "full+mamba-all", "full+mamba-none",
         "full+swa+mamba", "swa+mamba", "eagle-hybrid", "full+mamba-align-retention",
         "swa+mamba-retention", "swa-retention", "full+swa-retention",
+        "full-dcp", "hybrid-dcp",
     }
 
 
