@@ -98,6 +98,14 @@ class KVCacheSpecMergeError(ValueError, AssertionError):
 
 # Two builtin bases: an ordinary (non-native) class in the compiled build.
 @mypyc_attr(native_class=False)
+class KVCacheSpecValueError(ValueError, AssertionError):
+    """A spec field value a manager cannot work with (e.g. a sink length that is no
+    multiple of the block size): a ``ValueError`` for kvcache's callers and an
+    ``AssertionError`` for callers written against vLLM 0.25.1, which asserts."""
+
+
+# Two builtin bases: an ordinary (non-native) class in the compiled build.
+@mypyc_attr(native_class=False)
 class ContextParallelError(ValueError, AssertionError):
     """Decode / prefill context parallelism (``dcp_world_size`` or
     ``pcp_world_size`` > 1) where vLLM 0.25.1 does not support it: with several
@@ -500,6 +508,79 @@ class CrossAttentionSpec(AttentionSpec):
         max_encoder_len = vllm_config.scheduler_config.max_num_encoder_input_tokens
         return kv_cache_math.cdiv(max_encoder_len, self.block_size) * self.page_size_bytes
 
+
+@dataclass(frozen=True, kw_only=True)
+class RSWASpec(FullAttentionSpec):
+    """Reference sliding-window attention (R-SWA): the prompt stays visible to every
+    token, generated tokens only within the last ``rswa_window`` tokens.
+
+    To the manager this is full attention (hits, caching, page size, memory bound,
+    event kind ``full_attention``) except that the blocks lying wholly between the
+    prompt's last block and the decode window are released (``RSWAManager``).
+    """
+
+    rswa_window: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.rswa_window, int) or self.rswa_window <= 0:
+            raise ValueError(f"rswa_window must be a positive int, got {self.rswa_window!r}")
+
+    @classmethod
+    def merge(cls: type[_SpecT], specs: Sequence[_SpecT]) -> _SpecT:
+        """One R-SWA spec for a group's layers: every layer must be R-SWA with one
+        ``rswa_window``; the other fields merge as full attention's do.
+
+        Raises:
+            KVCacheSpecMergeError: if ``specs`` is empty, a layer is not R-SWA, the
+                windows differ, or the full-attention fields do not merge.
+        """
+        if not specs:
+            raise KVCacheSpecMergeError("specs is empty: nothing to merge")
+        if not all(is_spec_kind(spec, "RSWASpec") for spec in specs):
+            raise KVCacheSpecMergeError(
+                "every layer of an R-SWA group must be an RSWASpec, got "
+                f"{[type(spec).__name__ for spec in specs]}"
+            )
+        windows = {cast(RSWASpec, spec).rswa_window for spec in specs}
+        if len(windows) != 1:
+            raise KVCacheSpecMergeError(
+                f"all R-SWA layers of one group must share rswa_window, got {sorted(windows)}"
+            )
+        # NOTE: merged as plain full attention (vLLM does the same), then re-typed.
+        base = FullAttentionSpec.merge(cast(Sequence[FullAttentionSpec], specs))
+        values = {f.name: getattr(base, f.name) for f in fields(FullAttentionSpec)}
+        return cast(_SpecT, RSWASpec(**values, rswa_window=windows.pop()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SinkFullAttentionSpec(FullAttentionSpec):
+    """Full attention with ``sink_len`` sink tokens whose KV the model keeps in blocks
+    of its own (event kind ``sink_full_attention``).
+
+    ``sink_len`` may be None here, as in vLLM; ``SinkFullAttentionManager`` needs a
+    positive multiple of the block size.
+    """
+
+    sink_len: int | None = None
+
+    @classmethod
+    def merge(cls: type[_SpecT], specs: Sequence[_SpecT]) -> _SpecT:
+        """Merged as full attention, keeping the first layer's ``sink_len``.
+
+        NOTE: as in vLLM 0.25.1, neither the layers' ``sink_len`` values nor their
+        classes are compared (any non-MLA full-attention layer merges), so layers
+        with other sink lengths take the first one's (docs/divergences.md).
+
+        Raises:
+            KVCacheSpecMergeError: as ``FullAttentionSpec.merge``.
+        """
+        merged = FullAttentionSpec.merge(cast(Sequence[FullAttentionSpec], specs))
+        values = {f.name: getattr(merged, f.name) for f in fields(FullAttentionSpec)}
+        # The first layer's own field (a plain full-attention first layer has none:
+        # AttributeError, as in vLLM).
+        sink_len = cast(Any, specs[0]).sink_len
+        return cast(_SpecT, SinkFullAttentionSpec(**values, sink_len=sink_len))
 
 # ---------------------------------------------------------------- MLA-style and marker kinds
 

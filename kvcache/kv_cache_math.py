@@ -138,6 +138,28 @@ def skipped_blocks_to_free(blocks: Sequence[T], null: T, num_skipped: int) -> tu
     return start, stop
 
 
+def rswa_gap_blocks(
+    num_prompt_tokens: int, total_computed_tokens: int, rswa_window: int, block_size: int
+) -> tuple[int, int]:
+    """``(first, last)``: R-SWA's gap blocks, wholly after the prompt's last block and
+    before the decode window (which never reaches into the prompt)."""
+    window_start = max(num_prompt_tokens, total_computed_tokens - rswa_window)
+    return cdiv(num_prompt_tokens, block_size), window_start // block_size
+
+
+def gap_blocks_to_free(blocks: Sequence[T], null: T, first: int, last: int) -> tuple[int, int]:
+    """``(start, stop)``: the live blocks of ``[first, last)`` (cut to the table) still
+    to free: removal runs right to left from the range's end and stops at ``first`` or
+    at a null block an earlier removal left (a null at the end: nothing to free)."""
+    stop = min(last, len(blocks))
+    if stop <= first or blocks[stop - 1] == null:
+        return stop, stop
+    start = stop - 1
+    while start > first and blocks[start - 1] != null:
+        start -= 1
+    return start, stop
+
+
 # ---------------------------------------------------------------- sliding-window caching
 
 

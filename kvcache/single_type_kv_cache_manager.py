@@ -22,6 +22,7 @@ from kvcache.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     ContextParallelError,
     KVCacheSpec,
+    KVCacheSpecValueError,
     MambaSpec,
     SlidingWindowSpec,
     check_world_size,
@@ -967,24 +968,110 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 
 
 class RSWAManager(FullAttentionManager):
-    """vLLM's manager for reference sliding-window attention (``RSWASpec``): the
-    name exists for vLLM's callers; the kind is not modelled yet (issue 14)."""
+    """Reference sliding-window attention (``RSWASpec``): full attention whose gap
+    blocks, lying wholly between the prompt's last block and the decode window
+    (the last ``rswa_window`` computed tokens), are released and become the null
+    block, so a request holds about ``prompt + rswa_window`` tokens of blocks.
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, **kwargs: object) -> None:
-        raise NotImplementedError(
-            f"RSWAManager ({type(kv_cache_spec).__name__}) is not modelled by kvcache yet "
-            "(issue 14)"
+    NOTE: as in vLLM 0.25.1, the gap is released only when ``remove_skipped_blocks``
+    is given ``num_prompt_tokens`` (``allocate_slots`` always gives it); without it
+    nothing is released. Hits, caching and block counts are full attention's: no
+    token counts as skipped, so a hit's gap blocks are touched and kept, and there
+    is no admission cap (the pool is sized as for full attention).
+    """
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        # NOTE: explicit arguments, not **kwargs (mypyc forwards **kwargs wrongly).
+        super().__init__(
+            kv_cache_spec,
+            block_pool,
+            enable_caching,
+            kv_cache_group_id,
+            scheduler_block_size,
+            dcp_world_size,
+            pcp_world_size,
+            max_admission_blocks_per_request,
         )
+        self.rswa_window: int = cast(Any, kv_cache_spec).rswa_window
+
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Release the gap blocks (right to left, up to a null an earlier call left)
+        and put the null block in their place; nothing without ``num_prompt_tokens``.
+
+        NOTE: an unknown request gets no table entry here (vLLM's range removal
+        checks membership first).
+        """
+        if num_prompt_tokens is None:
+            return  # full attention's rule: nothing is skipped
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return
+        first, last = kv_cache_math.rswa_gap_blocks(
+            num_prompt_tokens, total_computed_tokens, self.rswa_window, self.block_size
+        )
+        start, stop = kv_cache_math.gap_blocks_to_free(blocks, self._null_block, first, last)
+        if start < stop:
+            # Release first, then null out: a pool failure leaks nothing.
+            self.block_pool.release_blocks(blocks[start:stop][::-1])
+            blocks[start:stop] = [self._null_block] * (stop - start)
 
 
 class SinkFullAttentionManager(FullAttentionManager):
-    """vLLM's manager for full attention with sink tokens (``SinkFullAttentionSpec``):
-    the name exists for vLLM's callers; the kind is not modelled yet (issue 14)."""
+    """Full attention with sink tokens (``SinkFullAttentionSpec``): at construction
+    the manager takes ``sink_len // block_size`` blocks off the front of the free
+    queue for the sinks (``sink_blocks``) and keeps them for good; otherwise it is
+    full attention.
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, **kwargs: object) -> None:
-        raise NotImplementedError(
-            f"SinkFullAttentionManager ({type(kv_cache_spec).__name__}) is not modelled by "
-            "kvcache yet (issue 14)"
+    NOTE: vLLM 0.25.1's constructor is kept as it is, quirks included
+    (docs/divergences.md): it has no ``scheduler_block_size`` parameter, so the
+    coordinator's keyword call raises ``TypeError`` (no ``KVCacheManager`` can hold
+    a sink group), and its fifth and sixth positional arguments land in the base
+    class's ``scheduler_block_size`` and ``dcp_world_size``. The sink blocks keep
+    ref count 0 outside the free queue, so they count as used: ``get_usage`` counts
+    them and ``reset_prefix_cache`` is refused for good.
+
+    Raises:
+        KVCacheSpecValueError: ``sink_len`` is not a positive multiple of the block
+            size (vLLM asserts); nothing is taken from the pool then.
+    """
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> None:
+        super().__init__(
+            kv_cache_spec,
+            block_pool,
+            enable_caching,
+            kv_cache_group_id,
+            dcp_world_size,  # vLLM passes it where the base class takes scheduler_block_size
+            pcp_world_size,
+        )
+        sink_len = getattr(kv_cache_spec, "sink_len", None)
+        if not isinstance(sink_len, int) or sink_len <= 0 or sink_len % self.block_size:
+            raise KVCacheSpecValueError(
+                f"sink_len={sink_len!r} must be a positive multiple of block_size="
+                f"{self.block_size}"
+            )
+        self.sink_blocks: list[KVCacheBlock] = block_pool.free_block_queue.popleft_n(
+            sink_len // self.block_size
         )
 
 
@@ -1003,12 +1090,11 @@ _MANAGER_FOR_SPEC: dict[str, type[SingleTypeKVCacheManager]] = {
     "ChunkedLocalAttentionSpec": ChunkedLocalAttentionManager,
     "MambaSpec": MambaManager,
     "CrossAttentionSpec": CrossAttentionManager,
+    "RSWASpec": RSWAManager,
+    "SinkFullAttentionSpec": SinkFullAttentionManager,
 }
 """Manager per spec class name, as vLLM 0.25.1 registers them (MLA is full
 attention, sliding-window MLA is sliding window to the manager)."""
-
-_NOT_MODELLED = frozenset({"RSWASpec", "SinkFullAttentionSpec"})
-"""vLLM spec classes kvcache recognises but does not model yet (issue 14)."""
 
 _NO_MANAGER = frozenset({"UniformTypeKVCacheSpecs", "EncoderOnlyAttentionSpec"})
 """Spec classes vLLM 0.25.1 registers no manager for: a uniform-type spec is
@@ -1024,8 +1110,8 @@ def get_manager_class_for_kv_cache_spec(
     subclasses of either family are accepted.
 
     Raises:
-        NotImplementedError: for a spec kind kvcache does not support (naming the
-            class; for vLLM's sink, R-SWA and uniform-type specs, issue 14).
+        NotImplementedError: for a spec kind kvcache does not support, or one vLLM
+            registers no manager for (naming the class).
     """
     for cls in type(kv_cache_spec).__mro__:
         if cls.__module__ not in SPEC_MODULES:
@@ -1035,11 +1121,6 @@ def get_manager_class_for_kv_cache_spec(
                 f"kv_cache_spec of type {type(kv_cache_spec).__name__} ({cls.__name__}) has no "
                 "KV-cache manager: vLLM 0.25.1 registers none for it (a scheduler's config "
                 "holds the per-layer specs of a UniformTypeKVCacheSpecs instead)"
-            )
-        if cls.__name__ in _NOT_MODELLED:
-            raise NotImplementedError(
-                f"kv_cache_spec of type {type(kv_cache_spec).__name__} ({cls.__name__}) is "
-                "recognised but not modelled by kvcache yet (issue 14)"
             )
         manager_cls = _MANAGER_FOR_SPEC.get(cls.__name__)
         if manager_cls is not None:

@@ -28,7 +28,7 @@ from typing import Any
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-from kvcache.kit.config import ManagerConfig
+from kvcache.kit.config import GroupConfig, ManagerConfig
 from kvcache.kit.driver import (
     FAMILIES,
     Call,
@@ -189,10 +189,101 @@ def scenario_preempt_and_resume() -> tuple[ManagerConfig, list[Call]]:
     return config, calls
 
 
+def scenario_mm_output_block_hash() -> tuple[ManagerConfig, list[Call]]:
+    """Two requests, same tokens, different first images; outputs complete the block
+    holding both images: vLLM 0.25.1 keys it on the last image only, so both requests'
+    block hashes are equal (ledger: bug-mm-output-block-hash, fixed in 0.33.0)."""
+    config = ManagerConfig.full_attention(num_blocks=12, block_size=4, max_model_len=32)
+    calls: list[Call] = []
+    for rid, first_image in (("a", "img-a"), ("b", "img-c")):
+        calls += [
+            (
+                "add_request",
+                {
+                    "request_id": rid,
+                    "prompt_token_ids": [1, 2, 3, 4, 5, 6],
+                    "max_tokens": 4,
+                    "mm_features": [[first_image, 4, 1], ["img-b", 5, 1]],
+                },
+            ),
+            *admit(rid, 6, 0),
+            ("append_output_token_ids", {"request_id": rid, "token_ids": [7]}),
+            ("allocate_slots", {"request_id": rid, "num_new_tokens": 1}),
+            running(rid, 7),
+            ("append_output_token_ids", {"request_id": rid, "token_ids": [8]}),
+        ]
+    return config, calls
+
+
+def scenario_three_full_groups_trim() -> tuple[ManagerConfig, list[Call]]:
+    """Three full-attention groups of block sizes 1, 2, 4 (the last two EAGLE-flagged,
+    use_eagle off): a resent prompt's hit is 0 tokens, but vLLM 0.25.1 trims only the
+    first group's hits and returns two blocks of the second (ledger:
+    bug-three-full-groups-trim, fixed in 0.33.0)."""
+    groups = (
+        GroupConfig("full", 1),
+        GroupConfig("full", 2, is_eagle_group=True, num_kv_heads=2),
+        GroupConfig("full", 4, is_eagle_group=True, num_kv_heads=3),
+    )
+    config = ManagerConfig(num_blocks=26, groups=groups, max_model_len=64)
+    prompt = [1, 1, 2, 2, 2, 0, 0, 1]
+    calls: list[Call] = [
+        ("add_request", {"request_id": "a", "prompt_token_ids": prompt, "max_tokens": 4}),
+        running("a", 3),
+        ("allocate_slots", {"request_id": "a", "num_new_tokens": 5}),
+        ("free", {"request_id": "a"}),
+        ("add_request", {"request_id": "b", "prompt_token_ids": prompt, "max_tokens": 4}),
+        ("get_computed_blocks", {"request_id": "b"}),
+        ("allocate_slots", {"request_id": "b", "num_new_tokens": 8, "num_new_computed_tokens": 0,
+                            "new_computed_blocks": "last"}),
+        ("take_events", {}),
+    ]
+    return config, calls
+
+
+def scenario_mamba_partial_tail_copy() -> tuple[ManagerConfig, list[Call]]:
+    """Full attention (bs 2), sliding window (bs 4) and align-mode Mamba (bs 8, larger
+    than the hash block): a 24-token prompt computed to 22, then 2 more tokens. vLLM
+    0.33.0 caches the prompt tail's Mamba state as a partial entry and continues in a
+    copy of that block, holding one block more (ledger: mamba-partial-tail-copy)."""
+    groups = (
+        GroupConfig("full", 2),
+        GroupConfig("sliding_window", 4, sliding_window=7, num_kv_heads=2),
+        GroupConfig("mamba", 8, mamba_cache_mode="align", num_kv_heads=3),
+    )
+    config = ManagerConfig(num_blocks=34, groups=groups, max_model_len=64, use_eagle=True)
+    prompt = [0, 2, 1, 0, 1, 2, 1, 2, 0, 2, 2, 1, 0, 2, 1, 1, 0, 0, 0, 1, 2, 2, 1, 1]
+    calls: list[Call] = [
+        ("add_request", {"request_id": "a", "prompt_token_ids": prompt, "max_tokens": 5}),
+        running("a", 16),
+        ("allocate_slots", {"request_id": "a", "num_new_tokens": 6}),
+        ("allocate_slots", {"request_id": "a", "num_new_tokens": 2}),
+    ]
+    return config, calls
+
+
 SCENARIOS = {
     "prefix_hits_and_eviction": scenario_prefix_hits_and_eviction,
     "preempt_and_resume": scenario_preempt_and_resume,
+    "mm_output_block_hash": scenario_mm_output_block_hash,
+    "three_full_groups_trim": scenario_three_full_groups_trim,
+    "mamba_partial_tail_copy": scenario_mamba_partial_tail_copy,
 }
+
+# Known vLLM 0.25.1 bugs the scenarios record: record index -> ledger ids, written
+# into the record's "known" mark, so that a release that fixed the bug replays the
+# trace as "fixed (ledger id)".
+KNOWN_BUGS: dict[str, dict[int, list[str]]] = {
+    "mm_output_block_hash": {15: ["bug-mm-output-block-hash"]},
+    "three_full_groups_trim": {5: ["bug-three-full-groups-trim"]},
+}
+
+
+def mark_known(name: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` with the KNOWN_BUGS marks of scenario ``name``."""
+    marks = KNOWN_BUGS.get(name, {})
+    return [dict(r, known=marks[i]) if i in marks else r for i, r in enumerate(records)]
+
 
 # (file name, seed, layout family, caching, watermark); None: drawn by the seed.
 RANDOM_TRACES: list[tuple[str, int, str, bool | None, float | None]] = [
@@ -240,7 +331,7 @@ def main() -> None:
     for name, make in SCENARIOS.items():
         config, calls = make()
         header, records = record_reference(config, calls, "vllm", source=make.__doc__)
-        path = write_trace(args.out / f"{name}.jsonl", header, records)
+        path = write_trace(args.out / f"{name}.jsonl", header, mark_known(name, records))
         written.append((path, len(records), config.layout))
 
     for name, seed, family, caching, watermark in RANDOM_TRACES:

@@ -12,7 +12,7 @@ imports):
 - config: ``num_blocks``, ``kv_cache_groups[g].kv_cache_spec`` / ``.is_eagle_group``;
 - layer spec: its class name (and its bases' names: ``vocab.is_a``), ``block_size``,
   ``sliding_window``, ``attention_chunk_size``, ``mamba_cache_mode``,
-  ``num_speculative_blocks``, and ``==`` between specs;
+  ``num_speculative_blocks``, ``rswa_window``, ``sink_len``, and ``==`` between specs;
 - request: ``request_id``, ``all_token_ids``, ``num_tokens``, ``num_prompt_tokens``,
   ``num_computed_tokens``, ``num_preemptions``, ``status.name``,
   ``skip_reading_prefix_cache``, ``lora_request.lora_name`` / ``.adapter_id`` (and
@@ -38,7 +38,9 @@ from spec.single_type_kv_cache_manager import (
     CrossAttentionManager,
     FullAttentionManager,
     MambaManager,
+    RSWAManager,
     SingleTypeKVCacheManager,
+    SinkFullAttentionManager,
     SlidingWindowManager,
     get_manager_for_kv_cache_spec,
 )
@@ -46,7 +48,7 @@ from spec.single_type_kv_cache_manager import (
 __all__ = [
     "NULL_BLOCK", "BlockPool", "ChunkedLocalAttentionManager", "CrossAttentionManager",
     "FullAttentionManager", "HybridKVCacheCoordinator", "KVCacheBlocks", "KVCacheCoordinator",
-    "KVCacheCoordinatorNoPrefixCache", "KVCacheManager", "MambaManager",
-    "SingleTypeKVCacheManager", "SlidingWindowManager", "UnitaryKVCacheCoordinator",
-    "get_kv_cache_coordinator", "get_manager_for_kv_cache_spec",
+    "KVCacheCoordinatorNoPrefixCache", "KVCacheManager", "MambaManager", "RSWAManager",
+    "SingleTypeKVCacheManager", "SinkFullAttentionManager", "SlidingWindowManager",
+    "UnitaryKVCacheCoordinator", "get_kv_cache_coordinator", "get_manager_for_kv_cache_spec",
 ]

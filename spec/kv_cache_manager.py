@@ -14,6 +14,7 @@ from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.kv_cache_coordinator import get_kv_cache_coordinator
 from spec.profile import Profile, resolve_profile
 from spec.pure import cdiv
+from spec.single_type_kv_cache_manager import FullAttentionManager
 from spec.vocab import (
     BlockRemoved033,
     BlockStored,
@@ -155,8 +156,9 @@ class KVCacheManager:
         zeroing = any(is_a(g.kv_cache_spec, "MambaSpec") for g in groups)
         for m in coordinator.single_type_managers:
             m.records_new_block_ids = not (p.new_block_ids_zeroing_only and not zeroing)
+            # Full attention's subclasses too (R-SWA, sink): vLLM 0.33.0's inherit it.
             m.caches_partial_prompt_tail = (p.partial_prompt_tail_entries
-                                            and type(m).__name__ == "FullAttentionManager")
+                                            and isinstance(m, FullAttentionManager))
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = self._new_stats()
 

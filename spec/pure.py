@@ -176,6 +176,38 @@ def skipped_blocks_to_free(blocks: Sequence[T], null: T, num_skipped: int) -> tu
     return start, stop
 
 
+def rswa_gap_blocks(num_prompt_tokens: int, total_computed_tokens: int, rswa_window: int,
+                    block_size: int) -> tuple[int, int]:
+    """``(first, last)``: R-SWA's gap, the blocks wholly after the prompt and before the
+    decode window (the ``rswa_window`` tokens before the next token, never reaching into
+    the prompt); empty when ``first >= last``.
+
+    pre: num_prompt_tokens >= 0 and total_computed_tokens >= 0
+    pre: rswa_window >= 1 and block_size >= 1
+    post: __return__[0] * block_size >= num_prompt_tokens
+    post: __return__[1] * block_size <= max(num_prompt_tokens, total_computed_tokens - rswa_window)
+    """
+    window_start = max(num_prompt_tokens, total_computed_tokens - rswa_window)
+    return cdiv(num_prompt_tokens, block_size), window_start // block_size
+
+
+def gap_blocks_to_free(blocks: Sequence[T], null: T, first: int, last: int) -> tuple[int, int]:
+    """``(start, stop)``: the live blocks of ``[first, last)`` to free, right to left
+    from the range's end (cut to the table) back to ``first`` or the first null, which
+    an earlier removal left.
+
+    pre: first >= 0
+    post: first <= __return__[0] <= __return__[1] or __return__[0] == __return__[1]
+    post: all(blocks[i] != null for i in range(__return__[0], __return__[1]))
+    post: __return__[0] == __return__[1] or __return__[1] == min(last, len(blocks))
+    """
+    stop = min(last, len(blocks))
+    start = stop
+    while start > first and blocks[start - 1] != null:
+        start -= 1
+    return start, stop
+
+
 # ---------------------------------------------------------------- sliding-window hits
 
 

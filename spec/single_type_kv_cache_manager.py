@@ -280,6 +280,64 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                     len(blocks))
 
 
+class RSWAManager(FullAttentionManager):
+    """Reference sliding window (R-SWA): full attention, except that the blocks wholly
+    between the prompt's last block and the decode window (the last ``rswa_window``
+    computed tokens) are freed and nulled once passed. Only ``remove_skipped_blocks``
+    differs, and only when it is given the prompt length; tables get nulls in the
+    middle, after the prompt's blocks."""
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        """Free the gap's live blocks tail first, leaving nulls; an unknown request or a
+        missing prompt length frees nothing (and adds no table)."""
+        if num_prompt_tokens is None or request_id not in self.req_to_blocks:
+            return
+        blocks = self.req_to_blocks[request_id]
+        first, last = pure.rswa_gap_blocks(num_prompt_tokens, total_computed_tokens,
+                                           self.kv_cache_spec.rswa_window, self.block_size)
+        # The scan stops at a null: the rest of the gap was nulled by an earlier call.
+        start, stop = pure.gap_blocks_to_free(blocks, NULL_BLOCK, first, last)
+        freed = blocks[start:stop][::-1]
+        blocks[start:stop] = [NULL_BLOCK] * (stop - start)
+        if freed:
+            self.block_pool.free_blocks(freed)
+
+    def check_invariants(self, nulls_only_leading: bool = True) -> None:
+        """As the base class; the gap's nulls sit after the prompt's blocks."""
+        super().check_invariants(False)
+
+
+class SinkFullAttentionManager(FullAttentionManager):
+    """Full attention with sink tokens: on construction ``sink_len // block_size`` blocks
+    leave the front of the free queue for good (``sink_blocks``, ref count 0, counted
+    as used); otherwise full attention.
+
+    Built as vLLM 0.25.1 builds it: the arguments after the group id are
+    ``dcp_world_size`` and ``pcp_world_size``, and the base class gets them as its
+    ``scheduler_block_size`` and its context-parallel size;
+    ``get_manager_for_kv_cache_spec`` cannot build it.
+    """
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
+                 kv_cache_group_id: int, dcp_world_size: int = 1, pcp_world_size: int = 1
+                 ) -> None:
+        # vLLM's base class takes dcp_world_size as scheduler_block_size and
+        # pcp_world_size as its dcp_world_size: only the latter scales the block.
+        super().__init__(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
+                         dcp_world_size, None, pcp_world_size)
+        sink_len = kv_cache_spec.sink_len
+        if not isinstance(sink_len, int) or sink_len <= 0 or sink_len % self.block_size:
+            raise ValueError(f"sink_len={sink_len!r} must be a positive multiple of "
+                             f"block_size={self.block_size}")
+        num_sink_blocks = sink_len // self.block_size
+        if num_sink_blocks > len(block_pool.free_queue):
+            raise ValueError(f"sink_len={sink_len} needs {num_sink_blocks} free blocks, "
+                             f"the pool has {len(block_pool.free_queue)}")
+        self.sink_blocks = block_pool.free_queue[:num_sink_blocks]
+        del block_pool.free_queue[:num_sink_blocks]
+
+
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding window: a token reads the ``sliding_window`` tokens ending at itself."""
 
@@ -524,6 +582,8 @@ MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
     "ChunkedLocalAttentionSpec": ChunkedLocalAttentionManager,
     "MambaSpec": MambaManager,
     "CrossAttentionSpec": CrossAttentionManager,
+    "RSWASpec": RSWAManager,
+    "SinkFullAttentionSpec": SinkFullAttentionManager,
 }
 """The manager of each modelled layer-spec class, by class name (exact class only)."""
 
@@ -537,6 +597,10 @@ def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_to
     manager_cls = MANAGER_CLASSES.get(type(kv_cache_spec).__name__)
     if manager_cls is None:
         raise NotImplementedError(f"no spec manager for {type(kv_cache_spec).__name__}")
+    if manager_cls is SinkFullAttentionManager:
+        # vLLM 0.25.1 passes scheduler_block_size, which this constructor lacks.
+        raise TypeError("SinkFullAttentionManager.__init__() got an unexpected keyword "
+                        "argument 'scheduler_block_size'")
     if manager_cls is CrossAttentionManager and enable_caching:
         raise NotImplementedError("prefix caching with a cross-attention group")
     cap = admission_cap(kv_cache_spec, max_num_batched_tokens, max_model_len)

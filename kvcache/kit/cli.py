@@ -301,6 +301,10 @@ def _cmd_changelog(args: argparse.Namespace) -> int:
     from kvcache.kit.releases import changelog, python_version_of, release_check
     from kvcache.kit.sides import resolve_adapter
 
+    if args.from_traces or args.to_traces:
+        return _changelog_from_traces(args)
+    if not args.from_version or not args.to_version:
+        raise ValueError("give --from and --to (or --from-traces and --to-traces)")
     installed = str(resolve_adapter("vllm").version)
     if installed != args.to_version:
         raise ValueError(
@@ -323,6 +327,39 @@ def _cmd_changelog(args: argparse.Namespace) -> int:
     out.write_text(text, encoding="utf-8")
     print(f"changelog written to {out} ({check.summary()})")
     return 0
+
+
+def _changelog_from_traces(args: argparse.Namespace) -> int:
+    """``changelog --from-traces A --to-traces B``: no vLLM needed, no census."""
+    from kvcache.kit.releases import changelog, compare_trace_sets, trace_version
+    from kvcache.kit.trace import read_trace
+
+    if not (args.from_traces and args.to_traces):
+        raise ValueError("give both --from-traces and --to-traces")
+    old_dir, new_dir = Path(args.from_traces), Path(args.to_traces)
+    check = compare_trace_sets(old_dir, new_dir)
+    versions = []
+    for name, folder, given in (
+        ("--from-traces", old_dir, args.from_version),
+        ("--to-traces", new_dir, args.to_version),
+    ):
+        found = sorted(
+            {
+                trace_version(read_trace(p))
+                for p in folder.iterdir()
+                if p.name.endswith((".jsonl", ".jsonl.gz"))
+            }
+        )
+        if len(found) != 1:
+            raise ValueError(f"{name} {folder}: traces of several releases {found}")
+        if given and given != found[0]:
+            raise ValueError(f"{name} {folder} records vLLM {found[0]}, not {given}")
+        versions.append(found[0])
+    text = changelog(versions[0], versions[1], check, trace_sets=(str(old_dir), str(new_dir)))
+    out = Path(args.out or f"docs/vllm-{versions[0]}-to-{versions[1]}.md")
+    out.write_text(text, encoding="utf-8")
+    print(f"changelog written to {out} ({check.summary()})")
+    return 1 if check.unknown else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -504,11 +541,25 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a Markdown changelog between two vLLM releases: the API table "
         "(both venvs' Pythons), every ledger entry with its verdict and a minimal replay, "
         "the stored traces replayed on the newer release, a census. Run it with the newer "
-        "release's Python; module:factory names do not apply (vLLM only).",
+        "release's Python; module:factory names do not apply (vLLM only). Or, with no "
+        "vLLM installed, from two recorded trace sets (--from-traces, --to-traces): the "
+        "ledger judges each pair of recordings record by record (no API table, no census).",
     )
     p.add_argument("traces", nargs="*", metavar="TRACE", help="trace files to replay")
-    p.add_argument("--from", dest="from_version", required=True, help="older release, 0.25.1")
-    p.add_argument("--to", dest="to_version", required=True, help="newer (installed) release")
+    p.add_argument("--from", dest="from_version", default="", help="older release, 0.25.1")
+    p.add_argument("--to", dest="to_version", default="", help="newer (installed) release")
+    p.add_argument(
+        "--from-traces",
+        default="",
+        metavar="DIR",
+        help="instead of a venv: traces recorded on the older release (no vLLM needed)",
+    )
+    p.add_argument(
+        "--to-traces",
+        default="",
+        metavar="DIR",
+        help="the same scenarios recorded on the newer release (paired by file name)",
+    )
     p.add_argument("--from-python", default="", help="the older release venv's python")
     p.add_argument("--census-seconds", type=float, default=60.0, help="census time (default 60)")
     p.add_argument("--census-dir", default="build/census", help="census counterexamples")

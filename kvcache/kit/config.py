@@ -22,6 +22,8 @@ GROUP_KINDS = (
     "cross_attention",
     "mla",
     "sliding_window_mla",
+    "rswa",
+    "sink",
 )
 MAMBA_CACHE_MODES = ("none", "all", "align")
 HASH_FNS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -33,7 +35,8 @@ class GroupConfig:
 
     Attributes:
         kind: full | sliding_window | chunked_local | mamba | cross_attention |
-            mla (``MLAAttentionSpec``) | sliding_window_mla (``SlidingWindowMLASpec``).
+            mla (``MLAAttentionSpec``) | sliding_window_mla (``SlidingWindowMLASpec``) |
+            rswa (``RSWASpec``) | sink (``SinkFullAttentionSpec``).
         block_size: Tokens per block.
         sliding_window: Window of a sliding_window (or sliding_window_mla) group.
         attention_chunk_size: Chunk of a chunked_local group.
@@ -41,6 +44,8 @@ class GroupConfig:
         num_speculative_blocks: Extra state blocks of a mamba group (speculative decoding).
         is_eagle_group: vLLM's ``KVCacheGroupSpec.is_eagle_group``.
         num_kv_heads: Attention heads; groups with equal specs must differ here.
+        rswa_window: Decode window of an rswa (reference sliding-window) group.
+        sink_len: Sink tokens of a sink (full attention with sinks) group.
     """
 
     kind: str
@@ -51,6 +56,8 @@ class GroupConfig:
     num_speculative_blocks: int = 0
     is_eagle_group: bool = False
     num_kv_heads: int = 1
+    rswa_window: int | None = None
+    sink_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -61,6 +68,10 @@ class GroupConfig:
             raise ValueError(f"a {self.kind} group needs sliding_window")
         if self.kind == "chunked_local" and not self.attention_chunk_size:
             raise ValueError("a chunked_local group needs attention_chunk_size")
+        if self.kind == "rswa" and not self.rswa_window:
+            raise ValueError("an rswa group needs rswa_window")
+        if self.kind == "sink" and not self.sink_len:
+            raise ValueError("a sink group needs sink_len")
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise ValueError(f"mamba_cache_mode={self.mamba_cache_mode!r}")
 
@@ -79,6 +90,8 @@ class GroupConfig:
             return "mla"
         if self.kind == "sliding_window_mla":
             return "swa-mla"
+        if self.kind in ("rswa", "sink"):
+            return self.kind
         return "full"
 
 

@@ -326,6 +326,8 @@ class Lockstep:
         """Compare abstract states and free counts; returns the reference's
         canonical state when recording (else None)."""
         expected_raw = self.reference.raw_state()
+        if expected_raw is not None:
+            self.observe_state(expected_raw)
         if self.subject is not None:
             diff: list[str] = []
             actual_raw = self.subject.raw_state()
@@ -362,6 +364,18 @@ class Lockstep:
             return canon_state(expected_raw)
         return None
 
+    def observe_state(self, state: Mapping[str, Any]) -> None:
+        """Count states where an R-SWA table holds a null after a live block (a freed
+        gap), so tests can check the driver makes decodes pass the window."""
+        for index, group in enumerate(self.config.groups):
+            if group.kind != "rswa":
+                continue
+            for table in state["req_to_blocks"][index].values():
+                live = [i for i, block in enumerate(table) if block != 0]
+                if live and 0 in table[live[0] :]:
+                    self.stats.events["rswa_gap"] += 1
+                    return
+
     def observe(self, op: str, expected: Mapping[str, Any]) -> None:
         """Count the paths the reference took, so tests can check the driver reaches them."""
         events = self.stats.events
@@ -389,9 +403,12 @@ class Family:
     """A family of random configs: the group layout and the knobs held fixed.
 
     ``kinds`` are layout tokens: full, swa, chunked, mamba-align, mamba-all,
-    mamba-none, mamba (any mode), cross. ``enable_caching`` / ``watermark``
+    mamba-none, mamba (any mode), cross, rswa (no sink: vLLM 0.25.1 cannot build
+    a manager with a sink group). ``enable_caching`` / ``watermark``
     None: drawn at random. ``eagle``: probability of ``use_eagle``.
     ``mixed_block_sizes``: groups may have different block sizes.
+    ``distinct_block_sizes``: every group has its own block size (the base times
+    a shuffle of 1, 2, 4, ...), never all alike.
     ``retention``: draw a prefix-cache retention interval
     (``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``): 0 or k * scheduler_block_size.
     """
@@ -402,6 +419,7 @@ class Family:
     watermark: float | None = None
     eagle: float = 0.15
     mixed_block_sizes: bool = True
+    distinct_block_sizes: bool = False
     #: (dcp_world_size, pcp_world_size) choices; empty: no context parallelism.
     context_parallel: tuple[tuple[int, int], ...] = ()
     retention: bool = False
@@ -427,6 +445,9 @@ FAMILIES: dict[str, Family] = {
         Family("swa+mamba", ("swa", "mamba")),
         Family("full+swa+cross", ("full", "swa", "cross"), enable_caching=False),
         Family("eagle-hybrid", ("full", "swa", "mamba-align"), eagle=1.0),
+        # Three full-attention groups, each of its own block size: vLLM 0.25.1
+        # trims only the first one's hits (docs/divergences.md #17).
+        Family("full+full+full", ("full", "full", "full"), distinct_block_sizes=True),
         # Sparse retention: the interval thins out sliding-window and Mamba caching.
         Family("swa-retention", ("swa",), retention=True),
         Family("full+swa-retention", ("full", "swa"), retention=True),
@@ -443,6 +464,9 @@ FAMILIES: dict[str, Family] = {
         Family("mla", ("mla",)),
         Family("full+mla", ("full", "mla")),
         Family("full+swa-mla", ("full", "swa-mla")),
+        Family("rswa", ("rswa",)),
+        Family("full+rswa", ("full", "rswa")),
+        Family("rswa+swa", ("rswa", "swa")),
     ]
 }
 
@@ -474,6 +498,8 @@ def random_group(rng: random.Random, token: str, block_size: int, index: int) ->
         )
     if token == "mla":
         return GroupConfig("mla", block_size, num_kv_heads=heads)
+    if token == "rswa":  # short windows: decodes of a few tokens pass them
+        return GroupConfig("rswa", block_size, rswa_window=rng.randint(1, 5), num_kv_heads=heads)
     return GroupConfig("full", block_size, num_kv_heads=heads)
 
 
@@ -502,6 +528,10 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
         base = rng.choice([1, 2]) if family.mixed_block_sizes else rng.randint(1, 4)
         mixed = family.mixed_block_sizes and not chunked_with_caching and rng.random() < 0.6
         block_sizes = [base * (rng.choice([1, 2, 4]) if mixed else 1) for _ in kinds]
+        if family.distinct_block_sizes:
+            scales = [1 << i for i in range(len(kinds))]
+            rng.shuffle(scales)
+            block_sizes = [base * scale for scale in scales]
         num_blocks = rng.randint(3, 28) if rng.random() < 0.6 else rng.randint(30, 60)
     groups = [
         random_group(rng, t, b, i) for i, (t, b) in enumerate(zip(kinds, block_sizes, strict=True))
@@ -578,6 +608,7 @@ class RandomScheduler:
         # Draft tokens need a speculative state block each in every Mamba group.
         self.max_draft_tokens = min((g.num_speculative_blocks for g in mamba), default=3)
         self.encoder_decoder = any(g.kind == "cross_attention" for g in config.groups)
+        self.rswa = any(g.kind == "rswa" for g in config.groups)
 
     # ------------------------------------------------------------ helpers
 
@@ -658,7 +689,8 @@ class RandomScheduler:
             tail = [rng.randrange(3) for _ in range(rng.randint(0, 2 * self.block_size + 1))]
             prompt = (stem + tail)[: self.config.max_model_len - 1] or [rng.randrange(3)]
             args = {"request_id": request_id, "prompt_token_ids": prompt}
-            args["max_tokens"] = rng.randint(1, 12)
+            # R-SWA frees its gap only once a decode passes its window: longer decodes.
+            args["max_tokens"] = rng.randint(1, 24 if self.rswa else 12)
             if rng.random() < 0.15:
                 args["lora"] = rng.choice([["lora-a", 1], ["lora-b", 2]])
             if rng.random() < 0.1:
@@ -703,6 +735,7 @@ class RandomScheduler:
         rng = self.rng
         req = self.live[rng.choice(self.waiting())]
         rid = req.request_id
+        hit: dict[str, Any] = {}
         if req.num_computed_tokens == 0:
             hit = self.run.ok("get_computed_blocks", request_id=rid)
             num_hit_tokens = hit["num_computed_tokens"]
@@ -724,6 +757,9 @@ class RandomScheduler:
                 num_external = (num_hit_tokens + num_external) // bs * bs - num_hit_tokens
                 num_external = max(num_external, 0)
                 load_async = load_async and num_external > 0
+        if num_external and self.untrimmed_hit(hit, num_hit_tokens + num_external):
+            num_external = 0  # vLLM 0.25.1 would miscount its pool (docs/divergences.md #17)
+            load_async = False
         total = req.num_computed_tokens + num_hit_tokens + num_external
         num_new_tokens = 0
         if not load_async:
@@ -791,6 +827,24 @@ class RandomScheduler:
                 return
         self.computed(
             req, num_new_tokens + num_draft_tokens, req.num_computed_tokens, num_draft_tokens
+        )
+
+    def untrimmed_hit(self, hit: Mapping[str, Any], num_tokens: int) -> bool:
+        """Whether a lookup left a group more hit blocks than ``num_tokens`` need.
+
+        vLLM 0.25.1 trims only the first full-attention group's hits (three or
+        more full groups); external tokens then make it ask its pool for a
+        negative number of blocks, which inflates its free count and can later
+        hand out its sentinel block (id -1). A scheduler meets this only with a
+        KV connector; the driver does not generate it (docs/divergences.md #17).
+        """
+        block_ids = hit.get("block_ids", {})
+        groups = block_ids.get("tuple") if isinstance(block_ids, dict) else None
+        if not isinstance(groups, list):
+            return False
+        return any(
+            len(blocks) > -(-num_tokens // group.block_size)
+            for blocks, group in zip(groups, self.config.groups, strict=False)
         )
 
     def allocate(self, rid: str, **args: Any) -> tuple[bool, Any]:
@@ -1313,14 +1367,19 @@ def trace_line(trace: Trace) -> str:
     )
 
 
-def replay_trace(trace: Trace, impl: str) -> ReplayResult:
+def replay_trace(trace: Trace, impl: str, side: Side | None = None) -> ReplayResult:
     """Replay a trace on ``impl`` alone, comparing with the recorded outcomes and
-    states; stops at the first divergence the ledger does not normalise away."""
-    try:
-        side = make_side(impl, trace.config, trace.hash_seed)
-    except CannotBuild as exc:
-        entry = cannot_build_entry(trace.config, exc, impl)
-        return ReplayResult(None, 0, False, cannot_build=str(exc), cannot_build_known=entry)
+    states; stops at the first divergence the ledger does not normalise away.
+
+    ``side``: a side to replay on instead of building ``impl``'s (for instance
+    another recorded trace played back, ``releases.RecordedSide``).
+    """
+    if side is None:
+        try:
+            side = make_side(impl, trace.config, trace.hash_seed)
+        except CannotBuild as exc:
+            entry = cannot_build_entry(trace.config, exc, impl)
+            return ReplayResult(None, 0, False, cannot_build=str(exc), cannot_build_known=entry)
     judge = make_judge(trace.config, trace_line(trace), side_line(side))
     result = ReplayResult(None, 0, False)
 

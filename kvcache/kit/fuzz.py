@@ -12,7 +12,9 @@ difference: a known one is counted and the run goes on; a config a side cannot
 build is counted as "cannot build", never a divergence. ``census=True`` does not
 stop at an unknown divergence either: it tallies every sequence's first
 difference by kind (``op/part``) and by ledger entry, and writes one shrunk
-counterexample per kind.
+counterexample per kind; for each ledger normaliser it met, it also writes the
+shortest prefix of its first sequence that meets it (``known_<id>.jsonl``), a
+minimal replay for the changelog.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ from typing import TextIO
 
 from kvcache.kit.driver import (
     FAMILIES,
+    Call,
     DriverError,
     SequenceResult,
     Stats,
+    record_reference,
+    replay_lockstep,
     run_sequence,
     write_counterexample,
 )
 from kvcache.kit.sides import resolve_adapter
+from kvcache.kit.trace import write_trace
 
 SEEDS_PER_RUN_SEED = 1_000_000  # sequence i of --seed S has seed S * 1e6 + i
 
@@ -53,6 +59,9 @@ class FuzzOutcome:
     census: Counter[str] = field(default_factory=Counter)
     #: One shrunk counterexample per kind (census), with its number of calls.
     census_examples: dict[str, tuple[Path, int]] = field(default_factory=dict)
+    #: Census: for each ledger normaliser met, the shortest prefix of its first
+    #: sequence that meets it, written as ``known_<id>.jsonl`` (and its calls).
+    normalised_examples: dict[str, tuple[Path, int]] = field(default_factory=dict)
     #: Why configs could not be built, by reason (first words), and the ledger entry.
     cannot_build: Counter[str] = field(default_factory=Counter)
 
@@ -125,6 +134,46 @@ def census_kind(sequence: SequenceResult) -> str | None:
     return sequence.mismatch.kind
 
 
+def write_normalised_example(
+    sequence: SequenceResult, entry_id: str, subject: str, reference: str, path: Path
+) -> tuple[Path, int] | None:
+    """The shortest prefix of ``sequence``'s calls at whose last call the ledger
+    normaliser ``entry_id`` makes the sides agree, written as a trace recorded on
+    ``reference``; returns its path and number of calls (None: not reproduced)."""
+    if sequence.run is None:
+        return None
+    calls: list[Call] = [(r["op"], r["args"]) for r in sequence.run.records]
+    hash_seed = sequence.run.hash_seed
+
+    def meets(n: int) -> bool:
+        valid, _, run = replay_lockstep(
+            sequence.config, calls[:n], subject, reference, [True] * n, hash_seed
+        )
+        return valid and run is not None and run.stats.known[entry_id] > 0
+
+    if not calls or not meets(len(calls)):
+        return None
+    low, high = 0, len(calls)  # meets(high), not meets(low)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if meets(middle):
+            high = middle
+        else:
+            low = middle
+    header, records = record_reference(
+        sequence.config,
+        calls[:high],
+        reference,
+        hash_seed,
+        source=f"random sequence: family {sequence.family}, seed {sequence.seed}, "
+        f"cut after the first call the ledger normalises as {entry_id}",
+        note=f"{subject} differs from {reference} at the last call; the ledger normalises it",
+        kind=f"known:{entry_id}",
+    )
+    write_trace(path, header, records)
+    return path, len(records)
+
+
 def fuzz(
     subject: str,
     reference: str = "spec",
@@ -172,6 +221,7 @@ def fuzz(
     index = 0
     family = names[0]
     firsts: dict[str, SequenceResult] = {}
+    normalised: dict[str, SequenceResult] = {}  # census: first sequence per normaliser
     while True:
         if max_sequences is not None and index >= max_sequences:
             break
@@ -179,6 +229,7 @@ def fuzz(
             break
         family = names[index % len(names)]
         sequence_seed = seed * SEEDS_PER_RUN_SEED + index
+        known_before = Counter(result.stats.known)
         try:
             sequence = run_sequence(sequence_seed, family, subject, reference, result.stats)
         except DriverError as exc:
@@ -191,6 +242,9 @@ def fuzz(
         progress.update(result.stats, family)
         if sequence.cannot_build is not None:
             result.cannot_build[f"{family}: {sequence.cannot_build}"[:160]] += 1
+        for entry_id, n in result.stats.known.items():
+            if census and n > known_before[entry_id] and entry_id not in normalised:
+                normalised[entry_id] = sequence
         kind = census_kind(sequence)
         if kind is not None:
             result.census[kind] += 1
@@ -218,6 +272,13 @@ def fuzz(
                 kind=kind,
             )
             result.census_examples[kind] = (path, n)
+        for entry_id, first in sorted(normalised.items()):
+            path = folder / f"known_{entry_id}.jsonl"
+            if f"known:{entry_id}" in firsts:
+                continue  # a stopping example of the same entry is written already
+            example = write_normalised_example(first, entry_id, subject, reference, path)
+            if example is not None:
+                result.normalised_examples[entry_id] = example
         return result
     if result.failure is not None:
         failure = result.failure

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,8 +171,16 @@ class Rule:
         """Whether a remaining difference at this call is this entry's behaviour."""
         return False
 
-    def recognise_state(self, ctx: Context, op: str, diff_keys: Sequence[str]) -> bool:
-        """Whether a remaining state difference (in ``diff_keys``) is this entry's."""
+    def recognise_state(
+        self,
+        ctx: Context,
+        op: str,
+        diff_keys: Sequence[str],
+        old: Mapping[str, Any],
+        new: Mapping[str, Any],
+    ) -> bool:
+        """Whether a remaining state difference (in ``diff_keys``; ``old`` and ``new``
+        the normalised states) is this entry's."""
         return False
 
     def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
@@ -350,10 +359,12 @@ class PopNullHead(Rule):
     def outcome(
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
     ) -> tuple[Outcome, Outcome]:
-        o = _ok(old)
-        if op != "pop_blocks_for_free" or not isinstance(o, list):
+        """Both sides without null blocks: 0.33.0 drops a group's leading nulls but
+        keeps the nulls between Mamba states, so only the real blocks compare."""
+        o, n = _ok(old), _ok(new)
+        if op != "pop_blocks_for_free" or not isinstance(o, list) or not isinstance(n, list):
             return old, new
-        return _with_ok(old, [b for b in o if b != 0]), new
+        return _with_ok(old, [b for b in o if b != 0]), _with_ok(new, [b for b in n if b != 0])
 
 
 class CommonPrefixZero(Rule):
@@ -390,21 +401,108 @@ class CannotBuildMambaAll(Rule):
 
 
 class SubBlockEntries(Rule):
-    """Drops the new side's extra cache entries (keys the old side lacks) where a
-    group's blocks span several hash blocks; later hits that use them still differ."""
+    """Where a group's blocks span several hash blocks, drops what only the new side
+    has: extra cache entries (keys the old side lacks), the primary hash of a block
+    the old side has not hashed yet (a prompt tail registered inside a block) and
+    the ``BlockStored`` event of such a partial entry (fewer tokens than its group's
+    block). Later hits that use a partial entry still differ."""
+
+    def applies(self, ctx: Context) -> bool:
+        hash_block = ctx.config.hash_block_size
+        return any(g.block_size > hash_block for g in ctx.config.groups)
+
+    def outcome(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> tuple[Outcome, Outcome]:
+        n = _ok(new)
+        if op != "take_events" or not isinstance(n, list) or not self.applies(ctx):
+            return old, new
+        groups = ctx.config.groups
+
+        def partial(event: Any) -> bool:
+            if not isinstance(event, dict) or event.get("type") != "BlockStored":
+                return False
+            fields = event.get("fields", {})
+            group = fields.get("group_idx")
+            size = fields.get("block_size")
+            return (
+                isinstance(group, int)
+                and 0 <= group < len(groups)
+                and isinstance(size, int)
+                and size < groups[group].block_size
+            )
+
+        kept = [event for event in n if not partial(event)]
+        return (old, new) if len(kept) == len(n) else (old, _with_ok(new, kept))
 
     def state(
         self, ctx: Context, old: dict[str, Any], new: dict[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        hash_block = ctx.config.hash_block_size
-        if not any(g.block_size > hash_block for g in ctx.config.groups):
+        if not self.applies(ctx):
             return old, new
+        out = dict(new)
         o, n = old.get("cached"), new.get("cached")
-        if not (isinstance(o, dict) and isinstance(n, dict) and "dict" in o and "dict" in n):
-            return old, new
-        old_keys = [json.dumps(k, sort_keys=True) for k, _ in o["dict"]]
-        kept = [kv for kv in n["dict"] if json.dumps(kv[0], sort_keys=True) in old_keys]
-        return old, {**new, "cached": {"dict": kept}}
+        if isinstance(o, dict) and isinstance(n, dict) and "dict" in o and "dict" in n:
+            old_keys = {json.dumps(k, sort_keys=True) for k, _ in o["dict"]}
+            kept = [kv for kv in n["dict"] if json.dumps(kv[0], sort_keys=True) in old_keys]
+            out["cached"] = {"dict": kept}
+        oh, nh = old.get("block_hash"), new.get("block_hash")
+        if isinstance(oh, dict) and isinstance(nh, dict) and "dict" in oh and "dict" in nh:
+            hashed = {json.dumps(b) for b, _ in oh["dict"]}
+            out["block_hash"] = {"dict": [kv for kv in nh["dict"] if json.dumps(kv[0]) in hashed]}
+        return (old, new) if out == new else (old, out)
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        """Events where the new side has extra ones, all for groups whose blocks span
+        several hash blocks (partial entries stored or removed)."""
+        o, n = _ok(old), _ok(new)
+        if op != "take_events" or not self.applies(ctx):
+            return False
+        if not isinstance(o, list) or not isinstance(n, list) or len(n) <= len(o):
+            return False
+
+        def key(event: Any) -> tuple[Any, Any]:
+            if not isinstance(event, dict):
+                return (None, None)
+            return (event.get("type"), event.get("fields", {}).get("group_idx"))
+
+        extra = Counter(key(e) for e in n)
+        extra.subtract(Counter(key(e) for e in o))
+        if any(count < 0 for count in extra.values()):
+            return False
+        hash_block = ctx.config.hash_block_size
+        groups = ctx.config.groups
+        return all(
+            isinstance(group, int)
+            and 0 <= group < len(groups)
+            and groups[group].block_size > hash_block
+            for (_, group), count in extra.items()
+            if count > 0
+        )
+
+    def recognise_state(
+        self,
+        ctx: Context,
+        op: str,
+        diff_keys: Sequence[str],
+        old: Mapping[str, Any],
+        new: Mapping[str, Any],
+    ) -> bool:
+        """A free whose queue order alone differs: a block with a partial entry is
+        hashed, so it goes to the queue's tail (kept) where 0.25.1 puts the unhashed
+        block first (evicted first)."""
+        freeing_ops = ("free", "free_blocks", "remove_skipped_blocks", "allocate_slots")
+        if op not in freeing_ops or list(diff_keys) != ["free_queue"]:
+            return False
+        o, n = old.get("free_queue"), new.get("free_queue")
+        return (
+            self.applies(ctx)
+            and isinstance(o, list)
+            and isinstance(n, list)
+            and sorted(o) == sorted(n)
+        )
 
 
 def _hit_tokens(outcome: Outcome) -> int | None:
@@ -415,18 +513,31 @@ def _hit_tokens(outcome: Outcome) -> int | None:
 
 
 class ShorterHitMambaEagle(Rule):
+    """With Mamba and EAGLE: the new side's hit is shorter, or the old side's hit is
+    longer than its own full-attention blocks cover (the bug's signature) while the
+    new side's blocks cover its hit."""
+
     def recognise(
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
     ) -> bool:
         o, n = _hit_tokens(old), _hit_tokens(new)
-        return (
-            op == "get_computed_blocks"
-            and ctx.has_mamba
-            and ctx.has_eagle
-            and o is not None
-            and n is not None
-            and n < o
-        )
+        if op != "get_computed_blocks" or not (ctx.has_mamba and ctx.has_eagle):
+            return False
+        if o is None or n is None:
+            return False
+        if n < o:
+            return True
+        groups = ctx.config.groups
+
+        def full_covers(outcome: Outcome, hit: int) -> bool:
+            blocks = _hit_blocks(outcome)
+            return blocks is not None and all(
+                len(b) * g.block_size >= hit
+                for b, g in zip(blocks, groups, strict=False)
+                if g.kind == "full"
+            )
+
+        return not full_covers(old, o) and full_covers(new, n)
 
 
 class MmOutputBlockHash(Rule):
@@ -437,12 +548,304 @@ class MmOutputBlockHash(Rule):
         return op == "append_output_token_ids" and bool(request.get("mm_features"))
 
 
+def _hit_blocks(outcome: Outcome) -> list[list[Any]] | None:
+    value = _ok(outcome)
+    block_ids = value.get("block_ids") if isinstance(value, dict) else None
+    groups = block_ids.get("tuple") if isinstance(block_ids, dict) else None
+    return groups if isinstance(groups, list) else None
+
+
 class ThreeFullGroupsHit(Rule):
+    """A lookup where the old side leaves some full group more hit blocks than its
+    hit needs (only the first group is trimmed) and the new side trims them all."""
+
     def recognise(
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
     ) -> bool:
-        full = sum(g.kind == "full" for g in ctx.config.groups)
-        return op == "get_computed_blocks" and full >= 3
+        groups = ctx.config.groups
+        if op != "get_computed_blocks" or sum(g.kind == "full" for g in groups) < 3:
+            return False
+        o, n = _hit_blocks(old), _hit_blocks(new)
+        o_hit, n_hit = _hit_tokens(old), _hit_tokens(new)
+        if o is None or n is None or o_hit is None or n_hit is None:
+            return False
+
+        def untrimmed(blocks: list[list[Any]], hit: int) -> bool:
+            return any(
+                g.kind == "full" and len(b) > -(-hit // g.block_size)
+                for b, g in zip(blocks, groups, strict=False)
+            )
+
+        return untrimmed(o, o_hit) and not untrimmed(n, n_hit)
+
+
+#: State parts that caching alone changes (which blocks carry which hash).
+CACHING_STATE = frozenset({"block_hash", "cached", "num_cached_block"})
+#: State parts that freeing alone changes.
+FREEING_STATE = frozenset({"free_queue", "get_num_free_blocks", "ref_cnt", "req_to_blocks"})
+
+
+def _same_shape(old: Outcome, new: Outcome) -> bool:
+    """Whether two allocation results hand out as many blocks per group (the ids
+    may differ)."""
+    o, n = _ok(old), _ok(new)
+    if not (isinstance(o, dict) and isinstance(n, dict)):
+        return False
+    a, b = o.get("tuple"), n.get("tuple")
+    return (
+        isinstance(a, list)
+        and isinstance(b, list)
+        and len(a) == len(b)
+        and all(len(x) == len(y) for x, y in zip(a, b, strict=True))
+    )
+
+
+def _pairs(state: Mapping[str, Any], key: str) -> dict[str, Any]:
+    value = state.get(key)
+    pairs = value.get("dict") if isinstance(value, dict) else None
+    if not isinstance(pairs, list):
+        return {}
+    return {json.dumps(k, sort_keys=True): v for k, v in pairs}
+
+
+def _only_unhashed(old: Mapping[str, Any], new: Mapping[str, Any], blocks: set[Any]) -> bool:
+    """Whether ``block_hash`` and ``cached`` differ only in that ``blocks`` carry
+    hashes (and cache entries) on the old side and none on the new side."""
+    ids = {json.dumps(b) for b in blocks}
+    o, n = _pairs(old, "block_hash"), _pairs(new, "block_hash")
+    for key in set(o) | set(n):
+        if o.get(key) != n.get(key) and not (key in ids and key not in n):
+            return False
+    o, n = _pairs(old, "cached"), _pairs(new, "cached")
+    for key in set(o) | set(n):
+        before = set(o.get(key) or [])
+        after = set(n.get(key) or [])
+        if not after <= before or not before - after <= blocks:
+            return False
+    return True
+
+
+class MambaFreedOnProcessedTokens(Rule):
+    """0.25.1's Mamba manager frees state only below ``num_computed_tokens -
+    num_speculative_blocks``; 0.33.0 frees below the processed tokens (computed
+    minus in flight, which the kit's scheduler never has). Recognised where the new
+    side's Mamba blocks are the old side's with more of them nulled (or an empty
+    entry where the old side has none), everything else alike but the hashes of
+    the blocks so freed (freed before the allocation caches them, they stay
+    unhashed)."""
+
+    def recognise_state(
+        self,
+        ctx: Context,
+        op: str,
+        diff_keys: Sequence[str],
+        old: Mapping[str, Any],
+        new: Mapping[str, Any],
+    ) -> bool:
+        if op not in ("allocate_slots", "remove_skipped_blocks"):
+            return False
+        if not diff_keys or not set(diff_keys) <= FREEING_STATE | {"block_hash", "cached"}:
+            return False
+        if not set(diff_keys) & FREEING_STATE:
+            return False
+        groups = ctx.config.groups
+        hedged = {
+            i for i, g in enumerate(groups) if g.kind == "mamba" and g.num_speculative_blocks > 0
+        }
+        o, n = old.get("req_to_blocks"), new.get("req_to_blocks")
+        if not hedged or not isinstance(o, list) or not isinstance(n, list) or len(o) != len(n):
+            return False
+        freed_more = False
+        freed: set[Any] = set()
+        for i, (a, b) in enumerate(zip(o, n, strict=True)):
+            if i not in hedged:
+                if a != b:
+                    return False
+                continue
+            if not isinstance(a, dict) or not isinstance(b, dict) or not set(a) <= set(b):
+                return False
+            for rid, blocks in b.items():
+                before = a.get(rid)
+                if before is None:
+                    if blocks:
+                        return False
+                    freed_more = True
+                    continue
+                if len(before) != len(blocks):
+                    return False
+                if any(x != y and y != 0 for x, y in zip(before, blocks, strict=True)):
+                    return False
+                freed.update(x for x, y in zip(before, blocks, strict=True) if x != y)
+                freed_more = freed_more or before != blocks
+        return freed_more and _only_unhashed(old, new, freed)
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        """An allocation whose blocks differ (not their number): a state block the
+        new side freed just before allocating is handed out again; or one that fails
+        on the old side only (the block it needed is that state block)."""
+        o, n = _ok(old), _ok(new)
+        if op != "allocate_slots" or not any(
+            g.kind == "mamba" and g.num_speculative_blocks > 0 for g in ctx.config.groups
+        ):
+            return False
+        if "ok" in old and o is None and isinstance(n, dict):
+            return True
+        return _same_shape(old, new)
+
+
+class EagleLookaheadWholePrompt(Rule):
+    """With EAGLE in a multi-group layout, 0.25.1 caps the one-block look-ahead an
+    EAGLE group matches before dropping it at the lookup's limit (prompt - 1);
+    0.33.0 caps it at the hashed prompt, so a fully cached prompt hits longer: one
+    block, or more where the fixed point then settles higher (a Mamba state there).
+    Recognised where the new hit is longer and its full-attention blocks cover it."""
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        o, n = _hit_tokens(old), _hit_tokens(new)
+        if op != "get_computed_blocks" or o is None or n is None or n <= o:
+            return False
+        if not ctx.config.use_eagle or len(ctx.config.groups) < 2:
+            return False
+        blocks = _hit_blocks(new)
+        return blocks is not None and all(  # the longer hit is covered by every full group
+            len(b) * g.block_size >= n
+            for b, g in zip(blocks, ctx.config.groups, strict=False)
+            if g.kind == "full"
+        )
+
+
+def _num_cached_not_more(old: Mapping[str, Any], new: Mapping[str, Any], fewer: bool) -> bool:
+    """Whether each request's ``num_cached_block`` on the new side is at most
+    (``fewer``) or at least the old side's."""
+    o, n = old.get("num_cached_block"), new.get("num_cached_block")
+    if not isinstance(o, list) or not isinstance(n, list) or len(o) != len(n):
+        return False
+    for a, b in zip(o, n, strict=True):
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            return False
+        for rid in set(a) | set(b):
+            x, y = int(a.get(rid, 0)), int(b.get(rid, 0))
+            if (y > x) if fewer else (y < x):
+                return False
+    return True
+
+
+class EagleFlagNeedsUseEagle(Rule):
+    """Groups flagged ``is_eagle_group`` drop the last hit block (and cache one
+    block past the aligned boundary) in 0.25.1 even with ``use_eagle`` off; 0.33.0
+    does either only when ``use_eagle`` is on."""
+
+    @staticmethod
+    def applies(ctx: Context) -> bool:
+        return not ctx.config.use_eagle and any(g.is_eagle_group for g in ctx.config.groups)
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        o, n = _hit_tokens(old), _hit_tokens(new)
+        return op == "get_computed_blocks" and self.applies(ctx) and o is not None and n is not None
+
+    def recognise_state(
+        self,
+        ctx: Context,
+        op: str,
+        diff_keys: Sequence[str],
+        old: Mapping[str, Any],
+        new: Mapping[str, Any],
+    ) -> bool:
+        return (
+            self.applies(ctx)
+            and bool(diff_keys)
+            and set(diff_keys) <= CACHING_STATE
+            and _num_cached_not_more(old, new, fewer=True)
+        )
+
+
+#: Group kinds whose 0.33.0 manager looks up hits at hash-block granularity.
+FINE_GRAINED_KINDS = ("full", "mamba")
+
+
+def fine_grained_hits(config: ManagerConfig) -> bool:
+    """Whether 0.33.0 enables sub-block ("partial hash") hits for ``config``: an
+    align-mode Mamba group with blocks larger than the hash block, and every other
+    caching group either fine-grained capable or hash-block sized."""
+    if not config.enable_caching:
+        return False
+    hash_block = config.hash_block_size
+    if not any(
+        g.kind == "mamba" and g.mamba_cache_mode == "align" and g.block_size > hash_block
+        for g in config.groups
+    ):
+        return False
+    return all(
+        g.kind in FINE_GRAINED_KINDS or g.block_size == hash_block
+        for g in config.groups
+        if g.kind != "cross_attention"
+    )
+
+
+class MambaFineGrainedHits(Rule):
+    """Under ``fine_grained_hits``: 0.33.0 caches every group up to the computed
+    tokens (0.25.1: rounded down to the scheduler block size), registers prompt
+    tails inside Mamba blocks, and hits end on hash-block boundaries."""
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        if not fine_grained_hits(ctx.config):
+            return False
+        if op == "get_computed_blocks":
+            return _hit_tokens(old) is not None and _hit_tokens(new) is not None
+        if op == "allocate_slots":  # other blocks, as other blocks were cached and freed
+            return _same_shape(old, new)
+        return op == "take_events"
+
+    def recognise_state(
+        self,
+        ctx: Context,
+        op: str,
+        diff_keys: Sequence[str],
+        old: Mapping[str, Any],
+        new: Mapping[str, Any],
+    ) -> bool:
+        return (
+            fine_grained_hits(ctx.config)
+            and bool(diff_keys)
+            and set(diff_keys) <= CACHING_STATE
+        )
+
+
+class MambaPartialTailCopy(Rule):
+    """An align-mode Mamba group with blocks larger than the hash block: 0.33.0
+    registers the prompt's last hash boundary inside a state block as a partial
+    entry, and the request's next step writes on a copy of that block (the cached
+    one stays held). Recognised at an allocation after which the new side holds
+    more blocks and a block has more holders, nothing else differing."""
+
+    def recognise_state(
+        self,
+        ctx: Context,
+        op: str,
+        diff_keys: Sequence[str],
+        old: Mapping[str, Any],
+        new: Mapping[str, Any],
+    ) -> bool:
+        hash_block = ctx.config.hash_block_size
+        if not ctx.config.enable_caching or not any(
+            g.kind == "mamba" and g.mamba_cache_mode == "align" and g.block_size > hash_block
+            for g in ctx.config.groups
+        ):
+            return False
+        if op != "allocate_slots" or not {"free_queue", "ref_cnt"} <= set(diff_keys):
+            return False
+        if not set(diff_keys) <= CACHING_STATE | FREEING_STATE:
+            return False
+        o, n = old.get("free_queue"), new.get("free_queue")
+        return isinstance(o, list) and isinstance(n, list) and len(n) < len(o)
 
 
 class PcpNotScaled(Rule):
@@ -458,7 +861,14 @@ class PcpNotScaled(Rule):
     ) -> bool:
         return ctx.config.pcp_world_size > 1
 
-    def recognise_state(self, ctx: Context, op: str, diff_keys: Sequence[str]) -> bool:
+    def recognise_state(
+        self,
+        ctx: Context,
+        op: str,
+        diff_keys: Sequence[str],
+        old: Mapping[str, Any],
+        new: Mapping[str, Any],
+    ) -> bool:
         return ctx.config.pcp_world_size > 1
 
 
@@ -471,7 +881,14 @@ class MambaNotDcpSharded(Rule):
     ) -> bool:
         return ctx.config.dcp_world_size > 1 and ctx.has_mamba
 
-    def recognise_state(self, ctx: Context, op: str, diff_keys: Sequence[str]) -> bool:
+    def recognise_state(
+        self,
+        ctx: Context,
+        op: str,
+        diff_keys: Sequence[str],
+        old: Mapping[str, Any],
+        new: Mapping[str, Any],
+    ) -> bool:
         return ctx.config.dcp_world_size > 1 and ctx.has_mamba
 
 
@@ -485,6 +902,8 @@ WHEN: dict[str, Callable[[ManagerConfig], bool]] = {
     "hybrid": lambda config: _groups(config) > 1,
     "mamba": lambda config: any(g.kind == "mamba" for g in config.groups),
     "mixed-block-sizes": lambda config: len({g.block_size for g in config.groups}) > 1,
+    "mamba-align-dense": lambda config: config.prefix_cache_retention_interval is None
+    and any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in config.groups),
     "retention": lambda config: config.prefix_cache_retention_interval is not None,
 }
 
@@ -514,6 +933,11 @@ RULES: dict[str, Callable[[], Rule]] = {
     "shorter_hit_mamba_eagle": ShorterHitMambaEagle,
     "mm_output_block_hash": MmOutputBlockHash,
     "three_full_groups_hit": ThreeFullGroupsHit,
+    "mamba_freed_on_processed_tokens": MambaFreedOnProcessedTokens,
+    "eagle_flag_needs_use_eagle": EagleFlagNeedsUseEagle,
+    "mamba_fine_grained_hits": MambaFineGrainedHits,
+    "mamba_partial_tail_copy": MambaPartialTailCopy,
+    "eagle_lookahead_whole_prompt": EagleLookaheadWholePrompt,
     "pcp_not_scaled": PcpNotScaled,
     "mamba_not_dcp_sharded": MambaNotDcpSharded,
 }
@@ -580,13 +1004,15 @@ class Judge:
         """Judge outcomes that ``equal`` (the kit's comparison) found different."""
         old, new = self._orient(expected, actual)
         used: list[str] = []
-        for entry, rule in self.rules:
-            o, n = rule.outcome(self.ctx, op, args, old, new)
-            if (o, n) != (old, new):
-                used.append(entry.id)
-                old, new = o, n
-                if equal(*self._orient(old, new)):
-                    return Judgement(True, tuple(used))
+        for _ in range(2):  # a second pass: one normaliser can enable another
+            for entry, rule in self.rules:
+                o, n = rule.outcome(self.ctx, op, args, old, new)
+                if (o, n) != (old, new):
+                    if entry.id not in used:
+                        used.append(entry.id)
+                    old, new = o, n
+                    if equal(*self._orient(old, new)):
+                        return Judgement(True, tuple(used))
         for entry, rule in self.rules:
             if rule.recognise(self.ctx, op, args, old, new):
                 return Judgement(False, (entry.id,))
@@ -624,8 +1050,21 @@ class Judge:
             if not results_equal(old.get(key), new.get(key))
         ]
         for entry, rule in self.rules:
-            if rule.recognise_state(self.ctx, op, keys):
+            if rule.recognise_state(self.ctx, op, keys, old, new):
                 return Judgement(False, (entry.id,)), diff
+        # Two causes in one call: one entry explains what was cached, another what
+        # was freed (e.g. a Mamba state freed early beside an EAGLE caching change).
+        caching = [k for k in keys if k in CACHING_STATE]
+        freeing = [k for k in keys if k in FREEING_STATE]
+        if caching and freeing and len(caching) + len(freeing) == len(keys):
+            cached_by = [
+                e.id for e, r in self.rules if r.recognise_state(self.ctx, op, caching, old, new)
+            ]
+            freed_by = [
+                e.id for e, r in self.rules if r.recognise_state(self.ctx, op, freeing, old, new)
+            ]
+            if cached_by and freed_by:
+                return Judgement(False, (cached_by[0], freed_by[0])), diff
         return Judgement(False, self.observed(f"{op}/state:" + ",".join(keys))), diff
 
     def cannot_build(self, reason: str) -> str | None:

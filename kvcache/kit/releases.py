@@ -2,7 +2,10 @@
 
 ``release_check`` is the CI stage's body (``make check-0.33``): replay the stored
 traces on the installed vLLM and run a short census against kvcache; every
-difference must be a ledger entry. ``changelog`` writes a readable Markdown
+difference must be a ledger entry. ``compare_trace_sets`` does the same without
+any vLLM installed: two trace sets recorded on two releases (the same scenarios,
+matched by file name) are compared record by record through the ledger, one
+played back as the other's side (``RecordedSide``). ``changelog`` writes a readable Markdown
 changelog between two releases: the API of ``KVCacheManager`` in each (read by
 the two venvs' Pythons), every ledger entry with its verdict and a minimal
 replay, and what the stored traces and a census saw.
@@ -19,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.kit.driver import ReplayResult, describe_calls, replay_trace
+from kvcache.kit.driver import ReplayResult, describe_calls, replay_trace, trace_line
 from kvcache.kit.fuzz import FuzzOutcome, fuzz
 from kvcache.kit.ledger import Entry, load_ledger
-from kvcache.kit.trace import read_trace
+from kvcache.kit.sides import Adapter, HarnessError, Side
+from kvcache.kit.trace import Trace, read_trace
 
 #: The methods whose signatures the changelog's API table compares.
 API_CLASSES = (
@@ -37,10 +41,12 @@ class TraceReport:
     """One stored trace replayed on a release: its verdict and the entries it met."""
 
     path: str
-    verdict: str  # identical | known | cannot-build | divergence
+    verdict: str  # identical | known | cannot-build | divergence | unpaired (trace sets)
     entries: tuple[str, ...]
     detail: str
     records: int = 0
+    #: The record where the replay stopped (a known or unknown difference), if it did.
+    index: int | None = None
 
 
 @dataclass
@@ -95,7 +101,7 @@ def trace_report(path: str, result: ReplayResult) -> TraceReport:
         detail = f"{label} record #{mismatch.index} {mismatch.kind}"
         if mismatch.known:
             detail += f" ({', '.join(mismatch.known)})"
-        return TraceReport(path, result.verdict, entries, detail)
+        return TraceReport(path, result.verdict, entries, detail, index=mismatch.index)
     return TraceReport(path, result.verdict, entries, "all records")
 
 
@@ -134,6 +140,146 @@ def release_check(
             census_dir=census_dir,
             stream=stream,
         )
+    check.seconds = time.monotonic() - started
+    return check
+
+
+# ---------------------------------------------------------------- two recorded trace sets
+
+
+class RecordedSide(Side):
+    """A recorded trace played back as a side: each call returns the outcome the
+    trace recorded for it, and ``state()`` the state recorded after it.
+
+    The calls must come in the trace's order with the trace's arguments; a call
+    that differs (the two recordings' schedulers parted, after some result
+    differed) is a ``HarnessError``, which a replay reports where it happens.
+    """
+
+    def __init__(self, trace: Trace) -> None:
+        info = trace.header.get("recorded_with") or {}
+        name = str(info.get("impl") or "recorded")
+        version = info.get("version")
+        self.adapter = Adapter(name, _no_manager, None if version is None else str(version))
+        self.name = name
+        self.config = trace.config
+        self.trace = trace
+        self.position = 0
+        self.current: dict[str, Any] = {}
+
+    def call(self, op: str, args: Any) -> Any:
+        """The recorded result of the next record (raises what it recorded)."""
+        if self.position >= len(self.trace.records):
+            raise HarnessError(f"the other recording ends after {self.position} records")
+        record = self.trace.records[self.position]
+        if record["op"] != op or _canon_args(record["args"]) != _canon_args(args):
+            raise HarnessError(
+                f"the two recordings' calls part at record #{self.position}: "
+                f"{op} here, {record['op']} in the other"
+            )
+        self.position += 1
+        self.current = record
+        if "raises" in record:
+            raise _recorded_exception(str(record["raises"]), str(record.get("message", "")))
+        return record.get("ok")
+
+    def raw_state(self) -> dict[str, Any] | None:
+        state = self.current.get("state")
+        return dict(state) if isinstance(state, dict) else None
+
+    def state(self) -> dict[str, Any] | None:
+        return self.raw_state()  # recorded in canonical form already
+
+    def num_free_blocks(self) -> int:
+        state = self.current.get("state") or {}
+        queue = state.get("free_queue") if isinstance(state, dict) else None
+        return len(queue) if isinstance(queue, list) else -1
+
+    def check_invariants(self) -> str | None:
+        return None
+
+
+def _no_manager(*args: Any, **kwargs: Any) -> None:
+    """A recorded side builds no manager."""
+    return None
+
+
+def _canon_args(args: Any) -> str:
+    return json.dumps(args, sort_keys=True, default=str)
+
+
+_EXCEPTIONS: dict[str, type[Exception]] = {}
+
+
+def _recorded_exception(name: str, message: str) -> Exception:
+    """An exception whose type is called ``name`` (what a recording raised)."""
+    if name not in _EXCEPTIONS:
+        _EXCEPTIONS[name] = type(name, (Exception,), {})
+    return _EXCEPTIONS[name](message)
+
+
+def trace_version(trace: Trace) -> str:
+    """The release a trace records (vLLM's version, or the line kvcache behaves like)."""
+    info = trace.header.get("recorded_with") or {}
+    if info.get("impl") == "vllm" and info.get("version"):
+        return str(info["version"])
+    return str(trace.header.get("behaves_like") or "0.25.1")
+
+
+def _with_states_of(old: Trace, new: Trace) -> Trace:
+    """``old`` without the states ``new`` did not record (only both are compared)."""
+    records = []
+    for i, record in enumerate(old.records):
+        has_other = i < len(new.records) and "state" in new.records[i]
+        records.append(record if has_other else {k: v for k, v in record.items() if k != "state"})
+    return Trace(old.header, old.config, records)
+
+
+def compare_trace_sets(old_dir: Path, new_dir: Path) -> ReleaseCheck:
+    """Compare two recorded trace sets (the older release's first) file by file.
+
+    Files are paired by name (``*.jsonl`` and ``*.jsonl.gz``); each pair is
+    replayed as the older trace against the newer one played back, so the ledger
+    judges every difference as in ``release_check``. A file in only one set is a
+    ``unpaired`` report naming the set that lacks it (not a difference).
+
+    Raises:
+        ValueError: a folder that does not exist or holds no traces (naming it),
+            or two traces of the same release line.
+    """
+    sets = []
+    for name, folder in (("old_dir", old_dir), ("new_dir", new_dir)):
+        if not folder.is_dir():
+            raise ValueError(f"{name}={str(folder)!r} is not a folder of traces")
+        files = {
+            p.name: p for p in sorted(folder.iterdir()) if p.name.endswith((".jsonl", ".jsonl.gz"))
+        }
+        if not files:
+            raise ValueError(f"{name}={str(folder)!r} holds no *.jsonl / *.jsonl.gz traces")
+        sets.append(files)
+    old_files, new_files = sets
+    versions: set[str] = set()
+    check = ReleaseCheck("?")
+    started = time.monotonic()
+    for name in sorted(set(old_files) | set(new_files)):
+        if name not in new_files or name not in old_files:
+            lacking = "newer" if name not in new_files else "older"
+            path = str(old_files.get(name) or new_files[name])
+            detail = f"not in the {lacking} trace set"
+            check.traces.append(TraceReport(path, "unpaired", (), detail))
+            continue
+        old, new = read_trace(old_files[name]), read_trace(new_files[name])
+        if trace_line(old) == trace_line(new):
+            raise ValueError(
+                f"{name}: both recordings are of release line {trace_line(old)}; "
+                "compare traces of two release lines"
+            )
+        versions.add(trace_version(new))
+        result = replay_trace(_with_states_of(old, new), "recorded", side=RecordedSide(new))
+        report = trace_report(str(old_files[name]), result)
+        report.records = len(old.records)
+        check.traces.append(report)
+    check.version = ", ".join(sorted(versions)) or "?"
     check.seconds = time.monotonic() - started
     return check
 
@@ -197,10 +343,11 @@ def api_table(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _replay_block(path: Path, limit: int = 12) -> list[str]:
+def _replay_block(path: Path, limit: int = 12, upto: int | None = None) -> list[str]:
     trace = read_trace(path)
-    calls = trace.records[-limit:]
-    first = len(trace.records) - len(calls)
+    records = trace.records if upto is None else trace.records[:upto]
+    calls = records[-limit:]
+    first = len(records) - len(calls)
     return ["```", describe_calls(calls, first), "```"]
 
 
@@ -212,19 +359,33 @@ def changelog(
     old_python: str | None = None,
     new_python: str | None = None,
     census_dir: Path | None = None,
+    trace_sets: tuple[str, str] | None = None,
 ) -> str:
-    """The semantic changelog as Markdown (see the module docstring)."""
+    """The semantic changelog as Markdown (see the module docstring).
+
+    ``trace_sets``: the two recorded trace folders ``check`` compared
+    (``compare_trace_sets``), instead of traces replayed on an installed vLLM.
+    """
     entries = list(load_ledger() if entries is None else entries)
-    out = [
-        f"# vLLM {old_version} → {new_version}: what changed at the KV-cache manager",
-        "",
-        "Generated by `python -m kvcache changelog --from "
-        f"{old_version} --to {new_version}` from the known-differences ledger "
-        "(kvcache/kit/ledger.toml), the stored traces (tests/data) replayed on "
-        f"{new_version}, and a census of random scheduler sequences against kvcache "
-        f"(which behaves like {old_version}). Do not edit by hand: regenerate.",
-        "",
-    ]
+    out = [f"# vLLM {old_version} → {new_version}: what changed at the KV-cache manager", ""]
+    if trace_sets is None:
+        out += [
+            "Generated by `python -m kvcache changelog --from "
+            f"{old_version} --to {new_version}` from the known-differences ledger "
+            "(kvcache/kit/ledger.toml), the stored traces (tests/data) replayed on "
+            f"{new_version}, and a census of random scheduler sequences against kvcache "
+            f"(which behaves like {old_version}). Do not edit by hand: regenerate.",
+            "",
+        ]
+    else:
+        out += [
+            "Generated by `python -m kvcache changelog --from-traces "
+            f"{trace_sets[0]} --to-traces {trace_sets[1]}` from the known-differences "
+            f"ledger (kvcache/kit/ledger.toml) and two trace sets recorded on {old_version} "
+            f"and {new_version}, compared record by record (no vLLM installed, so no API "
+            "table and no census). Do not edit by hand: regenerate.",
+            "",
+        ]
     if old_python and new_python:
         out += ["## API", "", "Public methods whose signature changed:", ""]
         out += api_table(api_of(old_python), api_of(new_python))
@@ -256,22 +417,38 @@ def changelog(
             out += [f"Upstream: {entry.upstream}.", ""]
         out += [f"Recognised by rule `{entry.rule}` (kvcache/kit/ledger.py).", ""]
         traces = seen_in.get(entry.id, [])
-        if traces:
+        if not traces and entry.rule == "adapter":  # every replay goes through the adapter
+            replayed = [r for r in check.traces if r.verdict in ("identical", "known")]
+            traces = [min(replayed, key=lambda r: (r.records, r.path)).path] if replayed else []
+        more = f" (also in {len(traces) - 1} more)" if len(traces) > 1 else ""
+        if traces and trace_sets is None:
             out += [
                 "Replay (the shortest stored trace that shows it): `python -m kvcache replay "
                 + traces[0]
                 + " --impl vllm`"
-                + (f" (also in {len(traces) - 1} more stored traces)" if len(traces) > 1 else ""),
+                + more,
                 "",
             ]
+        elif traces and trace_sets is not None:
+            report = next(r for r in check.traces if r.path == traces[0])
+            where = f" at record #{report.index}" if report.index is not None else ""
+            out += [f"Seen in the recorded pair `{Path(traces[0]).name}`{where}{more}.", ""]
+            if report.index is not None:
+                out += [
+                    f"Minimal replay (the {trace_sets[0]} recording up to that record):",
+                    "",
+                    *_replay_block(Path(traces[0]), upto=report.index + 1),
+                    "",
+                ]
         example = None
         if census_dir is not None:
             candidate = census_dir / f"known_{entry.id}.jsonl"
             example = candidate if candidate.exists() else None
         if example is not None:
             out += [
-                "Minimal replay (shrunk census counterexample, the difference is at "
-                "the last call):",
+                "Minimal replay (a census example recorded on kvcache, shrunk where the "
+                "entry stops a sequence, else cut after the first call the entry "
+                "normalises; the difference is at the last call):",
                 "",
                 *_replay_block(example),
                 "",
@@ -290,8 +467,9 @@ def changelog(
                 "scheduler does not make yet).",
                 "",
             ]
+    title = "Recorded trace pairs" if trace_sets else "Stored traces replayed on " + new_version
     out += [
-        "## Stored traces replayed on " + new_version,
+        "## " + title,
         "",
         "| trace | verdict | ledger entries |",
         "|---|---|---|",

@@ -148,6 +148,10 @@ def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -
         return lib.MLAAttentionSpec(**common)
     if group.kind == "sliding_window_mla":
         return lib.SlidingWindowMLASpec(**common, sliding_window=group.sliding_window)
+    if group.kind == "rswa":
+        return lib.RSWASpec(**common, rswa_window=group.rswa_window)
+    if group.kind == "sink":
+        return lib.SinkFullAttentionSpec(**common, sink_len=group.sink_len)
     return lib.FullAttentionSpec(**common)
 
 

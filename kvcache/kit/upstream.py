@@ -117,8 +117,6 @@ FALLBACKS: dict[str, dict[str, str]] = {
         name: "data type kvcache does not model (worker-side or issue 14)"
         for name in (
             "KVCacheTensor",
-            "SinkFullAttentionSpec",
-            "RSWASpec",
             "KVQuantMode",
             "KVCacheSpecKind",
             "get_kv_quant_mode",
@@ -304,13 +302,6 @@ RELEASES: dict[str, Release] = {
             "tests/v1/core/test_kv_cache_metrics.py",
             "tests/v1/core/test_deferred_block_free.py",
             "tests/v1/core/test_kv_sharing.py",
-        ),
-        known_failing=(
-            Excluded(
-                "tests/v1/core/test_single_type_kv_cache_manager.py::"
-                "test_rswa_remove_skipped_blocks_gap_range",
-                "issue 14: RSWASpec / RSWAManager are not modelled yet",
-            ),
         ),
         known_failing_compiled=tuple(
             Excluded(

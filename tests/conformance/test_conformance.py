@@ -7,8 +7,11 @@ equal results, equal exceptions (vLLM's ``AssertionError`` may be our
 state after every call. Families: one full-attention group (caching on and
 off, three watermarks: the core scope) and every hybrid layout — full +
 sliding window, full + chunked local, full + Mamba (align / all / none),
-full + cross attention (caching off), three-group hybrids, EAGLE — with mixed
-block sizes where vLLM allows them. The summary line counts sequences per
+full + cross attention (caching off), three-group hybrids, EAGLE, reference
+sliding window (R-SWA alone, with full attention, with a sliding window; each
+must release a gap somewhere) — with mixed block sizes where vLLM allows them.
+Sink full attention has no family: vLLM 0.25.1 cannot build a manager with a sink
+group, and every side must refuse it alike. The summary line counts sequences per
 family. The first mismatch of a family is shrunk to a minimal trace under
 ``build/conformance-failures/``; ``python -m kvcache replay`` replays it.
 
@@ -106,6 +109,8 @@ def test_random_sequences_match_vllm(
     assert not failures, report(failures, subject_impl)
     caching = family.enable_caching is not False and "cross" not in family.kinds
     required = REQUIRED_PATHS + (REQUIRED_WITH_CACHING if caching else [])
+    if "rswa" in family.kinds:
+        required.append("rswa_gap")  # some decode passed the window: a gap was freed
     missing = [path for path in required if stats.events[path] == 0]
     assert not missing, f"the driver never reached {missing}: {dict(stats.events)}"
 
@@ -162,3 +167,21 @@ def test_retention_interval_is_checked_as_vllm_checks_it(
     assert (subject_error is None) == (vllm_error is None), (vllm_error, subject_error)
     if subject_error is not None and subject_impl == "kvcache":
         assert f"VLLM_PREFIX_CACHE_RETENTION_INTERVAL={interval} must be" in subject_error
+
+
+@pytest.mark.parametrize("kinds", [("sink",), ("full", "sink")], ids=["sink", "full+sink"])
+def test_sink_layouts_refused_as_vllm_refuses_them(
+    vllm_reference: ModuleType, subject_impl: str, kinds: tuple[str, ...]
+) -> None:
+    """vLLM 0.25.1's coordinator cannot build a sink group (its manager's constructor
+    lacks ``scheduler_block_size``): every implementation refuses with a TypeError,
+    so no sink family can run (docs/divergences.md)."""
+    groups = tuple(
+        GroupConfig(kind, 4, sink_len=8 if kind == "sink" else None, num_kv_heads=i + 1)
+        for i, kind in enumerate(kinds)
+    )
+    config = ManagerConfig(num_blocks=16, groups=groups, max_model_len=32)
+    for impl in ("vllm", subject_impl):
+        # (the compiled build's TypeError words it otherwise)
+        with pytest.raises(CannotBuild, match=r"\(TypeError: "):
+            make_side(impl, config)

@@ -4,10 +4,11 @@
 scheduler rules, one per manager operation, and the same whole-state
 comparison) with a layout drawn by its ``@initialize``: one to three KV-cache
 groups from full attention, sliding window, chunked local attention, Mamba
-(``none``/``all``/``align``, with speculative blocks) and cross attention, block
-sizes 1, 2, 4 (times 1 or 2 per group), EAGLE and per-group ``is_eagle_group``
-flags, and, with a sliding-window or Mamba group, a prefix-cache retention
-interval (None, 0 or k * scheduler_block_size). The managers get
+(``none``/``all``/``align``, with speculative blocks), cross attention and
+reference sliding window (R-SWA, with short prompts so decodes pass the window),
+block sizes 1, 2, 4 (times 1 or 2 per group), EAGLE and per-group
+``is_eagle_group`` flags, and, with a sliding-window or Mamba group, a prefix-cache
+retention interval (None, 0 or k * scheduler_block_size). The managers get
 ``hash_block_size`` = GCD and ``scheduler_block_size`` = LCM of the group block
 sizes, as vLLM's hybrid coordinator does.
 
@@ -24,7 +25,8 @@ Hybrid invariants checked after every step, besides spec's and kvcache's own:
 * no block id is held by two groups (the pool keys include the group id, so a
   cache hit never shares a block across groups): non-null ids are disjoint;
 * skipped positions hold the null block, and only they: nulls are a prefix of
-  every table, except Mamba ``align``, which nulls its old states in place;
+  every table, except Mamba ``align``, which nulls its old states in place, and
+  R-SWA, which nulls the gap between the prompt and the decode window;
 * ``get_num_blocks_to_allocate`` predicts what an admission takes: for a
   request holding no blocks, the free queue shrinks by exactly the predicted
   count (new blocks plus hit blocks touched off the free queue). It is checked
@@ -39,7 +41,8 @@ now and then, each a fixed program of the machine's own rules replayed by
 ``test_hybrid_program`` (``programs.py``): one group's external blocks taken
 after every group's hits, a later kind shortening an earlier kind's hit, a
 sliding-window admission whose hits reach beyond the window's admission cap, an
-align-mode Mamba request decoding past a cached state.
+align-mode Mamba request decoding past a cached state, an R-SWA request
+decoding past its window.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from kvcache import (
     MLAAttentionSpec,
     Request,
     RequestStatus,
+    RSWASpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     get_request_block_hasher,
@@ -74,7 +78,7 @@ from kvcache import (
 from .programs import Seq, Step, replay, tokens
 from .test_manager_machine import ManagerMachine
 
-KINDS = ["full", "full", "swa", "swa", "chunk", "mamba", "cross"]
+KINDS = ["full", "full", "swa", "swa", "chunk", "mamba", "cross", "rswa"]
 MAMBA_MODES = ["none", "all", "align", "align"]
 # Examples of the CI profile for this machine (it shares the step count).
 CI_EXAMPLES = 400
@@ -95,6 +99,8 @@ def layer_spec(kind: str, block_size: int, index: int, options: dict[str, Any]) 
         return ChunkedLocalAttentionSpec(block_size=block_size, **heads, **options)
     if kind == "cross":
         return CrossAttentionSpec(block_size=block_size, **heads)
+    if kind == "rswa":
+        return RSWASpec(block_size=block_size, **heads, **options)
     return MambaSpec(block_size=block_size, shapes=((2,),), dtypes=("float16",), **options)
 
 
@@ -142,6 +148,8 @@ class HybridMachine(ManagerMachine):
             options: dict[str, Any] = {}
             if kind == "swa":
                 options["sliding_window"] = data.draw(st.integers(1, 10), label="window")
+            elif kind == "rswa":
+                options["rswa_window"] = data.draw(st.integers(1, 3), label="rswa_window")
             elif kind == "chunk":
                 options["attention_chunk_size"] = base_block_size * data.draw(
                     st.integers(1, 3), label="chunk_factor"
@@ -179,6 +187,8 @@ class HybridMachine(ManagerMachine):
             retention = None if factor is None else factor * scheduler_block_size
             event("retention", "dense" if factor is None else f"{factor} scheduler blocks")
         self.align = any(o.get("mamba_cache_mode") == "align" for _, _, o in layout)
+        if "rswa" in kinds:  # room for decodes past the window (the gap needs them)
+            num_blocks = max(num_blocks, data.draw(st.integers(12, 40), label="rswa_blocks"))
         # vLLM refuses to start unless the pool holds one max_model_len sequence.
         max_model_len = max(2, min(max_model_len, (num_blocks - 1) // len(layout) * min(sizes)))
         if self.align:
@@ -231,6 +241,8 @@ class HybridMachine(ManagerMachine):
         self.block_size = scheduler_block_size  # the unit of hits and of failed loads
         self.max_model_len = max_model_len
         self.token_budget = max_num_batched_tokens
+        if "rswa" in kinds:  # short prompts, so decodes pass the window before the length cap
+            self.max_prompt_len = max(1, min(max_model_len // 4, 2 * scheduler_block_size))
         self.has_cross = has_cross
         self.encoder_tokens: dict[str, int] = {}
         self.hasher = get_request_block_hasher(hash_block_size, sha256, **self.hasher_switches)
@@ -340,6 +352,11 @@ class HybridMachine(ManagerMachine):
             assert not a & b, f"groups {i} and {j} both hold blocks {sorted(a & b)}"
         for (kind, _, options), group in zip(self.layout, tables, strict=True):
             if kind == "mamba" and options["mamba_cache_mode"] == "align":
+                continue
+            if kind == "rswa":  # the gap's nulls follow the prompt's blocks
+                if any(0 in t[next((k for k, b in enumerate(t) if b), len(t)) :]
+                       for t in group.values()):
+                    event("rswa gap released")
                 continue
             for rid, table in group.items():
                 num_null = next((k for k, b in enumerate(table) if b), len(table))
@@ -470,6 +487,25 @@ PROGRAMS: dict[str, list[Step]] = {
         admit("r1", expect=computed("r1", 4)),
         *[Step("allocate_slots", {}, {"schedule r1": True})] * 4,
         Step("decode", expect=computed("r1", 9)),
+    ],
+    # Full attention and R-SWA with a 2-token window (block size 2). r0's 3-token
+    # prompt is computed, then it decodes a token a step. Scheduled with 8 tokens
+    # computed, its R-SWA table nulls block 2 (tokens 4-5: the gap between the
+    # prompt's last block, which also holds token 3, and the window, tokens 6-7);
+    # with 7 computed nothing is released yet. Full attention keeps every block.
+    "an R-SWA request decodes past its window": [
+        start(21, 2, ["full", "rswa"], rswa_window=2, **tokens("tokens", [0, 1, 2])),
+        admit("r0", mode="sync", whole=True),
+        Step("decode"),
+        *[Step("allocate_slots", {}, {"schedule r0": True}), Step("decode")] * 4,
+        Step("allocate_slots", {}, {"schedule r0": True}, expect=lambda m: (
+            all(m.spec_state["req_to_blocks"][1]["r0"])
+        )),
+        Step("decode"),
+        Step("allocate_slots", {}, {"schedule r0": True}, expect=lambda m: (
+            [bool(b) for b in m.spec_state["req_to_blocks"][1]["r0"][:4]]
+            == [True, True, False, True] and all(m.spec_state["req_to_blocks"][0]["r0"])
+        )),
     ],
 }
 

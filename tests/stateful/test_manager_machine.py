@@ -371,7 +371,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def new_request(self, data: st.DataObject) -> None:
         """Draw a request; half the time it extends a prefix of a sequence run
         earlier, with that sequence's LoRA, salt and multimodal items."""
-        max_len = min(self.max_model_len - 1, MAX_PROMPT_LEN)
+        max_len = min(self.max_model_len - 1, getattr(self, "max_prompt_len", MAX_PROMPT_LEN))
         if self.families and data.draw(st.booleans(), label="share_prefix"):
             base, lora_name, cache_salt, base_mm = data.draw(
                 st.sampled_from(sorted(self.families)), label="family"

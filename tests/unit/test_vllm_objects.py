@@ -120,7 +120,7 @@ def test_vllm_spec_gets_the_manager_vllm_registers(name: str) -> None:
 
     vllm_spec = _vllm_specs()[name]
     vllm_cls = KVCacheSpecRegistry.get_manager_class(vllm_spec)
-    if vllm_cls is None or vllm_cls.__name__ in ("RSWAManager", "SinkFullAttentionManager"):
+    if vllm_cls is None:
         with pytest.raises(NotImplementedError, match=type(vllm_spec).__name__) as err:
             get_manager_class_for_kv_cache_spec(vllm_spec)
         if vllm_cls is not None:
@@ -206,20 +206,6 @@ def test_register_all_kvcache_specs_fills_vllms_registry(monkeypatch: pytest.Mon
     mla, full = specs["MLAAttentionSpec"], specs["FullAttentionSpec"]
     assert mla.is_uniform_with_collection({"a": mla, "b": full})
     register_all_kvcache_specs(None)  # a second call changes nothing and does not fail
-
-
-@pytest.mark.parametrize(
-    "manager",
-    [
-        K.single_type_kv_cache_manager.RSWAManager,
-        K.single_type_kv_cache_manager.SinkFullAttentionManager,
-    ],
-)
-def test_unmodelled_managers_name_issue_14(manager: type) -> None:
-    """vLLM's RSWA and sink managers exist by name and refuse construction clearly."""
-    spec = K.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16")
-    with pytest.raises(NotImplementedError, match="issue 14"):
-        manager(spec)
 
 
 # ---------------------------------------------------------------- lockstep with vLLM objects

@@ -1,0 +1,271 @@
+"""The 0.33.0 ledger rules found by the census, and the changelog from two trace sets.
+
+Each rule is checked on the difference it explains and on a near miss it must
+not explain (another layout, another direction, another block), so that a
+rule cannot quietly swallow a new difference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcache.kit.config import GroupConfig, ManagerConfig
+from kvcache.kit.driver import compare_outcomes
+from kvcache.kit.ledger import Judge, fine_grained_hits
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def _judge(groups: tuple[GroupConfig, ...], **config: Any) -> Judge:
+    cfg = ManagerConfig(num_blocks=16, groups=groups, max_model_len=32, **config)
+    return Judge(cfg, "0.33", old_is_expected=True)
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return compare_outcomes(a, b)[0]
+
+
+def _hit(blocks: list[list[int]], tokens: int) -> dict[str, Any]:
+    return {"ok": {"block_ids": {"tuple": blocks}, "num_computed_tokens": tokens}}
+
+
+def _state(mamba_blocks: list[int], free: list[int]) -> dict[str, Any]:
+    return {
+        "free_queue": free,
+        "ref_cnt": {"dict": [[b, 1] for b in [1, 2, *mamba_blocks] if b]},
+        "req_to_blocks": [{"r": [1, 2]}, {"r": mamba_blocks}],
+    }
+
+
+MAMBA_SPEC = (
+    GroupConfig("full", 2),
+    GroupConfig("mamba", 2, mamba_cache_mode="align", num_speculative_blocks=1),
+)
+
+
+def test_mamba_state_freed_a_step_earlier_is_known_only_as_extra_nulls() -> None:
+    judge = _judge(MAMBA_SPEC)
+    old, new = _state([0, 3, 5], [6, 7]), _state([0, 0, 5], [6, 7, 3])
+    verdict, _ = judge.state("allocate_slots", old, new)
+    assert verdict.known == ("mamba-freed-on-processed-tokens",)
+    # Another block where the old side has one is not an early free.
+    verdict, _ = judge.state("allocate_slots", old, _state([0, 4, 5], [6, 7, 3]))
+    assert "mamba-freed-on-processed-tokens" not in verdict.known
+    # Without speculative blocks 0.25.1 has no hedge: not this entry.
+    plain = (GroupConfig("full", 2), GroupConfig("mamba", 2, mamba_cache_mode="align"))
+    verdict, _ = _judge(plain).state("allocate_slots", old, new)
+    assert "mamba-freed-on-processed-tokens" not in verdict.known
+
+
+def test_the_eagle_flag_acts_only_with_use_eagle_in_033() -> None:
+    flagged = (GroupConfig("full", 2, is_eagle_group=True), GroupConfig("full", 4, num_kv_heads=2))
+    args = {"request_id": "r"}
+    old, new = _hit([[1], [2]], 0), _hit([[1, 3], [2]], 4)
+    verdict = _judge(flagged).outcome("get_computed_blocks", args, old, new, _equal)
+    assert verdict.known == ("eagle-flag-needs-use-eagle",)
+    # With use_eagle on both releases drop: a longer hit is something else.
+    verdict = _judge(flagged, use_eagle=True).outcome(
+        "get_computed_blocks", args, old, new, _equal
+    )
+    assert "eagle-flag-needs-use-eagle" not in verdict.known
+
+
+def test_eagle_lookahead_over_the_whole_prompt_needs_a_covered_longer_hit() -> None:
+    groups = (GroupConfig("full", 1), GroupConfig("full", 1, num_kv_heads=2))
+    judge = _judge(groups, use_eagle=True)
+    args = {"request_id": "r"}
+    one_more = judge.outcome(
+        "get_computed_blocks", args, _hit([[1, 2], [5, 6]], 2), _hit([[1, 2, 3], [5, 6, 7]], 3),
+        _equal,
+    )
+    assert one_more.known == ("eagle-lookahead-whole-prompt",)
+    # A longer hit that the full-attention blocks do not cover is not this entry.
+    uncovered = judge.outcome(
+        "get_computed_blocks", args, _hit([[1], [5]], 1), _hit([[1, 2], [5, 6]], 3), _equal
+    )
+    assert "eagle-lookahead-whole-prompt" not in uncovered.known
+
+
+def test_three_full_groups_entry_needs_an_untrimmed_old_hit() -> None:
+    groups = (
+        GroupConfig("full", 1),
+        GroupConfig("full", 2, num_kv_heads=2),
+        GroupConfig("full", 4, num_kv_heads=3),
+    )
+    judge = _judge(groups)
+    args = {"request_id": "r"}
+    untrimmed, trimmed = _hit([[], [9, 10], []], 0), _hit([[], [], []], 0)
+    verdict = judge.outcome("get_computed_blocks", args, untrimmed, trimmed, _equal)
+    assert verdict.known == ("bug-three-full-groups-trim",)
+    # Two trimmed hits of different lengths are not that bug.
+    verdict = judge.outcome(
+        "get_computed_blocks", args, _hit([[1, 2], [3], [4]], 2), _hit([[1], [3], [4]], 1), _equal
+    )
+    assert "bug-three-full-groups-trim" not in verdict.known
+
+
+def test_fine_grained_hits_need_an_align_mamba_block_larger_than_the_hash_block() -> None:
+    def config(*groups: GroupConfig) -> ManagerConfig:
+        return ManagerConfig(num_blocks=16, groups=groups, max_model_len=32)
+
+    align4 = GroupConfig("mamba", 4, mamba_cache_mode="align", num_kv_heads=2)
+    assert fine_grained_hits(config(GroupConfig("full", 2), align4))
+    assert not fine_grained_hits(config(GroupConfig("full", 4), align4))  # hash block 4
+    swa = GroupConfig("sliding_window", 2, sliding_window=4, num_kv_heads=3)
+    assert fine_grained_hits(config(GroupConfig("full", 2), swa, align4))  # swa is hash-sized
+    swa4 = GroupConfig("sliding_window", 4, sliding_window=4, num_kv_heads=3)
+    assert not fine_grained_hits(config(GroupConfig("full", 2), swa4, align4))
+
+
+def test_partial_entry_events_are_dropped_and_a_free_order_from_them_known() -> None:
+    groups = (GroupConfig("full", 4), GroupConfig("full", 2, num_kv_heads=2))  # hash block 2
+    judge = _judge(groups)
+
+    def stored(group: int, size: int) -> dict[str, Any]:
+        return {"type": "BlockStored", "fields": {"group_idx": group, "block_size": size}}
+
+    old = {"ok": [stored(0, 4)]}
+    new = {"ok": [stored(0, 4), stored(0, 2)]}  # a partial entry inside a 4-token block
+    verdict = judge.outcome("take_events", {}, old, new, _equal)
+    assert verdict.ok and verdict.known == ("sub-block-prefix-entries",)
+    # A full-size extra event is not a partial entry.
+    extra = {"ok": [stored(0, 4), stored(1, 2)]}
+    verdict = judge.outcome("take_events", {}, old, extra, _equal)
+    assert not verdict.ok and "sub-block-prefix-entries" not in verdict.known
+    verdict, _ = judge.state("free", {"free_queue": [3, 1, 2]}, {"free_queue": [1, 2, 3]})
+    assert verdict.known == ("sub-block-prefix-entries",)
+    verdict, _ = judge.state("free", {"free_queue": [3, 1, 2]}, {"free_queue": [1, 2, 4]})
+    assert "sub-block-prefix-entries" not in verdict.known
+
+
+# ---------------------------------------------------------------- two recorded trace sets
+
+
+def _copy_as(src: Path, dst: Path, version: str, edit: dict[str, Any] | None = None) -> None:
+    """``src`` rewritten as recorded on vLLM ``version``; ``edit`` maps an op to a new
+    result for its first record."""
+    lines = []
+    edit = dict(edit or {})
+    for line in src.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("record") == "header":
+            record["recorded_with"] = {"impl": "vllm", "version": version}
+        elif record.get("op") in edit:
+            record["ok"] = edit.pop(record["op"])
+        lines.append(json.dumps(record))
+    dst.write_text("\n".join(lines) + "\n")
+
+
+def test_two_trace_sets_are_compared_through_the_ledger(tmp_path: Path) -> None:
+    from kvcache.kit.cli import main
+    from kvcache.kit.releases import compare_trace_sets
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    src = DATA / "prefix_hits_and_eviction.jsonl"
+    for name in ("same.jsonl", "cascade.jsonl", "hit.jsonl", "only_old.jsonl"):
+        (old / name).write_text(src.read_text())
+    _copy_as(src, new / "same.jsonl", "0.33.0")
+    _copy_as(src, new / "cascade.jsonl", "0.33.0", {"get_num_common_prefix_blocks": [0]})
+    shorter = {"block_ids": {"tuple": [[1]]}, "num_computed_tokens": 4}
+    _copy_as(src, new / "hit.jsonl", "0.33.0", {"get_computed_blocks": shorter})
+    check = compare_trace_sets(old, new)
+    reports = {Path(r.path).name: r for r in check.traces}
+    assert reports["same.jsonl"].verdict == "identical"
+    assert reports["cascade.jsonl"].verdict == "known"
+    assert "cascade-always-zero" in reports["cascade.jsonl"].entries
+    assert reports["hit.jsonl"].verdict == "divergence"
+    assert reports["hit.jsonl"].index == 1  # the first lookup
+    assert reports["only_old.jsonl"].verdict == "unpaired"
+    assert check.unknown == [f"{old / 'hit.jsonl'}: stops at record #1 get_computed_blocks/result"]
+    # The command writes the changelog and fails on the unknown difference.
+    out = tmp_path / "changelog.md"
+    argv = ["changelog", "--from-traces", str(old), "--to-traces", str(new), "--out", str(out)]
+    assert main(argv) == 1
+    text = out.read_text()
+    assert "## Recorded trace pairs" in text and "0.25.1 → 0.33.0" in text
+    assert "`cascade-always-zero`" in text and "no API table" in text
+    (new / "hit.jsonl").unlink()
+    assert main(argv) == 0  # hit.jsonl is now unpaired: no unknown difference
+    assert main([*argv, "--to", "0.34.0"]) == 2  # the traces record 0.33.0
+
+
+def test_trace_sets_that_cannot_be_compared_are_refused_by_name(tmp_path: Path) -> None:
+    from kvcache.kit.releases import compare_trace_sets
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"old_dir=.*holds no"):
+        compare_trace_sets(empty, DATA)
+    with pytest.raises(ValueError, match=r"new_dir=.*not a folder"):
+        compare_trace_sets(DATA, tmp_path / "missing")
+    same = tmp_path / "same"
+    same.mkdir()
+    (same / "a.jsonl").write_text((DATA / "prefix_hits_and_eviction.jsonl").read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.jsonl").write_text((DATA / "prefix_hits_and_eviction.jsonl").read_text())
+    with pytest.raises(ValueError, match=r"both recordings are of release line 0\.25"):
+        compare_trace_sets(same, other)
+
+
+def test_a_partial_mamba_tail_copy_needs_a_state_block_larger_than_the_hash_block() -> None:
+    copy_old = {"free_queue": [7, 8, 9], "ref_cnt": {"dict": [[5, 1]]}}
+    copy_new = {"free_queue": [8, 9], "ref_cnt": {"dict": [[5, 2], [7, 1]]}}
+    def layout(mamba_block: int) -> tuple[GroupConfig, ...]:
+        mamba = GroupConfig("mamba", mamba_block, mamba_cache_mode="align", num_kv_heads=2)
+        return (GroupConfig("full", 2), mamba)
+
+    big = layout(4)  # the hash block is 2
+    verdict, _ = _judge(big).state("allocate_slots", copy_old, copy_new)
+    assert verdict.known == ("mamba-partial-tail-copy",)
+    # Fewer blocks held is not a copy.
+    verdict, _ = _judge(big).state("allocate_slots", copy_new, copy_old)
+    assert "mamba-partial-tail-copy" not in verdict.known
+    same = layout(2)
+    verdict, _ = _judge(same).state("allocate_slots", copy_old, copy_new)
+    assert "mamba-partial-tail-copy" not in verdict.known
+
+
+def test_an_allocation_that_only_the_early_free_lets_through_is_that_entry() -> None:
+    args = {"request_id": "r", "num_new_tokens": 2}
+    failed, granted = {"ok": None}, {"ok": {"tuple": [[3], [1]]}}
+    verdict = _judge(MAMBA_SPEC).outcome("allocate_slots", args, failed, granted, _equal)
+    assert verdict.known == ("mamba-freed-on-processed-tokens",)
+    # The other way round (0.33.0 refusing what 0.25.1 grants) is not.
+    verdict = _judge(MAMBA_SPEC).outcome("allocate_slots", args, granted, failed, _equal)
+    assert "mamba-freed-on-processed-tokens" not in verdict.known
+
+
+def test_a_hit_full_attention_does_not_cover_is_the_mamba_eagle_bug() -> None:
+    groups = (GroupConfig("full", 1), GroupConfig("mamba", 1, mamba_cache_mode="align"))
+    judge = _judge(groups, use_eagle=True)
+    args = {"request_id": "r"}
+    uncovered, covered = _hit([[], [9]], 1), _hit([[1], [9]], 1)
+    verdict = judge.outcome("get_computed_blocks", args, uncovered, covered, _equal)
+    assert verdict.known == ("bug-mamba-eagle-long-hit",)
+    # The other way round is not the fixed bug.
+    verdict = judge.outcome("get_computed_blocks", args, covered, uncovered, _equal)
+    assert "bug-mamba-eagle-long-hit" not in verdict.known
+
+
+def test_a_state_block_freed_before_it_is_cached_stays_unhashed() -> None:
+    def with_hash(state: dict[str, Any], blocks: list[int]) -> dict[str, Any]:
+        hashed = {
+            "block_hash": {"dict": [[b, {"bytes": f"{b:02x}"}] for b in blocks]},
+            "cached": {"dict": [[{"bytes": f"{b:02x}"}, [b]] for b in blocks]},
+        }
+        return {**state, **hashed}
+
+    judge = _judge(MAMBA_SPEC)
+    old = with_hash(_state([0, 3, 5], [6, 7]), [3])
+    verdict, _ = judge.state("allocate_slots", old, with_hash(_state([0, 0, 5], [6, 7, 3]), []))
+    assert verdict.known == ("mamba-freed-on-processed-tokens",)
+    # A hash lost on a block the new side still holds is something else.
+    verdict, _ = judge.state("allocate_slots", with_hash(old, [3, 5]), with_hash(old, [3]))
+    assert "mamba-freed-on-processed-tokens" not in verdict.known
