@@ -114,7 +114,9 @@ conformance: $(REF_STAMP)
 	KVCACHE_PURE=1 $(PY) -m pytest -q -m conformance tests/conformance
 
 # Tests run twice (README, "Two builds"): everything on the pure-Python sources, then
-# the stateful machines, conformance and reliability on the compiled build.
+# the stateful machines, conformance and reliability on the compiled build; the
+# exhaustive kvcache-vs-spec search too, on the compiled build shallower (states pickled).
+PROOFS_COMPILED_SHALLOWER ?= 2
 verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py lint -- $(VENV)/bin/ruff check $(LINT_PATHS)
 	@$(PY) scripts/stage.py typecheck -- $(VENV)/bin/mypy --strict $(TYPED_PATHS)
@@ -125,6 +127,8 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py upstream-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
 		$(PY) -m kvcache.kit.upstream --reuse-baseline
 	@$(PY) scripts/stage.py proofs -- env KVCACHE_PURE=1 $(PY) -m proofs.run
+	@$(PY) scripts/stage.py proofs-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
+		$(PY) -m proofs.exhaustive --shallower $(PROOFS_COMPILED_SHALLOWER)
 	@$(PY) scripts/stage.py check-0.33 -- env KVCACHE_PURE=1 $(MAKE) --no-print-directory check-0.33
 	@$(PY) scripts/stage.py conformance-0.33 -- env KVCACHE_PURE=1 \
 		$(MAKE) --no-print-directory conformance-0.33
@@ -162,9 +166,13 @@ bench-kernels: $(REF_STAMP)
 	TRITON_INTERPRET=0 $(PY) -m kernels.bench
 
 # kvcache (compiled and pure) vs vLLM 0.25.1 vs spec on the same workloads (ratios,
-# per-method us, scaling).
+# per-method us, scaling), then the stored workload traces and three traces of 100
+# requests recorded from vLLM now, replayed side by side.
+BENCH_TRACES := $(wildcard tests/data/*workload_chat*.jsonl.gz)
+BENCH_TRACE_REQUESTS ?= 100
 bench: $(BENCH_STAMP) $(COMPILED_STAMP)
-	$(PY) -m kvcache bench --scaling --json build/bench.json --plot build/bench.png
+	$(PY) -m kvcache bench --scaling --json build/bench.json --plot build/bench.png \
+		--traces $(BENCH_TRACES) --trace-requests $(BENCH_TRACE_REQUESTS)
 
 # mutmut over kvcache/*.py (not the kit) with the quick test selection of [tool.mutmut]
 # (HYPOTHESIS_PROFILE=mutation): counts and score against docs/mutation.md, which lists the

@@ -52,6 +52,7 @@ class PartialBlockError(ValueError, AssertionError):
     """
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockHashToBlockMap:
     """Prefix-cache map: pool key -> cached block(s), per KV-cache group.
 
@@ -159,6 +160,7 @@ class BlockHashToBlockMap:
 _CacheEntry = KVCacheBlock | dict[int, KVCacheBlock]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class _VllmCacheView(MutableMapping[BlockHashWithGroupId, _CacheEntry]):
     """A :class:`BlockHashToBlockMap` seen as vLLM 0.25.1 lays it out.
 
@@ -211,6 +213,7 @@ class _VllmCacheView(MutableMapping[BlockHashWithGroupId, _CacheEntry]):
         return dict(self.items())
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockPool:
     """All physical blocks of the KV cache, and which of them are free or cached.
 
@@ -467,6 +470,48 @@ class BlockPool:
                 f"on a hash boundary ({hash_block_size}), within the request's "
                 f"{len(request.block_hashes)} block hashes"
             )
+        return self._register_prefix_entry(request, block, num_hash_blocks, kv_cache_group_id)
+
+    def cache_state_entry(
+        self, request: Request, block: KVCacheBlock, num_tokens: int, kv_cache_group_id: int
+    ) -> BlockHashWithGroupId | None:
+        """Key a Mamba state ``block`` by the request's chain hash at ``num_tokens``
+        (the ``mamba_prompt_tail_state`` switch: 0.33.0 re-keys the state at the
+        prompt's last hash boundary, e.g. after ``evict_blocks`` dropped its key).
+        Same entry rules and event as ``cache_partial_block``, but ``num_tokens``
+        may also end on a block boundary.
+
+        Returns:
+            The pool key, or None for the null block.
+
+        Raises:
+            PartialBlockError: unless ``num_tokens`` is a positive multiple of the
+                hash block size within the request's block hashes (nothing changes).
+        """
+        if block.is_null:
+            return None
+        num_hash_blocks = num_tokens // self.hash_block_size
+        if num_tokens % self.hash_block_size or not 0 < num_hash_blocks <= len(
+            request.block_hashes
+        ):
+            raise PartialBlockError(
+                f"num_tokens={num_tokens} must be a positive multiple of hash_block_size="
+                f"{self.hash_block_size} within the request's "
+                f"{len(request.block_hashes)} block hashes"
+            )
+        return self._register_prefix_entry(request, block, num_hash_blocks, kv_cache_group_id)
+
+    def _register_prefix_entry(
+        self,
+        request: Request,
+        block: KVCacheBlock,
+        num_hash_blocks: int,
+        kv_cache_group_id: int,
+    ) -> BlockHashWithGroupId:
+        """Make ``block`` reachable under the request's chain hash of its first
+        ``num_hash_blocks`` hash blocks (see ``cache_partial_block``)."""
+        hash_block_size = self.hash_block_size
+        num_tokens = num_hash_blocks * hash_block_size
         h = request.block_hashes[num_hash_blocks - 1]
         key = make_block_hash_with_group_id(h, kv_cache_group_id)
         entry_tokens = num_hash_blocks * hash_block_size

@@ -11,6 +11,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from mypy_extensions import mypyc_attr
+
 from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
@@ -105,6 +107,7 @@ def _is_full(spec: KVCacheSpec) -> bool:
     return is_spec_kind(spec, "FullAttentionSpec")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheCoordinator:
     """Fans each manager-level operation out to every group's manager.
 
@@ -188,6 +191,7 @@ class KVCacheCoordinator:
         self.pop_drops_null_head = False
         self.trim_every_full_group = False
         self.eagle_peek_to_hashed_length = False
+        self.mamba_no_eagle_margin = False
         # Precomputed dispatch for the per-call loops.
         self._is_cross = tuple(
             isinstance(m, CrossAttentionManager) for m in self.single_type_managers
@@ -336,6 +340,7 @@ class KVCacheCoordinator:
         """Recompute what depends on ``eagle_group_ids`` (subclasses that cache it)."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     """Coordinator without prefix caching: any number of groups, never a hit."""
 
@@ -381,6 +386,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         return tuple([] for _ in range(self.num_single_type_manager)), 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """Coordinator for a model with exactly one KV-cache group."""
 
@@ -474,6 +480,7 @@ class SpecGroup(NamedTuple):
     use_eagle: bool
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Coordinator for models mixing KV-cache kinds (e.g. full + sliding window).
 
@@ -612,7 +619,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     continue
                 drop_eagle_block = use_eagle and idx not in eagle_verified
                 max_length = curr_hit_length
-                if drop_eagle_block:
+                if drop_eagle_block and not (
+                    self.mamba_no_eagle_margin and is_spec_kind(spec, "MambaSpec")
+                ):  # 0.33.0: no peek past the candidate for Mamba (its finder never drops)
                     max_length = min(curr_hit_length + spec.block_size, max_cache_hit_length)
                     if self.eagle_peek_to_hashed_length:
                         max_length = min(

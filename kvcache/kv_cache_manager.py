@@ -8,7 +8,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast, overload
+from typing import Any, Final, Literal, cast, overload
 
 from mypy_extensions import mypyc_attr
 
@@ -19,20 +19,17 @@ from kvcache.kv_cache_interface import (
     get_kv_cache_spec_sliding_window,
     is_spec_kind,
 )
-from kvcache.kv_cache_math import admits
+from kvcache.kv_cache_math import admits, cdiv
 from kvcache.kv_cache_utils import KVCacheBlock
 from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
 from kvcache.profile import Profile, resolve_profile
 from kvcache.request import Request, RequestStatus
-from kvcache.single_type_kv_cache_manager import (
-    FullAttentionManager,
-    cdiv,
-)
+from kvcache.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 
 logger = logging.getLogger(__name__)
 
-_WATERMARKED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_WATERMARKED: Final = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 SELF_CHECK_ENV = "KVCACHE_SELF_CHECK"
 """Set to 1 to check every invariant after every manager call (slow; for debugging)."""
@@ -77,6 +74,7 @@ def enable_self_check(manager: KVCacheManager) -> None:
     wrap(manager.block_pool, "free_blocks")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass
 class KVCacheBlocks:
     """Blocks handed to the scheduler: ``blocks[g][i]`` is block ``i`` of group ``g``.
@@ -483,6 +481,7 @@ class KVCacheManager:
         coordinator.pop_drops_null_head = profile.pop_drops_null_head
         coordinator.trim_every_full_group = profile.trim_every_full_group
         coordinator.eagle_peek_to_hashed_length = profile.eagle_peek_to_hashed_length
+        coordinator.mamba_no_eagle_margin = profile.mamba_no_eagle_margin
         coordinator.block_pool.mm_keys_by_window = profile.mm_keys_by_window
         if profile.partial_prompt_tail_entries:
             for manager in coordinator.single_type_managers:
@@ -496,6 +495,40 @@ class KVCacheManager:
         ):
             for manager in coordinator.single_type_managers:
                 manager.stop_tracking_new_block_ids()
+        self._apply_mamba_profile(profile)
+
+    def _apply_mamba_profile(self, profile: Profile) -> None:
+        """The Mamba switches: refuse a Mamba group that caches outside 'align'
+        (``mamba_align_only``), and set the state-freeing rules on each Mamba manager.
+
+        Raises:
+            AssertionError: a Mamba group in mode 'all' or 'none' with caching on
+                under ``mamba_align_only`` (vLLM 0.33.0 asserts there too).
+        """
+        managers = self.coordinator.single_type_managers
+        if profile.zero_every_attention_group and any(
+            isinstance(m, MambaManager) for m in managers
+        ):
+            for manager in managers:
+                spec = manager.kv_cache_spec
+                if is_spec_kind(spec, "AttentionSpec") and not is_spec_kind(
+                    spec, "CircularBufferSpec"
+                ):
+                    manager._tracks_new_block_ids = True
+        for manager in managers:
+            if not isinstance(manager, MambaManager):
+                continue
+            if profile.mamba_align_only and manager.enable_caching:
+                mode = manager.mamba_cache_mode
+                if mode != "align":
+                    raise AssertionError(
+                        f"mamba_cache_mode={mode!r} with prefix caching on: under "
+                        f"{profile!r} Mamba groups cache only in 'align' mode"
+                    )
+            manager.frees_processed_states = profile.mamba_frees_processed_states
+            manager.caps_new_state_blocks = profile.mamba_caps_new_state_blocks
+            manager.caches_prompt_tail_state = profile.mamba_prompt_tail_state
+            manager.prompt_tail_drops_eagle = profile.mamba_prompt_tail_state and self.use_eagle
 
     def _reject_allocate_args(self, request: Request, **counts: int) -> None:
         """Raise the ValueError for bad ``allocate_slots`` counts (see there)."""

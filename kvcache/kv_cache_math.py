@@ -75,6 +75,22 @@ def mamba_align_num_new_blocks(
     return 1 if allocated_before else 1 + num_spec
 
 
+def mamba_prompt_tail_boundary(num_prompt_tokens: int, hash_block_size: int, eagle: bool) -> int:
+    """The prompt's last hash boundary a later lookup of it can reuse a Mamba state
+    at (vLLM 0.33.0): one token is left for the logits; with EAGLE the whole
+    prompt counts and one more hash block is dropped. Never negative.
+
+    pre: num_prompt_tokens >= 0 and hash_block_size > 0
+    post: __return__ >= 0 and __return__ % hash_block_size == 0
+    post: __return__ < num_prompt_tokens or __return__ == 0
+    """
+    limit = num_prompt_tokens if eagle else num_prompt_tokens - 1
+    boundary = max(limit, 0) // hash_block_size * hash_block_size
+    if eagle:
+        boundary -= hash_block_size
+    return max(boundary, 0)
+
+
 def sliding_window_admission_blocks(
     sliding_window: int, block_size: int, max_num_batched_tokens: int, max_model_len: int
 ) -> int:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NewType, TypeAlias, overload
+from typing import TYPE_CHECKING, Any, NewType, TypeAlias, TypeVar, cast, overload
 
 import cbor2
 from mypy_extensions import mypyc_attr
@@ -32,6 +32,17 @@ BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 
 ExternalBlockHash: TypeAlias = bytes | int
 """Block hash as reported in KV events."""
+
+HashValue: TypeAlias = Hashable
+"""What a hash function returns, on the way into ``request.block_hashes``.
+
+A ``BlockHash`` (bytes) from every hash function vLLM configures; vLLM's own
+tests also hash requests with the builtin ``hash()`` (an int), which vLLM's code
+accepts since Python checks no annotation. The hashing path below holds its
+values as ``HashValue`` so that the compiled build accepts them too: mypyc checks
+a ``bytes`` annotation at run time, and erases ``Hashable``."""
+
+_HashT = TypeVar("_HashT", bound=Hashable)
 
 
 # Two builtin bases: an ordinary (non-native) class in the compiled build.
@@ -113,11 +124,14 @@ def get_hash_fn_by_name(hash_fn_name: str) -> Callable[[Any], bytes]:
         raise ValueError(f"Unsupported hash function: hash_fn_name={hash_fn_name!r}") from None
 
 
-NONE_HASH: BlockHash = BlockHash(b"")
-"""Parent hash of every first block; set by ``init_none_hash``."""
+NONE_HASH: HashValue = BlockHash(b"")
+"""Parent hash of every first block (a ``BlockHash`` for vLLM's hash functions);
+set by ``init_none_hash``."""
 
 
-def init_none_hash(hash_fn: Callable[[Any], bytes], fixed_default_seed: bool = False) -> None:
+def init_none_hash(
+    hash_fn: Callable[[Any], HashValue], fixed_default_seed: bool = False
+) -> None:
     """Seed the chain: ``NONE_HASH = hash_fn(PYTHONHASHSEED)``, or 32 random bytes
     when the variable is unset (then hashes differ between processes, as in vLLM).
 
@@ -131,7 +145,7 @@ def init_none_hash(hash_fn: Callable[[Any], bytes], fixed_default_seed: bool = F
     if seed is None and fixed_default_seed:
         cryptographic = hash_fn not in (xxhash, xxhash_cbor)
         seed = DEFAULT_NONE_HASH_SEED if cryptographic else os.urandom(32).hex()
-    NONE_HASH = BlockHash(os.urandom(32) if seed is None else hash_fn(seed))
+    NONE_HASH = BlockHash(os.urandom(32)) if seed is None else hash_fn(seed)
 
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
@@ -143,12 +157,15 @@ init_none_hash(sha256)
 
 
 def hash_block_tokens(
-    hash_function: Callable[[Any], bytes],
-    parent_block_hash: BlockHash | None,
+    hash_function: Callable[[Any], _HashT],
+    parent_block_hash: _HashT | None,
     curr_block_token_ids: Sequence[int],
     extra_keys: tuple[Any, ...] | None = None,
-) -> BlockHash:
+) -> _HashT:
     """Hash one full block, chained to its parent (``NONE_HASH`` for the first block).
+
+    Returns what ``hash_function`` returns: a ``BlockHash`` for vLLM's hash
+    functions (any hashable value passes, see ``HashValue``).
 
     Args:
         hash_function: One of ``get_hash_fn_by_name``'s functions.
@@ -158,9 +175,8 @@ def hash_block_tokens(
             cache salt and the prompt-embedding digest that apply to this
             block, or None.
     """
-    if not parent_block_hash:
-        parent_block_hash = NONE_HASH
-    return BlockHash(hash_function((parent_block_hash, tuple(curr_block_token_ids), extra_keys)))
+    parent = parent_block_hash if parent_block_hash else NONE_HASH
+    return hash_function((parent, tuple(curr_block_token_ids), extra_keys))
 
 
 def need_extra_keys(request: Request) -> bool:
@@ -205,18 +221,23 @@ def _gen_mm_extra_hash_keys(
     return keys, idx
 
 
-def tensor_data(tensor: Any) -> memoryview:
+def _tensor_data(tensor: Any) -> memoryview:
     """The bytes of a torch tensor in row-major order, as a flat ``uint8`` memoryview.
 
     What a prompt-embedding block hash digests: the element bytes in the
-    tensor's own dtype, on the CPU, whatever its strides. Looked up as a module
-    global on every call, so a test may wrap it to count calls.
+    tensor's own dtype, on the CPU, whatever its strides.
     """
     import torch  # only requests with prompt embeddings get here
 
     flat = tensor.detach().reshape(-1).cpu().contiguous()
     data: memoryview = flat.view(torch.uint8).numpy().data
     return data
+
+
+tensor_data: Callable[[Any], memoryview] = _tensor_data
+"""``_tensor_data``, looked up as a module global on every call, so that a test may
+wrap it to count calls (vLLM's do): compiled code calls a module's own function
+directly, but reads a module variable from the module's namespace each time."""
 
 
 def _gen_prompt_embeds_extra_hash_keys(
@@ -287,7 +308,9 @@ def get_request_block_hasher(
         raise ValueError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
-        start = len(request.block_hashes) * hash_block_size
+        # HashValue, not BlockHash: read and made without a bytes check (see there).
+        block_hashes: Sequence[HashValue] = request.block_hashes
+        start = len(block_hashes) * hash_block_size
         num_tokens = request.num_tokens
         if start + hash_block_size > num_tokens:
             return []
@@ -295,7 +318,7 @@ def get_request_block_hasher(
         mm_idx = 0 if start == 0 else -1
         if mm_keys_by_window and start > 0:
             mm_idx = first_mm_feature_ending_after(request, start)
-        parent = request.block_hashes[-1] if request.block_hashes else None
+        parent: HashValue | None = block_hashes[-1] if block_hashes else None
         tokens = request.all_token_ids
         # NOTE: a request without isolation keys has no extra keys in any block;
         # checking that once saves the per-block call (most requests).
@@ -305,7 +328,7 @@ def get_request_block_hasher(
             or request.cache_salt
             or getattr(request, "prompt_embeds", None) is not None
         )
-        new_hashes: list[BlockHash] = []
+        new_hashes: list[HashValue] = []
         while start + hash_block_size <= num_tokens:
             end = start + hash_block_size
             extra_keys: tuple[Any, ...] | None = None
@@ -316,7 +339,8 @@ def get_request_block_hasher(
             parent = hash_block_tokens(caching_hash_fn, parent, tokens[start:end], extra_keys)
             new_hashes.append(parent)
             start = end
-        return new_hashes
+        # BlockHashes for vLLM's hash functions (a list is all the compiled build checks).
+        return cast(list[BlockHash], new_hashes)
 
     return request_block_hasher
 
@@ -369,6 +393,7 @@ def tag_extra_keys(request: Request, start: int, keys: tuple[Any, ...]) -> tuple
     return tuple(tagged)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockHashListWithBlockSize:
     """Read-only view of hashes computed at ``hash_block_size`` as hashes of
     ``target_block_size`` blocks (a multiple): block ``i``'s hash is the fine hash
@@ -420,6 +445,7 @@ BlockHashList: TypeAlias = list[BlockHash] | BlockHashListWithBlockSize
 # ---------------------------------------------------------------- blocks
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """Metadata of one physical block.
@@ -480,6 +506,7 @@ class KVCacheBlock:
         )
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FreeKVCacheBlockQueue:
     """Free blocks in eviction order: the front is evicted (reused) first.
 

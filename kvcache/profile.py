@@ -150,6 +150,56 @@ SWITCHES: tuple[Switch, ...] = (
         "(total computed tokens minus request.num_in_flight_tokens).",
         "0.33.0",
     ),
+    Switch(
+        "mamba_align_only",
+        "mamba-all-removed",
+        "With prefix caching on, a Mamba group must be in 'align' mode: a manager with "
+        "a Mamba group in 'all' (removed) or 'none' cannot be built (AssertionError).",
+        "0.33.0",
+    ),
+    Switch(
+        "mamba_frees_processed_states",
+        "mamba-freed-on-processed-tokens",
+        "Mamba frees states by the processed tokens it is given (no "
+        "num_speculative_blocks margin subtracted); in 'align' mode it retires every "
+        "live state before the latest, past the null gaps prefill leaves, from where "
+        "the last removal stopped, and a request counts as allocated after any "
+        "allocate_new_blocks call, even one that adds no block.",
+        "0.33.0",
+    ),
+    Switch(
+        "zero_every_attention_group",
+        "new-block-ids-zeroing-only",
+        "Beside a Mamba group (the KV cache needs zeroing), every attention group "
+        "records its newly allocated block ids (sliding window, chunked local, cross "
+        "attention too), not only full-attention-class groups.",
+        "0.33.0",
+    ),
+    Switch(
+        "mamba_no_eagle_margin",
+        "bug-mamba-eagle-long-hit",
+        "A hybrid lookup gives a Mamba group with EAGLE no peek past the candidate "
+        "length (its finder never drops a block), so the Mamba hit cannot outgrow the "
+        "other groups' hit.",
+        "0.33.0",
+    ),
+    Switch(
+        "mamba_prompt_tail_state",
+        "unk-mamba-align-recache",
+        "An 'align' Mamba group caching up to the prompt's last reusable hash boundary "
+        "(num_prompt_tokens - 1 rounded down; with EAGLE the prompt rounded down less "
+        "one hash block) keys the state block there unless it already is (a state "
+        "evict_blocks unkeyed is keyed again, with its BlockStored event).",
+        "0.33.0",
+    ),
+    Switch(
+        "mamba_caps_new_state_blocks",
+        "",
+        "An 'align' Mamba group's block count is its shortfall capped at one state "
+        "block (plus the speculative blocks on the first allocation); 0.25.1 reports "
+        "the cap itself whenever anything is short.",
+        "0.33.0",
+    ),
 )
 """Every switch, in the order of the ledger's entries."""
 
@@ -184,6 +234,12 @@ class Profile:
     eagle_peek_to_hashed_length: bool
     adopt_computed_without_new_tokens: bool
     free_on_processed_tokens: bool
+    mamba_align_only: bool
+    mamba_frees_processed_states: bool
+    zero_every_attention_group: bool
+    mamba_no_eagle_margin: bool
+    mamba_prompt_tail_state: bool
+    mamba_caps_new_state_blocks: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:

@@ -15,6 +15,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from mypy_extensions import mypyc_attr
+
 from kvcache import kv_cache_math
 from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
@@ -29,16 +31,23 @@ from kvcache.kv_cache_interface import (
     is_spec_kind,
     spec_exact_class_name,
 )
-from kvcache.kv_cache_utils import BlockHash, BlockHashList, KVCacheBlock
+from kvcache.kv_cache_math import cdiv  # imported, not aliased: a native call when compiled
+from kvcache.kv_cache_utils import (
+    BlockHash,
+    BlockHashList,
+    BlockHashWithGroupId,
+    KVCacheBlock,
+    get_block_hash,
+)
 
 if TYPE_CHECKING:
     from kvcache.request import Request
 
 
-cdiv = kv_cache_math.cdiv
 _is_not_none = functools.partial(operator.is_not, None)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class _CachedInAllGroups:
     """Hashes cached in every one of ``kv_cache_group_ids``: the ``cached`` container
     of the hit searches when several groups share a spec."""
@@ -84,6 +93,7 @@ def _hit_blocks(
     return computed
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SingleTypeKVCacheManager:
     """Block tables of one KV-cache group over the shared ``BlockPool``.
 
@@ -392,6 +402,7 @@ class SingleTypeKVCacheManager:
         raise NotImplementedError
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: every token is attended to, so every block is kept and a
     hit is the longest run of cached leading blocks."""
@@ -498,6 +509,7 @@ def _refuse_context_parallel(kind: str, dcp_world_size: int, pcp_world_size: int
         )
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding-window attention: only the last ``sliding_window`` tokens are
     attended to, so leading blocks become the null block once the window has
@@ -620,6 +632,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """Chunked local attention: a token sees only its own chunk, so chunks
     before the current one are null blocks, and a hit only needs the cached
@@ -692,6 +705,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MambaManager(SingleTypeKVCacheManager):
     """Mamba state blocks: only the latest state is needed, so everything before
     the last computed token is released; a hit is the rightmost cached state.
@@ -730,6 +744,14 @@ class MambaManager(SingleTypeKVCacheManager):
         self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
         self.last_state_block_idx: dict[str, int] = {}
         self._allocated_block_reqs: set[str] = set()
+        # Release switches (kvcache.profile), set by KVCacheManager._apply_profile.
+        self.frees_processed_states = False
+        self.caps_new_state_blocks = False
+        self.caches_prompt_tail_state = False
+        self.prompt_tail_drops_eagle = False  # the manager's use_eagle, with the switch
+        # Align mode under frees_processed_states: per request, the block index
+        # below which every skipped state has been retired (freed or null).
+        self._num_retired_blocks: dict[str, int] = {}
 
     @classmethod
     def find_longest_cache_hit(
@@ -792,11 +814,21 @@ class MambaManager(SingleTypeKVCacheManager):
     ) -> None:
         """Free states before the latest; in align mode also the previous step's state.
 
-        NOTE: as in vLLM, ``num_speculative_blocks`` is subtracted from the
+        NOTE: as in vLLM 0.25.1, ``num_speculative_blocks`` is subtracted from the
         token count so possibly-rejected draft tokens never free a needed state.
+        Under ``frees_processed_states`` (0.33.0) the caller's count is the
+        processed tokens already, nothing is subtracted, and align mode retires
+        skipped states past null gaps (``_retire_skipped_states``).
         """
-        num_computed_tokens = max(0, total_computed_tokens - self.num_speculative_blocks)
-        super().remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
+        if self.frees_processed_states:
+            num_computed_tokens = total_computed_tokens
+            if self.mamba_cache_mode == "align":
+                self._retire_skipped_states(request_id, num_computed_tokens)
+            else:
+                super().remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
+        else:
+            num_computed_tokens = max(0, total_computed_tokens - self.num_speculative_blocks)
+            super().remove_skipped_blocks(request_id, num_computed_tokens, num_prompt_tokens)
         if self.mamba_cache_mode != "align":
             return
         idx = self.last_state_block_idx.get(request_id)
@@ -805,6 +837,27 @@ class MambaManager(SingleTypeKVCacheManager):
             if blocks[idx] is not self._null_block:
                 self.block_pool.release_blocks([blocks[idx]])
                 blocks[idx] = self._null_block
+
+    def _retire_skipped_states(self, request_id: str, num_computed_tokens: int) -> None:
+        """Align mode under ``frees_processed_states``: free every live state before
+        the latest, from where the last call stopped, right to left, skipping the
+        null gaps prefill leaves between states (0.25.1's scan stops at the first
+        null), and remember how far the retirement got."""
+        num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self.req_to_blocks[request_id]
+        stop = min(num_skipped_tokens // self.block_size, len(blocks))
+        start = self._num_retired_blocks.get(request_id, 0)
+        if start >= stop:
+            return
+        null = self._null_block
+        freed = [blocks[i] for i in range(stop - 1, start - 1, -1) if blocks[i] is not null]
+        if freed:
+            self.block_pool.release_blocks(freed)
+            for i in range(start, stop):
+                blocks[i] = null
+        self._num_retired_blocks[request_id] = stop
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """0: cascade attention does not apply to Mamba."""
@@ -849,8 +902,23 @@ class MambaManager(SingleTypeKVCacheManager):
             len(self.req_to_blocks[request_id]),  # may create an entry, as in vLLM
             request_id in self._allocated_block_reqs,
         )
+        if self.caps_new_state_blocks and num_new_blocks > 0:
+            num_new_blocks = self._capped_new_state_blocks(
+                request_id, num_tokens_main_model, len(new_computed_blocks)
+            )
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_new_blocks + num_evictable
+
+    def _capped_new_state_blocks(
+        self, request_id: str, num_tokens_main_model: int, num_hits: int
+    ) -> int:
+        """Under ``caps_new_state_blocks`` (0.33.0): align mode's shortfall capped at
+        one state block (plus the speculative blocks on the first allocation),
+        where 0.25.1 reports the cap itself whenever anything is short."""
+        num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        shortfall = num_required - num_hits - len(self.req_to_blocks[request_id])
+        allocated_before = request_id in self._allocated_block_reqs
+        return min(shortfall, 1 if allocated_before else 1 + self.num_speculative_blocks)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
@@ -866,6 +934,8 @@ class MambaManager(SingleTypeKVCacheManager):
         num_spec = self.num_speculative_blocks
         num_required_blocks = cdiv(num_tokens_main_model, self.block_size) + num_spec
         if num_required_blocks <= len(req_blocks):
+            if self.frees_processed_states:  # 0.33.0: allocated, even with nothing new
+                self._allocated_block_reqs.add(request_id)
             return []
         prev_len = len(req_blocks)
         allocated_before = request_id in self._allocated_block_reqs
@@ -893,6 +963,7 @@ class MambaManager(SingleTypeKVCacheManager):
         """Forget the request, including align-mode bookkeeping."""
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
+        self._num_retired_blocks.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -905,6 +976,10 @@ class MambaManager(SingleTypeKVCacheManager):
         """Cache as the base class and remember states cached in this step."""
         before = self.num_cached_block.get(request.request_id, 0)
         super().cache_blocks(request, num_tokens, retention_interval)
+        if self.caches_prompt_tail_state and self.mamba_cache_mode == "align":
+            key = self._cache_prompt_tail_state(request, num_tokens)
+            if key is not None:
+                self.cached_blocks_this_step.add(get_block_hash(key))
         after = self.num_cached_block.get(request.request_id, 0)
         if after <= before:
             return
@@ -912,11 +987,40 @@ class MambaManager(SingleTypeKVCacheManager):
             if not block.is_null and block._hash is not None:
                 self.cached_blocks_this_step.add(block._hash)
 
+    def _cache_prompt_tail_state(
+        self, request: Request, num_tokens: int
+    ) -> BlockHashWithGroupId | None:
+        """Under ``caches_prompt_tail_state`` (0.33.0, 'align'): when ``num_tokens``
+        is the prompt's last reusable hash boundary, key the state block holding it
+        there unless it already is (a state the pool lost, e.g. by ``evict_blocks``,
+        is keyed again). The boundary leaves one token for the logits, or with
+        EAGLE one whole hash block less. Boundaries inside a block (fine-grained
+        hits) are not modelled."""
+        hash_block_size = self.block_pool.hash_block_size
+        if num_tokens <= 0 or num_tokens % hash_block_size:
+            return None
+        boundary = kv_cache_math.mamba_prompt_tail_boundary(
+            request.num_prompt_tokens, hash_block_size, self.prompt_tail_drops_eagle
+        )
+        if num_tokens != boundary or num_tokens % self.block_size:
+            return None
+        blocks = self.req_to_blocks[request.request_id]
+        block_idx = num_tokens // self.block_size - 1
+        if block_idx >= len(blocks):
+            return None
+        block = blocks[block_idx]
+        if block.is_null or block._block_hash_num_tokens == num_tokens:
+            return None
+        return self.block_pool.cache_state_entry(
+            request, block, num_tokens, self.kv_cache_group_id
+        )
+
     def new_step_starts(self) -> None:
         """States cached in the previous step become hittable."""
         self.cached_blocks_this_step.clear()
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class CrossAttentionManager(SingleTypeKVCacheManager):
     """Cross attention: blocks for the encoder output, allocated once from
     ``num_encoder_tokens``; request-specific, so never cached or shared."""
@@ -967,6 +1071,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         raise NotImplementedError("CrossAttentionManager does not support caching")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RSWAManager(FullAttentionManager):
     """Reference sliding-window attention (``RSWASpec``): full attention whose gap
     blocks, lying wholly between the prompt's last block and the decode window
@@ -1028,6 +1133,7 @@ class RSWAManager(FullAttentionManager):
             blocks[start:stop] = [self._null_block] * (stop - start)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SinkFullAttentionManager(FullAttentionManager):
     """Full attention with sink tokens (``SinkFullAttentionSpec``): at construction
     the manager takes ``sink_len // block_size`` blocks off the front of the free

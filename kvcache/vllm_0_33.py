@@ -12,13 +12,15 @@ code; this module only maps names, shapes and the 0.33.0 vocabulary (events and
 stats with the new fields).
 
 Covered: layouts of full attention, sliding window and chunked local attention
-(one group or several), with or without caching and EAGLE. Not covered yet
+(one group or several), with or without caching and EAGLE; Mamba alone, and
+Mamba beside attention without fine-grained hits (the ``mamba_*`` switches: a
+Mamba group caching outside 'align' is refused). Not covered yet
 (``NotImplementedError`` naming the argument): lookahead hashing
 (``num_hash_lookahead_tokens`` > 0), prefill lookahead (``num_prefill_lookahead``
 > 0), the Mamba shared-prefix checkpoint, and asking to skip zeroing for a
-layout that zeroes (Mamba). Mamba layouts build, but their 0.33.0 rules (align
-only, prefill checkpoints, sub-block hits) are not modelled: see
-``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
+layout that zeroes (Mamba). Mamba 'align' fine-grained (sub-block) hits and
+prefill checkpoints are not modelled: see ``NOT_YET_CONFORMANT`` in
+``kvcache.kit.conformance33``.
 """
 
 from __future__ import annotations

@@ -89,6 +89,7 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract(f"{S}.num_new_blocks"),
     Contract(f"{S}.num_skipped_hits"),
     Contract(f"{S}.mamba_align_num_new_blocks"),
+    Contract(f"{S}.mamba_prompt_tail_boundary"),
     Contract(f"{K}.sliding_window_admission_blocks"),
     Contract(f"{K}.chunked_local_admission_blocks"),
     # skipped tokens per group kind
@@ -134,6 +135,8 @@ PAIRS: tuple[Pair, ...] = (
     Pair("mamba_align_num_new_blocks", f"{S}.mamba_align_num_new_blocks",
          f"{K}.mamba_align_num_new_blocks",
          lambda n, bs, spec, hits, held, before: bs > 0 and _nonneg(n, spec, hits, held)),
+    Pair("mamba_prompt_tail_boundary", f"{S}.mamba_prompt_tail_boundary",
+         f"{K}.mamba_prompt_tail_boundary", lambda n, hbs, eagle: n >= 0 and hbs > 0),
     Pair("num_skipped_tokens_sliding_window", f"{S}.num_skipped_tokens_sliding_window",
          f"{K}.num_skipped_tokens_sliding_window", lambda n, window: n >= 0 and window >= 1),
     Pair("num_skipped_tokens_chunked_local", f"{S}.num_skipped_tokens_chunked_local",

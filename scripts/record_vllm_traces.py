@@ -10,7 +10,8 @@ against vLLM to prove they are still faithful. Three kinds of traces:
   follow them (prefix hits and eviction order, preemption and resumption);
 * short random scheduler sequences (``kvcache.kit.driver.RandomScheduler``)
   for fixed seeds, one-group and hybrid layouts (``hybrid_*``);
-* small workload simulations on hybrid models (``hybrid_workload_*.jsonl.gz``),
+* small workload simulations, on full attention (``workload_chat_full.jsonl.gz``)
+  and on hybrid models (``hybrid_workload_*.jsonl.gz``),
   as ``python -m kvcache record`` makes them.
 
 Usage: ``.venv/bin/python scripts/record_vllm_traces.py [--out tests/data]``
@@ -302,6 +303,7 @@ RANDOM_TRACES: list[tuple[str, int, str, bool | None, float | None]] = [
 # (file name, workload, requests): the scheduler simulation, recorded (a state every
 # 50th call: the pools have 1,024 blocks).
 WORKLOAD_TRACES = [
+    ("workload_chat_full", "chat", 4),
     ("hybrid_workload_chat_swa", "chat-swa", 4),
     ("hybrid_workload_chat_mamba", "chat-mamba", 4),
 ]

@@ -2,7 +2,8 @@
 """Run one ``make verify`` stage quietly and print ONE summary line.
 
 Usage: ``scripts/stage.py STAGE -- COMMAND...``, STAGE one of lint, typecheck, tests,
-tests-compiled, upstream, proofs, check-0.33, conformance-0.33.
+tests-compiled, upstream, upstream-compiled, proofs, proofs-compiled, check-0.33,
+conformance-0.33.
 
 The command's full output goes to ``build/<stage>.log``; on failure its tail is
 printed above the summary line. The exit status is the command's (pytest's
@@ -60,6 +61,11 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
         if exhaustive:
             detail += "; " + exhaustive[-1].strip()
         return f"proofs: {'ok' if rc == 0 else 'FAILED'} ({detail})"
+    if stage == "proofs-compiled":
+        total = re.findall(r"^TOTAL depth .*$", output, re.MULTILINE)
+        detail = total[-1].removeprefix("TOTAL ") if total else f"rc={rc}"
+        verdict = "ok" if rc == 0 else "FAILED"
+        return f"{stage}: {verdict} (exhaustive search, {detail}; {seconds:.0f}s)"
     if stage.startswith("upstream"):
         found = re.findall(r"^upstream: .*$", output, re.MULTILINE)
         detail = found[-1].removeprefix("upstream: ") if found else f"rc={rc}"

@@ -144,20 +144,22 @@ class BlockPool:
             extra_keys=extra_keys or None, group_idx=kv_cache_group_id))
 
     def cache_partial_block(self, request: Request, block: int, num_tokens: int,
-                            kv_cache_group_id: int, block_size: int) -> bytes | None:
+                            kv_cache_group_id: int, block_size: int,
+                            any_boundary: bool = False) -> bytes | None:
         """Make ``block`` reachable from the ``num_tokens``-token prefix ending inside it,
         keyed by the request's chain hash at ``num_tokens`` (a multiple of
         ``hash_block_size``, not of ``block_size``). It is the block's hash if it has none,
         replaces a shorter entry, else is a further key. A new entry queues a BlockStored
         of the last ``hash_block_size`` tokens. None for the null block; ValueError where
-        vLLM asserts (sizes off the rules)."""
+        vLLM asserts (sizes off the rules). ``any_boundary``: ``num_tokens`` may also end
+        on a block boundary (a Mamba prompt-tail state, ``mamba_prompt_tail_state``)."""
         if block == NULL_BLOCK:
             return None
         hbs = self.hash_block_size
         n = num_tokens // hbs
         hashes = self.block_hashes(request)
-        if (block_size <= hbs or block_size % hbs or num_tokens % block_size == 0
-                or num_tokens % hbs or not 0 < n <= len(hashes)):
+        off_rules = block_size <= hbs or block_size % hbs or num_tokens % block_size == 0
+        if (off_rules and not any_boundary) or num_tokens % hbs or not 0 < n <= len(hashes):
             raise ValueError(f"num_tokens={num_tokens}, block_size={block_size}: not a "
                              f"partial-block boundary for hash_block_size={hbs}")
         key = pool_key(hashes[n - 1], kv_cache_group_id)

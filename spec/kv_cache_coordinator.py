@@ -69,6 +69,7 @@ class KVCacheCoordinator:
     # Release switches (spec/profile.py), set by the KVCacheManager.
     trim_every_full_group = False
     eagle_peek_to_hashed_length = False
+    mamba_no_eagle_margin = False
 
     def _check_retention_interval(self, interval: int) -> None:
         """vLLM's checks: a windowed group to thin out, and a non-negative multiple of
@@ -276,7 +277,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     continue
                 drop_eagle_block = use_eagle and idx not in eagle_verified
                 max_length = curr_length
-                if drop_eagle_block:
+                # 0.33.0: no peek past the candidate for Mamba (its finder never drops)
+                if drop_eagle_block and not (self.mamba_no_eagle_margin
+                                             and is_a(spec, "MambaSpec")):
                     max_length = min(curr_length + spec.block_size, max_cache_hit_length
                                      if not self.eagle_peek_to_hashed_length  # 0.33.0
                                      else len(block_hashes) * self.hash_block_size)

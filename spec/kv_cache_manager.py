@@ -14,7 +14,7 @@ from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.kv_cache_coordinator import get_kv_cache_coordinator
 from spec.profile import Profile, resolve_profile
 from spec.pure import cdiv
-from spec.single_type_kv_cache_manager import FullAttentionManager
+from spec.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 from spec.vocab import (
     BlockRemoved033,
     BlockStored,
@@ -149,6 +149,7 @@ class KVCacheManager:
             pool.none_hash = none_hash(pool.hash_fn, None, fixed_default_seed=True)
         coordinator.trim_every_full_group = p.trim_every_full_group
         coordinator.eagle_peek_to_hashed_length = p.eagle_peek_to_hashed_length
+        coordinator.mamba_no_eagle_margin = p.mamba_no_eagle_margin
         if p.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
             coordinator.eagle_group_ids = set()  # without use_eagle no group drops a block
             coordinator._init_groups()
@@ -159,6 +160,19 @@ class KVCacheManager:
             # Full attention's subclasses too (R-SWA, sink): vLLM 0.33.0's inherit it.
             m.caches_partial_prompt_tail = (p.partial_prompt_tail_entries
                                             and isinstance(m, FullAttentionManager))
+        for m in coordinator.single_type_managers:
+            m.zeroes_any_attention_kind = (
+                p.zero_every_attention_group and zeroing and is_a(m.kv_cache_spec, "AttentionSpec")
+                and not is_a(m.kv_cache_spec, "CircularBufferSpec"))
+            if not isinstance(m, MambaManager):
+                continue
+            if p.mamba_align_only and m.enable_caching and m.mamba_cache_mode != "align":
+                raise AssertionError(f"mamba_cache_mode={m.mamba_cache_mode!r} with prefix "
+                                     "caching on: this release caches Mamba only in 'align'")
+            m.frees_processed_states = p.mamba_frees_processed_states
+            m.caps_new_state_blocks = p.mamba_caps_new_state_blocks
+            m.caches_prompt_tail_state = p.mamba_prompt_tail_state
+            m.prompt_tail_drops_eagle = p.mamba_prompt_tail_state and self.use_eagle
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = self._new_stats()
 

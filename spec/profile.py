@@ -15,7 +15,9 @@ SWITCHES = (
     "mm_keys_by_window", "none_hash_fixed_seed", "new_block_ids_zeroing_only",
     "pop_drops_null_head", "cascade_always_zero", "trim_every_full_group",
     "partial_prompt_tail_entries", "eagle_master_switch", "eagle_peek_to_hashed_length",
-    "adopt_computed_without_new_tokens", "free_on_processed_tokens",
+    "adopt_computed_without_new_tokens", "free_on_processed_tokens", "mamba_align_only",
+    "mamba_frees_processed_states", "zero_every_attention_group", "mamba_no_eagle_margin",
+    "mamba_prompt_tail_state", "mamba_caps_new_state_blocks",
 )  # fmt: skip
 """Every switch, in kvcache's order."""
 

@@ -100,6 +100,22 @@ def num_skipped_hits(num_skipped: int, num_held: int) -> int:
     return max(0, num_skipped - num_held)
 
 
+def mamba_prompt_tail_boundary(num_prompt_tokens: int, hash_block_size: int, eagle: bool) -> int:
+    """The last hash boundary of the prompt where a later lookup of it can reuse a Mamba
+    state (0.33.0): ``num_prompt_tokens - 1`` rounded down, or with EAGLE the prompt
+    rounded down less one hash block; at least 0.
+
+    pre: num_prompt_tokens >= 0 and hash_block_size > 0
+    post: __return__ >= 0 and __return__ % hash_block_size == 0
+    post: __return__ < num_prompt_tokens or __return__ == 0
+    """
+    if eagle:
+        boundary = num_prompt_tokens // hash_block_size * hash_block_size - hash_block_size
+    else:
+        boundary = max(num_prompt_tokens - 1, 0) // hash_block_size * hash_block_size
+    return max(boundary, 0)
+
+
 def mamba_align_num_new_blocks(num_tokens_main_model: int, block_size: int, num_spec: int,
                                num_hits: int, num_held: int, allocated_before: bool) -> int:
     """Align-mode Mamba: one new state block (plus ``num_spec`` speculative blocks on

@@ -66,6 +66,7 @@ class SingleTypeKVCacheManager:
     # Release switches (spec/profile.py), set by the KVCacheManager.
     records_new_block_ids = True
     caches_partial_prompt_tail = False
+    zeroes_any_attention_kind = False  # zero_every_attention_group, beside Mamba
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
@@ -147,7 +148,9 @@ class SingleTypeKVCacheManager:
         as vLLM tests them) record them for zeroing."""
         new_ids = self.block_pool.get_new_blocks(num_blocks)
         req_blocks.extend(new_ids)
-        if self.records_new_block_ids and type(self.kv_cache_spec).__name__ in ZEROED_SPECS:
+        if self.records_new_block_ids and (
+                type(self.kv_cache_spec).__name__ in ZEROED_SPECS
+                or self.zeroes_any_attention_kind):
             self.new_block_ids.extend(new_ids)
         return new_ids
 
@@ -427,6 +430,12 @@ class MambaManager(SingleTypeKVCacheManager):
         self.cached_blocks_this_step: set[bytes] = set()
         self.last_state_block_idx: dict[str, int] = {}
         self._allocated_block_reqs: set[str] = set()
+        self.num_retired_blocks: dict[str, int] = {}  # align, frees_processed_states
+        # Release switches (spec/profile.py), set by the KVCacheManager.
+        self.frees_processed_states = False
+        self.caps_new_state_blocks = False
+        self.caches_prompt_tail_state = False
+        self.prompt_tail_drops_eagle = False
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
@@ -462,6 +471,11 @@ class MambaManager(SingleTypeKVCacheManager):
             num_tokens_main_model, self.block_size, self.num_speculative_blocks,
             len(new_computed_blocks), len(self._blocks_of(request_id)),
             request_id in self._allocated_block_reqs)
+        if self.caps_new_state_blocks and num_new > 0:  # the shortfall, at most the cap
+            num_held = len(self._blocks_of(request_id))
+            shortfall = (cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+                         - len(new_computed_blocks) - num_held)
+            num_new = min(num_new, shortfall)
         return num_new + self._num_evictable(new_computed_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
@@ -476,6 +490,8 @@ class MambaManager(SingleTypeKVCacheManager):
         num_required = cdiv(num_tokens_main_model, self.block_size) + num_spec
         num_held = len(req_blocks)
         if num_required <= num_held:
+            if self.frees_processed_states:  # 0.33.0: counts as allocated all the same
+                self._allocated_block_reqs.add(request_id)
             return []
         allocated_before = request_id in self._allocated_block_reqs
         if allocated_before:
@@ -508,10 +524,27 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def cache_blocks(self, request: Request, num_tokens: int,
                      retention_interval: int | None = None) -> None:
-        """As the base class; remember the keys cached in this step."""
+        """As the base class; remember the keys cached in this step. With
+        ``caches_prompt_tail_state`` (0.33.0, align) also key the state block at the
+        prompt's last reusable hash boundary when caching reaches exactly there and the
+        block is not keyed there already (e.g. after ``evict_blocks``)."""
         rid = request.request_id
         num_cached_before = self.num_cached_block.get(rid, 0)
         super().cache_blocks(request, num_tokens, retention_interval)
+        hbs = self.block_pool.hash_block_size
+        if (self.caches_prompt_tail_state and self.mamba_cache_mode == "align"
+                and num_tokens > 0 and num_tokens % self.block_size == 0
+                and num_tokens == pure.mamba_prompt_tail_boundary(
+                    request.num_prompt_tokens, hbs, self.prompt_tail_drops_eagle)):
+            blocks = self._blocks_of(rid)
+            idx = num_tokens // self.block_size - 1
+            if (idx < len(blocks) and blocks[idx] != NULL_BLOCK
+                    and self.block_pool.hash_num_tokens.get(blocks[idx]) != num_tokens):
+                key = self.block_pool.cache_partial_block(
+                    request, blocks[idx], num_tokens, self.kv_cache_group_id, self.block_size,
+                    any_boundary=True)
+                if key is not None:
+                    self.cached_blocks_this_step.add(key)
         num_cached_after = self.num_cached_block.get(rid, 0)
         if num_cached_after > num_cached_before:
             for block_id in self.req_to_blocks[rid][num_cached_before:num_cached_after]:
@@ -522,14 +555,20 @@ class MambaManager(SingleTypeKVCacheManager):
         """As the base class; forget the align-mode bookkeeping too."""
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
+        self.num_retired_blocks.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         """As the base class, and in align mode free the previous step's state block."""
-        # NOTE: like vLLM, subtract a block count from a token count, for rejected drafts.
-        total_computed_tokens = max(0, total_computed_tokens - self.num_speculative_blocks)
-        super().remove_skipped_blocks(request_id, total_computed_tokens)
+        if not self.frees_processed_states:
+            # NOTE: like vLLM 0.25.1, subtract a block count from a token count, for
+            # rejected drafts.
+            total_computed_tokens = max(0, total_computed_tokens - self.num_speculative_blocks)
+        if self.frees_processed_states and self.mamba_cache_mode == "align":
+            self._retire_skipped_states(request_id, total_computed_tokens)
+        else:
+            super().remove_skipped_blocks(request_id, total_computed_tokens)
         idx = self.last_state_block_idx.get(request_id)
         if (self.mamba_cache_mode == "align" and idx is not None
                 and idx < cdiv(total_computed_tokens, self.block_size) - 1):
@@ -537,6 +576,23 @@ class MambaManager(SingleTypeKVCacheManager):
             if blocks[idx] != NULL_BLOCK:
                 self.block_pool.free_blocks([blocks[idx]])
                 blocks[idx] = NULL_BLOCK
+
+    def _retire_skipped_states(self, request_id: str, total_computed_tokens: int) -> None:
+        """0.33.0's align mode: free every live state before the latest that an earlier
+        call has not retired, right to left, past null gaps; remember how far it got."""
+        num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self._blocks_of(request_id)
+        stop = min(num_skipped_tokens // self.block_size, len(blocks))
+        start = self.num_retired_blocks.get(request_id, 0)
+        if start >= stop:
+            return
+        freed = [b for b in blocks[start:stop][::-1] if b != NULL_BLOCK]
+        blocks[start:stop] = [NULL_BLOCK] * (stop - start)
+        if freed:
+            self.block_pool.free_blocks(freed)
+        self.num_retired_blocks[request_id] = stop
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Every token but the last: only the latest state is read."""

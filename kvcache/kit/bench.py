@@ -7,15 +7,26 @@ implementation (median, min–max), microseconds per call for each method, and
 the ratio ``other / kvcache`` per repetition (median, min–max), for each
 kvcache build (``kvcache`` is the build imported, ``kvcache-pure`` the
 pure-Python sources beside a compiled one), and the spec's steps per second.
+
+``bench_trace`` does the same for a trace recorded from vLLM: each
+implementation replays the trace's calls (``kvcache.kit.driver.replay_trace``
+first checks that it replays identically, states included), then the calls are
+replayed again, timed: only the time inside the manager's own methods (and its
+block pool's) counts (``kvcache.kit.sides.Stopwatch``), not the kit's request
+building or result normalising, and each call's fastest time over a repetition's
+replays (``bench_trace``). Every timed replay's results must equal the recorded
+ones.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvcache.kit.adapters import make_impl, vllm_available
@@ -122,6 +133,185 @@ def format_workload(result: WorkloadResult) -> str:
     if "spec" in result.timings:
         med = statistics.median(result.timings["spec"].manager_seconds)
         lines.append(f"spec: {result.steps / med:.0f} scheduler steps per second of manager time")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- traces
+
+
+@dataclass
+class TraceResult:
+    """Timings of all implementations replaying one trace, and whether they agreed."""
+
+    trace: str
+    num_records: int
+    layout: str
+    replays_per_repetition: int
+    digests: dict[str, str]
+    manager_seconds: dict[str, list[float]]
+    timed_calls: int = 0
+    timer_overhead: float = 0.0
+
+    @property
+    def identical(self) -> bool:
+        """Whether every implementation returned the same results (the recorded ones)."""
+        return len(set(self.digests.values())) == 1
+
+    def ratios(self, other: str, base: str = "kvcache", net: bool = False) -> list[float]:
+        """``other / base`` manager time, one value per repetition; ``net``: with the
+        stopwatch's own cost (``timer_overhead`` per timed call) taken off both."""
+        cost = self.timer_overhead * self.timed_calls if net else 0.0
+        a, b = self.manager_seconds[other], self.manager_seconds[base]
+        return [(x - cost) / (y - cost) for x, y in zip(a, b, strict=True)]
+
+
+class TraceReplayError(AssertionError):
+    """An implementation did not replay a benchmarked trace identically."""
+
+
+def timed_replay(trace: Any, impl: str) -> tuple[list[float], str]:
+    """Replay ``trace``'s calls on a fresh ``impl``; return the seconds of each timed
+    manager call and a digest of the results.
+
+    Raises:
+        TraceReplayError: a result differs from the recorded one.
+    """
+    from kvcache.kit.driver import compare_outcomes, outcome
+    from kvcache.kit.sides import Stopwatch, make_side
+
+    side = make_side(impl, trace.config, trace.hash_seed)
+    stopwatch = side.timing = Stopwatch()
+    sha = hashlib.sha256()
+    # The trace's records (and everything else alive now) out of the collector's
+    # reach: a full collection walking a big trace would otherwise land inside
+    # whichever manager call happens to trigger it.
+    gc.collect()
+    gc.freeze()
+    try:
+        for index, record in enumerate(trace.records):
+            expected = {k: record[k] for k in ("ok", "raises") if k in record}
+            actual = outcome(side, record["op"], record["args"])
+            ok, note = compare_outcomes(expected, actual)
+            if not ok:
+                raise TraceReplayError(f"{impl}: record {index} ({record['op']}): {note}")
+            # Results, and that a call raised (its type is checked above, where vLLM's
+            # assert may meet kvcache's ValueError; the messages differ).
+            sha.update(json.dumps(actual.get("ok", "raised"), sort_keys=True).encode())
+    finally:
+        gc.unfreeze()
+    return stopwatch.durations, sha.hexdigest()
+
+
+def record_bench_trace(workload: str, num_requests: int) -> Any:
+    """A trace of ``workload`` with ``num_requests`` requests recorded from vLLM in this
+    process (``kvcache.kit.record.record_workload``; a state every 200th call)."""
+    from kvcache.kit.config import ManagerConfig
+    from kvcache.kit.record import record_workload
+    from kvcache.kit.trace import Trace
+
+    recording = record_workload(make_workload(workload, num_requests), "vllm", 200)
+    if recording.error is not None:
+        raise recording.error
+    config = ManagerConfig.from_record(recording.header["config"])
+    path = Path(f"{workload}-{num_requests}-requests (recorded now)")
+    return Trace(recording.header, config, recording.records, path)
+
+
+def bench_trace(
+    trace: Any,
+    impls: list[str],
+    repetitions: int = 5,
+    min_records: int = 10_000,
+    min_replays: int = 3,
+) -> TraceResult:
+    """Replay one trace (a ``Trace`` or a path) on each implementation ``repetitions``
+    times, alternating order.
+
+    Each implementation first replays the trace as ``python -m kvcache replay``
+    does (results and recorded states); then each timed repetition replays its
+    calls again, on a fresh manager, ``min_replays`` times or as often as it takes
+    to replay ``min_records`` records, the implementations taking turns replay by
+    replay. A repetition's manager time is the sum over the calls of each call's
+    fastest time in its replays: the replays make the same calls, and on a shared
+    machine a call that was descheduled midway (milliseconds, against a
+    microsecond call) would otherwise weigh more than all the others.
+
+    Raises:
+        ValueError: if ``repetitions`` < 1 or ``impls`` is empty.
+        TraceReplayError: if an implementation does not replay the trace identically.
+    """
+    from kvcache.kit.driver import replay_trace
+    from kvcache.kit.trace import read_trace
+
+    if repetitions < 1 or not impls:
+        raise ValueError(f"need repetitions >= 1 and impls, got {repetitions}, {impls}")
+    if isinstance(trace, (str, Path)):
+        trace = read_trace(trace)
+    name = trace.path.name if trace.path is not None else "trace"
+    for impl in impls:
+        checked = replay_trace(trace, impl)
+        if checked.verdict != "identical":
+            raise TraceReplayError(
+                f"{name}: {impl} does not replay identically ({checked.verdict}): "
+                f"{checked.mismatch or checked.cannot_build}"
+            )
+    from kvcache.kit.sides import Stopwatch
+
+    replays = max(min_replays, -(-min_records // max(1, len(trace.records))))
+    seconds: dict[str, list[float]] = {impl: [] for impl in impls}
+    digests: dict[str, str] = {}
+    calls: set[int] = set()
+    for rep in range(repetitions):
+        fastest: dict[str, list[float]] = {}
+        for replay in range(replays):
+            for impl in impls if (rep + replay) % 2 == 0 else impls[::-1]:
+                durations, digests[impl] = timed_replay(trace, impl)
+                calls.add(len(durations))
+                if len(calls) != 1:
+                    raise TraceReplayError(
+                        f"{name}: the implementations made {sorted(calls)} timed calls"
+                    )
+                best = fastest.setdefault(impl, durations)
+                fastest[impl] = [min(a, b) for a, b in zip(best, durations, strict=True)]
+        for impl in impls:
+            seconds[impl].append(sum(fastest[impl]))
+    return TraceResult(
+        name,
+        len(trace.records),
+        trace.config.layout,
+        replays,
+        digests,
+        seconds,
+        calls.pop(),
+        Stopwatch.overhead(),
+    )
+
+
+def format_trace(result: TraceResult) -> str:
+    """A readable table of one trace's replay timings and ratios."""
+    lines = [
+        f"== trace {result.trace} ({result.layout}): {result.num_records} records, "
+        f"{result.replays_per_repetition} replays per repetition (each call's fastest "
+        "counts), outputs "
+        + ("identical" if result.identical else f"DIFFER {result.digests}")
+    ]
+    for impl, secs in result.manager_seconds.items():
+        med, lo, hi = _median_min_max(secs)
+        lines.append(f"{impl:<14}manager s per replay {med:.5f} ({lo:.5f}-{hi:.5f})")
+    bases = [b for b in ("kvcache", "kvcache-pure") if b in result.manager_seconds]
+    for base in bases:
+        for impl in result.manager_seconds:
+            if impl not in bases:
+                med, lo, hi = _median_min_max(result.ratios(impl, base))
+                net = statistics.median(result.ratios(impl, base, net=True))
+                lines.append(
+                    f"ratio {impl}/{base}: {med:.2f} (min {lo:.2f}, max {hi:.2f}); "
+                    f"net of the stopwatch {net:.2f}"
+                )
+    lines.append(
+        f"{result.timed_calls} timed calls per replay; the stopwatch's own cost "
+        f"{result.timer_overhead * 1e9:.0f} ns per call is in the manager seconds"
+    )
     return "\n".join(lines)
 
 
@@ -281,7 +471,11 @@ def default_impls() -> tuple[list[str], str]:
     return [*ours, "spec"], f"{build}; note: vLLM 0.25.1 is not installed"
 
 
-def results_json(results: list[WorkloadResult], scaling_data: dict[str, Any] | None) -> str:
+def results_json(
+    results: list[WorkloadResult],
+    scaling_data: dict[str, Any] | None,
+    trace_results: list[TraceResult] | None = None,
+) -> str:
     """Machine-readable results for tracking over time."""
     payload = {
         "workloads": [
@@ -302,5 +496,23 @@ def results_json(results: list[WorkloadResult], scaling_data: dict[str, Any] | N
             for r in results
         ],
         "scaling": scaling_data,
+        "traces": [
+            {
+                "trace": t.trace,
+                "layout": t.layout,
+                "num_records": t.num_records,
+                "replays_per_repetition": t.replays_per_repetition,
+                "timed_calls": t.timed_calls,
+                "timer_overhead_s": t.timer_overhead,
+                "identical": t.identical,
+                "manager_seconds": t.manager_seconds,
+                "ratios": {
+                    i: t.ratios(i)
+                    for i in t.manager_seconds
+                    if i != "kvcache" and "kvcache" in t.manager_seconds
+                },
+            }
+            for t in trace_results or []
+        ],
     }
     return json.dumps(payload, indent=1)

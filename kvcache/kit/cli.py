@@ -32,10 +32,28 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if note:
         print(note)
     results = []
-    for name in args.workloads.split(","):
+    for name in filter(None, args.workloads.split(",")):
         result = bench.bench_workload(name, impls, args.repetitions, args.requests)
         print(bench.format_workload(result), flush=True)
         results.append(result)
+    trace_impls = [i for i in impls if i != "spec"]
+    traces: list[Any] = list(args.traces)
+    if args.trace_requests:
+        traces += [
+            bench.record_bench_trace(name, args.trace_requests)
+            for name in ("chat", "chat-swa", "chat-mamba")
+        ]
+    trace_results = []
+    for trace in traces:
+        trace_result = bench.bench_trace(
+            trace,
+            trace_impls,
+            args.trace_repetitions,
+            args.trace_min_records,
+            args.trace_min_replays,
+        )
+        print(bench.format_trace(trace_result), flush=True)
+        trace_results.append(trace_result)
     scaling_data = None
     if args.scaling:
         scaling_impls = [i for i in impls if i != "spec"]
@@ -47,11 +65,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(bench.format_scaling(scaling_data))
     if args.json:
         with open(args.json, "w") as f:
-            f.write(bench.results_json(results, scaling_data))
+            f.write(bench.results_json(results, scaling_data, trace_results))
         print(f"results written to {args.json}")
-    if args.plot:
+    if args.plot and results:
         print(bench.plot(results, scaling_data, args.plot))
-    return 0 if all(r.identical for r in results) else 1
+    identical = all(r.identical for r in results) and all(t.identical for t in trace_results)
+    return 0 if identical else 1
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -392,6 +411,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--scaling",
         action="store_true",
         help="also measure per-call cost vs pool size and prompt length",
+    )
+    p.add_argument(
+        "--traces",
+        nargs="*",
+        default=[],
+        metavar="TRACE",
+        help="also replay these traces (recorded from vLLM) on kvcache and vllm, timed",
+    )
+    p.add_argument(
+        "--trace-requests",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also record chat, chat-swa and chat-mamba with N requests from vLLM now and "
+        "replay them, timed (default 0: none)",
+    )
+    p.add_argument(
+        "--trace-repetitions", type=int, default=5, help="alternating trace replays (default 5)"
+    )
+    p.add_argument(
+        "--trace-min-records",
+        type=int,
+        default=10_000,
+        metavar="N",
+        help="a repetition replays a short trace until N records are replayed (default 10000)",
+    )
+    p.add_argument(
+        "--trace-min-replays",
+        type=int,
+        default=3,
+        metavar="N",
+        help="replays per repetition at least (default 3; each call's fastest counts)",
     )
     p.add_argument("--json", default="", help="write results as JSON to this path")
     p.add_argument("--plot", default="", help="draw a PNG bar chart to this path")

@@ -40,6 +40,7 @@ import contextlib
 import importlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any, cast
@@ -306,6 +307,50 @@ class SpecAdapter(Adapter):
                             prefix_cache_retention_interval=config.prefix_cache_retention_interval)
 
 
+class Stopwatch:
+    """Records the time spent inside each of its ``with`` blocks in ``durations``.
+
+    A side's ``timing``: each manager call (or property read) in a ``Side``
+    handler is such a block, so a benchmark times exactly the calls a replay
+    makes and nothing of the kit's own request building or result normalising.
+    """
+
+    __slots__ = ("_start", "durations")
+
+    def __init__(self) -> None:
+        self.durations: list[float] = []
+        self._start = 0.0
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.durations.append(time.perf_counter() - self._start)
+
+    @property
+    def seconds(self) -> float:
+        """Time inside all blocks."""
+        return sum(self.durations)
+
+    @property
+    def calls(self) -> int:
+        """Blocks timed."""
+        return len(self.durations)
+
+    @staticmethod
+    def overhead(blocks: int = 20_000) -> float:
+        """Seconds one empty ``with`` block adds (the fastest of 5 runs of ``blocks``):
+        the stopwatch's own share of each timed call."""
+        best = float("inf")
+        for _ in range(5):
+            stopwatch = Stopwatch()
+            for _ in range(blocks):
+                with stopwatch:
+                    pass
+            best = min(best, stopwatch.seconds / blocks)
+        return best
+
+
 class ProfileAdapter(Adapter):
     """kvcache under another release's profile, through that release's drop-in module
     (``kvcache.vllm_0_33``): its constructor names, lookup shape, hasher and
@@ -383,7 +428,11 @@ class SpecProfileAdapter(SpecAdapter):
 
 
 class Side:
-    """An adapter's manager plus its requests, driven by ``call(op, args)``."""
+    """An adapter's manager plus its requests, driven by ``call(op, args)``.
+
+    ``timing`` wraps every manager call of a handler (a no-op context by
+    default; ``kvcache.kit.bench`` puts a ``Stopwatch`` there).
+    """
 
     def __init__(self, adapter: Adapter, config: ManagerConfig, hash_seed: str = "0") -> None:
         self.adapter = adapter
@@ -395,6 +444,7 @@ class Side:
         #: The raw return value of the last get_computed_blocks / allocate_slots.
         self.last_raw: Any = None
         self.last_hit_tokens: dict[str, int] = {}
+        self.timing: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         # The chain of this side's trace, kept here: the process's is put back at once.
         self.chain_module = adapter.chain_module()
         before = _UNSET if self.chain_module is None else chain_seed(self.chain_module)
@@ -510,9 +560,9 @@ class Side:
     # ------------------------------------------------------------ manager calls
 
     def op_get_computed_blocks(self, args: Mapping[str, Any]) -> Any:
-        blocks, num_computed_tokens = self.adapter.get_computed_blocks(
-            self.manager, self.request(args)
-        )
+        request = self.request(args)
+        with self.timing:
+            blocks, num_computed_tokens = self.adapter.get_computed_blocks(self.manager, request)
         self.last_computed[args["request_id"]] = blocks
         self.last_hit_tokens[args["request_id"]] = num_computed_tokens
         self.last_raw = (blocks, num_computed_tokens)
@@ -532,34 +582,48 @@ class Side:
             new_computed_blocks = self.manager.empty_kv_cache_blocks
         else:
             new_computed_blocks = None
-        blocks = self.manager.allocate_slots(
-            request,
-            args["num_new_tokens"],
-            num_new_computed_tokens=args.get("num_new_computed_tokens", 0),
-            new_computed_blocks=new_computed_blocks,
-            num_lookahead_tokens=args.get("num_lookahead_tokens", 0),
-            num_external_computed_tokens=args.get("num_external_computed_tokens", 0),
-            delay_cache_blocks=args.get("delay_cache_blocks", False),
-            num_encoder_tokens=args.get("num_encoder_tokens", 0),
-            full_sequence_must_fit=args.get("full_sequence_must_fit", False),
-            reserved_blocks=args.get("reserved_blocks", 0),
-            has_scheduled_reqs=args.get("has_scheduled_reqs", True),
-        )
+        num_new_tokens = args["num_new_tokens"]
+        num_new_computed_tokens = args.get("num_new_computed_tokens", 0)
+        num_lookahead_tokens = args.get("num_lookahead_tokens", 0)
+        num_external_computed_tokens = args.get("num_external_computed_tokens", 0)
+        delay_cache_blocks = args.get("delay_cache_blocks", False)
+        num_encoder_tokens = args.get("num_encoder_tokens", 0)
+        full_sequence_must_fit = args.get("full_sequence_must_fit", False)
+        reserved_blocks = args.get("reserved_blocks", 0)
+        has_scheduled_reqs = args.get("has_scheduled_reqs", True)
+        with self.timing:
+            blocks = self.manager.allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens=num_new_computed_tokens,
+                new_computed_blocks=new_computed_blocks,
+                num_lookahead_tokens=num_lookahead_tokens,
+                num_external_computed_tokens=num_external_computed_tokens,
+                delay_cache_blocks=delay_cache_blocks,
+                num_encoder_tokens=num_encoder_tokens,
+                full_sequence_must_fit=full_sequence_must_fit,
+                reserved_blocks=reserved_blocks,
+                has_scheduled_reqs=has_scheduled_reqs,
+            )
         self.last_raw = blocks
         if blocks is None:
             return None
         if which == "last":  # the scheduler admits the request it looked up
-            self.adapter.admitted(
-                self.manager, request, self.last_hit_tokens.get(args["request_id"], 0)
-            )
+            num_hit_tokens = self.last_hit_tokens.get(args["request_id"], 0)
+            with self.timing:
+                self.adapter.admitted(self.manager, request, num_hit_tokens)
         return canon(blocks.get_block_ids())
 
     def op_free(self, args: Mapping[str, Any]) -> Any:
-        self.manager.free(self.request(args))
+        request = self.request(args)
+        with self.timing:
+            self.manager.free(request)
         return None
 
     def op_pop_blocks_for_free(self, args: Mapping[str, Any]) -> Any:
-        blocks = list(self.manager.pop_blocks_for_free(self.request(args)))
+        request = self.request(args)
+        with self.timing:
+            blocks = list(self.manager.pop_blocks_for_free(request))
         self.popped[args["handle"]] = blocks
         return [self.block_id(b) for b in blocks]
 
@@ -569,59 +633,88 @@ class Side:
             blocks = self.popped.pop(args["handle"])
         except KeyError:
             raise HarnessError(f"unknown popped-blocks handle {args['handle']!r}") from None
-        self.manager.block_pool.free_blocks(reversed(blocks))
+        with self.timing:
+            self.manager.block_pool.free_blocks(reversed(blocks))
         return None
 
     def op_evict_blocks(self, args: Mapping[str, Any]) -> Any:
-        self.manager.evict_blocks(set(args["block_ids"]))
+        block_ids = set(args["block_ids"])
+        with self.timing:
+            self.manager.evict_blocks(block_ids)
         return None
 
     def op_reset_prefix_cache(self, args: Mapping[str, Any]) -> Any:
-        return bool(self.manager.reset_prefix_cache())
+        with self.timing:
+            done = self.manager.reset_prefix_cache()
+        return bool(done)
 
     def op_take_events(self, args: Mapping[str, Any]) -> Any:
-        return canon(list(self.manager.take_events()))
+        with self.timing:
+            events = self.manager.take_events()
+        return canon(list(events))
 
     def op_take_new_block_ids(self, args: Mapping[str, Any]) -> Any:
-        return canon(list(self.manager.take_new_block_ids()))
+        with self.timing:
+            block_ids = self.manager.take_new_block_ids()
+        return canon(list(block_ids))
 
     def op_get_num_common_prefix_blocks(self, args: Mapping[str, Any]) -> Any:
-        return canon(list(self.manager.get_num_common_prefix_blocks(args["request_id"])))
+        request_id = args["request_id"]
+        with self.timing:
+            counts = self.manager.get_num_common_prefix_blocks(request_id)
+        return canon(list(counts))
 
     def op_new_step_starts(self, args: Mapping[str, Any]) -> Any:
-        self.manager.new_step_starts()
+        with self.timing:
+            self.manager.new_step_starts()
         return None
 
     def op_make_prefix_cache_stats(self, args: Mapping[str, Any]) -> Any:
-        return canon(self.manager.make_prefix_cache_stats())
+        with self.timing:
+            stats = self.manager.make_prefix_cache_stats()
+        return canon(stats)
 
     def op_usage(self, args: Mapping[str, Any]) -> Any:
-        return float(self.manager.usage)
+        with self.timing:
+            usage = self.manager.usage
+        return float(usage)
 
     def op_get_num_free_blocks(self, args: Mapping[str, Any]) -> Any:
-        return self.num_free_blocks()
+        with self.timing:
+            num_free = self.manager.block_pool.get_num_free_blocks()
+        return int(num_free)
 
     def op_get_block_ids(self, args: Mapping[str, Any]) -> Any:
-        return canon(self.manager.get_block_ids(args["request_id"]))
+        request_id = args["request_id"]
+        with self.timing:
+            block_ids = self.manager.get_block_ids(request_id)
+        return canon(block_ids)
 
     def op_get_blocks(self, args: Mapping[str, Any]) -> Any:
-        return canon(self.manager.get_blocks(args["request_id"]).get_block_ids(allow_none=True))
+        request_id = args["request_id"]
+        with self.timing:
+            blocks = self.manager.get_blocks(request_id)
+        return canon(blocks.get_block_ids(allow_none=True))
 
     def op_get_block_ids_for_computed_tokens(self, args: Mapping[str, Any]) -> Any:
-        return canon(
-            self.manager.get_block_ids_for_computed_tokens(
-                args["request_id"], args["num_computed_tokens"]
+        request_id, num_computed_tokens = args["request_id"], args["num_computed_tokens"]
+        with self.timing:
+            block_ids = self.manager.get_block_ids_for_computed_tokens(
+                request_id, num_computed_tokens
             )
-        )
+        return canon(block_ids)
 
     def op_cache_blocks(self, args: Mapping[str, Any]) -> Any:
-        self.manager.cache_blocks(self.request(args), args["num_computed_tokens"])
+        request, num_computed_tokens = self.request(args), args["num_computed_tokens"]
+        with self.timing:
+            self.manager.cache_blocks(request, num_computed_tokens)
         return None
 
     def op_remove_skipped_blocks(self, args: Mapping[str, Any]) -> Any:
-        self.manager.remove_skipped_blocks(
-            args["request_id"], args["total_computed_tokens"], args.get("num_prompt_tokens")
-        )
+        request_id, total = args["request_id"], args["total_computed_tokens"]
+        num_prompt_tokens = args.get("num_prompt_tokens")
+        with self.timing:
+            self.manager.remove_skipped_blocks(request_id, total, num_prompt_tokens)
         return None
 
 

@@ -303,23 +303,6 @@ RELEASES: dict[str, Release] = {
             "tests/v1/core/test_deferred_block_free.py",
             "tests/v1/core/test_kv_sharing.py",
         ),
-        known_failing_compiled=tuple(
-            Excluded(
-                f"tests/v1/core/test_kv_cache_utils.py::{name}",
-                "compiled build: the test hashes with the builtin hash() (an int); compiled "
-                "kvcache insists on bytes block hashes (BlockHash), as vLLM's types say",
-            )
-            for name in (
-                "test_generate_block_hash_extra_keys",
-                "test_generate_block_hash_extra_keys_cache_salt",
-                "test_generate_block_hash_extra_keys_different_prompt_embeds",
-                "test_generate_block_hash_extra_keys_lora",
-                "test_generate_block_hash_extra_keys_no_mm_inputs",
-                "test_generate_block_hash_extra_keys_prompt_embeds",
-                "test_generate_block_hash_extra_keys_prompt_embeds_cached",
-                "test_hash_tokens_different_mm_input[",
-            )
-        ),
     ),
     "0.33.0": Release(
         "0.33.0",

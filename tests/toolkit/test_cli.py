@@ -180,6 +180,69 @@ def test_bench_and_simulate_still_work(capsys: pytest.CaptureFixture[str]) -> No
     assert result.identical
 
 
+def test_bench_times_a_vllm_trace_side_by_side(
+    capsys: pytest.CaptureFixture[str], vllm_reference: object
+) -> None:
+    """``bench --traces``: vLLM and kvcache replay a trace recorded from vLLM with the
+    recorded results (a ValueError where vLLM asserts included), each manager call
+    timed once per replay on every implementation."""
+    from kvcache.kit import bench
+
+    trace = read_trace(ROOT / "tests/data/random_caching_watermark.jsonl")
+    assert any("raises" in r for r in trace.records)
+    result = bench.bench_trace(
+        trace, ["kvcache", "vllm"], repetitions=2, min_records=200, min_replays=1
+    )
+    assert result.identical and result.replays_per_repetition == 2
+    manager_ops = [r for r in trace.records if r["op"] not in ("add_request", "update_request")]
+    ops = {r["op"] for r in manager_ops}
+    assert ops >= {"allocate_slots", "free", "take_events"}
+    no_manager = sum(r["op"] == "append_output_token_ids" for r in manager_ops)
+    admissions = sum(  # the adapter's admission hook, timed too
+        r["op"] == "allocate_slots"
+        and r["args"].get("new_computed_blocks") == "last"
+        and r.get("ok") is not None
+        for r in manager_ops
+    )
+    assert result.timed_calls == len(manager_ops) - no_manager + admissions
+    assert all(len(s) == 2 and min(s) > 0 for s in result.manager_seconds.values())
+    assert "ratio vllm/kvcache" in bench.format_trace(result)
+    code, stdout, _ = run(
+        capsys,
+        "bench",
+        "--workloads",
+        "",
+        "--impls",
+        "kvcache,vllm",
+        "--traces",
+        "tests/data/random_no_caching.jsonl",
+        "--trace-repetitions",
+        "1",
+        "--trace-min-records",
+        "1",
+        "--trace-min-replays",
+        "1",
+    )
+    assert code == 0 and "random_no_caching.jsonl (full)" in stdout, stdout
+
+
+def test_bench_rejects_a_trace_an_implementation_does_not_replay() -> None:
+    from kvcache.kit import bench
+
+    trace = read_trace(ROOT / "tests/data/prefix_hits_and_eviction.jsonl")
+    index = next(
+        i
+        for i, r in enumerate(trace.records)
+        if r["op"] == "get_computed_blocks" and r["ok"]["num_computed_tokens"] > 0
+    )
+    miss = {"block_ids": [[]], "num_computed_tokens": 0}
+    trace.records[index] = {**trace.records[index], "ok": miss}
+    with pytest.raises(bench.TraceReplayError, match="kvcache does not replay identically"):
+        bench.bench_trace(trace, ["kvcache"], repetitions=1)
+    with pytest.raises(bench.TraceReplayError, match=f"kvcache: record {index}"):
+        bench.timed_replay(trace, "kvcache")
+
+
 @pytest.mark.skipif(os.environ.get("CI") is None, reason="needs vLLM; CI has it")
 def test_record_on_vllm_replays_on_kvcache(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], vllm_reference: object

@@ -11,6 +11,8 @@
 * ``take_events`` warns on vLLM's ``logger`` for an out-of-range group index.
 * ``BlockPool.cache_partial_block``: kvcache against the spec oracle (no vLLM
   needed), and against vLLM's own pool when vLLM is installed.
+* A hash function returning ints (the builtin ``hash()``, as vLLM's own tests
+  use) hashes requests on both builds, as vLLM's code lets it.
 
 Tests that need vLLM use the ``vllm_reference`` fixture: they skip locally without
 vLLM and fail under CI.
@@ -563,3 +565,26 @@ def test_cache_partial_block_rejects_bad_sizes_unchanged() -> None:
             side.pool.cache_partial_block(req, block, num_tokens, 0, block_size)
     assert side.state() == before and side.pool.take_events() == []
     side.pool.check_invariants()
+
+
+# ---------------------------------------------------------------- hash functions
+
+
+@pytest.mark.parametrize("caching_hash_fn", [hash, K.sha256], ids=["builtin-hash", "sha256"])
+def test_request_hashes_chain_whatever_the_hash_function_returns(
+    caching_hash_fn: Callable[[Any], Any],
+) -> None:
+    """The compiled build holds hashing values unchecked (``HashValue``): an int
+    hash (vLLM's own tests hash with ``hash()``) passes there as in vLLM."""
+    none_hash = K.kv_cache_utils.NONE_HASH
+    first = caching_hash_fn((none_hash, (0, 1, 2), None))
+    second = caching_hash_fn((first, (3, 4, 5), None))
+    assert K.hash_block_tokens(caching_hash_fn, None, [0, 1, 2]) == first
+    assert K.hash_block_tokens(caching_hash_fn, first, (3, 4, 5)) == second
+    request = K.Request(
+        "a", list(range(7)), block_hasher=K.get_request_block_hasher(3, caching_hash_fn)
+    )
+    assert request.block_hashes == [first, second]
+    request.append_output_token_ids([7, 8])
+    assert request.block_hashes == [first, second, caching_hash_fn((second, (6, 7, 8), None))]
+    assert all(type(h) is type(first) for h in request.block_hashes)
