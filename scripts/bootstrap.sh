@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: scripts/bootstrap.sh dev|compiled|reference|reference-0.33|fuzz|bench|mutation STAMP
+# Usage: scripts/bootstrap.sh dev|compiled|reference|reference-0.33|upstream-0.33|fuzz|bench|mutation STAMP
 #
 # Installs one layer of the test environment into .venv, quietly: the
 # installers' output goes to build/setup.log and one summary line is printed
@@ -13,13 +13,14 @@
 #   reference-0.33  a venv of its own, .venv-0.33: vLLM 0.33.0 without its GPU
 #              dependencies (it pins torch 2.14.0 but imports with CPU torch 2.13.0),
 #              its import-time needs, and this repo (-e .) for the kit
+#   upstream-0.33  pytest in .venv-0.33, for vLLM 0.33.0's own core tests (make upstream-0.33)
 #   fuzz       a venv of its own, .venv-fuzz, with pip install -e '.[fuzz]' (HypoFuzz
 #              and the Hypothesis it works with)
 #   bench      pip install -e '.[bench]' (matplotlib)
 #   mutation   pip install -e '.[mutation]' (mutmut, for `make mutation`)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-usage="usage: bootstrap.sh dev|compiled|reference|reference-0.33|fuzz|bench|mutation STAMP"
+usage="usage: bootstrap.sh dev|compiled|reference|reference-0.33|upstream-0.33|fuzz|bench|mutation STAMP"
 layer=${1:?$usage}
 stamp=${2:?$usage}
 log=build/setup.log
@@ -89,6 +90,11 @@ reference-0.33)
         "from vllm.v1.core.kv_cache_manager import KVCacheManager; import kvcache.kit.vllm_side"
     summary="vLLM 0.33.0, CPU torch in .venv-0.33"
     ;;
+upstream-0.33)
+    venv=.venv-0.33
+    step "pytest" pip_install "pytest>=8"
+    summary="pytest in .venv-0.33"
+    ;;
 fuzz)
     venv=.venv-fuzz
     step "create .venv-fuzz" python3 -m venv "$venv"
@@ -104,7 +110,7 @@ mutation)
     summary="mutmut in .venv"
     ;;
 *)
-    echo "unknown layer $layer (dev, compiled, reference, reference-0.33, fuzz, bench or mutation)"
+    echo "unknown layer $layer (dev, compiled, reference, reference-0.33, upstream-0.33, fuzz, bench or mutation)"
     exit 2
     ;;
 esac

@@ -167,6 +167,65 @@ FALLBACKS: dict[str, dict[str, str]] = {
 }
 
 
+# vLLM 0.33.0: the drop-in module kvcache.vllm_0_33 (the manager built with Profile("0.33.0"),
+# 0.33.0's hasher and NONE_HASH seed rule) serves the manager's and the hashing module's
+# names first; the rest is kvcache's shared modules, as for 0.25.1.
+CORE_SWAPS_0_33: dict[str, tuple[str, ...]] = {
+    name: (("kvcache.vllm_0_33", module) if name.endswith(("kv_cache_manager", "kv_cache_utils"))
+           else (module,))
+    for name, module in CORE_SWAPS.items()
+}  # fmt: skip
+
+
+_SIZING_0_33 = (
+    "worker-side sizing / config resolution of vLLM 0.33.0 "
+    "(no block is allocated, freed, hashed or looked up)"
+)
+FALLBACKS_0_33: dict[str, dict[str, str]] = {
+    **FALLBACKS,
+    "vllm.v1.core.kv_cache_utils": {
+        **FALLBACKS["vllm.v1.core.kv_cache_utils"],
+        "KVCacheBlockCopy": "data type: a (src, dst) block-id pair of a copy-on-write copy",
+        **{
+            name: _SIZING_0_33
+            for name in (
+                "_kv_cache_device_name",
+                "update_kv_cache_capacity",
+                "resolve_dcp_kv_block_size",
+                "resolve_dcp_kv_cache_spec",
+                "resolve_kv_cache_block_sizes",
+                "resolve_cache_hit_alignment_tokens",
+            )
+        },
+    },
+}
+_NOT_MODELLED_0_33 = "not modelled by kvcache's 0.33.0 profile: "
+NOT_MODELLED_0_33: dict[str, dict[str, str]] = {
+    "vllm.v1.core.single_type_kv_cache_manager": {
+        "CircularBufferManager": _NOT_MODELLED_0_33 + "CircularBufferSpec / CircularBufferManager",
+        **{
+            name: _NOT_MODELLED_0_33 + "the HiSparse managers"
+            for name in ("HiSparseHotManager", "HiSparseResidentManager", "HiSparseSourceManager")
+        },
+    },
+    "vllm.v1.core.kv_cache_utils": {
+        "null_head_len": _NOT_MODELLED_0_33 + "the null-head helpers (pop_drops_null_head is "
+        "modelled inside the manager, not as vLLM's helper functions)",
+        "trim_null_head": _NOT_MODELLED_0_33 + "the null-head helpers",
+        "to_event_extra_keys": _NOT_MODELLED_0_33 + "vLLM 0.33.0's event-key helper (kvcache "
+        "untags the keys inside its block pool)",
+        "generate_lookahead_block_hash_extra_keys": _NOT_MODELLED_0_33 + "lookahead hashing",
+        "resolve_block_hashes": _NOT_MODELLED_0_33 + "lookahead hashing (block hashes per "
+        "lookahead extension)",
+        "get_none_hash_seed": _NOT_MODELLED_0_33 + "the NONE_HASH seed as a function of its own",
+        "eagle_proof_margin": _NOT_MODELLED_0_33 + "the EAGLE margin rules beside Mamba",
+    },
+    "vllm.v1.core.kv_cache_coordinator": {
+        "replay_boundaries": _NOT_MODELLED_0_33 + "sparse retention's replay boundaries with EAGLE",
+    },
+}
+
+
 @dataclass(frozen=True)
 class Excluded:
     """A vLLM test that this stage does not demand, and why."""
@@ -181,12 +240,49 @@ class Excluded:
         )
 
 
+def known_failing_from(path: Path) -> tuple[Excluded, ...]:
+    """The ratchet of a release kept in a TOML file (``upstream_data/known_failing-*.toml``):
+    ``[reasons]`` names each feature a test needs, ``[tests]`` maps a node id (or its
+    prefix ending in ``[``) to ``+``-joined reason names.
+
+    Raises:
+        ValueError: naming the test whose reason name is not in ``[reasons]``.
+    """
+    import tomllib
+
+    table = tomllib.loads(path.read_text())
+    reasons: dict[str, str] = table["reasons"]
+    rules = []
+    for pattern, keys in table["tests"].items():
+        unknown = [k for k in keys.split("+") if k not in reasons]
+        if unknown:
+            raise ValueError(f"{path.name}: {pattern}: unknown reason {unknown[0]!r}")
+        rules.append(Excluded(pattern, "; ".join(reasons[k] for k in keys.split("+"))))
+    return tuple(rules)
+
+
 @dataclass(frozen=True)
 class Release:
-    """One vLLM release's test selection."""
+    """One vLLM release's test selection, and how kvcache is swapped in for it.
+
+    ``core_swaps`` maps each vLLM core module to the kvcache modules serving it, searched
+    in order (a release's drop-in module first, kvcache's shared module after it);
+    ``modes`` are the runs demanded (the baseline ``vllm`` first).
+    """
 
     version: str
     files: tuple[str, ...]
+    core_swaps: dict[str, tuple[str, ...]] = field(
+        default_factory=lambda: {name: (module,) for name, module in CORE_SWAPS.items()}
+    )
+    vocabulary_swaps: dict[str, str] = field(default_factory=lambda: dict(VOCABULARY_SWAPS))
+    fallbacks: dict[str, dict[str, str]] = field(default_factory=lambda: FALLBACKS)
+    # Names of the release's core modules for logic kvcache does not model (managers,
+    # hashing helpers): served as placeholders that raise NotImplementedError naming the
+    # feature when called, so a test file importing one still collects and only the
+    # tests that use it fail (each listed in known_failing); vLLM's code never runs.
+    not_modelled: dict[str, dict[str, str]] = field(default_factory=dict)
+    modes: tuple[str, ...] = MODES
     excluded: tuple[Excluded, ...] = ()
     # Tests that pass on vLLM and still fail on kvcache, each with the issue that fixes it:
     # a ratchet (a new failure fails the stage, and so does a listed test that passes).
@@ -207,6 +303,31 @@ RELEASES: dict[str, Release] = {
             "tests/v1/core/test_deferred_block_free.py",
             "tests/v1/core/test_kv_sharing.py",
         ),
+    ),
+    "0.33.0": Release(
+        "0.33.0",
+        files=(
+            "tests/v1/core/test_kv_cache_utils.py",
+            "tests/v1/core/test_prefix_caching.py",
+            "tests/v1/core/test_single_type_kv_cache_manager.py",
+            "tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py",
+            "tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py",
+            "tests/v1/core/prefix_cache/test_mamba_eagle_resume_checkpoint.py",
+            "tests/v1/core/test_kv_cache_metrics.py",
+            "tests/v1/core/test_deferred_block_free.py",
+            "tests/v1/core/test_kv_sharing.py",
+            "tests/v1/core/test_swa_inflight_window_free.py",
+            "tests/v1/core/test_prefix_replay.py",
+            "tests/v1/core/test_mamba_align_chunk_split.py",
+        ),
+        core_swaps=CORE_SWAPS_0_33,
+        fallbacks=FALLBACKS_0_33,
+        not_modelled=NOT_MODELLED_0_33,
+        known_failing=known_failing_from(DATA / "known_failing-0.33.0.toml"),
+        # Objects mode only: vLLM 0.33.0's tests build 0.33.0's vocabulary (its specs,
+        # Request fields, events), which kvcache's shared vocabulary modules are not;
+        # the drop-in serves the manager and hashing names.
+        modes=("vllm", "objects"),
     ),
 }
 
@@ -323,6 +444,7 @@ def run_mode(release: Release, tree: Path, mode: str) -> dict[str, Any]:
     env = dict(os.environ)
     env.update(
         KVCACHE_UPSTREAM_MODE=mode,
+        KVCACHE_UPSTREAM_VERSION=release.version,
         KVCACHE_UPSTREAM_REPORT=str(report),
         PYTHONPATH=os.pathsep.join(
             [str(tree), str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
@@ -367,10 +489,14 @@ class Verdict:
     def summary(self) -> str:
         """The stage's one line."""
         m = len(self.baseline)
+        vocabulary = (
+            f"{len(self.passed['vocabulary'])} passed of {m} (kvcache vocabulary)"
+            if "vocabulary" in self.passed
+            else "kvcache vocabulary not run"
+        )
         return (
             f"upstream: {len(self.passed['objects'])} passed of {m} (vLLM objects), "
-            f"{len(self.passed['vocabulary'])} passed of {m} (kvcache vocabulary); "
-            f"vLLM itself {m}"
+            f"{vocabulary}; vLLM itself {m}"
             + f" [vLLM {self.version}, {'compiled' if self.compiled else 'pure'} build; "
             f"{len(self.excluded)} excluded, "
             f"{len(self.known_failing)} known failing]"
@@ -390,14 +516,15 @@ def judge(release: Release, reports: dict[str, dict[str, Any]]) -> Verdict:
         for nodeid, outcome in reports["vllm"]["outcomes"].items()
         if outcome == "passed" and nodeid not in excluded
     )
-    compiled = any(reports[m].get("compiled") for m in MODES[1:])
+    swapped = release.modes[1:]
+    compiled = any(reports[m].get("compiled") for m in swapped)
     rules = release.known_failing + (release.known_failing_compiled if compiled else ())
     known = {nodeid: rule.reason for nodeid in baseline for rule in rules if rule.matches(nodeid)}
     verdict = Verdict(
         release.version, baseline, passed={}, excluded=excluded, known_failing=known,
         compiled=compiled,
     )  # fmt: skip
-    for mode in ("objects", "vocabulary"):
+    for mode in swapped:
         outcomes = reports[mode]["outcomes"]
         verdict.passed[mode] = [n for n in baseline if outcomes.get(n) == "passed"]
         verdict.failed[mode] = [
@@ -416,7 +543,7 @@ def judge(release: Release, reports: dict[str, dict[str, Any]]) -> Verdict:
                 f"{mode}: {len(verdict.failed[mode])} tests pass on vLLM but not on kvcache"
             )
     stale = [
-        n for n in known if all(reports[m]["outcomes"].get(n) == "passed" for m in MODES[1:])
+        n for n in known if all(reports[m]["outcomes"].get(n) == "passed" for m in swapped)
     ]
     if stale:
         verdict.problems.append(
@@ -446,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     tree = fetch_tests(release.version)
     reports = {}
-    for mode in MODES:
+    for mode in release.modes:
         saved = BUILD / f"report-{release.version}-{mode}.json"
         if mode == "vllm" and args.reuse_baseline and saved.exists():
             reports[mode] = json.loads(saved.read_text()) | {"log": "(reused)"}
@@ -455,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     verdict = judge(release, reports)
     if args.json:
         args.json.write_text(json.dumps(verdict.__dict__, indent=1, sort_keys=True))
-    for mode in ("objects", "vocabulary"):
+    for mode in release.modes[1:]:
         failed = verdict.failed[mode]
         shown = failed if args.verbose else failed[:15]
         for nodeid in shown:

@@ -31,13 +31,19 @@ from typing import Any
 
 import pytest
 
-from kvcache.kit.upstream import AUDITED_FILES, CORE_SWAPS, FALLBACKS, VOCABULARY_SWAPS
+from kvcache.kit.upstream import AUDITED_FILES, RELEASES
 
 MODE = os.environ.get("KVCACHE_UPSTREAM_MODE", "vllm")
 REPORT = os.environ.get("KVCACHE_UPSTREAM_REPORT")
+# The release whose tests run: its swaps and fallbacks (``KVCACHE_UPSTREAM_VERSION``).
+RELEASE = RELEASES[os.environ.get("KVCACHE_UPSTREAM_VERSION", "0.25.1")]
+FALLBACKS = RELEASE.fallbacks
+NOT_MODELLED = RELEASE.not_modelled
+VOCABULARY_SWAPS = RELEASE.vocabulary_swaps
 
 _outcomes: dict[str, str] = {}
 _fallbacks_used: dict[str, Counter[str]] = {}
+_not_modelled_used: Counter[str] = Counter()  # placeholders called (NOT_MODELLED)
 _kvcache_calls = 0
 _audit: Counter[str] = Counter()  # vLLM core functions that ran (outside a fallback's tree)
 _allowed: Counter[str] = Counter()  # ... inside a listed fallback's call tree
@@ -81,19 +87,41 @@ _MISSING = object()
 
 
 class SwappedModule(ModuleType):
-    """vLLM module ``name`` served by kvcache module ``target`` (see the module docstring)."""
+    """vLLM module ``name`` served by kvcache module ``target`` (see the module docstring).
 
-    def __init__(self, name: str, target: ModuleType, reexports_from_vllm: bool) -> None:
+    ``overlays`` are kvcache modules searched before ``target`` (a release's drop-in
+    module, e.g. ``kvcache.vllm_0_33``, whose names replace the shared module's); a
+    name set through this module goes to the first of them that has it, else to
+    ``target``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        target: ModuleType,
+        reexports_from_vllm: bool,
+        overlays: tuple[ModuleType, ...] = (),
+    ) -> None:
         super().__init__(name)
         object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_overlays", overlays)
         object.__setattr__(self, "_reexports_from_vllm", reexports_from_vllm)
         # Per name set through this module, the values it replaced (see __delattr__).
         object.__setattr__(self, "_replaced", {})
 
-    def __getattr__(self, attr: str) -> Any:
+    def _holder(self, attr: str) -> ModuleType:
+        """The module serving ``attr``: the first overlay that has it, else the target."""
+        for overlay in object.__getattribute__(self, "_overlays"):
+            if attr in overlay.__dict__:
+                held: ModuleType = overlay
+                return held
         target: ModuleType = object.__getattribute__(self, "_target")
+        return target
+
+    def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__") and attr not in ("__all__", "__file__"):
             raise AttributeError(attr)
+        target = object.__getattribute__(self, "_holder")(attr)
         if hasattr(target, attr):
             value = getattr(target, attr)
             origin = getattr(value, "__module__", None)
@@ -106,7 +134,7 @@ class SwappedModule(ModuleType):
         return _fallback(self.__name__, attr)
 
     def __setattr__(self, attr: str, value: Any) -> None:
-        target = object.__getattribute__(self, "_target")
+        target = object.__getattribute__(self, "_holder")(attr)
         replaced: dict[str, list[Any]] = object.__getattribute__(self, "_replaced")
         replaced.setdefault(attr, []).append(target.__dict__.get(attr, _MISSING))
         setattr(target, attr, value)
@@ -115,7 +143,7 @@ class SwappedModule(ModuleType):
         # pytest's monkeypatch reads the old value from this module's own (empty)
         # __dict__ and so undoes each patch by deleting the name: each delete puts
         # back the value the matching set replaced (kvcache's own, in the end).
-        target = object.__getattribute__(self, "_target")
+        target = object.__getattribute__(self, "_holder")(attr)
         stack = object.__getattribute__(self, "_replaced").get(attr)
         previous = stack.pop() if stack else _MISSING
         if previous is _MISSING:
@@ -124,7 +152,10 @@ class SwappedModule(ModuleType):
             setattr(target, attr, previous)
 
     def __dir__(self) -> list[str]:
-        return dir(object.__getattribute__(self, "_target"))
+        names = set(dir(object.__getattribute__(self, "_target")))
+        for overlay in object.__getattribute__(self, "_overlays"):
+            names.update(dir(overlay))
+        return sorted(names)
 
 
 _VOCABULARY = {kv: vllm for vllm, kv in VOCABULARY_SWAPS.items()}
@@ -152,8 +183,28 @@ def _audited_call_tree(function: Any) -> Any:
     return fallback
 
 
+_placeholders: dict[tuple[str, str], type] = {}
+
+
+def _not_modelled(vllm_name: str, attr: str, reason: str) -> type:
+    """A placeholder for ``vllm_name.attr`` (see ``Release.not_modelled``): importable,
+    subclassable, and calling it (building one) raises ``NotImplementedError``."""
+    key = (vllm_name, attr)
+    if key not in _placeholders:
+
+        def refuse(cls: type, *args: Any, **kwargs: Any) -> Any:
+            _not_modelled_used[f"{vllm_name}.{attr}"] += 1
+            raise NotImplementedError(f"{vllm_name}.{attr}: {reason}")
+
+        _placeholders[key] = type(attr, (), {"__new__": refuse, "__module__": vllm_name})
+    return _placeholders[key]
+
+
 def _fallback(vllm_name: str, attr: str) -> Any:
-    """vLLM's own ``attr`` of ``vllm_name`` if listed in FALLBACKS (or while loading one)."""
+    """vLLM's own ``attr`` of ``vllm_name`` if listed in FALLBACKS (or while loading one);
+    a placeholder if the release lists it as not modelled."""
+    if attr in NOT_MODELLED.get(vllm_name, {}) and not _loading_fallback:
+        return _not_modelled(vllm_name, attr, NOT_MODELLED[vllm_name][attr])
     if attr in FALLBACKS.get(vllm_name, {}) or _loading_fallback:
         real = _real_module(vllm_name)
         if hasattr(real, attr):
@@ -186,16 +237,18 @@ def _reload(original: Any) -> Any:
 
 def install_swaps(mode: str) -> None:
     """Put kvcache's modules in place of vLLM's for ``mode`` (before any test imports)."""
-    swaps = dict(CORE_SWAPS)
+    swaps: dict[str, tuple[str, ...]] = dict(RELEASE.core_swaps)
     if mode == "vocabulary":
-        swaps = {**VOCABULARY_SWAPS, **CORE_SWAPS}
-    for vllm_name, kv_name in swaps.items():
+        swaps = {**{k: (v,) for k, v in VOCABULARY_SWAPS.items()}, **swaps}
+    for vllm_name, kv_names in swaps.items():
         if vllm_name in sys.modules:
             raise RuntimeError(f"{vllm_name} was imported before kvcache could replace it")
-        target = importlib.import_module(kv_name)
+        *overlays, target = (importlib.import_module(name) for name in kv_names)
         parent_name, _, child = vllm_name.rpartition(".")
         parent = importlib.import_module(parent_name)
-        swapped = SwappedModule(vllm_name, target, reexports_from_vllm=mode == "objects")
+        swapped = SwappedModule(
+            vllm_name, target, reexports_from_vllm=mode == "objects", overlays=tuple(overlays)
+        )
         sys.modules[vllm_name] = swapped
         setattr(parent, child, swapped)
     importlib.reload = _reload(importlib.reload)
@@ -293,6 +346,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
                     "mode": MODE,
                     "outcomes": _outcomes,
                     "fallbacks": {m: dict(c) for m, c in _fallbacks_used.items()},
+                    "not_modelled": dict(_not_modelled_used),
                     "audit": audit,
                     "audit_allowed": dict(_allowed),
                     "kvcache_calls": _kvcache_calls,

@@ -245,7 +245,7 @@ class HybridMachine(ManagerMachine):
             self.max_prompt_len = max(1, min(max_model_len // 4, 2 * scheduler_block_size))
         self.has_cross = has_cross
         self.encoder_tokens: dict[str, int] = {}
-        self.hasher = get_request_block_hasher(hash_block_size, sha256)
+        self.hasher = get_request_block_hasher(hash_block_size, sha256, **self.hasher_switches)
         for _ in range(data.draw(st.integers(1, 3), label="num_first_requests")):
             self.new_request(data)
 

@@ -145,6 +145,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     spec_manager_cls: Any = spec.KVCacheManager
     impl_manager_cls: Any = kvcache.KVCacheManager
+    #: Switches of the requests' block hasher (a release profile's tagged_extra_keys,
+    #: mm_keys_by_window; tests/stateful/test_profile_machines.py sets them).
+    hasher_switches: ClassVar[dict[str, bool]] = {}
     #: Steps and examples run in this process (read by the test and the report hook).
     counters: ClassVar[dict[str, int]] = {"steps": 0, "examples": 0}
 
@@ -213,7 +216,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.token_budget = max_num_batched_tokens
-        self.hasher = get_request_block_hasher(block_size, sha256)
+        self.hasher = get_request_block_hasher(block_size, sha256, **self.hasher_switches)
         # Start with a few waiting requests, so the first steps have work to do.
         for _ in range(data.draw(st.integers(1, 3), label="num_first_requests")):
             self.new_request(data)

@@ -1,0 +1,213 @@
+"""The stateful machines under vLLM 0.33.0's profile: kvcache's against the spec's.
+
+``test_manager_machine.py`` and ``test_hybrid_machine.py`` hold kvcache to the spec
+under the default profile (vLLM 0.25.1). Here the same machines, rules and
+invariants run with ``Profile("0.33.0")`` on both sides (kvcache's drop-in
+``kvcache.vllm_0_33``, the spec with its own copy of the table, ``spec/profile.py``),
+on every layout the hybrid machine draws: full attention, sliding window, chunked
+local, cross attention and Mamba, one to three groups. (A Mamba group in mode
+'all' or 'none' with caching cannot be built under 0.33.0: both sides refuse it
+alike and the machine draws another layout. Mamba 'align' fine-grained hits,
+prefill checkpoints and CoW copies are modelled by neither side yet,
+``docs/profiles.md``.) The requests' hashes come from kvcache's hasher with the
+profile's hashing switches, and the invariant compares them with the spec's,
+byte for byte.
+
+A reduced run (a twelfth of the CI profile's examples for each machine) keeps the
+budget; ``HYPOTHESIS_PROFILE=nightly`` scales it as it scales the others.
+
+Teeth: with one switch turned back to 0.25.1's value in the spec only, the
+machine must fail, so each switch tried is one the machines actually reach.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+from hypothesis import Phase, seed, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+import spec
+import spec.profile as spec_profile
+from kvcache import vllm_0_33
+
+from .test_hybrid_machine import HybridMachine
+from .test_manager_machine import ManagerMachine
+
+RELEASE = "0.33.0"
+# Of the CI profile's 600 examples: each machine runs this many under the 0.33.0 profile.
+CI_EXAMPLES = 40
+
+
+class DropInManager(vllm_0_33.KVCacheManager):
+    """kvcache's 0.33.0 drop-in (``kvcache.vllm_0_33``: the profile's switches plus
+    0.33.0's vocabulary, its stats and event classes) under the names the machines
+    call, which are 0.25.1's: ``max_num_batched_tokens``, the retention interval as
+    an argument (0.33.0 reads it from the config), a lookup returning a pair."""
+
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_num_batched_tokens: int | None = None,
+        *,
+        prefix_cache_retention_interval: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kv_cache_config.prefix_cache_retention_interval = prefix_cache_retention_interval
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            scheduler_block_size,
+            hash_block_size,
+            max_in_flight_tokens=max_num_batched_tokens,
+            **kwargs,
+        )
+
+    def get_computed_blocks(  # type: ignore[override]
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[Any, int]:
+        """0.25.1's pair; the shared-prefix boundary (0.33.0's third value) is 0 on
+        every layout modelled."""
+        blocks, num_hit_tokens, boundary = super().get_computed_blocks(
+            request, max_cache_hit_length
+        )
+        assert boundary == 0, f"shared_prefix_boundary={boundary}"
+        return blocks, num_hit_tokens
+
+
+def spec_profile_with(flipped: str | None) -> spec_profile.Profile:
+    """The spec's 0.33.0 profile, with switch ``flipped`` (if any) set to 0.25.1's value."""
+    profile = spec_profile.Profile(RELEASE)
+    if flipped is not None:
+        if flipped not in spec_profile.SWITCHES:
+            raise ValueError(f"flipped={flipped!r} is no switch of spec/profile.py")
+        profile.on = profile.on ^ {flipped}
+    return profile
+
+
+def machine_class(base: type[ManagerMachine], flipped: str | None = None) -> type[ManagerMachine]:
+    """``base`` with both managers built under the 0.33.0 profile (the spec's with
+    ``flipped`` turned back, for the teeth)."""
+    impl_profile = vllm_0_33.PROFILE
+    spec_side = spec_profile_with(flipped)
+
+    def spec_factory(config: Any, **kwargs: Any) -> Any:
+        return spec.KVCacheManager(config, **kwargs, profile=spec_side)
+
+    def impl_factory(config: Any, **kwargs: Any) -> Any:
+        return DropInManager(config, **kwargs)
+
+    namespace: dict[str, Any] = {
+        "spec_manager_cls": staticmethod(spec_factory),
+        "impl_manager_cls": staticmethod(impl_factory),
+        "hasher_switches": {
+            "tagged_extra_keys": impl_profile.tagged_extra_keys,
+            "mm_keys_by_window": impl_profile.mm_keys_by_window,
+        },
+        "counters": {"steps": 0, "examples": 0},
+    }
+    name = f"{base.__name__}_0_33" + (f"_without_{flipped}" if flipped else "")
+    return type(name, (base,), namespace)
+
+
+MACHINES: dict[str, type[ManagerMachine]] = {
+    "manager": machine_class(ManagerMachine),
+    "hybrid": machine_class(HybridMachine),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MACHINES))
+def test_machine_under_0_33(
+    name: str, stateful_settings: settings, record_property: Any
+) -> None:
+    """kvcache's 0.33.0 profile agrees with the spec's on every step of the machine."""
+    cls = MACHINES[name]
+    run_seed = int(os.environ.get("STATEFUL_SEED") or random.SystemRandom().getrandbits(64))
+    examples = max(1, stateful_settings.max_examples * CI_EXAMPLES // 600)
+
+    @seed(run_seed)
+    def machine() -> ManagerMachine:
+        return cls()
+
+    before = dict(cls.counters)
+    try:
+        run_state_machine_as_test(
+            machine, settings=settings(stateful_settings, max_examples=examples)
+        )
+    except Exception as error:
+        error.add_note(f"reproduce with: STATEFUL_SEED={run_seed} (and the same profile)")
+        raise
+    finally:
+        record_property("stateful_seed", run_seed)
+        for key, value in cls.counters.items():
+            record_property(f"stateful_{key}", value - before[key])
+    # The run reached managers of the 0.33.0 profile (not only refused layouts).
+    assert cls.counters["steps"] > before["steps"]
+
+
+# (machine, switch, the machine's method whose check fails): each switch turned back in
+# the spec alone must make the machine fail there. (Switches the machines do not reach:
+# free_on_processed_tokens and adopt_computed_without_new_tokens, as 0.25.1's scheduler
+# the machines play has no in-flight tokens and never adopts computed tokens without new
+# ones; trim_every_full_group needs three full-attention groups, which the hybrid machine
+# draws too rarely for a bounded run. partial_prompt_tail_entries and event_new_fields,
+# stats_hits_by_source, zero_every_attention_group and mamba_align_only are reached too,
+# within 1-15 s: left out of the budget. Not reached in 300 examples: the Mamba switches
+# mamba_frees_processed_states, mamba_caps_new_state_blocks, mamba_prompt_tail_state and
+# mamba_no_eagle_margin.)
+TEETH = [
+    ("manager", "cascade_always_zero", ("get_num_common_prefix_blocks",)),  # zeros vs a count
+    ("manager", "tagged_extra_keys", ("states_agree",)),  # LoRA / salt / multimodal hashes
+    ("hybrid", "pop_drops_null_head", ("release",)),  # sliding-window tables' null heads
+    # EAGLE groups without use_eagle: the hits differ, or the tables they leave.
+    ("hybrid", "eagle_master_switch", ("get_computed_blocks", "states_agree")),
+    ("hybrid", "new_block_ids_zeroing_only", ("states_agree",)),  # new_block_ids, no Mamba
+]
+
+
+@pytest.mark.parametrize(("name", "switch", "where"), TEETH, ids=[f"{n}-{s}" for n, s, _ in TEETH])
+def test_machine_fails_with_a_switch_flipped_in_spec(
+    name: str, switch: str, where: tuple[str, ...]
+) -> None:
+    """The 0.33.0 machines have teeth: the spec with one switch at 0.25.1's value
+    disagrees with kvcache's 0.33.0 profile within a bounded, seeded run, at the
+    check that compares what the switch changes."""
+    base = {"manager": ManagerMachine, "hybrid": HybridMachine}[name]
+    cls = machine_class(base, flipped=switch)
+    assert getattr(spec_profile_with(switch), switch) is False
+    assert getattr(vllm_0_33.PROFILE, switch) is True
+
+    @seed(0)
+    def machine() -> ManagerMachine:
+        return cls()
+
+    bounded = settings(
+        max_examples=300,
+        stateful_step_count=100,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],  # the first failure is enough: no shrinking
+        suppress_health_check=list(settings.default.suppress_health_check)
+        + list(stateful_health_checks()),
+    )
+    with pytest.raises(AssertionError) as failure:
+        run_state_machine_as_test(machine, settings=bounded)
+    assert failure.traceback[-1].name in where, failure.traceback[-1]
+
+
+def stateful_health_checks() -> tuple[Any, ...]:
+    """The health checks the stateful profiles suppress (tests/stateful/conftest.py)."""
+    from hypothesis import HealthCheck
+
+    return (
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.large_base_example,
+        HealthCheck.data_too_large,
+    )
