@@ -24,6 +24,8 @@ GROUP_KINDS = (
     "sliding_window_mla",
     "rswa",
     "sink",
+    "tq_full",
+    "hidden_state",
 )
 MAMBA_CACHE_MODES = ("none", "all", "align")
 HASH_FNS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -36,7 +38,8 @@ class GroupConfig:
     Attributes:
         kind: full | sliding_window | chunked_local | mamba | cross_attention |
             mla (``MLAAttentionSpec``) | sliding_window_mla (``SlidingWindowMLASpec``) |
-            rswa (``RSWASpec``) | sink (``SinkFullAttentionSpec``).
+            rswa (``RSWASpec``) | sink (``SinkFullAttentionSpec``) |
+            tq_full (``TQFullAttentionSpec``) | hidden_state (``HiddenStateCacheSpec``).
         block_size: Tokens per block.
         sliding_window: Window of a sliding_window (or sliding_window_mla) group.
         attention_chunk_size: Chunk of a chunked_local group.
@@ -92,6 +95,10 @@ class GroupConfig:
             return "swa-mla"
         if self.kind in ("rswa", "sink"):
             return self.kind
+        if self.kind == "tq_full":
+            return "tq"
+        if self.kind == "hidden_state":
+            return "hidden-state"
         return "full"
 
 

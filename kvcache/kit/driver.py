@@ -467,6 +467,10 @@ FAMILIES: dict[str, Family] = {
         Family("rswa", ("rswa",)),
         Family("full+rswa", ("full", "rswa")),
         Family("rswa+swa", ("rswa", "swa")),
+        # Full attention under other spec classes: blocks reported for zeroing, events'
+        # kinds (TurboQuant: full_attention; hidden states: mla_attention).
+        Family("tq", ("tq",)),
+        Family("full+hidden-state", ("full", "hidden-state")),
     ]
 }
 
@@ -498,6 +502,10 @@ def random_group(rng: random.Random, token: str, block_size: int, index: int) ->
         )
     if token == "mla":
         return GroupConfig("mla", block_size, num_kv_heads=heads)
+    if token == "tq":
+        return GroupConfig("tq_full", block_size, num_kv_heads=heads)
+    if token == "hidden-state":
+        return GroupConfig("hidden_state", block_size, num_kv_heads=heads)
     if token == "rswa":  # short windows: decodes of a few tokens pass them
         return GroupConfig("rswa", block_size, rswa_window=rng.randint(1, 5), num_kv_heads=heads)
     return GroupConfig("full", block_size, num_kv_heads=heads)

@@ -401,6 +401,13 @@ class CannotBuildMambaAll(Rule):
         )
 
 
+class CannotBuildTqRemoved(Rule):
+    """0.33.0 has no ``TQFullAttentionSpec``: a layout with a TurboQuant group cannot be built."""
+
+    def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
+        return any(g.kind == "tq_full" for g in config.groups) and "TQFullAttentionSpec" in reason
+
+
 class SubBlockEntries(Rule):
     """Where a group's blocks span several hash blocks, drops what only the new side
     has: extra cache entries (keys the old side lacks), the primary hash of a block
@@ -1162,6 +1169,7 @@ RULES: dict[str, Callable[[], Rule]] = {
     "pop_null_head": PopNullHead,
     "common_prefix_zero": CommonPrefixZero,
     "cannot_build_mamba_all": CannotBuildMambaAll,
+    "cannot_build_tq_removed": CannotBuildTqRemoved,
     "sub_block_entries": SubBlockEntries,
     "shorter_hit_mamba_eagle": ShorterHitMambaEagle,
     "mm_output_block_hash": MmOutputBlockHash,

@@ -153,6 +153,10 @@ def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -
         return lib.RSWASpec(**common, rswa_window=group.rswa_window)
     if group.kind == "sink":
         return lib.SinkFullAttentionSpec(**common, sink_len=group.sink_len)
+    if group.kind == "tq_full":
+        return lib.TQFullAttentionSpec(**common)
+    if group.kind == "hidden_state":
+        return lib.HiddenStateCacheSpec(**common)
     return lib.FullAttentionSpec(**common)
 
 
