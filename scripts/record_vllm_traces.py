@@ -312,6 +312,37 @@ def scenario_mamba_prompt_boundary_rekey() -> tuple[ManagerConfig, list[Call]]:
     return config, calls
 
 
+def scenario_mamba_eagle_flag_early_free() -> tuple[ManagerConfig, list[Call]]:
+    """Sliding window (bs 2) and align-mode Mamba (bs 1, one speculative block,
+    flagged is_eagle_group, use_eagle off): a 1-token prompt decoded two steps. At the
+    third allocation vLLM 0.33.0 frees the first Mamba state block (processed tokens,
+    ledger: mamba-freed-on-processed-tokens, fixed in 0.33.0) and caches one Mamba
+    block fewer (no EAGLE look-ahead block, ledger: eagle-flag-needs-use-eagle)."""
+    groups = (
+        GroupConfig("sliding_window", 2, sliding_window=3),
+        GroupConfig("mamba", 1, mamba_cache_mode="align", num_speculative_blocks=1,
+                    is_eagle_group=True, num_kv_heads=2),
+    )  # fmt: skip
+    config = ManagerConfig(
+        num_blocks=30,
+        groups=groups,
+        max_model_len=10,
+        watermark=0.25,
+        max_num_batched_tokens=32,
+        hash_fn="sha256_cbor",
+    )
+    calls: list[Call] = [
+        ("add_request", {"request_id": "a", "prompt_token_ids": [0], "max_tokens": 10}),
+        *admit("a", 1, 0, delay_cache_blocks=True),
+        ("append_output_token_ids", {"request_id": "a", "token_ids": 1}),
+        ("allocate_slots", {"request_id": "a", "num_new_tokens": 1}),
+        running("a", 2),
+        ("append_output_token_ids", {"request_id": "a", "token_ids": [1]}),
+        ("allocate_slots", {"request_id": "a", "num_new_tokens": 1}),
+    ]
+    return config, calls
+
+
 SCENARIOS = {
     "prefix_hits_and_eviction": scenario_prefix_hits_and_eviction,
     "preempt_and_resume": scenario_preempt_and_resume,
@@ -320,6 +351,7 @@ SCENARIOS = {
     "mamba_partial_tail_copy": scenario_mamba_partial_tail_copy,
     "retention_eagle_resend": scenario_retention_eagle_resend,
     "mamba_prompt_boundary_rekey": scenario_mamba_prompt_boundary_rekey,
+    "mamba_eagle_flag_early_free": scenario_mamba_eagle_flag_early_free,
 }
 
 # Known vLLM 0.25.1 bugs the scenarios record: record index -> ledger ids, written
@@ -329,6 +361,7 @@ KNOWN_BUGS: dict[str, dict[int, list[str]]] = {
     "mm_output_block_hash": {15: ["bug-mm-output-block-hash"]},
     "three_full_groups_trim": {5: ["bug-three-full-groups-trim"]},
     "retention_eagle_resend": {2: ["bug-retention-eagle-replay-boundary"]},
+    "mamba_eagle_flag_early_free": {8: ["mamba-freed-on-processed-tokens"]},
 }
 
 

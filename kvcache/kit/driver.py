@@ -1396,8 +1396,8 @@ def replay_trace(trace: Trace, impl: str, side: Side | None = None) -> ReplayRes
         if marked and judge is not None:  # the trace marks a known bug of its release
             applicable = {e.id for e in judge.entries}
             fixed = tuple(m for m in marked if m in applicable)
-            if fixed:
-                mismatch.known = fixed
+            if fixed:  # keep what the judge named beside the mark (two causes in one call)
+                mismatch.known = tuple(dict.fromkeys((*fixed, *mismatch.known)))
                 result.fixed = True
         result.mismatch, result.num_replayed = mismatch, index
         return result

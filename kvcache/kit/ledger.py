@@ -640,7 +640,8 @@ class MambaFreedOnProcessedTokens(Rule):
     side's Mamba blocks are the old side's with more of them nulled (or an empty
     entry where the old side has none), everything else alike but the hashes of
     the blocks so freed (freed before the allocation caches them, they stay
-    unhashed)."""
+    unhashed). Asked about the freeing part alone (``diff_keys`` without
+    ``block_hash``/``cached``), it leaves the hashes to the caching entry."""
 
     def recognise_state(
         self,
@@ -685,7 +686,11 @@ class MambaFreedOnProcessedTokens(Rule):
                     return False
                 freed.update(x for x, y in zip(before, blocks, strict=True) if x != y)
                 freed_more = freed_more or before != blocks
-        return freed_more and _only_unhashed(old, new, freed)
+        # Hash differences are this rule's to explain only when it is asked to
+        # (the judge's split hands it the freeing part alone; the caching part
+        # then belongs to another entry).
+        hashes_asked = bool(set(diff_keys) & {"block_hash", "cached"})
+        return freed_more and (not hashes_asked or _only_unhashed(old, new, freed))
 
     def recognise(
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome

@@ -377,3 +377,53 @@ def test_the_stored_rekey_trace_leaves_the_evicted_state_block_unhashed_on_0_25_
     mamba_held = set(after["state"]["req_to_blocks"][1]["a"])
     assert set(calls[evict]["args"]["block_ids"]) & mamba_held
     assert not hashed & set(calls[evict]["args"]["block_ids"])  # 0.33.0 re-keys block 4
+
+
+def test_an_early_free_beside_a_missing_eagle_block_is_both_entries() -> None:
+    """One allocation, two causes: 0.33.0 frees the first Mamba state block (block 3,
+    which keeps its hash) and, the EAGLE flag acting only with use_eagle on, caches one
+    Mamba block fewer (block 4 stays unhashed)."""
+    groups = (
+        GroupConfig("sliding_window", 2, sliding_window=3),
+        GroupConfig("mamba", 1, mamba_cache_mode="align", num_speculative_blocks=1,
+                    is_eagle_group=True),
+    )  # fmt: skip
+    h3, h4 = ("aa" * 8 + "00000001", 3), ("bb" * 8 + "00000001", 4)
+
+    def state(mamba: list[int], free: list[int], hashed: list[tuple[str, int]]) -> dict[str, Any]:
+        held = {
+            "free_queue": free,
+            "ref_cnt": {"dict": [[b, 1] for b in [1, *mamba] if b]},
+            "req_to_blocks": [{"r": [1]}, {"r": mamba}],
+            "num_cached_block": [{"r": 0}, {"r": len(hashed)}],
+        }
+        return _hashed(held, [(b, key) for key, b in hashed])
+
+    old = state([3, 4, 5], [6, 7], [h3, h4])
+    new = {**state([0, 4, 5], [6, 7, 3], [h3]), "num_cached_block": [{"r": 0}, {"r": 1}]}
+    verdict, _ = _judge(groups).state("allocate_slots", old, new)
+    assert verdict.known == ("eagle-flag-needs-use-eagle", "mamba-freed-on-processed-tokens")
+    # With use_eagle on the flag acts in both releases: the missing hash is unexplained.
+    verdict, _ = _judge(groups, use_eagle=True).state("allocate_slots", old, new)
+    assert not verdict.known
+    # A held block that is not nulled but swapped is no early free.
+    swapped = {**new, "req_to_blocks": [{"r": [1]}, {"r": [8, 4, 5]}]}
+    verdict, _ = _judge(groups).state("allocate_slots", old, swapped)
+    assert not verdict.known
+    # Alone (no freeing part), a freed block's lost hash still needs the freeing rule's check.
+    verdict, _ = _judge(MAMBA_SPEC).state(
+        "allocate_slots", _hashed(_state([0, 3, 5], [6, 7]), [(3, "03"), (5, "05")]),
+        _hashed(_state([0, 0, 5], [6, 7, 3]), [(3, "03")]),
+    )  # fmt: skip
+    assert "mamba-freed-on-processed-tokens" not in verdict.known
+
+
+def test_the_stored_early_free_trace_marks_the_fixed_bug_at_the_third_allocation() -> None:
+    records = [json.loads(line) for line in (DATA / "mamba_eagle_flag_early_free.jsonl").open()]
+    marked = [r for r in records if r.get("known")]
+    assert [r["known"] for r in marked] == [["mamba-freed-on-processed-tokens"]]
+    last = marked[0]
+    assert last is records[-2] and last["op"] == "allocate_slots"  # before the end record
+    # 0.25.1 keeps the first state block and caches the EAGLE look-ahead block too.
+    assert last["state"]["req_to_blocks"][1]["a"][0] != 0
+    assert last["state"]["num_cached_block"][1]["a"] == 3
