@@ -247,13 +247,16 @@ def mamba_retention_mask(
 ) -> list[bool] | None:
     """Sparse retention for Mamba states: block ``i`` holds the state after token
     ``(i + 1) * block_size``; keep the states ending on a ``retention_interval``
-    boundary (none when it is 0) and the state at the prompt's replay boundary.
+    boundary (none when it is 0) and the state of the last block ending at or before
+    the prompt's replay boundary (the boundary itself unless it falls inside a block:
+    fine-grained hits, whose alignment is the hash block).
     None: every block (an interval of at most one block)."""
     if retention_interval != 0 and retention_interval // block_size <= 1:
         return None
     replay = -1
     if num_prompt_tokens is not None:
         replay = replay_boundary_tokens(num_prompt_tokens, alignment_tokens)
+        replay = replay // block_size * block_size
     mask = []
     for i in range(start_block, end_block):
         num_state_tokens = (i + 1) * block_size  # the tokens block i's state follows

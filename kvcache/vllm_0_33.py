@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvcache import kv_cache_utils as _utils
 from kvcache import kv_events as _events
@@ -45,6 +45,7 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "KVCacheBlockCopy",
     "KVCacheBlocks",
     "KVCacheManager",
     "PrefixCacheStats",
@@ -93,6 +94,14 @@ class BlockRemoved(_events.BlockRemoved):
 
 
 AllBlocksCleared = _events.AllBlocksCleared
+
+
+class KVCacheBlockCopy(NamedTuple):
+    """One copy-on-write copy the worker runs: block ``src_block_id`` into
+    ``dst_block_id`` (``KVCacheManager.take_kv_cache_block_copies``)."""
+
+    src_block_id: int
+    dst_block_id: int
 
 
 def with_new_event_fields(events: list[Any]) -> list[Any]:
@@ -426,10 +435,18 @@ class KVCacheManager(_KVCacheManager):
             start = start_token // manager.block_size
             manager.new_block_ids.extend(b.block_id for b in held[start:])
 
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
-        """Pending copy-on-write block copies and the blocks they keep: none, as no
-        covered layout copies blocks."""
-        return [], []
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """The copy-on-write copies queued since the last call (``partial_hit_copy_on_write``:
+        a hit or a Mamba prompt-tail state ending inside a block), and the blocks
+        they keep held, source then copy per pair: the caller frees those once the
+        copies have run."""
+        pairs = [
+            pair
+            for manager in self.coordinator.single_type_managers
+            for pair in manager.take_pending_cow_copies()
+        ]
+        copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pairs]
+        return copies, [block for pair in pairs for block in pair]
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """Boundary-state hand-offs for a KV connector: none without Mamba 'align'."""

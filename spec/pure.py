@@ -295,12 +295,14 @@ def mamba_retention_mask(start_block: int, end_block: int, block_size: int,
                          alignment_tokens: int, retention_interval: int,
                          num_prompt_tokens: int | None) -> list[bool] | None:
     """Sparse retention of Mamba states (block ``i`` ends at token ``(i+1)*block_size``):
-    the states ending on a multiple of ``retention_interval`` (none for 0) and the state
-    at the prompt's replay boundary. None when the interval is at most one block."""
+    the states ending on a multiple of ``retention_interval`` (none for 0) and the last
+    state ending at or before the prompt's replay boundary (inside a block only with
+    fine-grained hits). None when the interval is at most one block."""
     if retention_interval != 0 and retention_interval // block_size <= 1:
         return None
     replay_end = 0 if num_prompt_tokens is None else replay_boundary(num_prompt_tokens,
                                                                       alignment_tokens)
+    replay_end = replay_end // block_size * block_size
     ends = [(block + 1) * block_size for block in range(start_block, end_block)]
     return [(retention_interval != 0 and end % retention_interval == 0) or 0 < end == replay_end
             for end in ends]
