@@ -40,22 +40,13 @@ REFERENCE_VERSION = "0.33.0"
 
 #: Layout families of ``kvcache.kit.driver.FAMILIES`` the 0.33.0 profile does not
 #: model yet, with why. Every other family runs (``conformant_families``).
-MAMBA_REASON = (
-    "Mamba 'align' beside attention under 0.33.0: fine-grained (sub-block) hits when "
-    "the Mamba block is larger than the hash block (cache_hit_alignment_tokens = "
-    "hash block, unrounded cacheable tokens, partial-hit CoW copies, Mamba prompt-tail "
-    "partial entries)"
-)
 RETENTION_REASON = (
     "sparse retention with EAGLE under 0.33.0: the tails kept are those before the "
     "replay boundaries {resend - b, extension - b} (b = scheduler_block_size) of the "
     "coordinator's EAGLE groups, not the one replay boundary shifted by the group's "
-    "EAGLE bit (3-4 % of sequences, all with use_eagle)"
+    "EAGLE bit (3-8 % of sequences, all with use_eagle; the Mamba retention families "
+    "too, beside fine-grained hits)"
 )
-#: Families with a Mamba group the 0.33.0 profile already conforms on (the
-#: ``mamba_*`` switches of ``kvcache.profile``); configs 0.33.0 cannot build
-#: (a Mamba group caching outside 'align') must be refused by both sides.
-CONFORMANT_MAMBA_FAMILIES = frozenset({"mamba", "full+mamba-all", "full+mamba-none"})
 #: Mamba modes 0.33.0 builds only with caching off.
 CACHING_OFF_MAMBA_KINDS = frozenset({"mamba-all", "mamba-none"})
 CONTEXT_PARALLEL_REASON = (
@@ -63,11 +54,10 @@ CONTEXT_PARALLEL_REASON = (
     "(pcp no longer counts), and only for dcp_sharded specs (Mamba's is not); ledger "
     "entries pcp-not-scaled, mamba-not-dcp-sharded"
 )
+# Configs 0.33.0 cannot build (a Mamba group caching outside 'align') must be refused
+# by both sides (``both_refuse``).
 NOT_YET_CONFORMANT: dict[str, str] = {
-    name: MAMBA_REASON if "mamba" in name or name == "eagle-hybrid" else RETENTION_REASON
-    for name, family in FAMILIES.items()
-    if ("mamba" in name or name == "eagle-hybrid" or family.retention)
-    and name not in CONFORMANT_MAMBA_FAMILIES
+    name: RETENTION_REASON for name, family in FAMILIES.items() if family.retention
 }
 NOT_YET_CONFORMANT.update(
     {name: CONTEXT_PARALLEL_REASON for name, family in FAMILIES.items() if family.context_parallel}
