@@ -21,16 +21,15 @@ from kvcache.kv_cache_interface import (
     KVCacheSpec,
     is_spec_kind,
 )
+from kvcache.kv_cache_math import cdiv
 from kvcache.kv_cache_utils import (
     BlockHash,
     BlockHashList,
     BlockHashListWithBlockSize,
     KVCacheBlock,
 )
-from kvcache.kv_cache_math import cdiv
 from kvcache.single_type_kv_cache_manager import (
     CrossAttentionManager,
-    FullAttentionManager,
     MambaManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
@@ -108,7 +107,7 @@ def _finds_fine_grained_hits(manager_cls: type[SingleTypeKVCacheManager]) -> boo
     """Whether a group of this manager class can find hits ending inside a block
     (vLLM 0.33.0's ``supports_fine_grained_hash_lookup``: full attention and its
     variants, and Mamba)."""
-    return issubclass(manager_cls, (FullAttentionManager, MambaManager))
+    return manager_cls.supports_fine_grained_hash_lookup
 
 
 def _is_full(spec: KVCacheSpec) -> bool:
@@ -555,6 +554,12 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def _eagle_groups_changed(self) -> None:
         self.verify_and_split_kv_cache_groups()
 
+    @property
+    def _cache_hit_alignment_tokens(self) -> int:
+        """Where hits end: the hash block with fine-grained hits, else the scheduler
+        block (vLLM 0.33.0's private name; its tests read it)."""
+        return self.hash_block_size if self.enable_partial_hash_hits else self.scheduler_block_size
+
     def enable_fine_grained_hits(self) -> bool:
         """Turn on sub-block hits where vLLM 0.33.0 does (``mamba_fine_grained_hits``):
         a Mamba 'align' group's block is larger than the hash block, and every other
@@ -658,7 +663,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         eagle_verified: set[int] = set()
         fine = self.enable_partial_hash_hits
         hbs = self.hash_block_size
-        alignment = hbs if fine else self.scheduler_block_size
+        alignment = self._cache_hit_alignment_tokens
         while True:
             curr_hit_length = hit_length
             for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(self.attention_groups):

@@ -13,7 +13,7 @@ import itertools
 import operator
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -123,6 +123,10 @@ class SingleTypeKVCacheManager:
         max_admission_blocks_per_request: Admission cap for groups that recycle
             blocks (None: no cap).
     """
+
+    #: Whether the kind finds hits ending inside a block (``find_fine_grained_hit``;
+    #: vLLM 0.33.0's name): full attention and its variants, and Mamba.
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -470,11 +474,29 @@ class SingleTypeKVCacheManager:
         per group (skipped positions hold the null block)."""
         raise NotImplementedError
 
+    @classmethod
+    def find_fine_grained_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        hash_block_size: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """A hit that may end inside a block, with its length (``mamba_fine_grained_hits``):
+        only full attention and Mamba have one (vLLM 0.33.0's
+        ``supports_fine_grained_hash_lookup``)."""
+        raise NotImplementedError(f"{cls.__name__} finds no hits inside a block")
+
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: every token is attended to, so every block is kept and a
     hit is the longest run of cached leading blocks."""
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = True
 
     @classmethod
     def find_longest_cache_hit(
@@ -834,6 +856,8 @@ class MambaManager(SingleTypeKVCacheManager):
     ``new_step_starts`` (its KV is written by this step's forward pass).
     """
 
+    supports_fine_grained_hash_lookup: ClassVar[bool] = True
+
     def __init__(
         self,
         kv_cache_spec: MambaSpec,
@@ -1086,7 +1110,8 @@ class MambaManager(SingleTypeKVCacheManager):
         num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
         shortfall = num_required - num_hits - len(self.req_to_blocks[request_id])
         allocated_before = request_id in self._allocated_block_reqs
-        return min(max(shortfall, 0) + 1, 2 if allocated_before else 2 + self.num_speculative_blocks)
+        cap = 2 if allocated_before else 2 + self.num_speculative_blocks
+        return min(max(shortfall, 0) + 1, cap)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int

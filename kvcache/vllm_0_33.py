@@ -13,14 +13,16 @@ stats with the new fields).
 
 Covered: layouts of full attention, sliding window and chunked local attention
 (one group or several), with or without caching and EAGLE; Mamba alone, and
-Mamba beside attention without fine-grained hits (the ``mamba_*`` switches: a
-Mamba group caching outside 'align' is refused). Not covered yet
+Mamba beside attention, with 0.33.0's fine-grained (sub-block) hits and their
+copy-on-write copies (the ``mamba_*`` and ``partial_hit_copy_on_write``
+switches: a Mamba group caching outside 'align' is refused;
+``take_kv_cache_block_copies`` hands out the copies). Not covered yet
 (``NotImplementedError`` naming the argument): lookahead hashing
 (``num_hash_lookahead_tokens`` > 0), prefill lookahead (``num_prefill_lookahead``
 > 0), the Mamba shared-prefix checkpoint, and asking to skip zeroing for a
-layout that zeroes (Mamba). Mamba 'align' fine-grained (sub-block) hits and
-prefill checkpoints are not modelled: see ``NOT_YET_CONFORMANT`` in
-``kvcache.kit.conformance33``.
+layout that zeroes (Mamba). Mamba prefill checkpoints and boundary-state
+offloads are not modelled: see ``docs/profiles.md`` and ``NOT_YET_CONFORMANT``
+in ``kvcache.kit.conformance33``.
 """
 
 from __future__ import annotations
@@ -94,6 +96,12 @@ class BlockRemoved(_events.BlockRemoved):
 
 
 AllBlocksCleared = _events.AllBlocksCleared
+
+
+class TruncateError(ValueError, AssertionError):
+    """Bad ``num_computed_tokens`` for ``KVCacheManager.truncate_computed_blocks``: a
+    ``ValueError`` (kvcache's error at a public boundary) that is also the
+    ``AssertionError`` vLLM 0.33.0 raises there."""
 
 
 class KVCacheBlockCopy(NamedTuple):
@@ -393,15 +401,15 @@ class KVCacheManager(_KVCacheManager):
         reference counts untouched, ``blocks`` not changed).
 
         Raises:
-            ValueError: if ``num_computed_tokens`` is not a multiple of a group's
-                block size, or longer than a group's hit.
+            TruncateError: if ``num_computed_tokens`` is not a multiple of a group's
+                block size, or longer than a group's hit (but Mamba's).
         """
         truncated: list[list[KVCacheBlock]] = []
         for group_blocks, manager in zip(
             blocks.blocks, self.coordinator.single_type_managers, strict=True
         ):
             if num_computed_tokens % manager.block_size:
-                raise ValueError(
+                raise TruncateError(
                     f"num_computed_tokens={num_computed_tokens} is not a multiple of group "
                     f"{manager.kv_cache_group_id}'s block size {manager.block_size}"
                 )
@@ -409,7 +417,7 @@ class KVCacheManager(_KVCacheManager):
             if is_spec_kind(manager.kv_cache_spec, "MambaSpec"):
                 num_blocks = min(num_blocks, len(group_blocks))
             elif num_blocks > len(group_blocks):
-                raise ValueError(
+                raise TruncateError(
                     f"num_computed_tokens={num_computed_tokens} is past group "
                     f"{manager.kv_cache_group_id}'s hit of {len(group_blocks)} blocks"
                 )

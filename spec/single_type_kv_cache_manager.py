@@ -253,6 +253,14 @@ class SingleTypeKVCacheManager:
         a multiple of ``alignment_tokens``; EAGLE drops its last block."""
         raise NotImplementedError(f"{cls.__name__} does not support prefix caching")
 
+    @classmethod
+    def find_fine_grained_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                              group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                              drop_eagle_block: bool, hash_block_size: int
+                              ) -> tuple[Hits, int]:
+        """A hit that may end inside a block, and its length: full attention and Mamba."""
+        raise NotImplementedError(f"{cls.__name__} finds no hits inside a block")
+
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         """Free the blocks attention no longer reads, tail first, leaving nulls."""
@@ -536,7 +544,7 @@ class MambaManager(SingleTypeKVCacheManager):
             hits = pool.get_cached_block(block_hashes[i], group_ids)
             if hits is not None:
                 nulls = [NULL_BLOCK] * (i // (kv_cache_spec.block_size // hash_block_size))
-                return tuple(nulls + [b] for b in hits), (i + 1) * hash_block_size
+                return tuple([*nulls, b] for b in hits), (i + 1) * hash_block_size
         return tuple([] for _ in group_ids), 0
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,

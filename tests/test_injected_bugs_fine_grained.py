@@ -109,7 +109,7 @@ def mamba_hit_on_block_ends_only(
         cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
         if cached is not None:
             nulls = [block_pool.null_block] * (i // scale)
-            return tuple(nulls + [b] for b in cached), (i + 1) * hash_block_size
+            return tuple([*nulls, b] for b in cached), (i + 1) * hash_block_size
     return tuple([] for _ in kv_cache_group_ids), 0
 
 

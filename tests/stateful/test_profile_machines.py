@@ -7,9 +7,10 @@ invariants run with ``Profile("0.33.0")`` on both sides (kvcache's drop-in
 on every layout the hybrid machine draws: full attention, sliding window, chunked
 local, cross attention and Mamba, one to three groups. (A Mamba group in mode
 'all' or 'none' with caching cannot be built under 0.33.0: both sides refuse it
-alike and the machine draws another layout. Mamba 'align' fine-grained hits,
-prefill checkpoints and CoW copies are modelled by neither side yet,
-``docs/profiles.md``.) The requests' hashes come from kvcache's hasher with the
+alike and the machine draws another layout. Mamba prefill checkpoints are
+modelled by neither side yet, ``docs/profiles.md``; fine-grained hits and their
+copy-on-write copies are, and are held by ``tests/conformance/test_profile_0_33.py``
+and ``tests/test_injected_bugs_fine_grained.py``.) The requests' hashes come from kvcache's hasher with the
 profile's hashing switches, and the invariant compares them with the spec's,
 byte for byte.
 
