@@ -10,9 +10,9 @@ local, cross attention and Mamba, one to three groups. (A Mamba group in mode
 alike and the machine draws another layout. Mamba prefill checkpoints are
 modelled by neither side yet, ``docs/profiles.md``; fine-grained hits and their
 copy-on-write copies are, and are held by ``tests/conformance/test_profile_0_33.py``
-and ``tests/test_injected_bugs_fine_grained.py``.) The requests' hashes come from kvcache's hasher with the
-profile's hashing switches, and the invariant compares them with the spec's,
-byte for byte.
+and ``tests/test_injected_bugs_fine_grained.py``.) The requests' hashes come from
+kvcache's hasher with the profile's hashing switches, and the invariant compares
+them with the spec's, byte for byte.
 
 A reduced run (a twelfth of the CI profile's examples for each machine) keeps the
 budget; ``HYPOTHESIS_PROFILE=nightly`` scales it as it scales the others.
