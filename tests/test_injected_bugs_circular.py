@@ -24,7 +24,8 @@ FAMILY = "full+circular"
 def first_mismatch() -> int | None:
     """The first seed whose kvcache-0.33 vs spec-0.33 sequence mismatches."""
     for seed in SEEDS:
-        if run_sequence(seed, FAMILY, "kvcache-0.33", reference="spec-0.33").mismatch is not None:
+        result = run_sequence(seed, FAMILY, "kvcache-0.33", reference="spec-0.33")
+        if result.mismatch is not None:
             return seed
     return None
 

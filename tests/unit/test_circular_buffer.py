@@ -118,7 +118,7 @@ def test_one_ring_block_for_the_request_lifetime_never_cached() -> None:
 def test_a_resent_prompt_hits_full_attention_and_takes_a_fresh_ring_block() -> None:
     m = manager(config(full(), ring(8)))
     first = request("a", 13)
-    _, new_a = admit(m, first)
+    admit(m, first)
     m.free(first)
     second = request("b", 13)
     hit, new_b = admit(m, second)
