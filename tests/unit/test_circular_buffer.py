@@ -153,7 +153,8 @@ def test_ring_records_nothing_for_zeroing_beside_mamba() -> None:
     ids = m.take_new_block_ids()
     assert new.blocks[0][0].block_id in ids and ring_id not in ids
     ring_manager = m.coordinator.single_type_managers[2]
-    assert isinstance(ring_manager, CircularBufferManager) and not ring_manager.records_new_block_ids
+    assert isinstance(ring_manager, CircularBufferManager)
+    assert not ring_manager.records_new_block_ids
 
 
 def test_constructor_takes_vllm_0_33_arguments() -> None:
