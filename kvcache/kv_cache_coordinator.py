@@ -176,6 +176,7 @@ class KVCacheCoordinator:
                 kv_cache_spec=g.kv_cache_spec,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
+                role=getattr(g, "role", None),  # vLLM 0.33.0's KVCacheGroupSpec.role
                 block_pool=self.block_pool,
                 enable_caching=enable_caching,
                 kv_cache_group_id=i,

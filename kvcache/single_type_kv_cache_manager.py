@@ -32,6 +32,7 @@ from kvcache.kv_cache_interface import (
     spec_exact_class_name,
 )
 from kvcache.kv_cache_math import cdiv  # imported, not aliased: a native call when compiled
+from kvcache.kv_cache_spec_registry import KVCacheSpecRegistry
 from kvcache.kv_cache_utils import (
     BlockHash,
     BlockHashList,
@@ -1332,16 +1333,21 @@ encoder-only layers keep no KV cache."""
 
 
 def get_manager_class_for_kv_cache_spec(
-    kv_cache_spec: KVCacheSpec,
+    kv_cache_spec: KVCacheSpec, role: object = None
 ) -> type[SingleTypeKVCacheManager]:
-    """The manager class for a spec: the nearest class in its MRO that is one of
-    kvcache's or vLLM's spec classes decides, so vLLM's own spec objects and
-    subclasses of either family are accepted.
+    """The manager class for a spec: a registration in ``KVCacheSpecRegistry``
+    (``kvcache.kv_cache_spec_registry``: the group ``role``'s manager, else the
+    nearest registered class of the spec's MRO) first; else the nearest class in
+    its MRO that is one of kvcache's or vLLM's spec classes decides, so vLLM's own
+    spec objects and subclasses of either family are accepted.
 
     Raises:
         NotImplementedError: for a spec kind kvcache does not support, or one vLLM
             registers no manager for (naming the class).
     """
+    registered = KVCacheSpecRegistry.registered_manager_class(kv_cache_spec, role)
+    if registered is not None:
+        return cast(type[SingleTypeKVCacheManager], registered)
     for cls in type(kv_cache_spec).__mro__:
         if cls.__module__ not in SPEC_MODULES:
             continue
@@ -1363,14 +1369,16 @@ def get_manager_for_kv_cache_spec(
     kv_cache_spec: KVCacheSpec,
     max_num_batched_tokens: int,
     max_model_len: int,
+    role: object = None,
     **kwargs: object,
 ) -> SingleTypeKVCacheManager:
-    """Build the manager for a group's spec; windowed kinds get their admission cap.
+    """Build the manager for a group's spec (and ``role``, vLLM 0.33.0's group role:
+    see ``get_manager_class_for_kv_cache_spec``); windowed kinds get their admission cap.
 
     Raises:
         NotImplementedError: for a spec kind kvcache does not support.
     """
-    manager_cls = get_manager_class_for_kv_cache_spec(kv_cache_spec)
+    manager_cls = get_manager_class_for_kv_cache_spec(kv_cache_spec, role)
     if is_spec_kind(kv_cache_spec, "SlidingWindowSpec", "ChunkedLocalAttentionSpec"):
         spec = cast(SlidingWindowSpec | ChunkedLocalAttentionSpec, kv_cache_spec)
         # Positional: vLLM 0.33.0's specs name the first argument max_in_flight_tokens.
