@@ -12,7 +12,9 @@ code; this module only maps names, shapes and the 0.33.0 vocabulary (events and
 stats with the new fields).
 
 Covered: layouts of full attention, sliding window and chunked local attention
-(one group or several), with or without caching and EAGLE; Mamba alone, and
+(one group or several), with or without caching and EAGLE; ring buffers
+(``CircularBufferSpec`` / ``CircularBufferManager``); managers chosen through the
+spec registry (``KVCacheSpecRegistry``: registered spec classes, group roles); Mamba alone, and
 Mamba beside attention without fine-grained hits (the ``mamba_*`` switches: a
 Mamba group caching outside 'align' is refused). Not covered yet
 (``NotImplementedError`` naming the argument): lookahead hashing
