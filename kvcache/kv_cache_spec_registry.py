@@ -12,8 +12,9 @@ classes alike: ``single_type_kv_cache_manager.get_manager_class_for_kv_cache_spe
 so this registry holds what code registers on top of them: custom spec classes
 (``register`` / the ``register_kv_cache_spec`` decorator) and role managers. The
 manager lookup consults it first (a role manager, then the nearest registered
-class of the spec's MRO), then the built-in kinds; ``get_manager_class`` answers
-for both, as vLLM's registry does for its built-ins and custom classes.
+class of the spec's MRO; registrations vLLM code made in vLLM's own registry for
+kvcache's managers count too), then the built-in kinds; ``get_manager_class``
+answers for both, as vLLM's registry does for its built-ins and custom classes.
 
 A registered manager must be a kvcache ``SingleTypeKVCacheManager`` subclass (it is
 built with kvcache's constructor arguments). Registrations are process-wide, as in
@@ -88,6 +89,28 @@ def _check_manager_class(manager_class: object) -> type:
     return manager_class
 
 
+def _vllm_registrations() -> tuple[dict[str, type], dict[type, type]]:
+    """Role and spec-class registrations of vLLM's registry whose manager is a kvcache
+    manager class (``{}`` when vLLM's registry module is not loaded): what vLLM code
+    registered for kvcache's managers. vLLM's module is read, never imported here."""
+    import sys
+
+    module = sys.modules.get("vllm.v1.kv_cache_spec_registry")
+    if module is None:
+        return {}, {}
+    from kvcache.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    def ours(manager: object) -> bool:
+        return isinstance(manager, type) and issubclass(manager, SingleTypeKVCacheManager)
+
+    roles = getattr(module, "_REGISTRY_ROLE_MANAGERS", {})
+    specs = getattr(module, "_REGISTRY_KVCACHESPEC_LIST", {})
+    return (
+        {str(getattr(r, "value", r)): m for r, m in roles.items() if ours(m)},
+        {c: e.manager_class for c, e in specs.items() if ours(e.manager_class)},
+    )
+
+
 class KVCacheSpecRegistry:
     """vLLM 0.33.0's ``KVCacheSpecRegistry`` API (class methods; process-wide state)."""
 
@@ -149,14 +172,24 @@ class KVCacheSpecRegistry:
     @classmethod
     def registered_manager_class(cls, kvcache_spec: object, role: object = None) -> type | None:
         """The manager that a registration (not a built-in kind) gives: the role's
-        manager, else the nearest registered class of the spec's MRO; None if none."""
+        manager, else the nearest registered class of the spec's MRO; None if none.
+
+        Registrations in vLLM's own registry (``vllm.v1.kv_cache_spec_registry``, if
+        vLLM code already imported it) count too, for a custom spec class (not one of
+        vLLM's own) or a role whose registered manager is a kvcache manager class.
+        """
         name = _role_name(role)
-        if name is not None and name in _ROLE_MANAGERS:
-            return _ROLE_MANAGERS[name]
+        vllm_roles, vllm_specs = _vllm_registrations()
+        if name is not None:
+            for roles in (_ROLE_MANAGERS, vllm_roles):
+                if name in roles:
+                    return roles[name]
         for base in type(kvcache_spec).__mro__:
             entry = _REGISTERED.get(base)
             if entry is not None:
                 return entry.manager_class
+            if base in vllm_specs and base.__module__ not in SPEC_MODULES:
+                return vllm_specs[base]
         return None
 
     @classmethod

@@ -147,3 +147,31 @@ def test_check_names_the_layer_of_an_unknown_spec() -> None:
     Registry.check_kv_cache_spec_registry({"a": spec(), "b": spec(MLAAttentionSpec)})
     with pytest.raises(ValueError, match="layer b"):
         Registry.check_kv_cache_spec_registry({"a": spec(), "b": object()})
+
+
+def test_a_registration_in_vllms_registry_reaches_kvcache() -> None:
+    """vLLM code registering a custom spec with a kvcache manager class in vLLM's own
+    ``KVCacheSpecRegistry`` gets that manager from kvcache; vLLM's own spec classes
+    keep kvcache's built-in managers."""
+    registry = pytest.importorskip("vllm.v1.kv_cache_spec_registry")
+    vllm_specs = pytest.importorskip("vllm.v1.kv_cache_interface")
+
+    @dataclass(frozen=True, kw_only=True)
+    class VllmCustomSpec(vllm_specs.FullAttentionSpec):  # type: ignore[misc,name-defined]
+        pass
+
+    table = registry._REGISTRY_KVCACHESPEC_LIST
+    table[VllmCustomSpec] = registry.KVCacheSpecMetadata(
+        VllmCustomSpec, CountingManager, vllm_specs.FullAttentionSpec
+    )
+    try:
+        custom = VllmCustomSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16")
+        assert Registry.get_manager_class(custom) is CountingManager
+        config = KVCacheConfig(8, [], [KVCacheGroupSpec(["l0"], custom)])
+        m = KVCacheManager(config, 32, 4, 4)
+        assert type(m.coordinator.single_type_managers[0]) is CountingManager
+        plain = vllm_specs.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8,
+                                             dtype="float16")
+        assert Registry.get_manager_class(plain) is FullAttentionManager
+    finally:
+        del table[VllmCustomSpec]
