@@ -8,6 +8,7 @@ from typing import NamedTuple
 from spec import pure
 from spec.block_pool import BlockPool
 from spec.single_type_kv_cache_manager import (
+    CircularBufferManager,
     CrossAttentionManager,
     FullAttentionManager,
     Hits,
@@ -16,7 +17,7 @@ from spec.single_type_kv_cache_manager import (
     check_no_hits,
     get_manager_for_kv_cache_spec,
 )
-from spec.vocab import KVCacheConfig, KVCacheSpec, Request, coarsen, is_a
+from spec.vocab import KVCacheConfig, KVCacheSpec, Request, cacheable, coarsen, is_a
 
 
 class KVCacheCoordinator:
@@ -223,11 +224,18 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     attention first."""
 
     def _init_groups(self) -> None:
+        # A ring buffer (vLLM 0.33.0) takes no part in prefix caching: not hashed, never
+        # searched (its hit stays empty); it still counts as a distinct spec.
         groups = self.kv_cache_config.kv_cache_groups
-        if any(g.kv_cache_spec.block_size % self.hash_block_size for g in groups):
+        if any(g.kv_cache_spec.block_size % self.hash_block_size for g in groups
+               if cacheable(g.kv_cache_spec)):
             raise ValueError(f"hash_block_size={self.hash_block_size} must divide every block size")
         self.attention_groups: list[SpecGroup] = []
+        scratch = [g.kv_cache_spec for g in groups if not cacheable(g.kv_cache_spec)]
+        num_scratch = len([s for i, s in enumerate(scratch) if s not in scratch[:i]])
         for i, (g, m) in enumerate(zip(groups, self.single_type_managers, strict=True)):
+            if not cacheable(g.kv_cache_spec):
+                continue
             use_eagle = i in self.eagle_group_ids
             for idx, sg in enumerate(self.attention_groups):
                 if sg.spec == g.kv_cache_spec:
@@ -236,8 +244,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     break
             else:
                 self.attention_groups.append(SpecGroup(g.kv_cache_spec, [i], type(m), use_eagle))
-        if len(self.attention_groups) < 2:
+        if len(self.attention_groups) + num_scratch < 2:
             raise ValueError(f"{len(groups)} KV-cache groups need >= 2 distinct specs with caching")
+        if not self.attention_groups:
+            raise ValueError("every KV-cache group is a ring buffer: nothing to look up")
         self.attention_groups.sort(key=lambda sg: not is_a(sg.spec, "FullAttentionSpec"))
         for sg in self.attention_groups:
             for group_id in sg.group_ids:
@@ -246,12 +256,14 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def enable_fine_grained_hits(self) -> None:
         """mamba_fine_grained_hits: hits end on hash-block boundaries when a Mamba 'align'
         group's block is larger than the hash block and every other group is full
-        attention (or a variant), Mamba, or hashed at its own block size."""
+        attention (or a variant), Mamba, or hashed at its own block size (a ring buffer,
+        outside prefix caching, takes no part)."""
         hbs = self.hash_block_size
         fine_kinds = (FullAttentionManager, MambaManager)
         if any(isinstance(m, MambaManager) and m.mamba_cache_mode == "align"
                and m.block_size > hbs for m in self.single_type_managers) and all(
-                isinstance(m, fine_kinds) or m.block_size == hbs
+                (isinstance(m, fine_kinds) and not isinstance(m, CircularBufferManager))
+                or m.block_size == hbs or not cacheable(m.kv_cache_spec)
                 for m in self.single_type_managers):
             self.fine_grained = True
             for m in self.single_type_managers:
