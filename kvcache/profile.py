@@ -200,6 +200,14 @@ SWITCHES: tuple[Switch, ...] = (
         "the cap itself whenever anything is short.",
         "0.33.0",
     ),
+    Switch(
+        "cache_within_hashed_tokens",
+        "",
+        "A group caches only the full blocks the request has hashes for (with lookahead "
+        "hashing a block's hash waits for the tokens after it); 0.25.1 asserts that "
+        "every full block within the tokens to cache has one.",
+        "0.33.0",
+    ),
 )
 """Every switch, in the order of the ledger's entries."""
 
@@ -240,6 +248,7 @@ class Profile:
     mamba_no_eagle_margin: bool
     mamba_prompt_tail_state: bool
     mamba_caps_new_state_blocks: bool
+    cache_within_hashed_tokens: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:

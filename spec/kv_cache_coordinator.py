@@ -56,6 +56,7 @@ class KVCacheCoordinator:
             raise NotImplementedError("context parallelism with prefix caching: one full-"
                                       "attention group only (vLLM asserts for the rest)")
         self.context_parallel = context_parallel
+        self.num_reprefillable_tokens = 0  # 0.33.0's prefill lookahead, set by the manager
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(g.kv_cache_spec, max_num_batched_tokens, max_model_len,
                                           self.block_pool, enable_caching, i, scheduler_block_size,
@@ -129,9 +130,12 @@ class KVCacheCoordinator:
             num_tokens_main_model) for m in self.single_type_managers)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Cache the request's full blocks among its first ``num_computed_tokens`` tokens."""
+        """Cache the request's full blocks among its first ``num_computed_tokens`` tokens,
+        but the last ``num_reprefillable_tokens`` (0.33.0's prefill lookahead: a
+        multi-module drafter computes them again)."""
+        num_tokens = max(0, num_computed_tokens - self.num_reprefillable_tokens)
         for m in self.single_type_managers:
-            m.cache_blocks(request, num_computed_tokens, self.retention_interval)
+            m.cache_blocks(request, num_tokens, self.retention_interval)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, group by group."""
@@ -245,8 +249,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         further, since their hits look one block past a boundary)."""
         for m in self.single_type_managers:
             m.cache_blocks(request, pure.num_tokens_to_cache(
-                num_computed_tokens, self.scheduler_block_size, m.block_size, m.use_eagle),
-                self.retention_interval)
+                num_computed_tokens, self.scheduler_block_size, m.block_size, m.use_eagle,
+                self.num_reprefillable_tokens), self.retention_interval)
 
     def _hashes_for(self, block_hashes: list[bytes], spec: KVCacheSpec) -> list[bytes]:
         """The request's hashes at the spec's block size."""
