@@ -139,7 +139,9 @@ def get_request_block_hasher(
         caching_hash_fn,
         tagged_extra_keys=PROFILE.tagged_extra_keys,
         mm_keys_by_window=PROFILE.mm_keys_by_window,
-        num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+        num_hash_lookahead_tokens=_check_lookahead(
+            "num_hash_lookahead_tokens", num_hash_lookahead_tokens
+        ),
     )
 
 
