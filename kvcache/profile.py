@@ -201,6 +201,15 @@ SWITCHES: tuple[Switch, ...] = (
         "0.33.0",
     ),
     Switch(
+        "circular_buffer_groups",
+        "circular-buffer-kind",
+        "A CircularBufferSpec group (one ring block per request for its whole life, "
+        "never prefix-cached) is built with CircularBufferManager and left out of the "
+        "hybrid hit search; 0.25.1 has no such kind, so a manager with one cannot be "
+        "built (NotImplementedError naming the class).",
+        "0.33.0",
+    ),
+    Switch(
         "cache_within_hashed_tokens",
         "",
         "A group caches only the full blocks the request has hashes for (with lookahead "
@@ -248,6 +257,7 @@ class Profile:
     mamba_no_eagle_margin: bool
     mamba_prompt_tail_state: bool
     mamba_caps_new_state_blocks: bool
+    circular_buffer_groups: bool
     cache_within_hashed_tokens: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:

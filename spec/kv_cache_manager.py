@@ -110,6 +110,11 @@ class KVCacheManager:
                  profile: Profile | str | None = None, num_hash_lookahead_tokens: int = 0,
                  num_prefill_lookahead: int = 0) -> None:
         self.profile = resolve_profile(profile)  # spec/profile.py
+        rings = [g for g in kv_cache_config.kv_cache_groups
+                 if is_a(g.kv_cache_spec, "CircularBufferSpec")]
+        if rings and not self.profile.circular_buffer_groups:
+            raise NotImplementedError("a CircularBufferSpec group (a vLLM 0.33.0 kind) under "
+                                      f"profile {self.profile.release}")
         # 0.33.0's lookahead hashing and prefill lookahead (0: none; a bool hash
         # lookahead counts as 0 / 1, as vLLM does arithmetic with it).
         for name, value in (("num_hash_lookahead_tokens", num_hash_lookahead_tokens),

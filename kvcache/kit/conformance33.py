@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvcache.kit.driver import FAMILIES, FAMILIES_0_33, Family, SequenceResult, Stats, run_sequence
+from kvcache.kit.driver import FAMILIES, Family, SequenceResult, Stats, run_sequence
 
 SUBJECT = "kvcache-0.33"
 REFERENCE = "vllm"
@@ -99,19 +99,14 @@ def under_0_33(family: Family) -> Family:
     return family
 
 
-ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **FAMILIES_0_33}
-"""The families of the 0.33 line: the driver's ``FAMILIES``, then those only 0.33.0
-can build (``FAMILIES_0_33``: lookahead hashing, prefill lookahead)."""
-
-
 def conformant_families() -> list[Family]:
-    """The families run: every family of ``ALL_FAMILIES`` not in ``NOT_YET_CONFORMANT``."""
-    return [under_0_33(f) for name, f in ALL_FAMILIES.items() if name not in NOT_YET_CONFORMANT]
+    """The families run: every driver family not in ``NOT_YET_CONFORMANT``."""
+    return [under_0_33(f) for name, f in FAMILIES.items() if name not in NOT_YET_CONFORMANT]
 
 
 def family_index(name: str) -> int:
-    """The index of a family in ``ALL_FAMILIES`` (its sequences' seeds derive from it)."""
-    return list(ALL_FAMILIES).index(name)
+    """The index of a family in ``FAMILIES`` (its sequences' seeds derive from it)."""
+    return list(FAMILIES).index(name)
 
 
 def family_seed(base_seed: int, family_index: int, index: int) -> int:
@@ -243,10 +238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = conformant_families()
     if args.families:
         wanted = [n.strip() for n in args.families.split(",") if n.strip()]
-        unknown = [n for n in wanted if n not in ALL_FAMILIES]
+        unknown = [n for n in wanted if n not in FAMILIES]
         if unknown:
-            parser.error(f"--families: unknown {unknown}; known: {', '.join(ALL_FAMILIES)}")
-        chosen = [ALL_FAMILIES[n] for n in wanted]
+            parser.error(f"--families: unknown {unknown}; known: {', '.join(FAMILIES)}")
+        chosen = [FAMILIES[n] for n in wanted]
     total = Stats()
     failed: list[str] = []
     for family in chosen:

@@ -415,9 +415,12 @@ class Family:
     a shuffle of 1, 2, 4, ...), never all alike.
     ``retention``: draw a prefix-cache retention interval
     (``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``): 0 or k * scheduler_block_size.
+    ``since``: the first vLLM release with the family's kinds (a family of a later
+    release than 0.25.1, e.g. ring buffers, is not run against vLLM 0.25.1, which
+    cannot build it: ``tests/conformance/test_conformance.py`` checks the refusal).
     ``lookahead``: draw vLLM 0.33.0's lookahead hashing (``num_hash_lookahead_tokens``
     0-3) and prefill lookahead (``num_prefill_lookahead`` 0-3, at most the scheduler
-    block with an EAGLE group): the families of ``FAMILIES_0_33`` only.
+    block with an EAGLE group), last; only in families ``since`` 0.33.0.
     """
 
     name: str
@@ -430,6 +433,7 @@ class Family:
     #: (dcp_world_size, pcp_world_size) choices; empty: no context parallelism.
     context_parallel: tuple[tuple[int, int], ...] = ()
     retention: bool = False
+    since: str = "0.25.1"
     lookahead: bool = False
 
 
@@ -479,24 +483,24 @@ FAMILIES: dict[str, Family] = {
         # kinds (TurboQuant: full_attention; hidden states: mla_attention).
         Family("tq", ("tq",)),
         Family("full+hidden-state", ("full", "hidden-state")),
-    ]
-}
-
-#: Families only vLLM 0.33.0 (and kvcache's 0.33.0 profile) can build: they draw
-#: arguments 0.25.1 does not have. ``kvcache.kit.conformance33`` runs them after
-#: ``FAMILIES``; the 0.25.1 side never does.
-FAMILIES_0_33: dict[str, Family] = {
-    f.name: f
-    for f in [
-        # Lookahead hashing and prefill lookahead (EAGLE / MTP drafters).
-        Family("full-lookahead", ("full",), eagle=0.3, lookahead=True),
-        Family("full+swa-lookahead", ("full", "swa"), eagle=0.3, lookahead=True),
-        Family("full+full-lookahead", ("full", "full"), eagle=0.3, lookahead=True),
-        Family("full+chunked-lookahead", ("full", "chunked"), eagle=0.3, lookahead=True),
+        # vLLM 0.33.0's ring buffer (CircularBufferSpec): one block per request, never
+        # cached, left out of the hit search.
+        Family("full+circular", ("full", "circular"), since="0.33.0"),
+        Family("full+swa+circular", ("full", "swa", "circular"), since="0.33.0"),
+        # vLLM 0.33.0's lookahead hashing and prefill lookahead (EAGLE / MTP drafters).
         # Not sliding window or Mamba alone: vLLM 0.33.0's hit search of those kinds
         # reads hashes up to the lookup length, past the fewer hashes lookahead leaves
         # (IndexError, in kvcache too); beside full attention its hit bounds theirs.
         # Mamba beside attention needs fine-grained hits (not modelled yet).
+        *(
+            Family(name, kinds, eagle=0.3, since="0.33.0", lookahead=True)
+            for name, kinds in (
+                ("full-lookahead", ("full",)),
+                ("full+swa-lookahead", ("full", "swa")),
+                ("full+full-lookahead", ("full", "full")),
+                ("full+chunked-lookahead", ("full", "chunked")),
+            )
+        ),
     ]
 }
 
@@ -532,6 +536,8 @@ def random_group(rng: random.Random, token: str, block_size: int, index: int) ->
         return GroupConfig("tq_full", block_size, num_kv_heads=heads)
     if token == "hidden-state":
         return GroupConfig("hidden_state", block_size, num_kv_heads=heads)
+    if token == "circular":
+        return GroupConfig("circular", block_size, num_kv_heads=heads)
     if token == "rswa":  # short windows: decodes of a few tokens pass them
         return GroupConfig("rswa", block_size, rswa_window=rng.randint(1, 5), num_kv_heads=heads)
     return GroupConfig("full", block_size, num_kv_heads=heads)
@@ -1109,7 +1115,7 @@ def run_sequence(
     (Hypothesis passes its own, so that it can shrink and mutate the choices).
     """
     if isinstance(family, str):
-        family = FAMILIES[family] if family in FAMILIES else FAMILIES_0_33[family]
+        family = FAMILIES[family]
     stats = stats if stats is not None else Stats()
     rng = rng if rng is not None else random.Random(seed)
     config = random_config(rng, family)

@@ -10,7 +10,7 @@ are re-prefilled by a multi-module drafter, so they are not cached yet.
 
 The spec is held against the same numbers here; ``tests/conformance/
 test_profile_0_33.py`` runs the lookahead families of ``kvcache.kit.driver``
-(``FAMILIES_0_33``) kvcache against spec, and ``make conformance-0.33`` against
+(``Family.lookahead``) kvcache against spec, and ``make conformance-0.33`` against
 vLLM 0.33.0.
 """
 
@@ -39,7 +39,7 @@ from kvcache import (
 from kvcache import kv_cache_math as kmath
 from kvcache import vllm_0_33 as v33
 from kvcache.kit.conformance33 import family_index, family_seed
-from kvcache.kit.driver import FAMILIES_0_33, Stats, random_config, run_sequence
+from kvcache.kit.driver import FAMILIES, Stats, random_config, run_sequence
 from kvcache.kv_cache_manager import KVCacheManager
 from kvcache.kv_cache_utils import (
     BlockHashListWithBlockSize,
@@ -52,6 +52,7 @@ from spec.vocab import request_block_hashes
 
 BS = 4
 IMPLS = ("kvcache", "spec")
+LOOKAHEAD_FAMILIES = {name: f for name, f in FAMILIES.items() if f.lookahead}
 
 
 @pytest.fixture(autouse=True)
@@ -279,7 +280,10 @@ def test_resolve_block_hashes_views_at_the_block_size() -> None:
 
 def test_lookahead_families_draw_both_lookaheads() -> None:
     drawn = set()
-    for name, family in FAMILIES_0_33.items():
+    assert set(LOOKAHEAD_FAMILIES) == {
+        "full-lookahead", "full+swa-lookahead", "full+full-lookahead", "full+chunked-lookahead"}
+    assert all(f.since == "0.33.0" for f in LOOKAHEAD_FAMILIES.values())
+    for name, family in LOOKAHEAD_FAMILIES.items():
         for i in range(20):
             config = random_config(random.Random(family_seed(0, family_index(name), i)), family)
             drawn.add((config.num_hash_lookahead_tokens > 0, config.num_prefill_lookahead > 1))
@@ -300,7 +304,7 @@ def test_spec_without_the_lookahead_tokens_in_its_hashes_is_caught(
         count = len(original(request, block_size, hash_fn, first, tagged, by_window, lookahead))
         return original(request, block_size, hash_fn, first, tagged, by_window)[:count]
 
-    family = FAMILIES_0_33["full-lookahead"]
+    family = FAMILIES["full-lookahead"]
     seeds = [family_seed(7, family_index(family.name), i) for i in range(6)]
     clean = [run_sequence(s, family, "kvcache-0.33", "spec-0.33", Stats()) for s in seeds]
     assert all(r.mismatch is None and r.cannot_build is None for r in clean)
