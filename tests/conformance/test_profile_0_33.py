@@ -55,3 +55,25 @@ def test_kvcache_0_33_matches_spec_0_33(family: Family) -> None:
     )
     built = SEQUENCES - stats.events["both_refuse"]  # layouts 0.33.0 removed are not run
     assert built > 0 and stats.events["get_computed_blocks"] > 0 and stats.calls > 50 * built
+
+
+def test_one_replay_boundary_under_0_33_is_caught() -> None:
+    """Teeth for ``retention_replay_boundaries``: kvcache's 0.33.0 drop-in with 0.25.1's
+    single replay boundary (``conformance.mutants:OneReplayBoundary``) differs from the
+    spec's 0.33.0 profile in a sparse-retention family (4 of its first 100 sequences
+    here, each with EAGLE, the first at once) in which window blocks are cached."""
+    family = FAMILIES["full+swa-retention"]
+    index = list(FAMILIES).index(family.name)
+    for i in range(100):
+        stats = Stats()
+        result = run_sequence(
+            family_seed(7, index, i), family, "conformance.mutants:OneReplayBoundary",
+            "spec-0.33", stats,
+        )  # fmt: skip
+        if result.mismatch is not None:
+            break
+    else:
+        raise AssertionError("the single replay boundary went unnoticed in 100 sequences")
+    assert result.config.use_eagle, result.config
+    detail = str(result.mismatch)
+    assert "cached" in detail or "block_hash" in detail, detail
