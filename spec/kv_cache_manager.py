@@ -218,6 +218,17 @@ class KVCacheManager:
                                            request.num_preemptions > 0)
         return self.create_kv_cache_blocks(hits), num_hit_tokens
 
+    def shared_prefix_boundary(self, request: Request, num_hit_tokens: int) -> int:
+        """shared_prefix_junctions (0.33.0's third lookup value), right after the
+        request's lookup hit ``num_hit_tokens``: where the longest single-kind hit
+        ended when it is longer than the common hit, else 0 (always 0 under 0.25.1,
+        and for a lookup that did not run)."""
+        if (not self.profile.shared_prefix_junctions or not self.enable_caching
+                or request.skip_reading_prefix_cache):
+            return 0
+        uncached = getattr(self.coordinator, "num_uncached_common_prefix_tokens", 0)
+        return num_hit_tokens + uncached if uncached else 0
+
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         """stats_at_admission: the scheduler counts an admitted request's lookup here
         (nothing without log_stats, caching, or for a request that skipped the cache)."""

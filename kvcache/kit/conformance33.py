@@ -119,6 +119,11 @@ def run_family(
     family: Family, family_index: int, sequences: int, base_seed: int = 0
 ) -> FamilyResult:
     """Run ``sequences`` random sequences of ``family`` on both sides."""
+    from kvcache.kit.vllm_side import VllmAdapter
+
+    # Both sides play 0.33.0's scheduler: it keeps the lookup's shared-prefix boundary
+    # on the request (kvcache-0.33's adapter always does).
+    VllmAdapter.stores_shared_prefix_boundary = True
     family = under_0_33(family)
     stats = Stats()
     started = time.monotonic()

@@ -62,3 +62,19 @@ class OneReplayBoundary(ProfileAdapter):
         manager = super().build_manager(config)
         manager.coordinator.retention_replay_boundaries = False
         return manager
+
+
+class NoJunctionTails(ProfileAdapter):
+    """Bug: kvcache's 0.33.0 drop-in whose groups ignore the request's shared-prefix
+    boundary under sparse retention (``shared_prefix_junctions`` off in the managers),
+    so the tail before a shared prefix's junction is not kept. Used as
+    ``conformance.mutants:NoJunctionTails``."""
+
+    def __init__(self) -> None:
+        super().__init__("kvcache-0.33-no-junction-tails", "kvcache.vllm_0_33", "0.33")
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        manager = super().build_manager(config)
+        for group_manager in manager.coordinator.single_type_managers:
+            group_manager.keeps_shared_prefix_junction = False
+        return manager
