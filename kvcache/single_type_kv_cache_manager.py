@@ -1364,8 +1364,7 @@ class CircularBufferManager(FullAttentionManager):
         request: object,
         num_tokens: int,
         retention_interval: int | None = None,
-        *,
-        replay_boundaries: Sequence[int] = (),
+        replay_boundaries: Sequence[int] | None = None,
     ) -> None:
         """Nothing: a ring block is never cached (``replay_boundaries`` is vLLM
         0.33.0's argument, unused)."""

@@ -329,7 +329,8 @@ class CircularBufferManager(FullAttentionManager):
         return self._claim_ring_block(request_id)
 
     def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None) -> None:
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
         """Nothing: a ring block is never cached."""
 
     @classmethod
