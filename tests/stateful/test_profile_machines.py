@@ -27,6 +27,7 @@ machine must fail, so each switch tried is one the machines actually reach.
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import pytest
@@ -185,16 +186,14 @@ def test_machine_fails_with_a_switch_flipped_in_spec(
 ) -> None:
     """The 0.33.0 machines have teeth: the spec with one switch at 0.25.1's value
     disagrees with kvcache's 0.33.0 profile within a bounded, seeded run, at the
-    check that compares what the switch changes."""
+    check that compares what the switch changes. The first of ``TEETH_SEEDS`` whose
+    run fails counts: a rule that changes the machine's states moves every seed's
+    search path (fine-grained hits moved seed 0's past the EAGLE case), and one
+    seed's luck is no measure of the teeth."""
     base = {"manager": ManagerMachine, "hybrid": HybridMachine}[name]
     cls = machine_class(base, flipped=switch)
     assert getattr(spec_profile_with(switch), switch) is False
     assert getattr(vllm_0_33.PROFILE, switch) is True
-
-    @seed(0)
-    def machine() -> ManagerMachine:
-        return cls()
-
     bounded = settings(
         max_examples=300,
         stateful_step_count=100,
@@ -204,9 +203,22 @@ def test_machine_fails_with_a_switch_flipped_in_spec(
         suppress_health_check=list(settings.default.suppress_health_check)
         + list(stateful_health_checks()),
     )
-    with pytest.raises(AssertionError) as failure:
-        run_state_machine_as_test(machine, settings=bounded)
-    assert failure.traceback[-1].name in where, failure.traceback[-1]
+    for run_seed in TEETH_SEEDS:
+
+        @seed(run_seed)
+        def machine() -> ManagerMachine:
+            return cls()
+
+        try:
+            run_state_machine_as_test(machine, settings=bounded)
+        except AssertionError as error:
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            assert frame.name in where, frame
+            return
+    pytest.fail(f"{switch} flipped in the spec: no run of seeds {TEETH_SEEDS} failed")
+
+
+TEETH_SEEDS = (0, 1, 2)
 
 
 def stateful_health_checks() -> tuple[Any, ...]:
