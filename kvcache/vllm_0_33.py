@@ -216,8 +216,9 @@ def _check_lookahead(name: str, value: Any) -> int:
 class MambaManager(_MambaManager):
     """vLLM 0.33.0's ``MambaManager`` for code that builds one directly (vLLM's own
     tests do): kvcache's Mamba manager with ``PROFILE``'s Mamba state switches set at
-    construction (a ``KVCacheManager`` sets them on the managers it builds) and 0.33.0's
-    ``remove_skipped_blocks(request_id, processed_computed_tokens, ...)`` keyword."""
+    construction (a ``KVCacheManager`` sets them on the managers it builds), 0.33.0's
+    ``remove_skipped_blocks(request_id, processed_computed_tokens, ...)`` keyword and
+    ``get_num_blocks_to_allocate`` argument order."""
 
     def __init__(
         self,
@@ -244,6 +245,31 @@ class MambaManager(_MambaManager):
         self.frees_processed_states = PROFILE.mamba_frees_processed_states
         self.caps_new_state_blocks = PROFILE.mamba_caps_new_state_blocks
         self.caches_prompt_tail_state = PROFILE.mamba_prompt_tail_state
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """The blocks an allocation of ``num_tokens`` needs, in 0.33.0's argument order
+        (``num_local_computed_tokens`` before ``num_tokens_main_model``; see the base
+        class). ``prefill_end`` only decides where prefill checkpoints go, which are
+        not modelled (docs/profiles.md), so it is accepted and does not count."""
+        return super().get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap=apply_admission_cap,
+            num_local_computed_tokens=num_local_computed_tokens,
+        )
 
     def remove_skipped_blocks(
         self,

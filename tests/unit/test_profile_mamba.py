@@ -198,6 +198,13 @@ def test_drop_in_mamba_manager_has_the_0_33_state_switches() -> None:
     direct.remove_skipped_blocks("r", processed_computed_tokens=12)  # past the null gap
     assert direct.req_to_blocks["r"] == [pool.null_block, pool.null_block, committed, running]
     assert old.ref_cnt == 0 and committed.ref_cnt == running.ref_cnt == 1
+    # 0.33.0's order: num_local_computed_tokens, then num_tokens_main_model. A new
+    # 9-token request (speculative blocks 1) needs a state and a draft block; read in
+    # the base class's order the sixth argument would be 0 main-model tokens (1 block).
+    fresh = v33.MambaManager(mamba_spec("align", num_spec=1), pool, True, 0, BS)
+    assert fresh.get_num_blocks_to_allocate("n", 9, [], 0, 0, 9) == 2
+    assert fresh.get_num_blocks_to_allocate("n", 9, [], 0, 0, 9, False, 9) == 2
+    assert super(v33.MambaManager, fresh).get_num_blocks_to_allocate("n", 9, [], 0, 0) == 1
 
 
 @pytest.mark.parametrize("release", RELEASES)
