@@ -246,7 +246,9 @@ class MambaManager(_MambaManager):
         self.caps_new_state_blocks = PROFILE.mamba_caps_new_state_blocks
         self.caches_prompt_tail_state = PROFILE.mamba_prompt_tail_state
 
-    def get_num_blocks_to_allocate(
+    # 0.33.0's positional order on purpose: kvcache's coordinators build the base class,
+    # so only code written against vLLM 0.33.0 calls this override.
+    def get_num_blocks_to_allocate(  # type: ignore[override]
         self,
         request_id: str,
         num_tokens: int,
