@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.kit.config import ManagerConfig
+from kvcache.kit.config import GroupConfig, ManagerConfig
 from kvcache.kit.trace import results_equal, state_diff
 
 LEDGER_PATH = Path(__file__).with_name("ledger.toml")
@@ -188,6 +188,38 @@ class Rule:
     def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
         """Whether a construction failure is this entry's."""
         return False
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    """What the rules read of a ``BlockStored`` event: its group (``group_idx``,
+    known to be one of the config's groups), its ``block_size`` and ``block_hashes``
+    (``None`` where the field is missing or not an int / a list)."""
+
+    group_idx: int
+    group: GroupConfig
+    block_size: int | None
+    block_hashes: list[Any] | None
+
+
+def _stored_event(event: Any, groups: Sequence[GroupConfig]) -> StoredEvent | None:
+    """``event`` read as a ``BlockStored`` event of one of ``groups``; ``None`` for
+    another type, a malformed event or a ``group_idx`` out of range."""
+    if not isinstance(event, dict) or event.get("type") != "BlockStored":
+        return None
+    fields = event.get("fields", {})
+    if not isinstance(fields, dict):
+        return None
+    group = fields.get("group_idx")
+    if not isinstance(group, int) or not 0 <= group < len(groups):
+        return None
+    size, hashes = fields.get("block_size"), fields.get("block_hashes")
+    return StoredEvent(
+        group_idx=group,
+        group=groups[group],
+        block_size=size if isinstance(size, int) else None,
+        block_hashes=hashes if isinstance(hashes, list) else None,
+    )
 
 
 def _ok(outcome: Outcome) -> Any:
@@ -429,16 +461,11 @@ class SubBlockEntries(Rule):
         groups = ctx.config.groups
 
         def partial(event: Any) -> bool:
-            if not isinstance(event, dict) or event.get("type") != "BlockStored":
-                return False
-            fields = event.get("fields", {})
-            group = fields.get("group_idx")
-            size = fields.get("block_size")
+            stored = _stored_event(event, groups)
             return (
-                isinstance(group, int)
-                and 0 <= group < len(groups)
-                and isinstance(size, int)
-                and size < groups[group].block_size
+                stored is not None
+                and stored.block_size is not None
+                and stored.block_size < stored.group.block_size
             )
 
         kept = [event for event in n if not partial(event)]
@@ -1071,18 +1098,13 @@ class MambaPromptBoundaryRekey(Rule):
         groups = ctx.config.groups
 
         def rekey(event: Any) -> bool:
-            if not isinstance(event, dict) or event.get("type") != "BlockStored":
-                return False
-            fields = event.get("fields", {})
-            group = fields.get("group_idx")
-            hashes = fields.get("block_hashes")
+            stored = _stored_event(event, groups)
             return (
-                isinstance(group, int)
-                and 0 <= group < len(groups)
-                and groups[group].kind == "mamba"
-                and groups[group].mamba_cache_mode == "align"
-                and isinstance(hashes, list)
-                and len(hashes) == 1
+                stored is not None
+                and stored.group.kind == "mamba"
+                and stored.group.mamba_cache_mode == "align"
+                and stored.block_hashes is not None
+                and len(stored.block_hashes) == 1
             )
 
         def same(a: Any, b: Any) -> bool:  # b may carry fields a lacks (event-new-fields)

@@ -554,3 +554,25 @@ def test_the_stored_resurrection_trace_leaves_the_evicted_block_unhashed_on_0_25
     assert after["state"]["req_to_blocks"][0]["a"][0] == block
     assert after["state"]["num_cached_block"][0]["a"] == 1
     assert block not in [b for b, _ in after["state"]["block_hash"].get("dict", [])]
+
+
+def test_a_block_stored_event_is_read_once_for_every_rule() -> None:
+    from kvcache.kit.ledger import _stored_event
+
+    groups = (GroupConfig("full", 4), GroupConfig("mamba", 2, mamba_cache_mode="align"))
+    fields = {"group_idx": 1, "block_size": 2, "block_hashes": [7]}
+    stored = _stored_event({"type": "BlockStored", "fields": fields}, groups)
+    assert stored is not None and stored.group is groups[1]
+    assert (stored.group_idx, stored.block_size, stored.block_hashes) == (1, 2, [7])
+    loose = _stored_event(
+        {"type": "BlockStored", "fields": {"group_idx": 0, "block_size": "2"}}, groups
+    )
+    assert loose is not None and loose.block_size is None and loose.block_hashes is None
+    for event in (
+        {"type": "BlockRemoved", "fields": fields},
+        {"type": "BlockStored", "fields": {**fields, "group_idx": 2}},
+        {"type": "BlockStored", "fields": {**fields, "group_idx": -1}},
+        {"type": "BlockStored", "fields": [1]},
+        "BlockStored",
+    ):
+        assert _stored_event(event, groups) is None, event
