@@ -391,6 +391,23 @@ def scenario_swa_mamba_eagle_long_hit() -> tuple[ManagerConfig, list[Call]]:
     return config, calls
 
 
+def scenario_tq_full_prefix_hit() -> tuple[ManagerConfig, list[Call]]:
+    """One TurboQuant full-attention group (TQFullAttentionSpec, bs 4, managed as full
+    attention): a 9-token prompt computed, freed, and looked up again (a two-block
+    hit). vLLM 0.33.0 has no TQFullAttentionSpec, so the manager cannot be built there
+    (ledger: tq-spec-removed)."""
+    config = ManagerConfig(num_blocks=10, groups=(GroupConfig("tq_full", 4),), max_model_len=32)
+    prompt = [1, 2, 0, 0, 2, 1, 1, 2, 0]
+    calls: list[Call] = [
+        ("add_request", {"request_id": "a", "prompt_token_ids": prompt, "max_tokens": 2}),
+        *admit("a", 9, 0),
+        ("free", {"request_id": "a"}),
+        ("add_request", {"request_id": "b", "prompt_token_ids": prompt, "max_tokens": 2}),
+        ("get_computed_blocks", {"request_id": "b"}),
+    ]
+    return config, calls
+
+
 SCENARIOS = {
     "prefix_hits_and_eviction": scenario_prefix_hits_and_eviction,
     "preempt_and_resume": scenario_preempt_and_resume,
@@ -402,6 +419,7 @@ SCENARIOS = {
     "mamba_eagle_flag_early_free": scenario_mamba_eagle_flag_early_free,
     "prompt_tail_entry_resurrected": scenario_prompt_tail_entry_resurrected,
     "swa_mamba_eagle_long_hit": scenario_swa_mamba_eagle_long_hit,
+    "tq_full_prefix_hit": scenario_tq_full_prefix_hit,
 }
 
 # Known vLLM 0.25.1 bugs the scenarios record: record index -> ledger ids, written
