@@ -200,6 +200,15 @@ SWITCHES: tuple[Switch, ...] = (
         "the cap itself whenever anything is short.",
         "0.33.0",
     ),
+    Switch(
+        "circular_buffer_groups",
+        "circular-buffer-kind",
+        "A CircularBufferSpec group (one ring block per request for its whole life, "
+        "never prefix-cached) is built with CircularBufferManager and left out of the "
+        "hybrid hit search; 0.25.1 has no such kind, so a manager with one cannot be "
+        "built (NotImplementedError naming the class).",
+        "0.33.0",
+    ),
 )
 """Every switch, in the order of the ledger's entries."""
 
@@ -240,6 +249,7 @@ class Profile:
     mamba_no_eagle_margin: bool
     mamba_prompt_tail_state: bool
     mamba_caps_new_state_blocks: bool
+    circular_buffer_groups: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:
