@@ -185,8 +185,13 @@ class Rule:
         the normalised states) is this entry's."""
         return False
 
+    #: Whose construction failure ``cannot_build`` explains: ``"new"`` (the later
+    #: release refuses a layout 0.25.1 builds) or ``"old"`` (the 0.25.1 side refuses
+    #: a layout the later release adds).
+    refused_by = "new"
+
     def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
-        """Whether a construction failure is this entry's."""
+        """Whether a construction failure (of the ``refused_by`` side) is this entry's."""
         return False
 
 
@@ -444,6 +449,8 @@ class CannotBuildTqRemoved(Rule):
 class CannotBuildCircularAdded(Rule):
     """0.25.1 has no ``CircularBufferSpec``: a layout with a ring-buffer group cannot be
     built there (vLLM 0.25.1 lacks the class; kvcache's 0.25.1 profile refuses it)."""
+
+    refused_by = "old"
 
     def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
         return any(g.kind == "circular" for g in config.groups) and "CircularBufferSpec" in reason
@@ -1485,10 +1492,14 @@ class Judge:
                 return Judgement(False, (cached_by[0], freed_by[0])), diff
         return Judgement(False, self.observed(f"{op}/state:" + ",".join(keys))), diff
 
-    def cannot_build(self, reason: str) -> str | None:
-        """The entry that explains a construction failure, if one does."""
+    def cannot_build(self, reason: str, refused_by: str = "new") -> str | None:
+        """The entry that explains a construction failure, if one does: of the new
+        side (``refused_by="new"``, the later release) or of the old one (``"old"``,
+        the side that behaves like 0.25.1)."""
+        if refused_by not in ("new", "old"):
+            raise ValueError(f"refused_by={refused_by!r}; expected 'new' or 'old'")
         for entry, rule in self.rules:
-            if rule.cannot_build(self.ctx.config, reason):
+            if rule.refused_by == refused_by and rule.cannot_build(self.ctx.config, reason):
                 return entry.id
         return None
 

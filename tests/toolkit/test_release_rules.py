@@ -576,3 +576,17 @@ def test_a_block_stored_event_is_read_once_for_every_rule() -> None:
         "BlockStored",
     ):
         assert _stored_event(event, groups) is None, event
+
+
+def test_a_construction_failure_is_explained_only_for_the_side_that_refuses() -> None:
+    ring = (GroupConfig("full", 4), GroupConfig("circular", 4, num_kv_heads=2))
+    reason = "kv_cache_spec of type CircularBufferSpec (group 1) is not supported"
+    # The 0.25.1 side refuses a ring group 0.33.0 adds; 0.33.0 itself refusing one is news.
+    assert _judge(ring).cannot_build(reason, refused_by="old") == "circular-buffer-kind"
+    assert _judge(ring).cannot_build(reason) is None
+    tq = (GroupConfig("tq_full", 4),)
+    tq_reason = "module 'vllm.v1.kv_cache_interface' has no attribute 'TQFullAttentionSpec'"
+    assert _judge(tq).cannot_build(tq_reason) == "tq-spec-removed"
+    assert _judge(tq).cannot_build(tq_reason, refused_by="old") is None
+    with pytest.raises(ValueError, match="refused_by='both'"):
+        _judge(tq).cannot_build(tq_reason, refused_by="both")
