@@ -149,6 +149,20 @@ class KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in range(len(self.blocks))))
 
 
+def _refuse_lookahead(hash_lookahead: int, prefill_lookahead: int, profile: Profile) -> None:
+    """Refuse lookahead arguments a release without them never takes (switch
+    ``lookahead_arguments``): vLLM 0.25.1's manager has no such parameters."""
+    for name, value in (
+        ("num_hash_lookahead_tokens", hash_lookahead),
+        ("num_prefill_lookahead", prefill_lookahead),
+    ):
+        if value:
+            raise ValueError(
+                f"{name}={value}: lookahead is vLLM 0.33.0's; profile {profile.release} "
+                "has no such argument (use Profile('0.33.0') or kvcache.vllm_0_33)"
+            )
+
+
 def _refuse_circular_buffer_groups(kv_cache_config: KVCacheConfig, profile: Profile) -> None:
     """Refuse a ring-buffer group under a profile without ``circular_buffer_groups``
     (vLLM 0.25.1 has no ``CircularBufferSpec``, so no manager for one).
@@ -247,6 +261,8 @@ class KVCacheManager:
                 f"num_prefill_lookahead must be a non-negative int, got {num_prefill_lookahead!r}"
             )
         self.num_prefill_lookahead = num_prefill_lookahead
+        if not self.profile.lookahead_arguments:
+            _refuse_lookahead(self.num_hash_lookahead_tokens, num_prefill_lookahead, self.profile)
         if (
             num_prefill_lookahead > scheduler_block_size
             and enable_caching

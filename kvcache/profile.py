@@ -237,6 +237,15 @@ SWITCHES: tuple[Switch, ...] = (
         "0.33.0",
     ),
     Switch(
+        "lookahead_arguments",
+        "lookahead-arguments-added",
+        "The manager takes num_hash_lookahead_tokens and num_prefill_lookahead (vLLM "
+        "0.33.0's lookahead hashing and prefill lookahead, for EAGLE / MTP drafters); "
+        "vLLM 0.25.1 has neither argument, so a non-zero value under 0.25.1 is refused "
+        "(ValueError naming the argument).",
+        "0.33.0",
+    ),
+    Switch(
         "cache_within_hashed_tokens",
         "",
         "A group caches only the full blocks the request has hashes for (with lookahead "
@@ -308,6 +317,7 @@ class Profile:
     retention_zero_without_window: bool
     shared_prefix_junctions: bool
     circular_buffer_groups: bool
+    lookahead_arguments: bool
     cache_within_hashed_tokens: bool
     mamba_fine_grained_hits: bool
     partial_hit_copy_on_write: bool

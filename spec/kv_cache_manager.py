@@ -121,6 +121,11 @@ class KVCacheManager:
                             ("num_prefill_lookahead", num_prefill_lookahead)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        for name, value in (("num_hash_lookahead_tokens", num_hash_lookahead_tokens),
+                            ("num_prefill_lookahead", num_prefill_lookahead)):
+            if value and not self.profile.lookahead_arguments:
+                raise ValueError(f"{name}={value}: lookahead is vLLM 0.33.0's; profile "
+                                 f"{self.profile.release} has no such argument")
         if isinstance(num_prefill_lookahead, bool):
             raise ValueError(f"num_prefill_lookahead must be a non-negative int, got "
                              f"{num_prefill_lookahead!r}")

@@ -456,6 +456,21 @@ class CannotBuildCircularAdded(Rule):
         return any(g.kind == "circular" for g in config.groups) and "CircularBufferSpec" in reason
 
 
+class CannotBuildLookaheadAdded(Rule):
+    """0.25.1's manager has no lookahead arguments: a configuration with
+    ``num_hash_lookahead_tokens`` or ``num_prefill_lookahead`` cannot be built there
+    (vLLM 0.25.1 raises TypeError on the unknown keyword; kvcache's 0.25.1 profile
+    refuses the value, naming the argument)."""
+
+    refused_by = "old"
+
+    def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
+        return any(
+            getattr(config, name) and name in reason
+            for name in ("num_hash_lookahead_tokens", "num_prefill_lookahead")
+        )
+
+
 class SubBlockEntries(Rule):
     """Where a group's blocks span several hash blocks, drops what only the new side
     has: extra cache entries (keys the old side lacks), the primary hash of a block
@@ -1347,6 +1362,7 @@ RULES: dict[str, Callable[[], Rule]] = {
     "cannot_build_mamba_all": CannotBuildMambaAll,
     "cannot_build_tq_removed": CannotBuildTqRemoved,
     "cannot_build_circular_added": CannotBuildCircularAdded,
+    "cannot_build_lookahead_added": CannotBuildLookaheadAdded,
     "sub_block_entries": SubBlockEntries,
     "shorter_hit_mamba_eagle": ShorterHitMambaEagle,
     "mm_output_block_hash": MmOutputBlockHash,

@@ -590,3 +590,15 @@ def test_a_construction_failure_is_explained_only_for_the_side_that_refuses() ->
     assert _judge(tq).cannot_build(tq_reason, refused_by="old") is None
     with pytest.raises(ValueError, match="refused_by='both'"):
         _judge(tq).cannot_build(tq_reason, refused_by="both")
+
+
+def test_lookahead_arguments_explain_only_an_old_side_refusing_them() -> None:
+    groups = (GroupConfig("full", 4),)
+    reason = "__init__() got an unexpected keyword argument 'num_hash_lookahead_tokens'"
+    entry = "lookahead-arguments-added"
+    assert _judge(groups, num_hash_lookahead_tokens=2).cannot_build(reason, "old") == entry
+    # 0.33.0 refusing it, a configuration without lookahead, or another reason: news.
+    assert _judge(groups, num_hash_lookahead_tokens=2).cannot_build(reason) is None
+    assert _judge(groups).cannot_build(reason, refused_by="old") is None
+    assert _judge(groups, num_prefill_lookahead=2).cannot_build(reason, "old") is None
+    assert _judge(groups, num_hash_lookahead_tokens=1).cannot_build("no blocks", "old") is None
