@@ -26,6 +26,7 @@ from kvcache.kv_cache_utils import (
     BlockHashList,
     BlockHashListWithBlockSize,
     KVCacheBlock,
+    trim_null_head,
 )
 from kvcache.single_type_kv_cache_manager import (
     CrossAttentionManager,
@@ -461,14 +462,6 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             pcp_world_size=self.pcp_world_size,
         )
         return hit_blocks, len(hit_blocks[0]) * self.block_size
-
-
-def trim_null_head(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-    """``blocks`` without its leading null blocks (``blocks`` itself when none)."""
-    start = 0
-    while start < len(blocks) and blocks[start].is_null:
-        start += 1
-    return blocks[start:] if start else blocks
 
 
 class SpecGroup(NamedTuple):

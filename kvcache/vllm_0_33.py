@@ -48,8 +48,11 @@ __all__ = [
     "KVCacheBlocks",
     "KVCacheManager",
     "PrefixCacheStats",
+    "generate_block_hash_extra_keys",
+    "get_none_hash_seed",
     "get_request_block_hasher",
     "init_none_hash",
+    "resolve_none_hash_seed",
 ]
 
 PROFILE = Profile("0.33.0")
@@ -116,6 +119,38 @@ def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     """0.33.0's seed rule (``none_hash_fixed_seed``): PYTHONHASHSEED when set, else a
     fixed seed for sha256 / sha256_cbor and a random one for the xxhash functions."""
     _utils.init_none_hash(hash_fn, fixed_default_seed=PROFILE.none_hash_fixed_seed)
+
+
+def resolve_none_hash_seed(hash_fn: Callable[[Any], bytes]) -> str:
+    """The seed 0.33.0 derives ``NONE_HASH`` from (``none_hash_fixed_seed``):
+    PYTHONHASHSEED when set, else the fixed seed for sha256 / sha256_cbor and a
+    fresh random hex seed for the xxhash functions."""
+    seed = _utils.resolve_none_hash_seed(hash_fn, fixed_default_seed=PROFILE.none_hash_fixed_seed)
+    if seed is None:  # only without the switch, which this profile has on
+        raise RuntimeError("the 0.33.0 profile resolves a NONE_HASH seed in every case")
+    return seed
+
+
+def get_none_hash_seed() -> str:
+    """The seed the last ``init_none_hash`` used (what peers sharing a cache must
+    agree on); ``DEFAULT_NONE_HASH_SEED`` before any ``init_none_hash`` ran."""
+    seed = _utils.none_hash_seed()
+    return _utils.DEFAULT_NONE_HASH_SEED if seed is None else seed
+
+
+def generate_block_hash_extra_keys(
+    request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+) -> tuple[tuple[Any, ...] | None, int]:
+    """One block's extra hash keys as 0.33.0's hasher uses them: tagged with their
+    source (``tagged_extra_keys``: ``("lora", name, path)``, ``("mm", identifier,
+    offset)``, ``("cache_salt", salt)``, ``("prompt_embeds", digest)``), and the
+    next multimodal index. ``to_event_extra_keys`` gives the untagged event form."""
+    keys, next_mm_idx = _utils.generate_block_hash_extra_keys(
+        request, start_token_idx, end_token_idx, start_mm_idx
+    )
+    if keys is not None and PROFILE.tagged_extra_keys:
+        keys = _utils.tag_extra_keys(request, start_token_idx, keys)
+    return keys, next_mm_idx
 
 
 def get_request_block_hasher(
