@@ -39,6 +39,7 @@ from kvcache.kv_events import (
 )
 
 if TYPE_CHECKING:
+    from kvcache.profile import Profile
     from kvcache.request import Request
 
 
@@ -267,6 +268,15 @@ class BlockPool:
         self.metrics_collector: Any = metrics_collector
         # The mm_keys_by_window switch (kvcache.profile), set by the KVCacheManager.
         self.mm_keys_by_window = False
+        # The event_session_id switch (kvcache.profile): BlockStored events are vLLM
+        # 0.33.0's (kvcache.vllm_0_33.BlockStored) and carry the request's session_id.
+        self.event_session_id = False
+
+    def apply_profile(self, profile: Profile) -> None:
+        """Take the release switches the pool reads (``mm_keys_by_window``,
+        ``event_session_id``) from ``profile`` (``kvcache.profile``)."""
+        self.mm_keys_by_window = profile.mm_keys_by_window
+        self.event_session_id = profile.event_session_id
 
     # ------------------------------------------------------------ lookups
 
@@ -397,22 +407,108 @@ class BlockPool:
                 request, start, start + block_size, mm_idx
             )
             extra_keys_list.append(extra_keys)
-        lora = request.lora_request
         self.kv_event_queue.append(
-            BlockStored(
-                block_hashes=stored,
+            self._block_stored(
+                request,
+                stored,
+                parent,
+                num_cached_blocks * block_size,
+                num_full_blocks * block_size,
+                block_size,
+                extra_keys_list or None,
+                group_id,
+            )
+        )
+
+    def _block_stored(
+        self,
+        request: Request,
+        block_hashes: list[ExternalBlockHash],
+        parent: ExternalBlockHash | None,
+        start: int,
+        end: int,
+        block_size: int,
+        extra_keys: list[tuple[Any, ...] | None] | None,
+        group_id: int,
+    ) -> KVCacheEvent:
+        """The ``BlockStored`` of ``block_hashes``, over the request's tokens
+        ``[start, end)``; with ``event_session_id``, carrying its ``session_id``."""
+        lora = request.lora_request
+        event: KVCacheEvent
+        if self.event_session_id:
+            # NOTE: imported here, not at the top: the drop-in module imports this one.
+            from kvcache.vllm_0_33 import BlockStored as BlockStored033
+
+            event = BlockStored033(
+                block_hashes=block_hashes,
                 parent_block_hash=parent,
-                token_ids=list(
-                    request.all_token_ids[
-                        num_cached_blocks * block_size : num_full_blocks * block_size
-                    ]
-                ),
+                token_ids=list(request.all_token_ids[start:end]),
                 block_size=block_size,
                 lora_id=lora.adapter_id if lora else None,
                 medium=MEDIUM_GPU,
                 lora_name=lora.lora_name if lora else None,
-                extra_keys=extra_keys_list or None,
+                extra_keys=extra_keys,
                 group_idx=group_id,
+                session_id=getattr(request, "session_id", None),
+            )
+        else:
+            event = BlockStored(
+                block_hashes=block_hashes,
+                parent_block_hash=parent,
+                token_ids=list(request.all_token_ids[start:end]),
+                block_size=block_size,
+                lora_id=lora.adapter_id if lora else None,
+                medium=MEDIUM_GPU,
+                lora_name=lora.lora_name if lora else None,
+                extra_keys=extra_keys,
+                group_idx=group_id,
+            )
+        return event
+
+    def emit_cached_block_events(
+        self,
+        request: Request,
+        num_cached_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        """Queue one ``BlockStored`` for the request's first ``num_cached_blocks``
+        blocks of ``block_size`` tokens, which are already cached (vLLM 0.33.0's
+        "full" KV-event report mode tells subscribers of prefix hits too). Changes
+        no block; nothing without events or hits.
+
+        Raises:
+            ValueError: ``num_cached_blocks`` is negative or past the request's hashes.
+        """
+        if not self.enable_kv_cache_events or num_cached_blocks == 0:
+            return
+        block_hashes: BlockHashList = request.block_hashes
+        if block_size != self.hash_block_size:
+            block_hashes = BlockHashListWithBlockSize(
+                request.block_hashes, self.hash_block_size, block_size
+            )
+        if not 0 < num_cached_blocks <= len(block_hashes):
+            raise ValueError(
+                f"num_cached_blocks={num_cached_blocks}: request {request.request_id!r} "
+                f"has {len(block_hashes)} block hashes of {block_size} tokens"
+            )
+        extra_keys_list: list[tuple[Any, ...] | None] = []
+        mm_idx = 0
+        for i in range(num_cached_blocks):
+            extra_keys, mm_idx = generate_block_hash_extra_keys(
+                request, i * block_size, (i + 1) * block_size, mm_idx
+            )
+            extra_keys_list.append(extra_keys)
+        self.kv_event_queue.append(
+            self._block_stored(
+                request,
+                [maybe_convert_block_hash(block_hashes[i]) for i in range(num_cached_blocks)],
+                None,  # hits start at the first block
+                0,
+                num_cached_blocks * block_size,
+                block_size,
+                extra_keys_list,
+                kv_cache_group_id,
             )
         )
 
@@ -539,18 +635,16 @@ class BlockPool:
             if self.mm_keys_by_window and start > 0:
                 mm_start = first_mm_feature_ending_after(request, start)
             extra_keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, mm_start)
-            lora = request.lora_request
             self.kv_event_queue.append(
-                BlockStored(
-                    block_hashes=[maybe_convert_block_hash(h)],
-                    parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
-                    token_ids=list(request.all_token_ids[start:num_tokens]),
-                    block_size=num_tokens - start,
-                    lora_id=lora.adapter_id if lora else None,
-                    medium=MEDIUM_GPU,
-                    lora_name=lora.lora_name if lora else None,
-                    extra_keys=[extra_keys],
-                    group_idx=kv_cache_group_id,
+                self._block_stored(
+                    request,
+                    [maybe_convert_block_hash(h)],
+                    None if parent is None else maybe_convert_block_hash(parent),
+                    start,
+                    num_tokens,
+                    num_tokens - start,
+                    [extra_keys],
+                    kv_cache_group_id,
                 )
             )
         return key

@@ -236,8 +236,11 @@ class KVCacheCoordinator:
         new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> None:
-        """Add a new request's hits to every group, then allocate external blocks.
+        """Add a new request's hits to every group, then allocate external blocks
+        (not reported for zeroing in ``skip_zeroing_group_ids``: an async load
+        writes them).
 
         Two phases, as vLLM: every group touches its hits before any group takes
         blocks for external tokens, so one group cannot evict another's hits.
@@ -256,9 +259,12 @@ class KVCacheCoordinator:
                 num_external_computed_tokens,
             )
         if num_external_computed_tokens > 0:
-            for manager in managers:
+            for i, manager in enumerate(managers):
                 manager.allocate_external_computed_blocks(
-                    request_id, num_local_computed_tokens, num_external_computed_tokens
+                    request_id,
+                    num_local_computed_tokens,
+                    num_external_computed_tokens,
+                    i not in skip_zeroing_group_ids,
                 )
 
     def allocate_new_blocks(
@@ -313,6 +319,21 @@ class KVCacheCoordinator:
         """Free, in every group, blocks no future token attends to."""
         for manager in self._skipping_managers:
             manager.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
+
+    def emit_cached_block_events(
+        self, request: Request, computed_blocks: Sequence[Sequence[KVCacheBlock]]
+    ) -> None:
+        """Queue a ``BlockStored`` for each group's hit blocks (the ``full_report_mode``
+        switch: vLLM 0.33.0's "full" KV-event report mode), at the group spec's
+        block size; groups without hits queue none."""
+        for group_id, group_blocks in enumerate(computed_blocks):
+            if group_blocks:
+                self.block_pool.emit_cached_block_events(
+                    request,
+                    len(group_blocks),
+                    self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.block_size,
+                    group_id,
+                )
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         """The request's block list in every group ([] when it has none)."""

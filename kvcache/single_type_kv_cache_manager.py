@@ -29,6 +29,7 @@ from kvcache.kv_cache_interface import (
     SlidingWindowSpec,
     check_world_size,
     is_spec_kind,
+    records_blocks_for_zeroing,
     spec_exact_class_name,
 )
 from kvcache.kv_cache_math import cdiv  # imported, not aliased: a native call when compiled
@@ -156,6 +157,8 @@ class SingleTypeKVCacheManager:
         self._tracks_new_block_ids = spec_exact_class_name(kv_cache_spec) in _TRACKING_SPECS
         # The partial_prompt_tail_entries switch (kvcache.profile); full attention only.
         self.caches_partial_prompt_tail = False
+        # The external_blocks_floor_zero switch (kvcache.profile).
+        self.external_blocks_floor_zero = False
 
     # ------------------------------------------------------------ sizing
 
@@ -240,9 +243,16 @@ class SingleTypeKVCacheManager:
         request_id: str,
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
     ) -> None:
         """Allocate blocks for tokens a KV connector computed (after every group
-        touched its hits, so this cannot evict another group's hits)."""
+        touched its hits, so this cannot evict another group's hits).
+
+        ``record_for_zeroing`` False (vLLM 0.33.0's ``skip_zeroing_group_ids``): an
+        async load writes the new blocks, so they are not reported for zeroing.
+        With ``external_blocks_floor_zero`` a request already holding the blocks
+        the computed tokens need (a speculative over-allocation) takes none.
+        """
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_tokens = self.get_num_skipped_tokens(num_total)
         if num_skipped_tokens > 0:
@@ -252,11 +262,12 @@ class SingleTypeKVCacheManager:
         if num_external_computed_tokens <= 0:
             return
         req_blocks = self.req_to_blocks[request_id]
-        new_blocks = self.block_pool.get_new_blocks(
-            cdiv(num_total, self.block_size) - len(req_blocks)
-        )
+        num_new_blocks = cdiv(num_total, self.block_size) - len(req_blocks)
+        if self.external_blocks_floor_zero and num_new_blocks < 0:
+            num_new_blocks = 0
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
-        if self._tracks_new_block_ids:
+        if self._tracks_new_block_ids and record_for_zeroing:
             self.new_block_ids.extend(b.block_id for b in new_blocks)
 
     def allocate_new_blocks(
@@ -276,6 +287,19 @@ class SingleTypeKVCacheManager:
         if self._tracks_new_block_ids:
             self.new_block_ids.extend([b.block_id for b in new_blocks])
         return new_blocks
+
+    @property
+    def records_new_block_ids(self) -> bool:
+        """Whether this group reports its newly allocated block ids (for zeroing)."""
+        return self._tracks_new_block_ids
+
+    def set_needs_kv_cache_zeroing(self, needs_kv_cache_zeroing: bool) -> None:
+        """vLLM 0.33.0's rule for which groups report new block ids: with zeroing,
+        every attention kind but a circular buffer; without it, none
+        (``records_blocks_for_zeroing``)."""
+        self._tracks_new_block_ids = needs_kv_cache_zeroing and records_blocks_for_zeroing(
+            self.kv_cache_spec
+        )
 
     def stop_tracking_new_block_ids(self) -> None:
         """Record no new block ids from now on (the ``new_block_ids_zeroing_only``
@@ -1040,6 +1064,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         request_id: str,
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
     ) -> None:
         """Connectors do not load cross-attention KV; nothing to allocate."""
         return

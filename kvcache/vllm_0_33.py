@@ -30,8 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcache import block_pool as _block_pool
 from kvcache import kv_cache_utils as _utils
 from kvcache import kv_events as _events
+from kvcache import single_type_kv_cache_manager as _managers
 from kvcache.kv_cache_interface import KVCacheConfig, is_spec_kind
 from kvcache.kv_cache_manager import KVCacheBlocks
 from kvcache.kv_cache_manager import KVCacheManager as _KVCacheManager
@@ -43,11 +45,18 @@ from kvcache.request import Request
 __all__ = [
     "PROFILE",
     "AllBlocksCleared",
+    "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "ChunkedLocalAttentionManager",
+    "CrossAttentionManager",
+    "FullAttentionManager",
     "KVCacheBlocks",
     "KVCacheManager",
+    "MambaManager",
     "PrefixCacheStats",
+    "RSWAManager",
+    "SlidingWindowManager",
     "generate_block_hash_extra_keys",
     "get_none_hash_seed",
     "get_request_block_hasher",
@@ -174,13 +183,207 @@ def get_request_block_hasher(
 
 
 def _check_lookahead(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    # A bool is an int to vLLM 0.33.0 (its tests pass use_eagle): False is 0.
+    if not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     if value:
         raise NotImplementedError(
             f"{name}={value}: kvcache's 0.33.0 profile does not model lookahead yet "
             "(only 0 is supported)"
         )
+
+
+# ---------------------------------------------------------------- block pool and groups
+
+
+class BlockPool(_block_pool.BlockPool):
+    """vLLM 0.33.0's ``BlockPool`` constructor over kvcache's pool, with the 0.33.0
+    profile's pool switches (``mm_keys_by_window``, ``event_session_id``): what a
+    pool built on its own, outside a manager, gets.
+
+    Args:
+        num_hash_lookahead_tokens: Must be 0 (lookahead hashing is not modelled).
+        medium: Must be ``"GPU"`` (kvcache's pool has no other tier).
+
+    The other arguments are ``kvcache.BlockPool``'s.
+
+    Raises:
+        NotImplementedError: for lookahead tokens or another medium.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: Any = None,
+        num_hash_lookahead_tokens: int = 0,
+        medium: str = _events.MEDIUM_GPU,
+    ) -> None:
+        _check_lookahead("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
+        if medium != _events.MEDIUM_GPU:
+            raise NotImplementedError(
+                f"medium={medium!r}: kvcache's pool models the {_events.MEDIUM_GPU!r} tier only"
+            )
+        super().__init__(
+            num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events,
+            metrics_collector,
+        )  # fmt: skip
+        self.apply_profile(PROFILE)
+
+
+class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
+    """vLLM 0.33.0's single-type manager signatures over kvcache's managers (a mixin
+    in front of each manager class below): the constructor's
+    ``needs_kv_cache_zeroing``, ``get_num_blocks_to_allocate``'s
+    ``num_local_computed_tokens`` and ``prefill_end``, and the 0.33.0 profile's
+    group switches (``external_blocks_floor_zero``)."""
+
+    # Kinds whose 0.33.0 hits may end inside a block (fine-grained hits).
+    _fine_grained_kind = False
+
+    def __init__(
+        self,
+        kv_cache_spec: Any,
+        block_pool: _block_pool.BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        needs_kv_cache_zeroing: bool = False,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        super().__init__(
+            kv_cache_spec,
+            block_pool,
+            enable_caching,
+            kv_cache_group_id,
+            scheduler_block_size,
+            dcp_world_size,
+            pcp_world_size,
+            max_admission_blocks_per_request,
+        )
+        self.set_needs_kv_cache_zeroing(needs_kv_cache_zeroing)
+        self.external_blocks_floor_zero = PROFILE.external_blocks_floor_zero
+
+    def get_num_blocks_to_allocate(  # type: ignore[override]
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """kvcache's count, with 0.33.0's arguments: ``num_local_computed_tokens``
+        (the local hit's tokens; a hit ending inside a block needs a copy-on-write
+        block, which no covered layout makes) and ``prefill_end`` (where a Mamba
+        prefill checkpoint would go; checkpoints are not modelled, so unused).
+
+        Raises:
+            NotImplementedError: for a local hit that ends inside a block.
+        """
+        if new_computed_blocks and num_local_computed_tokens % self.block_size:
+            raise NotImplementedError(
+                f"num_local_computed_tokens={num_local_computed_tokens}: a hit ending "
+                f"inside a block of {self.block_size} tokens needs copy-on-write, "
+                "which kvcache's 0.33.0 profile does not model yet"
+            )
+        return super().get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap,
+        )
+
+
+    @classmethod
+    def find_longest_cache_hit(  # type: ignore[override]
+        cls,
+        block_hashes: Any,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: _block_pool.BlockPool,
+        kv_cache_spec: Any,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """kvcache's hit search with 0.33.0's arguments and result: ``block_hashes``
+        may be at the pool's hash block size (viewed here at the group's block
+        size, as 0.33.0's managers view them), and the result is ``(blocks per
+        group, hit tokens)``; the hit covers whole blocks.
+
+        Raises:
+            NotImplementedError: for ``alignment_tokens`` below the block size of a
+                kind that 0.33.0 lets hit inside a block (fine-grained hits).
+        """
+        hash_block_size = block_pool.hash_block_size
+        block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
+        if block_size != hash_block_size and not isinstance(
+            block_hashes, _utils.BlockHashListWithBlockSize
+        ):
+            if cls._fine_grained_kind and alignment_tokens < block_size:
+                raise NotImplementedError(
+                    f"alignment_tokens={alignment_tokens} below the block size {block_size}: "
+                    "fine-grained hits are not modelled by kvcache's 0.33.0 profile yet"
+                )
+            block_hashes = _utils.BlockHashListWithBlockSize(
+                block_hashes, hash_block_size, block_size
+            )
+        blocks = super().find_longest_cache_hit(
+            block_hashes,
+            max_length,
+            kv_cache_group_ids,
+            block_pool,
+            kv_cache_spec,
+            drop_eagle_block,
+            alignment_tokens,
+            dcp_world_size,
+            pcp_world_size,
+        )
+        return blocks, len(blocks[0]) * block_size if blocks else 0
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's blocks to free, without the null blocks in front of them
+        (``pop_drops_null_head``; inside a manager the coordinator drops them)."""
+        blocks = super().pop_blocks_for_free(request_id)
+        return _utils.trim_null_head(blocks) if PROFILE.pop_drops_null_head else blocks
+
+
+class FullAttentionManager(_SingleTypeApi, _managers.FullAttentionManager):
+    """vLLM 0.33.0's ``FullAttentionManager`` signatures (``_SingleTypeApi``)."""
+
+    _fine_grained_kind = True
+
+
+class SlidingWindowManager(_SingleTypeApi, _managers.SlidingWindowManager):
+    """vLLM 0.33.0's ``SlidingWindowManager`` signatures (``_SingleTypeApi``)."""
+
+
+class ChunkedLocalAttentionManager(_SingleTypeApi, _managers.ChunkedLocalAttentionManager):
+    """vLLM 0.33.0's ``ChunkedLocalAttentionManager`` signatures (``_SingleTypeApi``)."""
+
+
+class MambaManager(_SingleTypeApi, _managers.MambaManager):  # type: ignore[misc]
+    """vLLM 0.33.0's ``MambaManager`` signatures (``_SingleTypeApi``)."""
+
+    _fine_grained_kind = True
+
+
+class CrossAttentionManager(_SingleTypeApi, _managers.CrossAttentionManager):
+    """vLLM 0.33.0's ``CrossAttentionManager`` signatures (``_SingleTypeApi``)."""
+
+
+class RSWAManager(_SingleTypeApi, _managers.RSWAManager):
+    """vLLM 0.33.0's ``RSWAManager`` signatures (``_SingleTypeApi``)."""
 
 
 # ---------------------------------------------------------------- the manager
@@ -303,6 +506,13 @@ class KVCacheManager(_KVCacheManager):
         groups (Mamba, retained sliding windows), which this profile does not model.
         """
         blocks, num_hit_tokens = super().get_computed_blocks(request, max_cache_hit_length)
+        if (
+            num_hit_tokens > 0
+            and self.profile.full_report_mode
+            and self.enable_kv_cache_events
+            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
+        ):
+            self.coordinator.emit_cached_block_events(request, blocks.blocks)
         return blocks, num_hit_tokens, 0
 
     def get_computed_blocks_for_connector(
@@ -343,42 +553,42 @@ class KVCacheManager(_KVCacheManager):
     ) -> KVCacheBlocks | None:
         """``kvcache.KVCacheManager.allocate_slots`` with 0.33.0's rules (the profile)
         and argument ``skip_zeroing_group_ids``: groups an async load writes, whose
-        new blocks must not be zeroed. No group of a covered layout zeroes, so it
-        only is validated.
+        new blocks for external tokens are not reported for zeroing.
 
         Raises:
             ValueError: for a ``skip_zeroing_group_ids`` entry that names no group.
-            NotImplementedError: for a non-empty ``skip_zeroing_group_ids`` where
-                groups record blocks for zeroing (Mamba layouts).
         """
         if skip_zeroing_group_ids:
             self._check_skip_zeroing(skip_zeroing_group_ids)
-        return super().allocate_slots(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-            has_scheduled_reqs,
-        )
+        self.skip_zeroing_group_ids = tuple(skip_zeroing_group_ids)
+        try:
+            return super().allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                delay_cache_blocks,
+                num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
+        finally:
+            self.skip_zeroing_group_ids = ()
 
     def _check_skip_zeroing(self, group_ids: Sequence[int]) -> None:
         for group_id in group_ids:
-            if not isinstance(group_id, int) or not 0 <= group_id < self.num_kv_cache_groups:
+            if (
+                not isinstance(group_id, int)
+                or isinstance(group_id, bool)
+                or not 0 <= group_id < self.num_kv_cache_groups
+            ):
                 raise ValueError(
                     f"skip_zeroing_group_ids: {group_id!r} is no group id "
                     f"(there are {self.num_kv_cache_groups})"
                 )
-        if any(m._tracks_new_block_ids for m in self.coordinator.single_type_managers):
-            raise NotImplementedError(
-                f"skip_zeroing_group_ids={tuple(group_ids)!r}: this layout records blocks "
-                "for zeroing, which kvcache's 0.33.0 profile does not model yet"
-            )
 
     def remove_skipped_blocks(
         self,
@@ -443,20 +653,22 @@ class KVCacheManager(_KVCacheManager):
         return self.create_kv_cache_blocks(tuple(truncated))
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        """Record the request's blocks from ``start_token`` on for zeroing again, in the
-        groups that record new blocks (none in the covered layouts).
+        """Report the request's blocks from ``start_token`` on for zeroing again (e.g.
+        blocks a failed async load left unwritten), in the groups that report new
+        blocks (``needs_kv_cache_zeroing``).
 
         Raises:
-            ValueError: if ``start_token`` is not a multiple of such a group's block size.
+            ValueError: if ``start_token`` is not a multiple of such a group's block
+                size (zeroing a block's valid prefix would lose it).
         """
-        for manager in self.coordinator.single_type_managers:
-            if not manager._tracks_new_block_ids:
-                continue
+        managers = [m for m in self.coordinator.single_type_managers if m.records_new_block_ids]
+        for manager in managers:
             if start_token % manager.block_size:
                 raise ValueError(
                     f"start_token={start_token} is not a multiple of group "
                     f"{manager.kv_cache_group_id}'s block size {manager.block_size}"
                 )
+        for manager in managers:
             held = manager.req_to_blocks.get(request_id, [])
             start = start_token // manager.block_size
             manager.new_block_ids.extend(b.block_id for b in held[start:])
