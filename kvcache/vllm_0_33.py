@@ -358,17 +358,17 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
         return _utils.trim_null_head(blocks) if PROFILE.pop_drops_null_head else blocks
 
 
-class FullAttentionManager(_SingleTypeApi, _managers.FullAttentionManager):
+class FullAttentionManager(_SingleTypeApi, _managers.FullAttentionManager):  # type: ignore[misc]
     """vLLM 0.33.0's ``FullAttentionManager`` signatures (``_SingleTypeApi``)."""
 
     _fine_grained_kind = True
 
 
-class SlidingWindowManager(_SingleTypeApi, _managers.SlidingWindowManager):
+class SlidingWindowManager(_SingleTypeApi, _managers.SlidingWindowManager):  # type: ignore[misc]
     """vLLM 0.33.0's ``SlidingWindowManager`` signatures (``_SingleTypeApi``)."""
 
 
-class ChunkedLocalAttentionManager(_SingleTypeApi, _managers.ChunkedLocalAttentionManager):
+class ChunkedLocalAttentionManager(_SingleTypeApi, _managers.ChunkedLocalAttentionManager):  # type: ignore[misc]
     """vLLM 0.33.0's ``ChunkedLocalAttentionManager`` signatures (``_SingleTypeApi``)."""
 
 
@@ -378,11 +378,11 @@ class MambaManager(_SingleTypeApi, _managers.MambaManager):  # type: ignore[misc
     _fine_grained_kind = True
 
 
-class CrossAttentionManager(_SingleTypeApi, _managers.CrossAttentionManager):
+class CrossAttentionManager(_SingleTypeApi, _managers.CrossAttentionManager):  # type: ignore[misc]
     """vLLM 0.33.0's ``CrossAttentionManager`` signatures (``_SingleTypeApi``)."""
 
 
-class RSWAManager(_SingleTypeApi, _managers.RSWAManager):
+class RSWAManager(_SingleTypeApi, _managers.RSWAManager):  # type: ignore[misc]
     """vLLM 0.33.0's ``RSWAManager`` signatures (``_SingleTypeApi``)."""
 
 

@@ -11,6 +11,7 @@ from spec.vocab import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    BlockStored033,
     KVCacheEvent,
     Request,
     block_extra_keys,
@@ -47,6 +48,7 @@ class BlockPool:
     # Release switches (spec/profile.py), set by the KVCacheManager.
     tagged_extra_keys = False
     mm_keys_by_window = False
+    event_session_id = False
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
@@ -132,16 +134,42 @@ class BlockPool:
         extra_keys = [block_extra_keys(request, i * block_size, (i + 1) * block_size)
                       for i in range(num_cached_blocks, num_full_blocks)
                       if blocks[i] != NULL_BLOCK and keep[i - num_cached_blocks]]
+        self.kv_event_queue.append(self._stored(
+            request, new_hashes,
+            None if num_cached_blocks == 0 else external_hash(hashes[num_cached_blocks - 1]),
+            num_cached_blocks * block_size, num_full_blocks * block_size, block_size,
+            extra_keys or None, kv_cache_group_id))
+
+    def _stored(self, request: Request, block_hashes: list[bytes | int],
+                parent: bytes | int | None, start: int, end: int, block_size: int,
+                extra_keys: list[Any] | None, group_id: int) -> KVCacheEvent:
+        """The BlockStored of ``block_hashes`` over tokens ``[start, end)``; 0.33.0's class
+        with the request's ``session_id`` under the event_session_id switch."""
         lora = request.lora_request
-        self.kv_event_queue.append(BlockStored(
-            block_hashes=new_hashes,
-            parent_block_hash=(None if num_cached_blocks == 0
-                               else external_hash(hashes[num_cached_blocks - 1])),
-            token_ids=list(request.all_token_ids[num_cached_blocks * block_size:
-                                                 num_full_blocks * block_size]),
-            block_size=block_size, lora_id=lora.adapter_id if lora else None,
-            medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
-            extra_keys=extra_keys or None, group_idx=kv_cache_group_id))
+        fields: dict[str, Any] = dict(block_hashes=block_hashes, parent_block_hash=parent,
+                      token_ids=list(request.all_token_ids[start:end]), block_size=block_size,
+                      lora_id=lora.adapter_id if lora else None, medium=MEDIUM_GPU,
+                      lora_name=lora.lora_name if lora else None, extra_keys=extra_keys,
+                      group_idx=group_id)
+        if self.event_session_id:
+            event: KVCacheEvent = BlockStored033(**fields,
+                                                 session_id=getattr(request, "session_id", None))
+            return event
+        return BlockStored(**fields)
+
+    def emit_cached_block_events(self, request: Request, num_cached_blocks: int,
+                                 block_size: int, kv_cache_group_id: int) -> None:
+        """full_report_mode: queue one BlockStored for the request's first
+        ``num_cached_blocks`` blocks, which are cached already (nothing changes; nothing
+        without events or hits)."""
+        if not self.enable_kv_cache_events or num_cached_blocks == 0:
+            return
+        hashes = self.block_hashes(request, block_size)
+        self.kv_event_queue.append(self._stored(
+            request, [external_hash(h) for h in hashes[:num_cached_blocks]], None, 0,
+            num_cached_blocks * block_size, block_size,
+            [block_extra_keys(request, i * block_size, (i + 1) * block_size)
+             for i in range(num_cached_blocks)], kv_cache_group_id))
 
     def cache_partial_block(self, request: Request, block: int, num_tokens: int,
                             kv_cache_group_id: int, block_size: int,
@@ -174,15 +202,11 @@ class BlockPool:
             first_mm = max(len(request.mm_features) - 1, 0) if start > 0 else 0
             if self.mm_keys_by_window:  # 0.33.0: every item of the window
                 first_mm = 0
-            lora = request.lora_request
-            self.kv_event_queue.append(BlockStored(
-                block_hashes=[external_hash(hashes[n - 1])],
-                parent_block_hash=external_hash(hashes[n - 2]) if n > 1 else None,
-                token_ids=list(request.all_token_ids[start:num_tokens]),
-                block_size=num_tokens - start, lora_id=lora.adapter_id if lora else None,
-                medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
-                extra_keys=[block_extra_keys(request, start, num_tokens, first_mm)],
-                group_idx=kv_cache_group_id))
+            self.kv_event_queue.append(self._stored(
+                request, [external_hash(hashes[n - 1])],
+                external_hash(hashes[n - 2]) if n > 1 else None, start, num_tokens,
+                num_tokens - start, [block_extra_keys(request, start, num_tokens, first_mm)],
+                kv_cache_group_id))
         return key
 
     def _add_key(self, block_id: int, key: bytes, num_tokens: int) -> None:
