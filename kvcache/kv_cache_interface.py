@@ -974,10 +974,8 @@ def needs_kv_cache_zeroing(kv_cache_config: Any) -> bool:
     Mamba layer (its state is read before it is written), or the attention layers
     outside host-resident groups use more than one precision (``dtype``,
     ``kv_quant_mode``), so a block reused across groups could decode stale bytes.
-    The config's own ``needs_kv_cache_zeroing`` (vLLM 0.33.0's property) wins."""
-    own = getattr(kv_cache_config, "needs_kv_cache_zeroing", None)
-    if isinstance(own, bool):
-        return own
+    (vLLM 0.33.0's ``KVCacheConfig.needs_kv_cache_zeroing``; 0.25.1's property, which
+    ``KVCacheConfig`` here keeps, counts Mamba only.)"""
     precisions: set[tuple[Any, Any]] = set()
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec

@@ -283,11 +283,7 @@ EVENT_KINDS = [  # subclasses first, as in vLLM
 
 def needs_kv_cache_zeroing(kv_cache_config: Any) -> bool:
     """Whether 0.33.0 zeroes new blocks (the zeroing switches): a Mamba layer, or attention
-    layers of more than one precision (dtype, kv_quant_mode) outside host-resident groups.
-    vLLM 0.33.0's config answers itself (its ``needs_kv_cache_zeroing``)."""
-    own = getattr(kv_cache_config, "needs_kv_cache_zeroing", None)
-    if isinstance(own, bool):
-        return own
+    layers of more than one precision (dtype, kv_quant_mode) outside host-resident groups."""
     precisions = set()
     for group in kv_cache_config.kv_cache_groups:
         layers = getattr(group.kv_cache_spec, "kv_cache_specs", None)
