@@ -85,14 +85,14 @@ def test_none_hash_seed_follows_the_hash_function(monkeypatch: pytest.MonkeyPatc
     assert kcu.resolve_none_hash_seed(sha256) is None  # 0.25.1: random bytes, no seed
     v33.init_none_hash(sha256)
     assert v33.get_none_hash_seed() == kcu.DEFAULT_NONE_HASH_SEED
-    assert kcu.NONE_HASH == sha256(kcu.DEFAULT_NONE_HASH_SEED)
+    assert sha256(kcu.DEFAULT_NONE_HASH_SEED) == kcu.NONE_HASH
     kcu.init_none_hash(sha256)
     assert kcu.none_hash_seed() is None
     assert v33.get_none_hash_seed() == kcu.DEFAULT_NONE_HASH_SEED  # nothing to report
     monkeypatch.setenv("PYTHONHASHSEED", "7")
     assert v33.resolve_none_hash_seed(xxhash) == "7"
     v33.init_none_hash(xxhash)
-    assert v33.get_none_hash_seed() == "7" and kcu.NONE_HASH == xxhash("7")
+    assert v33.get_none_hash_seed() == "7" and xxhash("7") == kcu.NONE_HASH
 
 
 def mm_lora_salt_request() -> Request:
