@@ -201,6 +201,15 @@ SWITCHES: tuple[Switch, ...] = (
         "0.33.0",
     ),
     Switch(
+        "circular_buffer_groups",
+        "circular-buffer-kind",
+        "A CircularBufferSpec group (one ring block per request for its whole life, "
+        "never prefix-cached) is built with CircularBufferManager and left out of the "
+        "hybrid hit search; 0.25.1 has no such kind, so a manager with one cannot be "
+        "built (NotImplementedError naming the class).",
+        "0.33.0",
+    ),
+    Switch(
         "event_session_id",
         "",
         "BlockStored events carry the request's session_id (vLLM 0.33.0's Request "
@@ -263,6 +272,7 @@ class Profile:
     mamba_no_eagle_margin: bool
     mamba_prompt_tail_state: bool
     mamba_caps_new_state_blocks: bool
+    circular_buffer_groups: bool
     event_session_id: bool
     full_report_mode: bool
     external_blocks_floor_zero: bool
