@@ -1440,9 +1440,11 @@ def register_all_kvcache_specs(vllm_config: object = None) -> None:
     layer-grouping helpers (which consult that registry) work beside kvcache. A class
     vLLM already registered keeps its registration. Without vLLM this does nothing.
     """
+    # NOTE: vLLM's registry is imported under another name: in the compiled build a
+    # function's import of a name the module also imports rebinds the module's global.
     try:
         from vllm.v1 import kv_cache_interface as vllm_specs
-        from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+        from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry as VllmSpecRegistry
     except ImportError:
         return
     for spec_name, manager_cls, base_name in _VLLM_REGISTRATIONS:
@@ -1451,6 +1453,6 @@ def register_all_kvcache_specs(vllm_config: object = None) -> None:
         if spec_cls is None or base_cls is None:
             continue
         try:
-            KVCacheSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=base_cls)
+            VllmSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=base_cls)
         except AssertionError:
             continue  # registered before with vLLM's own manager
