@@ -19,10 +19,15 @@ Mamba beside attention without fine-grained hits (the ``mamba_*`` switches: a
 Mamba group caching outside 'align' is refused). Not covered yet
 (``NotImplementedError`` naming the argument): lookahead hashing
 (``num_hash_lookahead_tokens`` > 0), prefill lookahead (``num_prefill_lookahead``
-> 0), the Mamba shared-prefix checkpoint, and asking to skip zeroing for a
-layout that zeroes (Mamba). Mamba 'align' fine-grained (sub-block) hits and
-prefill checkpoints are not modelled: see ``NOT_YET_CONFORMANT`` in
-``kvcache.kit.conformance33``.
+> 0) and the Mamba shared-prefix checkpoint. Mamba 'align' fine-grained
+(sub-block) hits and prefill checkpoints are not modelled: see
+``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
+
+For vLLM 0.33.0's module layout the module also has 0.33.0's hashing helpers
+(``generate_block_hash_extra_keys`` tagged, ``resolve_none_hash_seed``,
+``get_none_hash_seed``), and for pools and groups built on their own (outside a
+manager) ``BlockPool`` and the single-type managers with 0.33.0's signatures and
+the profile's pool and group switches (``_SingleTypeApi``).
 """
 
 from __future__ import annotations
