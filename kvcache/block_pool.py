@@ -26,6 +26,7 @@ from kvcache.kv_cache_utils import (
     generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
+    lookahead_extra_keys,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
 )
@@ -35,6 +36,7 @@ from kvcache.kv_events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
+    LookaheadBlockStored,
     emitted,
 )
 
@@ -268,6 +270,9 @@ class BlockPool:
         self.metrics_collector: Any = metrics_collector
         # The mm_keys_by_window switch (kvcache.profile), set by the KVCacheManager.
         self.mm_keys_by_window = False
+        # Tokens after each block its hash covers (vLLM 0.33.0's lookahead hashing; 0
+        # in 0.25.1), set by the KVCacheManager: events report them and key the window.
+        self.num_hash_lookahead_tokens = 0
         # The event_session_id switch (kvcache.profile): BlockStored events are vLLM
         # 0.33.0's (kvcache.vllm_0_33.BlockStored) and carry the request's session_id.
         self.event_session_id = False
@@ -396,6 +401,8 @@ class BlockPool:
         )
         # One extra-keys entry per stored block, recomputed at this group's block size.
         extra_keys_list: list[tuple[Any, ...] | None] = []
+        lookahead = self.num_hash_lookahead_tokens
+        lookahead_ids: list[list[int]] = []
         mm_idx = 0
         for i in range(num_cached_blocks, num_full_blocks):
             if blocks[i].is_null or (
@@ -403,67 +410,93 @@ class BlockPool:
             ):
                 continue
             start = i * block_size
-            extra_keys, mm_idx = generate_block_hash_extra_keys(
-                request, start, start + block_size, mm_idx
-            )
+            end = start + block_size
+            if lookahead:
+                extra_keys, mm_idx = lookahead_extra_keys(request, start, end, lookahead, mm_idx)
+                lookahead_ids.append(list(request.all_token_ids[end : end + lookahead]))
+            else:
+                extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
             extra_keys_list.append(extra_keys)
+        lora = request.lora_request
         self.kv_event_queue.append(
             self._block_stored(
-                request,
-                stored,
-                parent,
-                num_cached_blocks * block_size,
-                num_full_blocks * block_size,
-                block_size,
-                extra_keys_list or None,
-                group_id,
+                block_hashes=stored,
+                parent_block_hash=parent,
+                token_ids=list(
+                    request.all_token_ids[
+                        num_cached_blocks * block_size : num_full_blocks * block_size
+                    ]
+                ),
+                block_size=block_size,
+                lora_id=lora.adapter_id if lora else None,
+                lora_name=lora.lora_name if lora else None,
+                extra_keys=extra_keys_list or None,
+                group_idx=group_id,
+                lookahead_token_ids=lookahead_ids,
+                session_id=getattr(request, "session_id", None),
             )
         )
 
     def _block_stored(
         self,
-        request: Request,
         block_hashes: list[ExternalBlockHash],
-        parent: ExternalBlockHash | None,
-        start: int,
-        end: int,
+        parent_block_hash: ExternalBlockHash | None,
+        token_ids: list[int],
         block_size: int,
+        lora_id: int | None,
+        lora_name: str | None,
         extra_keys: list[tuple[Any, ...] | None] | None,
-        group_id: int,
-    ) -> KVCacheEvent:
-        """The ``BlockStored`` of ``block_hashes``, over the request's tokens
-        ``[start, end)``; with ``event_session_id``, carrying its ``session_id``."""
-        lora = request.lora_request
-        event: KVCacheEvent
+        group_idx: int,
+        lookahead_token_ids: list[list[int]],
+        session_id: str | None = None,
+    ) -> BlockStored:
+        """A ``BlockStored``; with lookahead hashing on, one that also lists each
+        block's lookahead tokens (``LookaheadBlockStored``); with ``event_session_id``,
+        vLLM 0.33.0's class (``kvcache.vllm_0_33.BlockStored``) carrying the
+        request's ``session_id`` (and the lookahead tokens, if any)."""
         if self.event_session_id:
             # NOTE: imported here, not at the top: the drop-in module imports this one.
             from kvcache.vllm_0_33 import BlockStored as BlockStored033
 
-            event = BlockStored033(
+            return BlockStored033(
                 block_hashes=block_hashes,
-                parent_block_hash=parent,
-                token_ids=list(request.all_token_ids[start:end]),
+                parent_block_hash=parent_block_hash,
+                token_ids=token_ids,
                 block_size=block_size,
-                lora_id=lora.adapter_id if lora else None,
+                lora_id=lora_id,
                 medium=MEDIUM_GPU,
-                lora_name=lora.lora_name if lora else None,
+                lora_name=lora_name,
                 extra_keys=extra_keys,
-                group_idx=group_id,
-                session_id=getattr(request, "session_id", None),
+                group_idx=group_idx,
+                session_id=session_id,
+                lookahead_token_ids=(
+                    lookahead_token_ids if self.num_hash_lookahead_tokens else None
+                ),
             )
-        else:
-            event = BlockStored(
+        if self.num_hash_lookahead_tokens:
+            return LookaheadBlockStored(
                 block_hashes=block_hashes,
-                parent_block_hash=parent,
-                token_ids=list(request.all_token_ids[start:end]),
+                parent_block_hash=parent_block_hash,
+                token_ids=token_ids,
                 block_size=block_size,
-                lora_id=lora.adapter_id if lora else None,
+                lora_id=lora_id,
                 medium=MEDIUM_GPU,
-                lora_name=lora.lora_name if lora else None,
+                lora_name=lora_name,
                 extra_keys=extra_keys,
-                group_idx=group_id,
+                group_idx=group_idx,
+                lookahead_token_ids=lookahead_token_ids,
             )
-        return event
+        return BlockStored(
+            block_hashes=block_hashes,
+            parent_block_hash=parent_block_hash,
+            token_ids=token_ids,
+            block_size=block_size,
+            lora_id=lora_id,
+            medium=MEDIUM_GPU,
+            lora_name=lora_name,
+            extra_keys=extra_keys,
+            group_idx=group_idx,
+        )
 
     def emit_cached_block_events(
         self,
@@ -492,23 +525,33 @@ class BlockPool:
                 f"num_cached_blocks={num_cached_blocks}: request {request.request_id!r} "
                 f"has {len(block_hashes)} block hashes of {block_size} tokens"
             )
+        lookahead = self.num_hash_lookahead_tokens
         extra_keys_list: list[tuple[Any, ...] | None] = []
+        lookahead_ids: list[list[int]] = []
         mm_idx = 0
         for i in range(num_cached_blocks):
-            extra_keys, mm_idx = generate_block_hash_extra_keys(
-                request, i * block_size, (i + 1) * block_size, mm_idx
-            )
+            start, end = i * block_size, (i + 1) * block_size
+            if lookahead:
+                extra_keys, mm_idx = lookahead_extra_keys(request, start, end, lookahead, mm_idx)
+                lookahead_ids.append(list(request.all_token_ids[end : end + lookahead]))
+            else:
+                extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
             extra_keys_list.append(extra_keys)
+        lora = request.lora_request
         self.kv_event_queue.append(
             self._block_stored(
-                request,
-                [maybe_convert_block_hash(block_hashes[i]) for i in range(num_cached_blocks)],
-                None,  # hits start at the first block
-                0,
-                num_cached_blocks * block_size,
-                block_size,
-                extra_keys_list,
-                kv_cache_group_id,
+                block_hashes=[
+                    maybe_convert_block_hash(block_hashes[i]) for i in range(num_cached_blocks)
+                ],
+                parent_block_hash=None,  # hits start at the first block
+                token_ids=list(request.all_token_ids[: num_cached_blocks * block_size]),
+                block_size=block_size,
+                lora_id=lora.adapter_id if lora else None,
+                lora_name=lora.lora_name if lora else None,
+                extra_keys=extra_keys_list,
+                group_idx=kv_cache_group_id,
+                lookahead_token_ids=lookahead_ids,
+                session_id=getattr(request, "session_id", None),
             )
         )
 
@@ -634,17 +677,25 @@ class BlockPool:
             mm_start = -1 if start > 0 else 0
             if self.mm_keys_by_window and start > 0:
                 mm_start = first_mm_feature_ending_after(request, start)
-            extra_keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, mm_start)
+            lookahead = self.num_hash_lookahead_tokens
+            extra_keys, _ = generate_block_hash_extra_keys(
+                request, start, num_tokens + lookahead, mm_start
+            )
+            lora = request.lora_request
             self.kv_event_queue.append(
                 self._block_stored(
-                    request,
-                    [maybe_convert_block_hash(h)],
-                    None if parent is None else maybe_convert_block_hash(parent),
-                    start,
-                    num_tokens,
-                    num_tokens - start,
-                    [extra_keys],
-                    kv_cache_group_id,
+                    block_hashes=[maybe_convert_block_hash(h)],
+                    parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                    token_ids=list(request.all_token_ids[start:num_tokens]),
+                    block_size=num_tokens - start,
+                    lora_id=lora.adapter_id if lora else None,
+                    lora_name=lora.lora_name if lora else None,
+                    extra_keys=[extra_keys],
+                    group_idx=kv_cache_group_id,
+                    lookahead_token_ids=[
+                        list(request.all_token_ids[num_tokens : num_tokens + lookahead])
+                    ],
+                    session_id=getattr(request, "session_id", None),
                 )
             )
         return key

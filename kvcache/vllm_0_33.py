@@ -16,12 +16,12 @@ Covered: layouts of full attention, sliding window and chunked local attention
 (``CircularBufferSpec`` / ``CircularBufferManager``); managers chosen through the
 spec registry (``KVCacheSpecRegistry``: registered spec classes, group roles); Mamba alone, and
 Mamba beside attention without fine-grained hits (the ``mamba_*`` switches: a
-Mamba group caching outside 'align' is refused). Not covered yet
-(``NotImplementedError`` naming the argument): lookahead hashing
-(``num_hash_lookahead_tokens`` > 0), prefill lookahead (``num_prefill_lookahead``
-> 0) and the Mamba shared-prefix checkpoint. Mamba 'align' fine-grained
-(sub-block) hits and prefill checkpoints are not modelled: see
-``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
+Mamba group caching outside 'align' is refused); lookahead hashing
+(``num_hash_lookahead_tokens``) and prefill lookahead (``num_prefill_lookahead``:
+re-prefilled tokens are not cached). Not covered yet
+(``NotImplementedError`` naming the argument): the Mamba shared-prefix checkpoint.
+Mamba 'align' fine-grained (sub-block) hits and prefill checkpoints are not
+modelled: see ``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
 
 For vLLM 0.33.0's module layout the module also has 0.33.0's hashing helpers
 (``generate_block_hash_extra_keys`` tagged, ``resolve_none_hash_seed``,
@@ -81,6 +81,7 @@ __all__ = [
     "SlidingWindowManager",
     "generate_block_hash_extra_keys",
     "get_none_hash_seed",
+    "generate_lookahead_block_hash_extra_keys",
     "get_request_block_hasher",
     "init_none_hash",
     "register_kv_cache_spec",
@@ -105,7 +106,8 @@ class PrefixCacheStats(_PrefixCacheStats):
 @dataclass
 class BlockStored(_events.BlockStored):
     """0.33.0's ``BlockStored``: 0.25.1's fields plus the new ones, at their defaults
-    for blocks this manager caches (no lookahead hashing, no session, local)."""
+    for blocks this manager caches (no session, local); ``lookahead_token_ids`` set
+    under lookahead hashing."""
 
     locality: str | None = None
     ownership: str | None = None
@@ -190,30 +192,50 @@ def get_request_block_hasher(
     caching_hash_fn: Callable[[Any], bytes],
     num_hash_lookahead_tokens: int = 0,
 ) -> Callable[[Request], list[BlockHash]]:
-    """0.33.0's request block hasher: tagged extra keys, multimodal items by window.
+    """0.33.0's request block hasher: tagged extra keys, multimodal items by window,
+    and lookahead hashing: with ``num_hash_lookahead_tokens`` (L) > 0 a block is
+    hashed once the L tokens after it exist, its extra keys ``(keys of the block and
+    its lookahead, *those L tokens)``. A bool counts as 0 / 1, as in vLLM.
 
     Raises:
-        NotImplementedError: for ``num_hash_lookahead_tokens`` > 0 (not covered yet).
         ValueError: for a negative ``num_hash_lookahead_tokens`` or a bad block size.
     """
-    _check_lookahead("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
     return _utils.get_request_block_hasher(
         hash_block_size,
         caching_hash_fn,
         tagged_extra_keys=PROFILE.tagged_extra_keys,
         mm_keys_by_window=PROFILE.mm_keys_by_window,
+        num_hash_lookahead_tokens=_check_lookahead(
+            "num_hash_lookahead_tokens", num_hash_lookahead_tokens
+        ),
     )
 
 
-def _check_lookahead(name: str, value: Any) -> None:
-    # A bool is an int to vLLM 0.33.0 (its tests pass use_eagle): False is 0.
+def generate_lookahead_block_hash_extra_keys(
+    request: Request, start_token_idx: int, end_token_idx: int, hash_end_token_idx: int,
+    start_mm_idx: int,
+) -> tuple[tuple[Any, ...] | None, int]:
+    """0.33.0's extra keys of the block ``[start_token_idx, end_token_idx)`` hashed up
+    to ``hash_end_token_idx`` (its lookahead), tagged, and the multimodal index the
+    next block starts from (``kvcache.kv_cache_utils.lookahead_extra_keys``)."""
+    keys, mm_idx = _utils.lookahead_extra_keys(
+        request, start_token_idx, end_token_idx, hash_end_token_idx - end_token_idx,
+        start_mm_idx,
+    )
+    if keys is not None and PROFILE.tagged_extra_keys:
+        keys = _utils.tag_extra_keys(request, start_token_idx, keys)
+    return keys, mm_idx
+
+
+def _check_lookahead(name: str, value: Any) -> int:
+    """``value`` as an int (a bool counts as 0 / 1, as in vLLM).
+
+    Raises:
+        ValueError: for a negative value or one that is no int.
+    """
     if not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    if value:
-        raise NotImplementedError(
-            f"{name}={value}: kvcache's 0.33.0 profile does not model lookahead yet "
-            "(only 0 is supported)"
-        )
+    return int(value)
 
 
 # ---------------------------------------------------------------- block pool and groups
@@ -225,13 +247,15 @@ class BlockPool(_block_pool.BlockPool):
     pool built on its own, outside a manager, gets.
 
     Args:
-        num_hash_lookahead_tokens: Must be 0 (lookahead hashing is not modelled).
+        num_hash_lookahead_tokens: Tokens after each block its hash covers (events
+            list them); a bool counts as 0 / 1, as in vLLM.
         medium: Must be ``"GPU"`` (kvcache's pool has no other tier).
 
     The other arguments are ``kvcache.BlockPool``'s.
 
     Raises:
-        NotImplementedError: for lookahead tokens or another medium.
+        ValueError: for a negative ``num_hash_lookahead_tokens``.
+        NotImplementedError: for another medium.
     """
 
     def __init__(
@@ -244,7 +268,7 @@ class BlockPool(_block_pool.BlockPool):
         num_hash_lookahead_tokens: int = 0,
         medium: str = _events.MEDIUM_GPU,
     ) -> None:
-        _check_lookahead("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
+        lookahead = _check_lookahead("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
         if medium != _events.MEDIUM_GPU:
             raise NotImplementedError(
                 f"medium={medium!r}: kvcache's pool models the {_events.MEDIUM_GPU!r} tier only"
@@ -254,6 +278,7 @@ class BlockPool(_block_pool.BlockPool):
             metrics_collector,
         )  # fmt: skip
         self.apply_profile(PROFILE)
+        self.num_hash_lookahead_tokens = lookahead
 
 
 class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
@@ -418,8 +443,11 @@ class KVCacheManager(_KVCacheManager):
     Args:
         max_in_flight_tokens: 0.33.0's name for 0.25.1's ``max_num_batched_tokens``
             (the admission cap's token budget; default ``max_model_len``).
-        num_hash_lookahead_tokens: Must be 0 (lookahead hashing is not modelled).
-        num_prefill_lookahead: Must be 0 (prefill lookahead is not modelled).
+        num_hash_lookahead_tokens: Lookahead hashing: tokens after each block its
+            hash covers (the requests' hasher must use the same count); events
+            list them per block (``lookahead_token_ids``). A bool counts as 0 / 1.
+        num_prefill_lookahead: A multi-module drafter's prefill lookahead: the last
+            ``num_prefill_lookahead - 1`` computed tokens are not cached yet.
         enable_mamba_shared_prefix_checkpoint: Must be False with a Mamba group
             (a no-op without one, as in vLLM).
 
@@ -448,8 +476,10 @@ class KVCacheManager(_KVCacheManager):
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        _check_lookahead("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
-        _check_lookahead("num_prefill_lookahead", num_prefill_lookahead)
+        num_hash_lookahead_tokens = _check_lookahead(
+            "num_hash_lookahead_tokens", num_hash_lookahead_tokens
+        )
+        num_prefill_lookahead = _check_lookahead("num_prefill_lookahead", num_prefill_lookahead)
         if enable_mamba_shared_prefix_checkpoint and any(
             is_spec_kind(g.kv_cache_spec, "MambaSpec") for g in kv_cache_config.kv_cache_groups
         ):
@@ -485,6 +515,8 @@ class KVCacheManager(_KVCacheManager):
                 kv_cache_config, "prefix_cache_retention_interval", None
             ),
             profile=PROFILE,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            num_prefill_lookahead=num_prefill_lookahead,
         )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = self._new_stats()
@@ -525,8 +557,11 @@ class KVCacheManager(_KVCacheManager):
     ) -> tuple[KVCacheBlocks, int, int]:
         """The longest cached prefix: ``(blocks, num_hit_tokens, shared_prefix_boundary)``.
 
-        ``shared_prefix_boundary`` is 0: it is non-zero only beside sparse-retention
-        groups (Mamba, retained sliding windows), which this profile does not model.
+        ``shared_prefix_boundary`` (the ``shared_prefix_junctions`` switch): where the
+        longest single-kind hit of a hybrid lookup ended, when it is longer than the
+        common hit (a shared prefix a sparse-retention group has not cached yet);
+        else 0. The scheduler stores it as ``request.shared_prefix_boundary``, whose
+        tail sparse retention then keeps.
         """
         blocks, num_hit_tokens = super().get_computed_blocks(request, max_cache_hit_length)
         if (
@@ -536,7 +571,12 @@ class KVCacheManager(_KVCacheManager):
             and getattr(request, "kv_cache_report_mode", "incremental") == "full"
         ):
             self.coordinator.emit_cached_block_events(request, blocks.blocks)
-        return blocks, num_hit_tokens, 0
+        if not self.profile.shared_prefix_junctions or not self.prefix_cache_lookup_enabled(
+            request
+        ):
+            return blocks, num_hit_tokens, 0
+        num_uncached: int = getattr(self.coordinator, "num_uncached_common_prefix_tokens", 0)
+        return blocks, num_hit_tokens, num_hit_tokens + num_uncached if num_uncached else 0
 
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None

@@ -48,6 +48,9 @@ class BlockPool:
     # Release switches (spec/profile.py), set by the KVCacheManager.
     tagged_extra_keys = False
     mm_keys_by_window = False
+    # 0.33.0's lookahead hashing: tokens after each block its hash covers (set by the
+    # KVCacheManager; 0 in 0.25.1).
+    num_hash_lookahead_tokens = 0
     event_session_id = False
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
@@ -78,7 +81,8 @@ class BlockPool:
         """The request's block hashes, computed by the spec from its tokens and keys
         (never read from the request), at ``block_size`` (default: the hash block size)."""
         hashes = request_block_hashes(request, self.hash_block_size, self.hash_fn, self.none_hash,
-                                      self.tagged_extra_keys, self.mm_keys_by_window)
+                                      self.tagged_extra_keys, self.mm_keys_by_window,
+                                      self.num_hash_lookahead_tokens)
         if block_size is None or block_size == self.hash_block_size:
             return hashes
         return coarsen(hashes, self.hash_block_size, block_size)
@@ -131,30 +135,35 @@ class BlockPool:
             return
         # NOTE: like vLLM, this reads blocks[i] up to num_full_blocks, so it raises
         # IndexError (after caching) when asked to cache past the request's last block.
-        extra_keys = [block_extra_keys(request, i * block_size, (i + 1) * block_size)
-                      for i in range(num_cached_blocks, num_full_blocks)
-                      if blocks[i] != NULL_BLOCK and keep[i - num_cached_blocks]]
-        self.kv_event_queue.append(self._stored(
-            request, new_hashes,
-            None if num_cached_blocks == 0 else external_hash(hashes[num_cached_blocks - 1]),
-            num_cached_blocks * block_size, num_full_blocks * block_size, block_size,
-            extra_keys or None, kv_cache_group_id))
-
-    def _stored(self, request: Request, block_hashes: list[bytes | int],
-                parent: bytes | int | None, start: int, end: int, block_size: int,
-                extra_keys: list[Any] | None, group_id: int) -> KVCacheEvent:
-        """The BlockStored of ``block_hashes`` over tokens ``[start, end)``; 0.33.0's class
-        with the request's ``session_id`` under the event_session_id switch."""
+        # Each block's keys cover its window: the block and its lookahead tokens.
+        la = self.num_hash_lookahead_tokens
+        stored = [i for i in range(num_cached_blocks, num_full_blocks)
+                  if blocks[i] != NULL_BLOCK and keep[i - num_cached_blocks]]
+        extra_keys = [block_extra_keys(request, i * block_size, (i + 1) * block_size + la)
+                      for i in stored]
         lora = request.lora_request
-        fields: dict[str, Any] = dict(block_hashes=block_hashes, parent_block_hash=parent,
-                      token_ids=list(request.all_token_ids[start:end]), block_size=block_size,
-                      lora_id=lora.adapter_id if lora else None, medium=MEDIUM_GPU,
-                      lora_name=lora.lora_name if lora else None, extra_keys=extra_keys,
-                      group_idx=group_id)
-        if self.event_session_id:
-            event: KVCacheEvent = BlockStored033(**fields,
-                                                 session_id=getattr(request, "session_id", None))
-            return event
+        self.kv_event_queue.append(self._block_stored(
+            [list(request.all_token_ids[(i + 1) * block_size:(i + 1) * block_size + la])
+             for i in stored], request,
+            block_hashes=new_hashes,
+            parent_block_hash=(None if num_cached_blocks == 0
+                               else external_hash(hashes[num_cached_blocks - 1])),
+            token_ids=list(request.all_token_ids[num_cached_blocks * block_size:
+                                                 num_full_blocks * block_size]),
+            block_size=block_size, lora_id=lora.adapter_id if lora else None,
+            medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
+            extra_keys=extra_keys or None, group_idx=kv_cache_group_id))
+
+    def _block_stored(self, lookahead_token_ids: list[list[int]], request: Request,
+                      **fields: Any) -> Any:
+        """A BlockStored; under lookahead hashing 0.33.0's, which also lists the tokens
+        after each block that its hash covers; under event_session_id 0.33.0's, with
+        the request's ``session_id``."""
+        if self.num_hash_lookahead_tokens or self.event_session_id:
+            return BlockStored033(
+                **fields,
+                lookahead_token_ids=lookahead_token_ids if self.num_hash_lookahead_tokens else None,
+                session_id=getattr(request, "session_id", None) if self.event_session_id else None)
         return BlockStored(**fields)
 
     def emit_cached_block_events(self, request: Request, num_cached_blocks: int,
@@ -164,12 +173,19 @@ class BlockPool:
         without events or hits)."""
         if not self.enable_kv_cache_events or num_cached_blocks == 0:
             return
-        hashes = self.block_hashes(request, block_size)
-        self.kv_event_queue.append(self._stored(
-            request, [external_hash(h) for h in hashes[:num_cached_blocks]], None, 0,
-            num_cached_blocks * block_size, block_size,
-            [block_extra_keys(request, i * block_size, (i + 1) * block_size)
-             for i in range(num_cached_blocks)], kv_cache_group_id))
+        hashes, la = self.block_hashes(request, block_size), self.num_hash_lookahead_tokens
+        lora = request.lora_request
+        self.kv_event_queue.append(self._block_stored(
+            [list(request.all_token_ids[(i + 1) * block_size:(i + 1) * block_size + la])
+             for i in range(num_cached_blocks)], request,
+            block_hashes=[external_hash(h) for h in hashes[:num_cached_blocks]],
+            parent_block_hash=None,
+            token_ids=list(request.all_token_ids[:num_cached_blocks * block_size]),
+            block_size=block_size, lora_id=lora.adapter_id if lora else None,
+            medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
+            extra_keys=[block_extra_keys(request, i * block_size, (i + 1) * block_size + la)
+                        for i in range(num_cached_blocks)],
+            group_idx=kv_cache_group_id))
 
     def cache_partial_block(self, request: Request, block: int, num_tokens: int,
                             kv_cache_group_id: int, block_size: int,
@@ -202,11 +218,16 @@ class BlockPool:
             first_mm = max(len(request.mm_features) - 1, 0) if start > 0 else 0
             if self.mm_keys_by_window:  # 0.33.0: every item of the window
                 first_mm = 0
-            self.kv_event_queue.append(self._stored(
-                request, [external_hash(hashes[n - 1])],
-                external_hash(hashes[n - 2]) if n > 1 else None, start, num_tokens,
-                num_tokens - start, [block_extra_keys(request, start, num_tokens, first_mm)],
-                kv_cache_group_id))
+            lora, la = request.lora_request, self.num_hash_lookahead_tokens
+            self.kv_event_queue.append(self._block_stored(
+                [list(request.all_token_ids[num_tokens:num_tokens + la])], request,
+                block_hashes=[external_hash(hashes[n - 1])],
+                parent_block_hash=external_hash(hashes[n - 2]) if n > 1 else None,
+                token_ids=list(request.all_token_ids[start:num_tokens]),
+                block_size=num_tokens - start, lora_id=lora.adapter_id if lora else None,
+                medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
+                extra_keys=[block_extra_keys(request, start, num_tokens + la, first_mm)],
+                group_idx=kv_cache_group_id))
         return key
 
     def _add_key(self, block_id: int, key: bytes, num_tokens: int) -> None:

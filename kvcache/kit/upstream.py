@@ -210,9 +210,6 @@ NOT_MODELLED_0_33: dict[str, dict[str, str]] = {
         },
     },
     "vllm.v1.core.kv_cache_utils": {
-        "generate_lookahead_block_hash_extra_keys": _NOT_MODELLED_0_33 + "lookahead hashing",
-        "resolve_block_hashes": _NOT_MODELLED_0_33 + "lookahead hashing (block hashes per "
-        "lookahead extension)",
         "eagle_proof_margin": _NOT_MODELLED_0_33 + "the EAGLE margin rules beside Mamba",
     },
     "vllm.v1.core.kv_cache_coordinator": {
