@@ -2,7 +2,8 @@
 behaviour and, where the spec models it, against the spec's 0.33 profile.
 
 Covers the NONE_HASH seed helpers, the tagged ``generate_block_hash_extra_keys`` and
-its event form, the null-head helpers, the switches ``event_session_id``,
+its event form, the null-head helpers, the stand-alone pool's lookahead
+argument, the switches ``event_session_id``,
 ``full_report_mode`` and ``external_blocks_floor_zero``, zeroing by 0.33.0's
 ``needs_kv_cache_zeroing`` (``skip_zeroing_group_ids``, ``record_blocks_for_zeroing``),
 and the drop-in's stand-alone ``BlockPool`` and single-type managers.
@@ -124,12 +125,10 @@ def test_null_head_helpers() -> None:
     assert kcu.trim_null_head(real) is real  # no copy without a null head
 
 
-def test_lookahead_false_is_zero_true_is_not_modelled() -> None:
-    cfg = config(full_spec())
-    assert v33.KVCacheManager(cfg, 64, BS, BS, num_hash_lookahead_tokens=False)
-    v33.get_request_block_hasher(BS, sha256, num_hash_lookahead_tokens=False)
-    with pytest.raises(NotImplementedError, match="num_hash_lookahead_tokens=True"):
-        v33.get_request_block_hasher(BS, sha256, num_hash_lookahead_tokens=True)
+def test_standalone_pool_takes_lookahead_tokens_as_0_33() -> None:
+    for given, expected in ((False, 0), (True, 1), (2, 2)):  # a bool is an int, as in vLLM
+        pool = v33.BlockPool(8, True, BS, num_hash_lookahead_tokens=given)
+        assert pool.num_hash_lookahead_tokens == expected
     with pytest.raises(ValueError, match="num_hash_lookahead_tokens"):
         v33.BlockPool(8, True, BS, num_hash_lookahead_tokens=-1)
 
