@@ -285,8 +285,6 @@ def test_standalone_groups_take_0_33_arguments() -> None:
     assert not quiet.records_new_block_ids  # 0.33.0: nothing to zero unless asked
     hits = pool.get_new_blocks(1)
     assert group.get_num_blocks_to_allocate("x", 8, hits, BS, BS, 8) == 1  # hit held
-    with pytest.raises(NotImplementedError, match="num_local_computed_tokens=2"):
-        group.get_num_blocks_to_allocate("x", 8, hits, 2, 2, 8)
     # Hashes at the pool's hash block size (2): viewed at the group's block size.
     hashes = [kcu.BlockHash(bytes([i])) for i in range(4)]
     for h, block in zip((hashes[1], hashes[3]), pool.get_new_blocks(2), strict=True):
