@@ -273,6 +273,29 @@ SWITCHES: tuple[Switch, ...] = (
         "a block too, and moves that entry to a fresh copy when the request goes on.",
         "0.33.0",
     ),
+    Switch(
+        "event_session_id",
+        "",
+        "BlockStored events carry the request's session_id (vLLM 0.33.0's Request "
+        "field; None for a request without one), full and partial entries alike.",
+        "0.33.0",
+    ),
+    Switch(
+        "full_report_mode",
+        "",
+        "A lookup for a request whose kv_cache_report_mode is 'full' queues, with "
+        "events on, one BlockStored per group for the blocks it hit (the pool's "
+        "emit_cached_block_events); 0.25.1 reports only newly cached blocks.",
+        "0.33.0",
+    ),
+    Switch(
+        "external_blocks_floor_zero",
+        "",
+        "allocate_external_computed_blocks takes no block when the request already "
+        "holds as many as the computed tokens need (e.g. after a speculative "
+        "over-allocation); 0.25.1 asks the pool for the negative count.",
+        "0.33.0",
+    ),
 )
 """Every switch, in the order of the ledger's entries."""
 
@@ -321,6 +344,9 @@ class Profile:
     cache_within_hashed_tokens: bool
     mamba_fine_grained_hits: bool
     partial_hit_copy_on_write: bool
+    event_session_id: bool
+    full_report_mode: bool
+    external_blocks_floor_zero: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:
