@@ -19,6 +19,7 @@ from kvcache.kv_cache_interface import (
     ContextParallelError,
     KVCacheConfig,
     KVCacheSpec,
+    is_prefix_cacheable,
     is_spec_kind,
 )
 from kvcache.kv_cache_utils import (
@@ -58,17 +59,28 @@ def prefix_cache_retention_interval_from_env() -> int | None:
         raise ValueError(f"{RETENTION_ENV}={value!r} is not an integer") from None
 
 
+def has_windowed_group(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether a group is sliding-window or Mamba: the kinds retention thins out."""
+    return any(
+        is_spec_kind(g.kv_cache_spec, "SlidingWindowSpec", "MambaSpec")
+        for g in kv_cache_config.kv_cache_groups
+    )
+
+
 def resolve_prefix_cache_retention_interval(
     prefix_cache_retention_interval: int | str | None,
     scheduler_block_size: int,
     kv_cache_config: KVCacheConfig,
+    zero_without_window: bool = False,
 ) -> int | None:
     """The retention interval a coordinator uses, checked as vLLM 0.25.1 checks it.
 
-    ``RETENTION_FROM_ENV`` reads the environment (vLLM's only source); None keeps
-    dense caching; 0 keeps only the latest replay boundary; a positive multiple of
-    ``scheduler_block_size`` keeps one checkpoint per that many tokens. It thins
-    sliding-window and Mamba groups only, so a model without one is refused.
+    ``RETENTION_FROM_ENV`` reads the environment (vLLM 0.25.1's only source); None
+    keeps dense caching; 0 keeps only the latest replay boundaries; a positive
+    multiple of ``scheduler_block_size`` keeps one checkpoint per that many tokens.
+    It thins sliding-window and Mamba groups only, so a model without one is
+    refused; with ``zero_without_window`` (the ``retention_zero_without_window``
+    switch, vLLM 0.33.0) 0 is accepted there, and changes nothing.
 
     Raises:
         ValueError: not an int; no sliding-window or Mamba group; negative or not a
@@ -85,10 +97,15 @@ def resolve_prefix_cache_retention_interval(
         raise ValueError(
             f"{name}={interval!r}: expected an int, None or {RETENTION_FROM_ENV!r}"
         )
-    if not any(
-        is_spec_kind(g.kv_cache_spec, "SlidingWindowSpec", "MambaSpec")
-        for g in kv_cache_config.kv_cache_groups
-    ):
+    if not has_windowed_group(kv_cache_config):
+        if zero_without_window:
+            if interval == 0:
+                return 0
+            raise ValueError(
+                f"{name}={interval} is set but this model has no sliding-window or Mamba "
+                "KV cache group, so retention has no effect; set it to 0 (it only "
+                "applies to sliding-window and Mamba attention)"
+            )
         raise ValueError(
             f"{name}={interval} is set but no KV-cache group is sliding-window or Mamba, "
             "the only kinds whose cached blocks it thins out; unset it"
@@ -175,6 +192,7 @@ class KVCacheCoordinator:
                 kv_cache_spec=g.kv_cache_spec,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
+                role=getattr(g, "role", None),  # vLLM 0.33.0's KVCacheGroupSpec.role
                 block_pool=self.block_pool,
                 enable_caching=enable_caching,
                 kv_cache_group_id=i,
@@ -192,6 +210,10 @@ class KVCacheCoordinator:
         self.trim_every_full_group = False
         self.eagle_peek_to_hashed_length = False
         self.mamba_no_eagle_margin = False
+        self.retention_replay_boundaries = False
+        # Computed tokens a multi-module drafter re-prefills, so not cached yet (vLLM
+        # 0.33.0's num_prefill_lookahead - 1; 0 in 0.25.1), set by the KVCacheManager.
+        self.num_reprefillable_tokens = 0
         # Precomputed dispatch for the per-call loops.
         self._is_cross = tuple(
             isinstance(m, CrossAttentionManager) for m in self.single_type_managers
@@ -282,10 +304,29 @@ class KVCacheCoordinator:
             for manager in self.single_type_managers
         )
 
+    def replay_boundaries(self, num_prompt_tokens: int) -> tuple[int, ...]:
+        """Token positions where a replay of a ``num_prompt_tokens`` prompt resumes,
+        whose tails sparse retention keeps in every group: 0.25.1's one position,
+        ``num_prompt_tokens - 1``, or, with the ``retention_replay_boundaries`` switch,
+        vLLM 0.33.0's (``kv_cache_math.replay_boundaries``: below the EAGLE drop for
+        a resend and for a longer sibling when any group is an EAGLE group)."""
+        if self.retention_replay_boundaries:
+            return kv_cache_math.replay_boundaries(
+                num_prompt_tokens, self.scheduler_block_size, bool(self.eagle_group_ids)
+            )
+        return (num_prompt_tokens - 1,)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Cache every group's full blocks within the first ``num_computed_tokens``."""
+        """Cache every group's full blocks within the first ``num_computed_tokens``
+        (less the ``num_reprefillable_tokens``, whose KV is not final)."""
+        if self.num_reprefillable_tokens:
+            num_computed_tokens = max(0, num_computed_tokens - self.num_reprefillable_tokens)
+        retention_interval = self.retention_interval
+        boundaries = None
+        if retention_interval is not None:
+            boundaries = self.replay_boundaries(request.num_prompt_tokens)
         for manager in self.single_type_managers:
-            manager.cache_blocks(request, num_computed_tokens, self.retention_interval)
+            manager.cache_blocks(request, num_computed_tokens, retention_interval, boundaries)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group."""
@@ -532,7 +573,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 f"pcp_world_size={pcp_world_size}); vLLM 0.25.1 asserts the same"
             )
         self.hash_block_size = hash_block_size
-        sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        # Groups outside prefix caching (ring buffers) are scratch: not hashed, so
+        # their block size need not be a multiple of the hash block.
+        sizes = [
+            g.kv_cache_spec.block_size
+            for g in kv_cache_config.kv_cache_groups
+            if is_prefix_cacheable(g.kv_cache_spec)
+        ]
         if any(size % hash_block_size for size in sizes):
             raise ValueError(
                 f"every group's block size {sizes} must be a multiple of "
@@ -545,9 +592,19 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self.verify_and_split_kv_cache_groups()
 
     def verify_and_split_kv_cache_groups(self) -> None:
-        """Bundle groups with equal specs and order them full attention first."""
+        """Bundle groups with equal specs and order them full attention first.
+
+        A group outside prefix caching (a ring buffer: ``is_prefix_cacheable`` False)
+        joins no bundle: it is never searched, its hit is always empty. It still
+        counts as a distinct spec for the two-spec requirement.
+        """
         self.attention_groups: list[SpecGroup] = []
+        scratch_specs: list[KVCacheSpec] = []
         for i, g in enumerate(self.kv_cache_config.kv_cache_groups):
+            if not is_prefix_cacheable(g.kv_cache_spec):
+                if g.kv_cache_spec not in scratch_specs:
+                    scratch_specs.append(g.kv_cache_spec)
+                continue
             manager_cls = type(self.single_type_managers[i])
             use_eagle = i in self.eagle_group_ids
             for idx, group in enumerate(self.attention_groups):
@@ -560,10 +617,15 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 self.attention_groups.append(
                     SpecGroup(g.kv_cache_spec, [i], manager_cls, use_eagle)
                 )
-        if len(self.attention_groups) < 2:
+        if len(self.attention_groups) + len(scratch_specs) < 2:
             raise ValueError(
                 "HybridKVCacheCoordinator needs at least two distinct KV-cache specs; "
-                f"got {len(self.attention_groups)}"
+                f"got {len(self.attention_groups) + len(scratch_specs)}"
+            )
+        if not self.attention_groups:
+            raise ValueError(
+                "HybridKVCacheCoordinator needs at least one group that takes part in "
+                "prefix caching (every group is a ring buffer); vLLM 0.33.0 asserts"
             )
         # Full attention's cheap left-to-right scan bounds the others' searches.
         self.attention_groups.sort(key=lambda g: not _is_full(g.spec))
@@ -575,14 +637,19 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache up to the last ``scheduler_block_size`` boundary (hits can only end
         there); EAGLE groups may also cache the block just past it."""
+        retention_interval = self.retention_interval
+        boundaries = None
+        if retention_interval is not None:
+            boundaries = self.replay_boundaries(request.num_prompt_tokens)
         for manager in self.single_type_managers:
             num_tokens = kv_cache_math.num_tokens_to_cache(
                 num_computed_tokens,
                 self.scheduler_block_size,
                 manager.block_size,
                 manager.use_eagle,
+                self.num_reprefillable_tokens,
             )
-            manager.cache_blocks(request, num_tokens, self.retention_interval)
+            manager.cache_blocks(request, num_tokens, retention_interval, boundaries)
 
     def _block_hashes_for(self, block_hashes: list[BlockHash], spec: KVCacheSpec) -> BlockHashList:
         if spec.block_size == self.hash_block_size:

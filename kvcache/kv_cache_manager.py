@@ -12,7 +12,12 @@ from typing import Any, Final, Literal, cast, overload
 
 from mypy_extensions import mypyc_attr
 
-from kvcache.kv_cache_coordinator import RETENTION_FROM_ENV, get_kv_cache_coordinator
+from kvcache.kv_cache_coordinator import (
+    RETENTION_FROM_ENV,
+    get_kv_cache_coordinator,
+    has_windowed_group,
+    resolve_prefix_cache_retention_interval,
+)
 from kvcache.kv_cache_interface import (
     KVCacheConfig,
     get_kv_cache_spec_kind,
@@ -20,7 +25,7 @@ from kvcache.kv_cache_interface import (
     is_spec_kind,
 )
 from kvcache.kv_cache_math import admits, cdiv
-from kvcache.kv_cache_utils import KVCacheBlock
+from kvcache.kv_cache_utils import KVCacheBlock, check_num_hash_lookahead_tokens
 from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
 from kvcache.profile import Profile, resolve_profile
@@ -143,6 +148,22 @@ class KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in range(len(self.blocks))))
 
 
+def _refuse_circular_buffer_groups(kv_cache_config: KVCacheConfig, profile: Profile) -> None:
+    """Refuse a ring-buffer group under a profile without ``circular_buffer_groups``
+    (vLLM 0.25.1 has no ``CircularBufferSpec``, so no manager for one).
+
+    Raises:
+        NotImplementedError: naming the group and the profile.
+    """
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        if is_spec_kind(group.kv_cache_spec, "CircularBufferSpec"):
+            raise NotImplementedError(
+                f"kv_cache_spec of type {type(group.kv_cache_spec).__name__} (group "
+                f"{group_id}) is not supported under {profile!r}: CircularBufferSpec "
+                "is a vLLM 0.33.0 kind (kvcache.vllm_0_33)"
+            )
+
+
 # Subclassing KVCacheManager is the documented way to plug in a variant (README,
 # "Check your own implementation"): allowed on the compiled build too.
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -178,6 +199,17 @@ class KVCacheManager:
         profile: The vLLM release to behave like (``kvcache.profile``): a
             ``Profile``, a release string, or None for ``Profile("0.25.1")``.
             ``kvcache.vllm_0_33`` builds managers with ``Profile("0.33.0")``.
+        num_hash_lookahead_tokens: Keyword only; vLLM 0.33.0's lookahead hashing
+            (0: none, as 0.25.1). The requests' hasher covers that many tokens after
+            each block (``get_request_block_hasher``); the manager's events report
+            them (``lookahead_token_ids``) and key that window, and a Mamba state
+            is cached at the prompt's last boundary whose lookahead exists. A bool
+            counts as 0 / 1, as in vLLM.
+        num_prefill_lookahead: Keyword only; vLLM 0.33.0's prefill lookahead of a
+            multi-module drafter (0: none). It re-prefills the last
+            ``num_prefill_lookahead - 1`` computed tokens, which are therefore not
+            cached yet; with caching and an EAGLE group the scheduler block must
+            hold at least ``num_prefill_lookahead`` tokens (ValueError otherwise).
     """
 
     def __init__(
@@ -198,8 +230,32 @@ class KVCacheManager:
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
         profile: Profile | str | None = None,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
     ) -> None:
         self.profile = resolve_profile(profile)
+        if not self.profile.circular_buffer_groups:
+            _refuse_circular_buffer_groups(kv_cache_config, self.profile)
+        self.num_hash_lookahead_tokens = check_num_hash_lookahead_tokens(num_hash_lookahead_tokens)
+        if (
+            not isinstance(num_prefill_lookahead, int)
+            or isinstance(num_prefill_lookahead, bool)
+            or num_prefill_lookahead < 0
+        ):
+            raise ValueError(
+                f"num_prefill_lookahead must be a non-negative int, got {num_prefill_lookahead!r}"
+            )
+        self.num_prefill_lookahead = num_prefill_lookahead
+        if (
+            num_prefill_lookahead > scheduler_block_size
+            and enable_caching
+            and (use_eagle or any(g.is_eagle_group for g in kv_cache_config.kv_cache_groups))
+        ):
+            raise ValueError(
+                f"num_prefill_lookahead={num_prefill_lookahead} with prefix caching and an "
+                f"EAGLE group needs scheduler_block_size={scheduler_block_size} to be at "
+                "least as large"
+            )
         if not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         if not watermark >= 0.0:
@@ -212,6 +268,21 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        zero_retention_ignored = False
+        if self.profile.retention_zero_without_window:
+            # 0.33.0 accepts 0 without a windowed group: resolve and check here, and
+            # give the coordinator None then (its 0.25.1 check refuses any interval).
+            prefix_cache_retention_interval = resolve_prefix_cache_retention_interval(
+                prefix_cache_retention_interval,
+                scheduler_block_size,
+                kv_cache_config,
+                zero_without_window=True,
+            )
+            if prefix_cache_retention_interval == 0 and not has_windowed_group(
+                kv_cache_config
+            ):
+                zero_retention_ignored = True
+                prefix_cache_retention_interval = None
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config=kv_cache_config,
             max_model_len=max_model_len,
@@ -226,6 +297,8 @@ class KVCacheManager:
             metrics_collector=metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
+        if zero_retention_ignored:
+            self.coordinator.retention_interval = 0  # only full / chunked groups: no effect
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
@@ -243,6 +316,8 @@ class KVCacheManager:
         self._owners: dict[str, Request] = {}
         self.stats_at_admission = self.profile.stats_at_admission
         self._apply_profile()
+        self.block_pool.num_hash_lookahead_tokens = self.num_hash_lookahead_tokens
+        self.coordinator.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
         if os.environ.get(SELF_CHECK_ENV, "0") not in ("", "0"):
             enable_self_check(self)
 
@@ -487,7 +562,13 @@ class KVCacheManager:
         coordinator.trim_every_full_group = profile.trim_every_full_group
         coordinator.eagle_peek_to_hashed_length = profile.eagle_peek_to_hashed_length
         coordinator.mamba_no_eagle_margin = profile.mamba_no_eagle_margin
+        coordinator.retention_replay_boundaries = profile.retention_replay_boundaries
+        if profile.shared_prefix_junctions:
+            for manager in coordinator.single_type_managers:
+                manager.keeps_shared_prefix_junction = True
         coordinator.block_pool.mm_keys_by_window = profile.mm_keys_by_window
+        for manager in coordinator.single_type_managers:
+            manager.caches_within_hashed_tokens = profile.cache_within_hashed_tokens
         if profile.partial_prompt_tail_entries:
             for manager in coordinator.single_type_managers:
                 if isinstance(manager, FullAttentionManager):

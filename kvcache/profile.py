@@ -193,11 +193,55 @@ SWITCHES: tuple[Switch, ...] = (
         "0.33.0",
     ),
     Switch(
+        "retention_replay_boundaries",
+        "bug-retention-eagle-replay-boundary",
+        "Sparse retention keeps the sliding-window tails (Mamba states) before each of "
+        "replay_boundaries: num_prompt_tokens - 1 without EAGLE; with an EAGLE group "
+        "{resend - b, extension - b} (resend: num_prompt_tokens - 1 rounded down to the "
+        "scheduler block b, extension: num_prompt_tokens rounded down), each aligned "
+        "and shifted by the group's own EAGLE bit (0.25.1: only num_prompt_tokens - 1).",
+        "0.33.0",
+    ),
+    Switch(
+        "retention_zero_without_window",
+        "",
+        "A retention interval of 0 is accepted (and changes nothing) when no group is "
+        "sliding-window or Mamba; a positive one is refused there with 0.33.0's "
+        "message (0.25.1 refuses any interval set without such a group).",
+        "0.33.0",
+    ),
+    Switch(
+        "shared_prefix_junctions",
+        "lookup-three-values",
+        "get_computed_blocks' third value is the shared-prefix boundary (the hit plus "
+        "the shared prefix a sparse-retention group has not cached yet; 0 if none), and "
+        "sparse retention keeps the tails before a request's shared_prefix_boundary "
+        "(one block lower too for an EAGLE group).",
+        "0.33.0",
+    ),
+    Switch(
         "mamba_caps_new_state_blocks",
         "",
         "An 'align' Mamba group's block count is its shortfall capped at one state "
         "block (plus the speculative blocks on the first allocation); 0.25.1 reports "
         "the cap itself whenever anything is short.",
+        "0.33.0",
+    ),
+    Switch(
+        "circular_buffer_groups",
+        "circular-buffer-kind",
+        "A CircularBufferSpec group (one ring block per request for its whole life, "
+        "never prefix-cached) is built with CircularBufferManager and left out of the "
+        "hybrid hit search; 0.25.1 has no such kind, so a manager with one cannot be "
+        "built (NotImplementedError naming the class).",
+        "0.33.0",
+    ),
+    Switch(
+        "cache_within_hashed_tokens",
+        "",
+        "A group caches only the full blocks the request has hashes for (with lookahead "
+        "hashing a block's hash waits for the tokens after it); 0.25.1 asserts that "
+        "every full block within the tokens to cache has one.",
         "0.33.0",
     ),
 )
@@ -240,6 +284,11 @@ class Profile:
     mamba_no_eagle_margin: bool
     mamba_prompt_tail_state: bool
     mamba_caps_new_state_blocks: bool
+    retention_replay_boundaries: bool
+    retention_zero_without_window: bool
+    shared_prefix_junctions: bool
+    circular_buffer_groups: bool
+    cache_within_hashed_tokens: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:

@@ -30,6 +30,7 @@ from kvcache.kv_cache_interface import (
     spec_exact_class_name,
 )
 from kvcache.kv_cache_math import cdiv  # imported, not aliased: a native call when compiled
+from kvcache.kv_cache_spec_registry import KVCacheSpecRegistry
 from kvcache.kv_cache_utils import (
     BlockHash,
     BlockHashList,
@@ -151,6 +152,11 @@ class SingleTypeKVCacheManager:
         self._tracks_new_block_ids = spec_exact_class_name(kv_cache_spec) in _TRACKING_SPECS
         # The partial_prompt_tail_entries switch (kvcache.profile); full attention only.
         self.caches_partial_prompt_tail = False
+        # The shared_prefix_junctions switch: under sparse retention also keep the
+        # tail before the request's shared_prefix_boundary (vLLM 0.33.0's Request).
+        self.keeps_shared_prefix_junction = False
+        # The cache_within_hashed_tokens switch (kvcache.profile).
+        self.caches_within_hashed_tokens = False
 
     # ------------------------------------------------------------ sizing
 
@@ -286,14 +292,38 @@ class SingleTypeKVCacheManager:
     # ------------------------------------------------------------ caching
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, retention_interval: int | None = None
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] | None = None,
     ) -> None:
-        """Cache the request's blocks that are full within its first ``num_tokens`` tokens."""
+        """Cache the request's blocks that are full within its first ``num_tokens`` tokens.
+
+        Under sparse retention (``retention_interval`` not None) windowed kinds keep
+        the tails before ``replay_boundaries`` (token positions a replay of the prompt
+        resumes at, chosen by the coordinator; None: 0.25.1's ``num_prompt_tokens - 1``)
+        and, with ``keeps_shared_prefix_junction``, before the request's
+        ``shared_prefix_boundary`` (one block lower too for an EAGLE group)."""
         request_id = request.request_id
         num_cached_blocks = self.num_cached_block.get(request_id, 0)
+        if self.caches_within_hashed_tokens:  # a block's hash may wait for its lookahead
+            num_hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
+            num_tokens = min(num_tokens, num_hashed_tokens)
         num_full_blocks = num_tokens // self.block_size
         if num_cached_blocks >= num_full_blocks:
             return
+        boundaries: Sequence[int] | None = replay_boundaries
+        if retention_interval is not None and self.keeps_shared_prefix_junction:
+            junction: int = getattr(request, "shared_prefix_boundary", 0) or 0
+            if junction:
+                if boundaries is None:
+                    boundaries = (request.num_prompt_tokens - 1,)
+                boundaries = [*boundaries, junction]
+                if self.use_eagle:
+                    # A sibling diverging right after the junction has no block past
+                    # it to drop, so its hit ends one block lower.
+                    boundaries.append(junction - self.block_size)
         self.block_pool.cache_full_blocks(
             request=request,
             blocks=self.req_to_blocks[request_id],
@@ -309,6 +339,7 @@ class SingleTypeKVCacheManager:
                 use_eagle=self.use_eagle,
                 retention_interval=retention_interval,
                 num_prompt_tokens=request.num_prompt_tokens,
+                reachable_boundaries=boundaries,
             ),
         )
         self.num_cached_block[request_id] = num_full_blocks
@@ -323,9 +354,20 @@ class SingleTypeKVCacheManager:
         use_eagle: bool,
         retention_interval: int | None = None,
         num_prompt_tokens: int | None = None,
+        *,
+        reachable_boundaries: Sequence[int] | None = None,
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
     ) -> list[bool] | None:
         """Which of blocks ``[start_block, end_block)`` can ever serve a hit
-        (None: all of them); unreachable blocks are not cached."""
+        (None: all of them); unreachable blocks are not cached.
+
+        Under sparse retention the windowed kinds keep the tails before each of
+        ``reachable_boundaries`` (token positions a replay resumes at; vLLM 0.33.0's
+        argument), or, when it is None, before vLLM 0.25.1's one replay boundary
+        ``num_prompt_tokens - 1``. ``dcp_world_size`` and ``final_segment_end_block``
+        (the end of the request's last segment, for callers that cache ahead of
+        prefill) are 0.33.0's; full attention keeps every block whatever they say."""
         return None
 
     # ------------------------------------------------------------ freeing
@@ -448,11 +490,15 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return (found,)
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, retention_interval: int | None = None
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] | None = None,
     ) -> None:
         """Cache the full blocks, then (``caches_partial_prompt_tail``) the prompt's
         tail that ends inside a block."""
-        super().cache_blocks(request, num_tokens, retention_interval)
+        super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
         if self.caches_partial_prompt_tail:
             self.cache_partial_prompt_tail(request, num_tokens)
 
@@ -589,31 +635,58 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         use_eagle: bool,
         retention_interval: int | None = None,
         num_prompt_tokens: int | None = None,
+        *,
+        reachable_boundaries: Sequence[int] | None = None,
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
     ) -> list[bool] | None:
         """A hit ends on an ``alignment_tokens`` boundary and reads only the
         ``need`` blocks before it (shifted by one with EAGLE), so only those
         tails of each aligned segment are worth caching. With a retention
         interval (not None), only the tails of each ``retention_interval``
-        segment (none for 0) and the tail before the prompt's replay boundary."""
+        segment (none for 0) and those before each reachable boundary
+        (``reachable_boundaries``, else the prompt's replay boundary
+        ``num_prompt_tokens - 1``). A block spans ``block_size * dcp_world_size``
+        tokens; an alignment finer than that cannot be told apart, so every block
+        is kept. Without EAGLE, a request's last, partial segment ending at block
+        ``final_segment_end_block`` keeps its tail too."""
         kv_cache_spec = cast(SlidingWindowSpec, kv_cache_spec)
         if alignment_tokens is None:
             return None
-        block_size = kv_cache_spec.block_size
+        block_size = kv_cache_spec.block_size * dcp_world_size
+        if alignment_tokens % block_size != 0:
+            return None
         need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size, use_eagle)
-        if retention_interval is not None:
-            return kv_cache_math.sliding_window_retention_mask(
+        if retention_interval is None:
+            segment_tokens = alignment_tokens
+            mask = kv_cache_math.sliding_window_reachable_mask(
+                start_block, end_block, need, alignment_tokens // block_size, use_eagle
+            )
+        else:
+            segment_tokens = retention_interval
+            if reachable_boundaries is None:
+                reachable_boundaries = () if num_prompt_tokens is None else (num_prompt_tokens - 1,)
+            mask = kv_cache_math.sliding_window_retention_mask(
                 start_block,
                 end_block,
                 need,
                 block_size,
                 alignment_tokens,
                 retention_interval,
-                num_prompt_tokens,
+                reachable_boundaries,
                 use_eagle,
             )
-        return kv_cache_math.sliding_window_reachable_mask(
-            start_block, end_block, need, alignment_tokens // block_size, use_eagle
-        )
+        if (
+            mask is not None
+            and segment_tokens
+            and final_segment_end_block is not None
+            and not use_eagle
+        ):
+            for i in kv_cache_math.sliding_window_final_segment_tail(
+                start_block, end_block, need, segment_tokens // block_size, final_segment_end_block
+            ):
+                mask[i - start_block] = True
+        return mask
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens left of the next token's window: ``computed - window + 1``."""
@@ -788,19 +861,28 @@ class MambaManager(SingleTypeKVCacheManager):
         use_eagle: bool,
         retention_interval: int | None = None,
         num_prompt_tokens: int | None = None,
+        *,
+        reachable_boundaries: Sequence[int] | None = None,
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
     ) -> list[bool] | None:
         """Every state (None) unless a retention interval is set: then the states
-        ending on a ``retention_interval`` boundary (none for 0) and the state at the
-        prompt's replay boundary. EAGLE does not apply (draft models have no Mamba)."""
+        ending on a ``retention_interval`` boundary (none for 0) and those at each
+        reachable boundary (``reachable_boundaries``, else the prompt's replay
+        boundary ``num_prompt_tokens - 1``). EAGLE does not apply (draft models have
+        no Mamba), nor do ``dcp_world_size`` (Mamba state is not sharded) and
+        ``final_segment_end_block``."""
         if retention_interval is None or alignment_tokens is None:
             return None
+        if reachable_boundaries is None:
+            reachable_boundaries = () if num_prompt_tokens is None else (num_prompt_tokens - 1,)
         return kv_cache_math.mamba_retention_mask(
             start_block,
             end_block,
             kv_cache_spec.block_size,
             alignment_tokens,
             retention_interval,
-            num_prompt_tokens,
+            reachable_boundaries,
         )
 
     def remove_skipped_blocks(
@@ -965,11 +1047,15 @@ class MambaManager(SingleTypeKVCacheManager):
         return kv_cache_math.num_skipped_tokens_mamba(num_computed_tokens)
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, retention_interval: int | None = None
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] | None = None,
     ) -> None:
         """Cache as the base class and remember states cached in this step."""
         before = self.num_cached_block.get(request.request_id, 0)
-        super().cache_blocks(request, num_tokens, retention_interval)
+        super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
         if self.caches_prompt_tail_state and self.mamba_cache_mode == "align":
             key = self._cache_prompt_tail_state(request, num_tokens)
             if key is not None:
@@ -987,14 +1073,18 @@ class MambaManager(SingleTypeKVCacheManager):
         """Under ``caches_prompt_tail_state`` (0.33.0, 'align'): when ``num_tokens``
         is the prompt's last reusable hash boundary, key the state block holding it
         there unless it already is (a state the pool lost, e.g. by ``evict_blocks``,
-        is keyed again). The boundary leaves one token for the logits, or with
-        EAGLE one whole hash block less. Boundaries inside a block (fine-grained
+        is keyed again). The boundary leaves one token for the logits (or the
+        lookahead tokens its hash covers, when more), or with EAGLE one whole hash
+        block less. Boundaries inside a block (fine-grained
         hits) are not modelled."""
         hash_block_size = self.block_pool.hash_block_size
         if num_tokens <= 0 or num_tokens % hash_block_size:
             return None
         boundary = kv_cache_math.mamba_prompt_tail_boundary(
-            request.num_prompt_tokens, hash_block_size, self.prompt_tail_drops_eagle
+            request.num_prompt_tokens,
+            hash_block_size,
+            self.prompt_tail_drops_eagle,
+            self.block_pool.num_hash_lookahead_tokens,
         )
         if num_tokens != boundary or num_tokens % self.block_size:
             return None
@@ -1039,7 +1129,11 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         return
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, retention_interval: int | None = None
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] | None = None,
     ) -> None:
         """Never valid: cross-attention blocks are not cached (vLLM raises too)."""
         raise ValueError("cross-attention blocks are never cached (prefix caching must be off)")
@@ -1175,6 +1269,127 @@ class SinkFullAttentionManager(FullAttentionManager):
         )
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
+class CircularBufferManager(FullAttentionManager):
+    """A ring buffer (``CircularBufferSpec``, vLLM 0.33.0): each request claims one
+    block at its first allocation (or external load) and keeps it, whatever its
+    length, until it is freed. The block is private scratch: never a prefix hit,
+    never cached or hashed, never recorded for zeroing, and nothing is skipped.
+
+    ``needs_kv_cache_zeroing`` is accepted (vLLM 0.33.0's argument) and changes
+    nothing: a ring only reads slots its own request wrote.
+    """
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        max_admission_blocks_per_request: int | None = None,
+        needs_kv_cache_zeroing: bool = False,
+    ) -> None:
+        # NOTE: explicit arguments, not **kwargs (mypyc forwards **kwargs wrongly).
+        super().__init__(
+            kv_cache_spec,
+            block_pool,
+            enable_caching,
+            kv_cache_group_id,
+            scheduler_block_size,
+            dcp_world_size,
+            pcp_world_size,
+            max_admission_blocks_per_request,
+        )
+        self._tracks_new_block_ids = False
+
+    @property
+    def records_new_block_ids(self) -> bool:
+        """False: a ring block is never zeroed."""
+        return False
+
+    def _claim_ring_block(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's ring block if it has none yet (one block), else nothing."""
+        req_blocks = self.req_to_blocks[request_id]
+        if req_blocks:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(1)
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        num_local_computed_tokens: int = 0,
+        prefill_end: int = 0,
+    ) -> int:
+        """1 until the request holds its ring block, then 0 (hits and lengths do not
+        matter). ``num_local_computed_tokens`` and ``prefill_end`` are vLLM 0.33.0's
+        arguments, accepted by keyword and unused."""
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Nothing: a ring has no hits (the lookup gives it none)."""
+        return None
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
+    ) -> None:
+        """Claim the ring block for a request a KV connector loads (the ring itself is
+        not transferred); ``record_for_zeroing`` changes nothing (never zeroed)."""
+        self._claim_ring_block(request_id)
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
+        """The ring block on the request's first allocation; nothing afterwards."""
+        return self._claim_ring_block(request_id)
+
+    def cache_blocks(
+        self,
+        request: object,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] | None = None,
+    ) -> None:
+        """Nothing: a ring block is never cached (``replay_boundaries`` is vLLM
+        0.33.0's argument, unused)."""
+        return None
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """No hit: an empty list per group."""
+        return tuple([] for _ in kv_cache_group_ids)
+
+
 _TRACKING_SPECS = frozenset(
     {"FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec", "HiddenStateCacheSpec"}
 )
@@ -1192,6 +1407,7 @@ _MANAGER_FOR_SPEC: dict[str, type[SingleTypeKVCacheManager]] = {
     "CrossAttentionSpec": CrossAttentionManager,
     "RSWASpec": RSWAManager,
     "SinkFullAttentionSpec": SinkFullAttentionManager,
+    "CircularBufferSpec": CircularBufferManager,
 }
 """Manager per spec class name, as vLLM 0.25.1 registers them (MLA is full
 attention, sliding-window MLA is sliding window to the manager)."""
@@ -1203,16 +1419,21 @@ encoder-only layers keep no KV cache."""
 
 
 def get_manager_class_for_kv_cache_spec(
-    kv_cache_spec: KVCacheSpec,
+    kv_cache_spec: KVCacheSpec, role: object = None
 ) -> type[SingleTypeKVCacheManager]:
-    """The manager class for a spec: the nearest class in its MRO that is one of
-    kvcache's or vLLM's spec classes decides, so vLLM's own spec objects and
-    subclasses of either family are accepted.
+    """The manager class for a spec: a registration in ``KVCacheSpecRegistry``
+    (``kvcache.kv_cache_spec_registry``: the group ``role``'s manager, else the
+    nearest registered class of the spec's MRO) first; else the nearest class in
+    its MRO that is one of kvcache's or vLLM's spec classes decides, so vLLM's own
+    spec objects and subclasses of either family are accepted.
 
     Raises:
         NotImplementedError: for a spec kind kvcache does not support, or one vLLM
             registers no manager for (naming the class).
     """
+    registered = KVCacheSpecRegistry.registered_manager_class(kv_cache_spec, role)
+    if registered is not None:
+        return cast(type[SingleTypeKVCacheManager], registered)
     for cls in type(kv_cache_spec).__mro__:
         if cls.__module__ not in SPEC_MODULES:
             continue
@@ -1234,14 +1455,16 @@ def get_manager_for_kv_cache_spec(
     kv_cache_spec: KVCacheSpec,
     max_num_batched_tokens: int,
     max_model_len: int,
+    role: object = None,
     **kwargs: object,
 ) -> SingleTypeKVCacheManager:
-    """Build the manager for a group's spec; windowed kinds get their admission cap.
+    """Build the manager for a group's spec (and ``role``, vLLM 0.33.0's group role:
+    see ``get_manager_class_for_kv_cache_spec``); windowed kinds get their admission cap.
 
     Raises:
         NotImplementedError: for a spec kind kvcache does not support.
     """
-    manager_cls = get_manager_class_for_kv_cache_spec(kv_cache_spec)
+    manager_cls = get_manager_class_for_kv_cache_spec(kv_cache_spec, role)
     if is_spec_kind(kv_cache_spec, "SlidingWindowSpec", "ChunkedLocalAttentionSpec"):
         spec = cast(SlidingWindowSpec | ChunkedLocalAttentionSpec, kv_cache_spec)
         # Positional: vLLM 0.33.0's specs name the first argument max_in_flight_tokens.
@@ -1264,6 +1487,7 @@ _VLLM_REGISTRATIONS: tuple[tuple[str, type[SingleTypeKVCacheManager], str], ...]
     ("RSWASpec", RSWAManager, "FullAttentionSpec"),
     ("HiddenStateCacheSpec", FullAttentionManager, "FullAttentionSpec"),
     ("SinkFullAttentionSpec", SinkFullAttentionManager, "FullAttentionSpec"),
+    ("CircularBufferSpec", CircularBufferManager, "CircularBufferSpec"),
 )
 
 

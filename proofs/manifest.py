@@ -92,6 +92,7 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract(f"{S}.mamba_prompt_tail_boundary"),
     Contract(f"{K}.sliding_window_admission_blocks"),
     Contract(f"{K}.chunked_local_admission_blocks"),
+    Contract(f"{K}.sliding_window_final_segment_tail"),
     # skipped tokens per group kind
     Contract(f"{S}.num_skipped_tokens_full_attention"),
     Contract(f"{S}.num_skipped_tokens_sliding_window"),
@@ -103,6 +104,7 @@ CONTRACTS: tuple[Contract, ...] = (
     # sliding-window caching
     Contract(f"{S}.num_contiguous_blocks_for_hit"),
     Contract(f"{S}.sliding_window_reachable_mask"),
+    Contract(f"{S}.replay_boundaries"),
     # hit searches over a container of cached hashes
     Contract(f"{S}.align_num_hit_blocks"),
     Contract(f"{S}.full_attention_hit_num_blocks"),
@@ -136,7 +138,8 @@ PAIRS: tuple[Pair, ...] = (
          f"{K}.mamba_align_num_new_blocks",
          lambda n, bs, spec, hits, held, before: bs > 0 and _nonneg(n, spec, hits, held)),
     Pair("mamba_prompt_tail_boundary", f"{S}.mamba_prompt_tail_boundary",
-         f"{K}.mamba_prompt_tail_boundary", lambda n, hbs, eagle: n >= 0 and hbs > 0),
+         f"{K}.mamba_prompt_tail_boundary",
+         lambda n, hbs, eagle, lookahead: n >= 0 and hbs > 0 and lookahead >= 0),
     Pair("num_skipped_tokens_sliding_window", f"{S}.num_skipped_tokens_sliding_window",
          f"{K}.num_skipped_tokens_sliding_window", lambda n, window: n >= 0 and window >= 1),
     Pair("num_skipped_tokens_chunked_local", f"{S}.num_skipped_tokens_chunked_local",
@@ -156,15 +159,17 @@ PAIRS: tuple[Pair, ...] = (
     Pair("sliding_window_reachable_mask", f"{S}.sliding_window_reachable_mask",
          f"{K}.sliding_window_reachable_mask",
          lambda start, end, need, per_segment, eagle: _nonneg(start, need) and per_segment >= 1),
-    Pair("replay_boundary", f"{S}.replay_boundary", f"{K}.replay_boundary_tokens",
-         lambda n, alignment: alignment >= 1),
+    Pair("replay_boundaries", f"{S}.replay_boundaries", f"{K}.replay_boundaries",
+         lambda n, block, eagle: n >= 1 and block >= 1),
     Pair("sliding_window_retention_mask", f"{S}.sliding_window_retention_mask",
          f"{K}.sliding_window_retention_mask",
-         lambda start, end, need, bs, alignment, interval, prompt, eagle: (
-             _nonneg(start, need, interval) and bs >= 1 and alignment >= 1)),
+         lambda start, end, need, bs, alignment, interval, boundaries, eagle: (
+             _nonneg(start, need, interval, *boundaries) and bs >= 1 and alignment >= 1),
+         types={"boundaries": list[int]}),
     Pair("mamba_retention_mask", f"{S}.mamba_retention_mask", f"{K}.mamba_retention_mask",
-         lambda start, end, bs, alignment, interval, prompt: (
-             _nonneg(start, interval) and bs >= 1 and alignment >= 1)),
+         lambda start, end, bs, alignment, interval, boundaries: (
+             _nonneg(start, interval, *boundaries) and bs >= 1 and alignment >= 1),
+         types={"boundaries": list[int]}),
     Pair("align_num_hit_blocks", f"{S}.align_num_hit_blocks", f"{K}.align_num_hit_blocks",
          lambda n, bs, alignment: n >= 0 and bs >= 1 and alignment >= 1),
     Pair("full_attention_hit_num_blocks", f"{S}.full_attention_hit_num_blocks",
@@ -184,7 +189,8 @@ PAIRS: tuple[Pair, ...] = (
          lambda hashes, cached, n, bs, alignment: (
              _hashes(hashes, n) and bs >= 1 and alignment >= 1), types=INT_HASHES),
     Pair("num_tokens_to_cache", f"{S}.num_tokens_to_cache", f"{K}.num_tokens_to_cache",
-         lambda n, scheduler_bs, bs, eagle: n >= 0 and scheduler_bs >= 1 and bs >= 1),
+         lambda n, scheduler_bs, bs, eagle, reprefill: n >= 0 and scheduler_bs >= 1
+         and bs >= 1 and reprefill >= 0),
     Pair("admits", f"{S}.admits", f"{K}.admits",
          lambda n, free, reserved, watermark: _nonneg(free, reserved, watermark)),
     Pair("slot_formula", "proofs.slots.reference_slot", "proofs.slots.kernel_slot", _split),

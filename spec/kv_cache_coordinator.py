@@ -14,7 +14,7 @@ from spec.single_type_kv_cache_manager import (
     check_no_hits,
     get_manager_for_kv_cache_spec,
 )
-from spec.vocab import KVCacheConfig, KVCacheSpec, Request, coarsen, is_a
+from spec.vocab import KVCacheConfig, KVCacheSpec, Request, cacheable, coarsen, is_a
 
 
 class KVCacheCoordinator:
@@ -56,6 +56,7 @@ class KVCacheCoordinator:
             raise NotImplementedError("context parallelism with prefix caching: one full-"
                                       "attention group only (vLLM asserts for the rest)")
         self.context_parallel = context_parallel
+        self.num_reprefillable_tokens = 0  # 0.33.0's prefill lookahead, set by the manager
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(g.kv_cache_spec, max_num_batched_tokens, max_model_len,
                                           self.block_pool, enable_caching, i, scheduler_block_size,
@@ -70,6 +71,7 @@ class KVCacheCoordinator:
     trim_every_full_group = False
     eagle_peek_to_hashed_length = False
     mamba_no_eagle_margin = False
+    retention_replay_boundaries = False
 
     def _check_retention_interval(self, interval: int) -> None:
         """vLLM's checks: a windowed group to thin out, and a non-negative multiple of
@@ -128,10 +130,23 @@ class KVCacheCoordinator:
             request_id, num_encoder_tokens if isinstance(m, CrossAttentionManager) else num_tokens,
             num_tokens_main_model) for m in self.single_type_managers)
 
+    def replay_boundaries(self, num_prompt_tokens: int) -> tuple[int, ...]:
+        """Where replays of the prompt resume, whose tails sparse retention keeps: one
+        token short of the prompt, or (retention_replay_boundaries, 0.33.0) the EAGLE
+        rule of ``pure.replay_boundaries`` when some group is an EAGLE group."""
+        if self.retention_replay_boundaries:
+            return pure.replay_boundaries(num_prompt_tokens, self.scheduler_block_size,
+                                          bool(self.eagle_group_ids))
+        return (num_prompt_tokens - 1,)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Cache the request's full blocks among its first ``num_computed_tokens`` tokens."""
+        """Cache the request's full blocks among its first ``num_computed_tokens`` tokens,
+        but the last ``num_reprefillable_tokens`` (0.33.0's prefill lookahead: a
+        multi-module drafter computes them again)."""
+        num_tokens = max(0, num_computed_tokens - self.num_reprefillable_tokens)
+        boundaries = self.replay_boundaries(request.num_prompt_tokens)
         for m in self.single_type_managers:
-            m.cache_blocks(request, num_computed_tokens, self.retention_interval)
+            m.cache_blocks(request, num_tokens, self.retention_interval, boundaries)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, group by group."""
@@ -220,11 +235,18 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     attention first."""
 
     def _init_groups(self) -> None:
+        # A ring buffer (vLLM 0.33.0) takes no part in prefix caching: not hashed, never
+        # searched (its hit stays empty); it still counts as a distinct spec.
         groups = self.kv_cache_config.kv_cache_groups
-        if any(g.kv_cache_spec.block_size % self.hash_block_size for g in groups):
+        if any(g.kv_cache_spec.block_size % self.hash_block_size for g in groups
+               if cacheable(g.kv_cache_spec)):
             raise ValueError(f"hash_block_size={self.hash_block_size} must divide every block size")
         self.attention_groups: list[SpecGroup] = []
+        scratch = [g.kv_cache_spec for g in groups if not cacheable(g.kv_cache_spec)]
+        num_scratch = len([s for i, s in enumerate(scratch) if s not in scratch[:i]])
         for i, (g, m) in enumerate(zip(groups, self.single_type_managers, strict=True)):
+            if not cacheable(g.kv_cache_spec):
+                continue
             use_eagle = i in self.eagle_group_ids
             for idx, sg in enumerate(self.attention_groups):
                 if sg.spec == g.kv_cache_spec:
@@ -233,8 +255,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     break
             else:
                 self.attention_groups.append(SpecGroup(g.kv_cache_spec, [i], type(m), use_eagle))
-        if len(self.attention_groups) < 2:
+        if len(self.attention_groups) + num_scratch < 2:
             raise ValueError(f"{len(groups)} KV-cache groups need >= 2 distinct specs with caching")
+        if not self.attention_groups:
+            raise ValueError("every KV-cache group is a ring buffer: nothing to look up")
         self.attention_groups.sort(key=lambda sg: not is_a(sg.spec, "FullAttentionSpec"))
         for sg in self.attention_groups:
             for group_id in sg.group_ids:
@@ -243,10 +267,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache up to the last ``scheduler_block_size`` boundary (EAGLE groups one block
         further, since their hits look one block past a boundary)."""
+        boundaries = self.replay_boundaries(request.num_prompt_tokens)
         for m in self.single_type_managers:
             m.cache_blocks(request, pure.num_tokens_to_cache(
-                num_computed_tokens, self.scheduler_block_size, m.block_size, m.use_eagle),
-                self.retention_interval)
+                num_computed_tokens, self.scheduler_block_size, m.block_size, m.use_eagle,
+                self.num_reprefillable_tokens), self.retention_interval, boundaries)
 
     def _hashes_for(self, block_hashes: list[bytes], spec: KVCacheSpec) -> list[bytes]:
         """The request's hashes at the spec's block size."""

@@ -107,8 +107,28 @@ class KVCacheManager:
                  watermark: float = 0.0, *, caching_hash_algo: str = "sha256",
                  hash_seed: str | None = None,
                  prefix_cache_retention_interval: int | None = None,
-                 profile: Profile | str | None = None) -> None:
+                 profile: Profile | str | None = None, num_hash_lookahead_tokens: int = 0,
+                 num_prefill_lookahead: int = 0) -> None:
         self.profile = resolve_profile(profile)  # spec/profile.py
+        rings = [g for g in kv_cache_config.kv_cache_groups
+                 if is_a(g.kv_cache_spec, "CircularBufferSpec")]
+        if rings and not self.profile.circular_buffer_groups:
+            raise NotImplementedError("a CircularBufferSpec group (a vLLM 0.33.0 kind) under "
+                                      f"profile {self.profile.release}")
+        # 0.33.0's lookahead hashing and prefill lookahead (0: none; a bool hash
+        # lookahead counts as 0 / 1, as vLLM does arithmetic with it).
+        for name, value in (("num_hash_lookahead_tokens", num_hash_lookahead_tokens),
+                            ("num_prefill_lookahead", num_prefill_lookahead)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if isinstance(num_prefill_lookahead, bool):
+            raise ValueError(f"num_prefill_lookahead must be a non-negative int, got "
+                             f"{num_prefill_lookahead!r}")
+        eagle = use_eagle or any(g.is_eagle_group for g in kv_cache_config.kv_cache_groups)
+        if enable_caching and eagle and num_prefill_lookahead > scheduler_block_size:
+            raise ValueError(f"num_prefill_lookahead={num_prefill_lookahead} with prefix caching "
+                             f"and an EAGLE group needs scheduler_block_size="
+                             f"{scheduler_block_size} to be at least as large")
         for name, size in (("dcp_world_size", dcp_world_size), ("pcp_world_size", pcp_world_size)):
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
@@ -122,11 +142,21 @@ class KVCacheManager:
         self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        # retention_zero_without_window (0.33.0): 0 is accepted, and ignored, without a
+        # sliding-window or Mamba group (0.25.1 refuses any interval there).
+        ignored_zero = (self.profile.retention_zero_without_window
+                        and prefix_cache_retention_interval == 0
+                        and not any(is_a(g.kv_cache_spec, "SlidingWindowSpec")
+                                    or is_a(g.kv_cache_spec, "MambaSpec")
+                                    for g in kv_cache_config.kv_cache_groups))
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config, max_model_len, self.max_num_batched_tokens, use_eagle,
             enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
             caching_hash_algo, hash_seed, dcp_world_size * pcp_world_size,
-            prefix_cache_retention_interval=prefix_cache_retention_interval)
+            prefix_cache_retention_interval=None if ignored_zero
+            else prefix_cache_retention_interval)
+        if ignored_zero:
+            self.coordinator.retention_interval = 0
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
@@ -139,6 +169,8 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool)
         self._apply_profile(hash_seed)
+        self.block_pool.num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
+        self.coordinator.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
 
     def _apply_profile(self, hash_seed: str | None) -> None:
         """Set the profile's switches on the coordinator, managers and pool."""
@@ -150,6 +182,7 @@ class KVCacheManager:
         coordinator.trim_every_full_group = p.trim_every_full_group
         coordinator.eagle_peek_to_hashed_length = p.eagle_peek_to_hashed_length
         coordinator.mamba_no_eagle_margin = p.mamba_no_eagle_margin
+        coordinator.retention_replay_boundaries = p.retention_replay_boundaries
         if p.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
             coordinator.eagle_group_ids = set()  # without use_eagle no group drops a block
             coordinator._init_groups()
@@ -160,6 +193,8 @@ class KVCacheManager:
             # Full attention's subclasses too (R-SWA, sink): vLLM 0.33.0's inherit it.
             m.caches_partial_prompt_tail = (p.partial_prompt_tail_entries
                                             and isinstance(m, FullAttentionManager))
+            m.keeps_shared_prefix_junction = p.shared_prefix_junctions
+            m.caches_within_hashed_tokens = p.cache_within_hashed_tokens
         for m in coordinator.single_type_managers:
             m.zeroes_any_attention_kind = (
                 p.zero_every_attention_group and zeroing and is_a(m.kv_cache_spec, "AttentionSpec")
@@ -205,6 +240,17 @@ class KVCacheManager:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens,
                                            request.num_preemptions > 0)
         return self.create_kv_cache_blocks(hits), num_hit_tokens
+
+    def shared_prefix_boundary(self, request: Request, num_hit_tokens: int) -> int:
+        """shared_prefix_junctions (0.33.0's third lookup value), right after the
+        request's lookup hit ``num_hit_tokens``: where the longest single-kind hit
+        ended when it is longer than the common hit, else 0 (always 0 under 0.25.1,
+        and for a lookup that did not run)."""
+        if (not self.profile.shared_prefix_junctions or not self.enable_caching
+                or request.skip_reading_prefix_cache):
+            return 0
+        uncached = getattr(self.coordinator, "num_uncached_common_prefix_tokens", 0)
+        return num_hit_tokens + uncached if uncached else 0
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         """stats_at_admission: the scheduler counts an admitted request's lookup here

@@ -100,19 +100,22 @@ def num_skipped_hits(num_skipped: int, num_held: int) -> int:
     return max(0, num_skipped - num_held)
 
 
-def mamba_prompt_tail_boundary(num_prompt_tokens: int, hash_block_size: int, eagle: bool) -> int:
+def mamba_prompt_tail_boundary(num_prompt_tokens: int, hash_block_size: int, eagle: bool,
+                               num_hash_lookahead_tokens: int = 0) -> int:
     """The last hash boundary of the prompt where a later lookup of it can reuse a Mamba
-    state (0.33.0): ``num_prompt_tokens - 1`` rounded down, or with EAGLE the prompt
+    state (0.33.0): the prompt less one token (for the logits), or less the lookahead
+    tokens its hash covers when there are more, rounded down; with EAGLE the prompt
     rounded down less one hash block; at least 0.
 
-    pre: num_prompt_tokens >= 0 and hash_block_size > 0
+    pre: num_prompt_tokens >= 0 and hash_block_size > 0 and num_hash_lookahead_tokens >= 0
     post: __return__ >= 0 and __return__ % hash_block_size == 0
     post: __return__ < num_prompt_tokens or __return__ == 0
     """
     if eagle:
         boundary = num_prompt_tokens // hash_block_size * hash_block_size - hash_block_size
     else:
-        boundary = max(num_prompt_tokens - 1, 0) // hash_block_size * hash_block_size
+        limit = num_prompt_tokens - max(1, num_hash_lookahead_tokens)
+        boundary = max(limit, 0) // hash_block_size * hash_block_size
     return max(boundary, 0)
 
 
@@ -266,44 +269,55 @@ def _reads(mask: list[bool], start_block: int, num_needed: int, per_segment: int
                for block, m in enumerate(mask, start_block))
 
 
-def replay_boundary(num_prompt_tokens: int, alignment_tokens: int) -> int:
-    """Where a replay of the prompt hits at best: one token short of the prompt (its
-    logits are recomputed), rounded down to ``alignment_tokens``."""
-    return (num_prompt_tokens - 1) // alignment_tokens * alignment_tokens
+def replay_boundaries(num_prompt_tokens: int, block: int, use_eagle: bool) -> tuple[int, ...]:
+    """Where replays of the prompt resume (vLLM 0.33.0): one token short of the prompt;
+    with EAGLE, one scheduler ``block`` below a resend's hit (the prompt less one token,
+    rounded down) and below a longer sibling's (the prompt rounded down), at least 0.
+
+    pre: num_prompt_tokens >= 1 and block >= 1
+    post: list(__return__) == sorted(set(__return__))
+    post: all(0 <= b < num_prompt_tokens for b in __return__)
+    """
+    if not use_eagle:
+        return (num_prompt_tokens - 1,)
+    resend = (num_prompt_tokens - 1) // block * block
+    extension = num_prompt_tokens // block * block
+    return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
 
 
 def sliding_window_retention_mask(start_block: int, end_block: int, num_needed: int,
                                   block_size: int, alignment_tokens: int, retention_interval: int,
-                                  num_prompt_tokens: int | None, use_eagle: bool
+                                  boundaries: Sequence[int], use_eagle: bool
                                   ) -> list[bool] | None:
     """Sparse retention of a sliding window: ``sliding_window_reachable_mask`` with
     segments of ``retention_interval`` tokens (no segments for 0), plus the window's
-    blocks before the prompt's replay boundary. None when that is every block."""
+    blocks before each of ``boundaries`` rounded down to ``alignment_tokens`` (shifted
+    one block with EAGLE). None when that is every block."""
     mask: list[bool] | None = [False] * max(0, end_block - start_block)
     if retention_interval != 0:
         mask = sliding_window_reachable_mask(start_block, end_block, num_needed,
                                              retention_interval // block_size, use_eagle)
-    if mask is None or num_prompt_tokens is None:
+    if mask is None:
         return mask
-    end = replay_boundary(num_prompt_tokens, alignment_tokens) // block_size + int(use_eagle)
-    for block in range(start_block, end_block):
-        mask[block - start_block] |= end - num_needed <= block < end
+    for boundary in boundaries:
+        end = boundary // alignment_tokens * alignment_tokens // block_size + int(use_eagle)
+        for block in range(start_block, end_block):
+            mask[block - start_block] |= end - num_needed <= block < end
     return mask
 
 
 def mamba_retention_mask(start_block: int, end_block: int, block_size: int,
                          alignment_tokens: int, retention_interval: int,
-                         num_prompt_tokens: int | None) -> list[bool] | None:
+                         boundaries: Sequence[int]) -> list[bool] | None:
     """Sparse retention of Mamba states (block ``i`` ends at token ``(i+1)*block_size``):
-    the states ending on a multiple of ``retention_interval`` (none for 0) and the state
-    at the prompt's replay boundary. None when the interval is at most one block."""
+    the states ending on a multiple of ``retention_interval`` (none for 0) and, for each
+    of ``boundaries`` rounded down to ``alignment_tokens``, the last whole block's state
+    before it. None when the interval is at most one block."""
     if retention_interval != 0 and retention_interval // block_size <= 1:
         return None
-    replay_end = 0 if num_prompt_tokens is None else replay_boundary(num_prompt_tokens,
-                                                                      alignment_tokens)
-    ends = [(block + 1) * block_size for block in range(start_block, end_block)]
-    return [(retention_interval != 0 and end % retention_interval == 0) or 0 < end == replay_end
-            for end in ends]
+    kept = [b // alignment_tokens * alignment_tokens // block_size - 1 for b in boundaries]
+    return [(retention_interval != 0 and (block + 1) * block_size % retention_interval == 0)
+            or block in kept for block in range(start_block, end_block)]
 
 
 # ---------------------------------------------------------------- hit searches
@@ -418,20 +432,23 @@ def mamba_hit_num_blocks(block_hashes: Sequence[H], cached: Container[H], max_nu
 
 
 def num_tokens_to_cache(num_computed_tokens: int, scheduler_block_size: int, block_size: int,
-                        use_eagle: bool) -> int:
+                        use_eagle: bool, num_reprefillable_tokens: int = 0) -> int:
     """Hybrid caching: up to the last scheduler-block boundary (hits end only there);
-    an EAGLE group one block further, since its hits look one block past a boundary.
+    an EAGLE group one block further, since its hits look one block past a boundary,
+    counted from the tokens whose KV is final: all but the last
+    ``num_reprefillable_tokens`` (0.33.0's prefill lookahead re-computes those).
 
     pre: num_computed_tokens >= 0 and scheduler_block_size >= 1 and block_size >= 1
+    pre: num_reprefillable_tokens >= 0
     post: __return__ <= num_computed_tokens
-    post: 0 <= __return__ - _align_down(num_computed_tokens, scheduler_block_size)
-    post: __return__ - _align_down(num_computed_tokens, scheduler_block_size) <= block_size
+    post: num_reprefillable_tokens > 0 or 0 <= __return__ - _align_down(num_computed_tokens, scheduler_block_size) <= block_size
     post: use_eagle or __return__ % scheduler_block_size == 0
-    """
-    aligned = num_computed_tokens // scheduler_block_size * scheduler_block_size
-    if use_eagle and aligned > 0:
-        return min(num_computed_tokens, aligned + block_size)
-    return aligned
+    post: not use_eagle or __return__ == 0 or __return__ <= num_computed_tokens - num_reprefillable_tokens
+    """  # noqa: E501
+    if not use_eagle or num_computed_tokens < scheduler_block_size:
+        return _align_down(num_computed_tokens, scheduler_block_size)
+    final = max(0, num_computed_tokens - num_reprefillable_tokens)
+    return min(final, _align_down(final, scheduler_block_size) + block_size)
 
 
 # ---------------------------------------------------------------- admission

@@ -66,7 +66,9 @@ class SingleTypeKVCacheManager:
     # Release switches (spec/profile.py), set by the KVCacheManager.
     records_new_block_ids = True
     caches_partial_prompt_tail = False
+    caches_within_hashed_tokens = False
     zeroes_any_attention_kind = False  # zero_every_attention_group, beside Mamba
+    keeps_shared_prefix_junction = False  # shared_prefix_junctions
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
@@ -167,25 +169,36 @@ class SingleTypeKVCacheManager:
         return ids
 
     def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None) -> None:
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
         """Cache the request's full blocks among its first ``num_tokens`` tokens (those
-        the group's mask keeps, for the coordinator's ``retention_interval``)."""
+        the group's mask keeps, for the coordinator's ``retention_interval`` and replay
+        ``boundaries``; None: one token short of the prompt). With
+        ``keeps_shared_prefix_junction`` the request's ``shared_prefix_boundary`` is a
+        boundary too (and one block below it for an EAGLE group)."""
         rid = request.request_id
         num_cached = self.num_cached_block.get(rid, 0)
+        if self.caches_within_hashed_tokens:  # only blocks the request has hashes for
+            hbs = self.block_pool.hash_block_size
+            num_tokens = min(num_tokens, len(self.block_pool.block_hashes(request)) * hbs)
         num_full = num_tokens // self.block_size
         if num_cached >= num_full:
             return
-        mask = self.reachable_block_mask(num_cached, num_full, retention_interval,
-                                         request.num_prompt_tokens)
+        kept = [request.num_prompt_tokens - 1] if boundaries is None else list(boundaries)
+        junction = getattr(request, "shared_prefix_boundary", 0)
+        if self.keeps_shared_prefix_junction and junction:
+            kept += [junction, junction - self.block_size] if self.use_eagle else [junction]
+        mask = self.reachable_block_mask(num_cached, num_full, retention_interval, kept)
         self.block_pool.cache_full_blocks(request, self._blocks_of(rid), num_cached, num_full,
                                           self.block_size, self.kv_cache_group_id, mask)
         self.num_cached_block[rid] = num_full
 
     def reachable_block_mask(self, start_block: int, end_block: int,
                              retention_interval: int | None = None,
-                             num_prompt_tokens: int | None = None) -> list[bool] | None:
+                             boundaries: Sequence[int] = ()) -> list[bool] | None:
         """Which of the blocks to cache a hit can ever use (None: all). A retention
-        interval (not None) thins them out further: see the windowed kinds."""
+        interval (not None) thins them out further, keeping what a replay resuming at
+        one of ``boundaries`` reads: see the windowed kinds."""
         return None
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
@@ -258,12 +271,13 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return hit_blocks(block_hashes, 0, num_blocks, group_ids, pool)
 
     def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None) -> None:
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
         """Cache the full blocks; with partial_prompt_tail_entries (0.33.0), also the block
         holding the prompt's last reachable hash boundary, as a partial entry: the
         boundary of ``num_prompt_tokens - 1`` tokens (the whole prompt for EAGLE), when
         it falls inside a block and within ``num_tokens``."""
-        super().cache_blocks(request, num_tokens, retention_interval)
+        super().cache_blocks(request, num_tokens, retention_interval, boundaries)
         hbs = self.block_pool.hash_block_size
         if not self.caches_partial_prompt_tail or self.block_size == hbs:
             return
@@ -281,6 +295,54 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         num_tables = len(self.req_to_blocks)
         return next((i for i, b in enumerate(blocks) if self.block_pool.ref_cnt[b] != num_tables),
                     len(blocks))
+
+
+class CircularBufferManager(FullAttentionManager):
+    """A ring buffer (vLLM 0.33.0's ``CircularBufferSpec``): one block per request, taken
+    at its first allocation (or external load) and kept until it is freed; never a hit,
+    never cached, never recorded for zeroing."""
+
+    def _claim_ring_block(self, request_id: str) -> list[int]:
+        req_blocks = self._blocks_of(request_id)
+        if req_blocks:
+            return []
+        new_ids = self.block_pool.get_new_blocks(1)
+        req_blocks.extend(new_ids)
+        return new_ids
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[int], total_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False
+                                   ) -> int:
+        """1 until the request holds its ring block, then 0."""
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        """Nothing: a ring has no hits."""
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """The ring block, for a request a KV connector loads."""
+        self._claim_ring_block(request_id)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
+                            ) -> list[int]:
+        """The ring block on the first allocation; nothing afterwards."""
+        return self._claim_ring_block(request_id)
+
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
+        """Nothing: a ring block is never cached."""
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
+        """No hit."""
+        return tuple([] for _ in group_ids)
 
 
 class RSWAManager(FullAttentionManager):
@@ -367,16 +429,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def reachable_block_mask(self, start_block: int, end_block: int,
                              retention_interval: int | None = None,
-                             num_prompt_tokens: int | None = None) -> list[bool] | None:
+                             boundaries: Sequence[int] = ()) -> list[bool] | None:
         """Only the window's blocks before each ``scheduler_block_size`` boundary (shifted by
         one block with EAGLE) can serve a hit; None when that is every block. With a
         retention interval: before each ``retention_interval`` boundary instead (none
-        for 0), and before the prompt's replay boundary."""
+        for 0), and before each of the replay ``boundaries``."""
         num_needed = self._num_blocks_for_hit(self.kv_cache_spec, self.use_eagle)
         if retention_interval is not None:
             return pure.sliding_window_retention_mask(
                 start_block, end_block, num_needed, self.block_size, self.scheduler_block_size,
-                retention_interval, num_prompt_tokens, self.use_eagle)
+                retention_interval, boundaries, self.use_eagle)
         return pure.sliding_window_reachable_mask(
             start_block, end_block, num_needed, self.scheduler_block_size // self.block_size,
             self.use_eagle)
@@ -513,29 +575,31 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def reachable_block_mask(self, start_block: int, end_block: int,
                              retention_interval: int | None = None,
-                             num_prompt_tokens: int | None = None) -> list[bool] | None:
+                             boundaries: Sequence[int] = ()) -> list[bool] | None:
         """Every state (None), unless a retention interval thins them out to those on
-        its boundaries and the prompt's replay boundary."""
+        its boundaries and at the replay ``boundaries``."""
         if retention_interval is None:
             return None
         return pure.mamba_retention_mask(start_block, end_block, self.block_size,
                                          self.scheduler_block_size, retention_interval,
-                                         num_prompt_tokens)
+                                         boundaries)
 
     def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None) -> None:
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
         """As the base class; remember the keys cached in this step. With
         ``caches_prompt_tail_state`` (0.33.0, align) also key the state block at the
         prompt's last reusable hash boundary when caching reaches exactly there and the
         block is not keyed there already (e.g. after ``evict_blocks``)."""
         rid = request.request_id
         num_cached_before = self.num_cached_block.get(rid, 0)
-        super().cache_blocks(request, num_tokens, retention_interval)
+        super().cache_blocks(request, num_tokens, retention_interval, boundaries)
         hbs = self.block_pool.hash_block_size
         if (self.caches_prompt_tail_state and self.mamba_cache_mode == "align"
                 and num_tokens > 0 and num_tokens % self.block_size == 0
                 and num_tokens == pure.mamba_prompt_tail_boundary(
-                    request.num_prompt_tokens, hbs, self.prompt_tail_drops_eagle)):
+                    request.num_prompt_tokens, hbs, self.prompt_tail_drops_eagle,
+                    self.block_pool.num_hash_lookahead_tokens)):
             blocks = self._blocks_of(rid)
             idx = num_tokens // self.block_size - 1
             if (idx < len(blocks) and blocks[idx] != NULL_BLOCK
@@ -623,7 +687,8 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         """Nothing: a KV connector loads no encoder output."""
 
     def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None) -> None:
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
         """Refused: cross-attention blocks are never cached."""
         raise ValueError("cross-attention blocks are never cached")
 
@@ -640,6 +705,7 @@ MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
     "CrossAttentionSpec": CrossAttentionManager,
     "RSWASpec": RSWAManager,
     "SinkFullAttentionSpec": SinkFullAttentionManager,
+    "CircularBufferSpec": CircularBufferManager,
 }
 """The manager of each modelled layer-spec class, by class name (exact class only)."""
 

@@ -26,6 +26,7 @@ GROUP_KINDS = (
     "sink",
     "tq_full",
     "hidden_state",
+    "circular",
 )
 MAMBA_CACHE_MODES = ("none", "all", "align")
 HASH_FNS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -39,7 +40,8 @@ class GroupConfig:
         kind: full | sliding_window | chunked_local | mamba | cross_attention |
             mla (``MLAAttentionSpec``) | sliding_window_mla (``SlidingWindowMLASpec``) |
             rswa (``RSWASpec``) | sink (``SinkFullAttentionSpec``) |
-            tq_full (``TQFullAttentionSpec``) | hidden_state (``HiddenStateCacheSpec``).
+            tq_full (``TQFullAttentionSpec``) | hidden_state (``HiddenStateCacheSpec``) |
+            circular (``CircularBufferSpec``, vLLM 0.33.0: one ring block per request).
         block_size: Tokens per block.
         sliding_window: Window of a sliding_window (or sliding_window_mla) group.
         attention_chunk_size: Chunk of a chunked_local group.
@@ -93,13 +95,17 @@ class GroupConfig:
             return "mla"
         if self.kind == "sliding_window_mla":
             return "swa-mla"
-        if self.kind in ("rswa", "sink"):
+        if self.kind in ("rswa", "sink", "circular"):
             return self.kind
         if self.kind == "tq_full":
             return "tq"
         if self.kind == "hidden_state":
             return "hidden-state"
         return "full"
+
+
+LOOKAHEAD_FIELDS = ("num_hash_lookahead_tokens", "num_prefill_lookahead")
+"""vLLM 0.33.0's lookahead arguments of ``ManagerConfig`` (omitted when 0)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,9 @@ class ManagerConfig:
     ``prefix_cache_retention_interval`` is vLLM 0.25.1's
     ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (None: unset); adapters set the
     variable while the manager is built (``kvcache.kit.sides.retention_env``).
+    ``num_hash_lookahead_tokens`` and ``num_prefill_lookahead`` are vLLM 0.33.0's
+    lookahead hashing and prefill lookahead (0: none; 0.25.1 has neither): passed to
+    the manager only when set, and the requests' hasher hashes with the same lookahead.
     """
 
     num_blocks: int
@@ -130,6 +139,8 @@ class ManagerConfig:
     dcp_world_size: int = 1
     pcp_world_size: int = 1
     prefix_cache_retention_interval: int | None = None
+    num_hash_lookahead_tokens: int = 0
+    num_prefill_lookahead: int = 0
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -138,6 +149,10 @@ class ManagerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}; expected a positive int")
+        for name in LOOKAHEAD_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r}; expected a non-negative int")
         retention = self.prefix_cache_retention_interval
         if retention is not None and type(retention) is not int:
             raise ValueError(
@@ -214,6 +229,8 @@ class ManagerConfig:
                 for name in ("dcp_world_size", "pcp_world_size")
                 if getattr(self, name) != 1
             },
+            # Likewise: 0.25.1's factories know no lookahead.
+            **{name: getattr(self, name) for name in LOOKAHEAD_FIELDS if getattr(self, name)},
         }
 
     def to_record(self) -> dict[str, Any]:
@@ -225,6 +242,9 @@ class ManagerConfig:
                 del record[name]
         if record["prefix_cache_retention_interval"] is None:
             del record["prefix_cache_retention_interval"]  # headers of older traces
+        for name in LOOKAHEAD_FIELDS:
+            if record[name] == 0:
+                del record[name]
         return record
 
     @classmethod

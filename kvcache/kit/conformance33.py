@@ -46,12 +46,6 @@ MAMBA_REASON = (
     "hash block, unrounded cacheable tokens, partial-hit CoW copies, Mamba prompt-tail "
     "partial entries)"
 )
-RETENTION_REASON = (
-    "sparse retention with EAGLE under 0.33.0: the tails kept are those before the "
-    "replay boundaries {resend - b, extension - b} (b = scheduler_block_size) of the "
-    "coordinator's EAGLE groups, not the one replay boundary shifted by the group's "
-    "EAGLE bit (3-4 % of sequences, all with use_eagle)"
-)
 #: Families with a Mamba group the 0.33.0 profile already conforms on (the
 #: ``mamba_*`` switches of ``kvcache.profile``); configs 0.33.0 cannot build
 #: (a Mamba group caching outside 'align') must be refused by both sides.
@@ -64,10 +58,9 @@ CONTEXT_PARALLEL_REASON = (
     "entries pcp-not-scaled, mamba-not-dcp-sharded"
 )
 NOT_YET_CONFORMANT: dict[str, str] = {
-    name: MAMBA_REASON if "mamba" in name or name == "eagle-hybrid" else RETENTION_REASON
-    for name, family in FAMILIES.items()
-    if ("mamba" in name or name == "eagle-hybrid" or family.retention)
-    and name not in CONFORMANT_MAMBA_FAMILIES
+    name: MAMBA_REASON
+    for name in FAMILIES
+    if ("mamba" in name or name == "eagle-hybrid") and name not in CONFORMANT_MAMBA_FAMILIES
 }
 NOT_YET_CONFORMANT.update(
     {name: CONTEXT_PARALLEL_REASON for name, family in FAMILIES.items() if family.context_parallel}
@@ -85,6 +78,8 @@ NOT_YET_CONFORMANT.update(
 # so that a driver bug cannot make the comparison trivial.
 REQUIRED_PATHS = ("allocate_none", "raises:ValueError", "raises:AssertionError", "reset_True")
 REQUIRED_WITH_CACHING = ("prefix_hit", "event:BlockStored", "event:BlockRemoved")
+# ... and in a lookahead family: configs with each lookahead, events listing lookahead tokens.
+REQUIRED_WITH_LOOKAHEAD = ("config:hash_lookahead", "config:prefill_lookahead", "event:lookahead")
 
 
 def under_0_33(family: Family) -> Family:
@@ -100,6 +95,11 @@ def under_0_33(family: Family) -> Family:
 def conformant_families() -> list[Family]:
     """The families run: every driver family not in ``NOT_YET_CONFORMANT``."""
     return [under_0_33(f) for name, f in FAMILIES.items() if name not in NOT_YET_CONFORMANT]
+
+
+def family_index(name: str) -> int:
+    """The index of a family in ``FAMILIES`` (its sequences' seeds derive from it)."""
+    return list(FAMILIES).index(name)
 
 
 def family_seed(base_seed: int, family_index: int, index: int) -> int:
@@ -126,6 +126,11 @@ def run_family(
     family: Family, family_index: int, sequences: int, base_seed: int = 0
 ) -> FamilyResult:
     """Run ``sequences`` random sequences of ``family`` on both sides."""
+    from kvcache.kit.vllm_side import VllmAdapter
+
+    # Both sides play 0.33.0's scheduler: it keeps the lookup's shared-prefix boundary
+    # on the request (kvcache-0.33's adapter always does).
+    VllmAdapter.stores_shared_prefix_boundary = True
     family = under_0_33(family)
     stats = Stats()
     started = time.monotonic()
@@ -142,6 +147,8 @@ def run_family(
     stats.seconds = time.monotonic() - started
     caching = family.enable_caching is not False and "cross" not in family.kinds
     required = REQUIRED_PATHS + (REQUIRED_WITH_CACHING if caching else ())
+    if family.lookahead:
+        required += REQUIRED_WITH_LOOKAHEAD
     missing = [path for path in required if stats.events[path] == 0]
     return FamilyResult(family, stats, failures, missing)
 
@@ -226,7 +233,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if vllm.__version__ != REFERENCE_VERSION:
         print(f"conformance-0.33: needs vLLM {REFERENCE_VERSION}, found {vllm.__version__}")
         return 2
-    names = list(FAMILIES)
     chosen = conformant_families()
     if args.families:
         wanted = [n.strip() for n in args.families.split(",") if n.strip()]
@@ -237,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = Stats()
     failed: list[str] = []
     for family in chosen:
-        result = run_family(family, names.index(family.name), args.sequences, args.seed)
+        result = run_family(family, family_index(family.name), args.sequences, args.seed)
         total.add(result.stats)
         print(f"{result.stats.summary()} in {result.stats.seconds:.1f}s", flush=True)
         if result.failures:

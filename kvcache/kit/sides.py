@@ -157,6 +157,8 @@ def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -
         return lib.TQFullAttentionSpec(**common)
     if group.kind == "hidden_state":
         return lib.HiddenStateCacheSpec(**common)
+    if group.kind == "circular":
+        return lib.CircularBufferSpec(**common)
     return lib.FullAttentionSpec(**common)
 
 
@@ -383,7 +385,8 @@ class ProfileAdapter(Adapter):
         return self.factory(kv_cache_config, **kwargs)
 
     def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
-        blocks, num_computed_tokens, _boundary = manager.get_computed_blocks(request)
+        blocks, num_computed_tokens, boundary = manager.get_computed_blocks(request)
+        request.shared_prefix_boundary = int(boundary)  # as 0.33.0's scheduler does
         return blocks, int(num_computed_tokens)
 
     def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
@@ -391,7 +394,7 @@ class ProfileAdapter(Adapter):
 
     def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
         hasher: Callable[[Any], list[Any]] = self.drop_in.get_request_block_hasher(
-            config.hash_block_size, self.hash_fn(config.hash_fn)
+            config.hash_block_size, self.hash_fn(config.hash_fn), config.num_hash_lookahead_tokens
         )
         return hasher
 
@@ -421,12 +424,20 @@ class SpecProfileAdapter(SpecAdapter):
                             prefix_cache_retention_interval=config.prefix_cache_retention_interval,
                             profile=self.release)
 
+    def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
+        blocks, num_computed_tokens = manager.get_computed_blocks(request)
+        # As 0.33.0's scheduler does with the lookup's third value.
+        request.shared_prefix_boundary = manager.shared_prefix_boundary(
+            request, num_computed_tokens
+        )
+        return blocks, int(num_computed_tokens)
+
     def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
         manager.record_prefix_cache_stats(request, num_hit_tokens)
 
     def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
         hasher: Callable[[Any], list[Any]] = self.drop_in.get_request_block_hasher(
-            config.hash_block_size, self.hash_fn(config.hash_fn)
+            config.hash_block_size, self.hash_fn(config.hash_fn), config.num_hash_lookahead_tokens
         )
         return hasher
 

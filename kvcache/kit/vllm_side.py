@@ -143,9 +143,14 @@ def vllm_hash_fn(name: str) -> Callable[[Any], bytes]:
 
 
 def build_request(
-    args: Mapping[str, Any], hash_block_size: int, hash_fn: Callable[[Any], bytes]
+    args: Mapping[str, Any],
+    hash_block_size: int,
+    hash_fn: Callable[[Any], bytes],
+    num_hash_lookahead_tokens: int = 0,
 ) -> Request:
-    """vLLM's ``Request`` for the fields of a trace's request record."""
+    """vLLM's ``Request`` for the fields of a trace's request record (hashed with
+    ``num_hash_lookahead_tokens``, vLLM 0.33.0's lookahead hashing, when set)."""
+    lookahead = (num_hash_lookahead_tokens,) if num_hash_lookahead_tokens else ()
     lora = args.get("lora")
     skip = bool(args.get("skip_reading_prefix_cache", False))
     return Request(
@@ -169,7 +174,9 @@ def build_request(
         ],
         lora_request=None if lora is None else LoRARequest(lora[0], lora[1], lora_path="/x"),
         cache_salt=args.get("cache_salt"),
-        block_hasher=vllm_kv_cache_utils.get_request_block_hasher(hash_block_size, hash_fn),
+        block_hasher=vllm_kv_cache_utils.get_request_block_hasher(
+            hash_block_size, hash_fn, *lookahead
+        ),
     )
 
 
@@ -201,7 +208,16 @@ def abstract_state(manager: KVCacheManager) -> dict[str, Any]:
 
 
 class VllmAdapter(Adapter):
-    """vLLM's ``KVCacheManager``, built from vLLM's own vocabulary."""
+    """vLLM's ``KVCacheManager``, built from vLLM's own vocabulary.
+
+    ``stores_shared_prefix_boundary``: on a line whose lookup returns the shared-prefix
+    boundary (0.33), put it on the request as that release's scheduler does, where
+    sparse retention keeps the junction's tail. Off by default: the cross-release
+    census compares with 0.25.1, and no ledger entry covers the junction tails yet;
+    ``kvcache.kit.conformance33`` (0.33.0 against its own profile) turns it on.
+    """
+
+    stores_shared_prefix_boundary = False
 
     def __init__(self, version: str = VLLM_VERSION) -> None:
         self.name = "vllm"
@@ -236,6 +252,10 @@ class VllmAdapter(Adapter):
                 f"vLLM {self.version} ({self.line.name}): get_computed_blocks returned "
                 f"{len(result)} values, expected {self.line.lookup_values}"
             )
+        if self.line.lookup_values == 3 and self.stores_shared_prefix_boundary:
+            # 0.33.0's scheduler keeps the shared-prefix boundary on the request, where
+            # the manager's caching reads it (junction tails under sparse retention).
+            request.shared_prefix_boundary = int(result[2])
         return result[0], int(result[1])
 
     def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
@@ -243,7 +263,12 @@ class VllmAdapter(Adapter):
             manager.record_prefix_cache_stats(request, num_hit_tokens)
 
     def build_request(self, config: ManagerConfig, args: Mapping[str, Any]) -> Any:
-        return build_request(args, config.hash_block_size, vllm_hash_fn(config.hash_fn))
+        return build_request(
+            args,
+            config.hash_block_size,
+            vllm_hash_fn(config.hash_fn),
+            config.num_hash_lookahead_tokens,
+        )
 
     def status(self, name: str) -> Any:
         return RequestStatus[name]
