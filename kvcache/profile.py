@@ -244,6 +244,26 @@ SWITCHES: tuple[Switch, ...] = (
         "every full block within the tokens to cache has one.",
         "0.33.0",
     ),
+    Switch(
+        "mamba_fine_grained_hits",
+        "mamba-fine-grained-hits",
+        "Beside a Mamba 'align' group whose block is larger than the hash block (every "
+        "other prefix-cacheable group full attention, Mamba, or hashed at its own block "
+        "size), a hybrid lookup's hits land on hash-block boundaries: full attention "
+        "and Mamba find hits ending inside a block, an EAGLE group drops one hash block, "
+        "and the coordinator caches unrounded token counts.",
+        "0.33.0",
+    ),
+    Switch(
+        "partial_hit_copy_on_write",
+        "mamba-partial-tail-copy",
+        "A hit ending inside a block is copied on write: the request gets a fresh block "
+        "in the hit block's place (counted by the admission check, recorded in "
+        "new_block_ids, both blocks kept for take_kv_cache_block_copies). An 'align' "
+        "Mamba group keys its state at the prompt's last reusable hash boundary inside "
+        "a block too, and moves that entry to a fresh copy when the request goes on.",
+        "0.33.0",
+    ),
 )
 """Every switch, in the order of the ledger's entries."""
 
@@ -289,6 +309,8 @@ class Profile:
     shared_prefix_junctions: bool
     circular_buffer_groups: bool
     cache_within_hashed_tokens: bool
+    mamba_fine_grained_hits: bool
+    partial_hit_copy_on_write: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:

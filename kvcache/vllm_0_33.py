@@ -14,16 +14,17 @@ stats with the new fields).
 Covered: layouts of full attention, sliding window and chunked local attention
 (one group or several), with or without caching and EAGLE; ring buffers
 (``CircularBufferSpec`` / ``CircularBufferManager``); managers chosen through the
-spec registry (``KVCacheSpecRegistry``: registered spec classes, group roles); Mamba alone, and
-Mamba beside attention without fine-grained hits (the ``mamba_*`` switches: a
-Mamba group caching outside 'align' is refused); lookahead hashing
+spec registry (``KVCacheSpecRegistry``: registered spec classes, group roles); Mamba
+alone, and Mamba beside attention, with 0.33.0's fine-grained (sub-block) hits and
+their copy-on-write copies (the ``mamba_*`` and ``partial_hit_copy_on_write``
+switches: a Mamba group caching outside 'align' is refused;
+``take_kv_cache_block_copies`` hands out the copies); lookahead hashing
 (``num_hash_lookahead_tokens``) and prefill lookahead (``num_prefill_lookahead``:
 re-prefilled tokens are not cached). Not covered yet
 (``NotImplementedError`` naming the argument): the Mamba shared-prefix checkpoint,
-and asking to skip zeroing for a
-layout that zeroes (Mamba). Mamba 'align' fine-grained (sub-block) hits and
-prefill checkpoints are not modelled: see ``NOT_YET_CONFORMANT`` in
-``kvcache.kit.conformance33``.
+and asking to skip zeroing for a layout that zeroes (Mamba). Mamba prefill
+checkpoints and boundary-state offloads are not modelled: see ``docs/profiles.md``
+and ``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvcache import kv_cache_utils as _utils
 from kvcache import kv_events as _events
+from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
     CircularBufferSpec,
     KVCacheConfig,
+    MambaSpec,
     is_prefix_cacheable,
     is_spec_kind,
 )
@@ -53,6 +56,7 @@ from kvcache.metrics import PrefixCacheStats as _PrefixCacheStats
 from kvcache.profile import Profile
 from kvcache.request import Request
 from kvcache.single_type_kv_cache_manager import CircularBufferManager
+from kvcache.single_type_kv_cache_manager import MambaManager as _MambaManager
 
 __all__ = [
     "PROFILE",
@@ -61,10 +65,12 @@ __all__ = [
     "BlockStored",
     "CircularBufferManager",
     "CircularBufferSpec",
+    "KVCacheBlockCopy",
     "KVCacheBlocks",
     "KVCacheManager",
     "KVCacheSpecMetadata",
     "KVCacheSpecRegistry",
+    "MambaManager",
     "PrefixCacheStats",
     "generate_lookahead_block_hash_extra_keys",
     "get_request_block_hasher",
@@ -114,6 +120,20 @@ class BlockRemoved(_events.BlockRemoved):
 
 
 AllBlocksCleared = _events.AllBlocksCleared
+
+
+class TruncateError(ValueError, AssertionError):
+    """Bad ``num_computed_tokens`` for ``KVCacheManager.truncate_computed_blocks``: a
+    ``ValueError`` (kvcache's error at a public boundary) that is also the
+    ``AssertionError`` vLLM 0.33.0 raises there."""
+
+
+class KVCacheBlockCopy(NamedTuple):
+    """One copy-on-write copy the worker runs: block ``src_block_id`` into
+    ``dst_block_id`` (``KVCacheManager.take_kv_cache_block_copies``)."""
+
+    src_block_id: int
+    dst_block_id: int
 
 
 def with_new_event_fields(events: list[Any]) -> list[Any]:
@@ -191,6 +211,77 @@ def _check_lookahead(name: str, value: Any) -> int:
 
 
 # ---------------------------------------------------------------- the manager
+
+
+class MambaManager(_MambaManager):
+    """vLLM 0.33.0's ``MambaManager`` for code that builds one directly (vLLM's own
+    tests do): kvcache's Mamba manager with ``PROFILE``'s Mamba state switches set at
+    construction (a ``KVCacheManager`` sets them on the managers it builds), 0.33.0's
+    ``remove_skipped_blocks(request_id, processed_computed_tokens, ...)`` keyword and
+    ``get_num_blocks_to_allocate`` argument order."""
+
+    def __init__(
+        self,
+        kv_cache_spec: MambaSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        # Explicit arguments: a compiled base class's __init__ mis-reads forwarded **kwargs.
+        super().__init__(
+            kv_cache_spec,
+            block_pool,
+            enable_caching,
+            kv_cache_group_id,
+            scheduler_block_size,
+            dcp_world_size,
+            pcp_world_size,
+            max_admission_blocks_per_request,
+        )
+        self.frees_processed_states = PROFILE.mamba_frees_processed_states
+        self.caps_new_state_blocks = PROFILE.mamba_caps_new_state_blocks
+        self.caches_prompt_tail_state = PROFILE.mamba_prompt_tail_state
+
+    # 0.33.0's positional order on purpose: kvcache's coordinators build the base class,
+    # so only code written against vLLM 0.33.0 calls this override.
+    def get_num_blocks_to_allocate(  # type: ignore[override]
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """The blocks an allocation of ``num_tokens`` needs, in 0.33.0's argument order
+        (``num_local_computed_tokens`` before ``num_tokens_main_model``; see the base
+        class). ``prefill_end`` only decides where prefill checkpoints go, which are
+        not modelled (docs/profiles.md), so it is accepted and does not count."""
+        return super().get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap=apply_admission_cap,
+            num_local_computed_tokens=num_local_computed_tokens,
+        )
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Free the states no later token needs, given the processed computed tokens
+        (0.33.0's name for the count; see the base class)."""
+        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
 
 
 class KVCacheManager(_KVCacheManager):
@@ -443,8 +534,8 @@ class KVCacheManager(_KVCacheManager):
         reference counts untouched, ``blocks`` not changed).
 
         Raises:
-            ValueError: if ``num_computed_tokens`` is not a multiple of a group's
-                block size, or longer than a group's hit.
+            TruncateError: if ``num_computed_tokens`` is not a multiple of a group's
+                block size, or longer than a group's hit (but Mamba's).
         """
         truncated: list[list[KVCacheBlock]] = []
         for group_blocks, manager in zip(
@@ -454,7 +545,7 @@ class KVCacheManager(_KVCacheManager):
                 truncated.append([])  # a ring buffer: never part of a lookup result
                 continue
             if num_computed_tokens % manager.block_size:
-                raise ValueError(
+                raise TruncateError(
                     f"num_computed_tokens={num_computed_tokens} is not a multiple of group "
                     f"{manager.kv_cache_group_id}'s block size {manager.block_size}"
                 )
@@ -462,7 +553,7 @@ class KVCacheManager(_KVCacheManager):
             if is_spec_kind(manager.kv_cache_spec, "MambaSpec"):
                 num_blocks = min(num_blocks, len(group_blocks))
             elif num_blocks > len(group_blocks):
-                raise ValueError(
+                raise TruncateError(
                     f"num_computed_tokens={num_computed_tokens} is past group "
                     f"{manager.kv_cache_group_id}'s hit of {len(group_blocks)} blocks"
                 )
@@ -488,10 +579,18 @@ class KVCacheManager(_KVCacheManager):
             start = start_token // manager.block_size
             manager.new_block_ids.extend(b.block_id for b in held[start:])
 
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
-        """Pending copy-on-write block copies and the blocks they keep: none, as no
-        covered layout copies blocks."""
-        return [], []
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """The copy-on-write copies queued since the last call (``partial_hit_copy_on_write``:
+        a hit or a Mamba prompt-tail state ending inside a block), and the blocks
+        they keep held, source then copy per pair: the caller frees those once the
+        copies have run."""
+        pairs = [
+            pair
+            for manager in self.coordinator.single_type_managers
+            for pair in manager.take_pending_cow_copies()
+        ]
+        copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pairs]
+        return copies, [block for pair in pairs for block in pair]
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """Boundary-state hand-offs for a KV connector: none without Mamba 'align'."""
