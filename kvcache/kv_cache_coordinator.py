@@ -19,6 +19,7 @@ from kvcache.kv_cache_interface import (
     ContextParallelError,
     KVCacheConfig,
     KVCacheSpec,
+    is_dcp_sharded,
     is_spec_kind,
 )
 from kvcache.kv_cache_utils import (
@@ -29,6 +30,7 @@ from kvcache.kv_cache_utils import (
 )
 from kvcache.single_type_kv_cache_manager import (
     CrossAttentionManager,
+    FullAttentionManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
@@ -107,6 +109,23 @@ def _is_full(spec: KVCacheSpec) -> bool:
     return is_spec_kind(spec, "FullAttentionSpec")
 
 
+def group_world_sizes(
+    kv_cache_spec: KVCacheSpec,
+    dcp_world_size: int,
+    pcp_world_size: int,
+    dcp_sharded_geometry: bool,
+) -> tuple[int, int]:
+    """The ``(dcp, pcp)`` world sizes one group's manager takes.
+
+    0.25.1 gives every group both. Under ``dcp_sharded_geometry`` (0.33.0) only a
+    spec whose blocks are sharded over the ranks (``is_dcp_sharded``) takes them;
+    any other group (Mamba, a replicated draft) keeps ``(1, 1)``.
+    """
+    if dcp_sharded_geometry and not is_dcp_sharded(kv_cache_spec):
+        return 1, 1
+    return dcp_world_size, pcp_world_size
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheCoordinator:
     """Fans each manager-level operation out to every group's manager.
@@ -121,6 +140,11 @@ class KVCacheCoordinator:
         dcp_world_size: Decode context parallel size (each group's block spans
             ``block_size * dcp * pcp`` tokens; one group only under caching).
         pcp_world_size: Prefill context parallel size (likewise).
+        pcp_not_scaled: The ``pcp_not_scaled`` switch (``kvcache.profile``): a block
+            spans ``block_size * dcp`` tokens.
+        dcp_sharded_geometry: The ``dcp_sharded_geometry`` switch: only sharded
+            specs take the world sizes (``group_world_sizes``), and several
+            caching groups accept context parallelism by 0.33.0's rules.
         scheduler_block_size: Scheduling granularity, a multiple of every group's
             block size and of ``hash_block_size``.
         hash_block_size: Granularity of request block hashes.
@@ -145,6 +169,8 @@ class KVCacheCoordinator:
         metrics_collector: Any = None,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
+        pcp_not_scaled: bool = False,
+        dcp_sharded_geometry: bool = False,
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size != 0 or any(
@@ -170,20 +196,23 @@ class KVCacheCoordinator:
         if use_eagle and not self.eagle_group_ids:
             # No group is marked: treat them all as EAGLE groups.
             self.eagle_group_ids = set(range(len(groups)))
+        self.pcp_not_scaled = pcp_not_scaled
+        self.dcp_sharded_geometry = dcp_sharded_geometry
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            get_manager_for_kv_cache_spec(
-                kv_cache_spec=g.kv_cache_spec,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                block_pool=self.block_pool,
-                enable_caching=enable_caching,
-                kv_cache_group_id=i,
-                dcp_world_size=dcp_world_size,
-                pcp_world_size=pcp_world_size,
-                scheduler_block_size=scheduler_block_size,
+            self._build_manager(
+                g.kv_cache_spec,
+                i,
+                max_num_batched_tokens,
+                max_model_len,
+                enable_caching,
+                dcp_world_size,
+                pcp_world_size,
+                scheduler_block_size,
             )
             for i, g in enumerate(groups)
         )
+        # Each group's block size in tokens (vLLM 0.33.0's name).
+        self.group_block_sizes = tuple(m.block_size for m in self.single_type_managers)
         self.retention_interval = resolve_prefix_cache_retention_interval(
             prefix_cache_retention_interval, scheduler_block_size, kv_cache_config
         )
@@ -199,6 +228,37 @@ class KVCacheCoordinator:
         self._skipping_managers = tuple(
             m for m in self.single_type_managers if not m.never_skips_tokens
         )
+
+    def _build_manager(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        kv_cache_group_id: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_caching: bool,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        scheduler_block_size: int,
+    ) -> SingleTypeKVCacheManager:
+        """One group's manager, with that group's context-parallel geometry: its world
+        sizes from ``group_world_sizes``; under ``pcp_not_scaled`` the block is
+        ``block_size * dcp`` tokens while the manager still reports its pcp size."""
+        dcp, pcp = group_world_sizes(
+            kv_cache_spec, dcp_world_size, pcp_world_size, self.dcp_sharded_geometry
+        )
+        manager = get_manager_for_kv_cache_spec(
+            kv_cache_spec=kv_cache_spec,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_pool=self.block_pool,
+            enable_caching=enable_caching,
+            kv_cache_group_id=kv_cache_group_id,
+            dcp_world_size=dcp,
+            pcp_world_size=1 if self.pcp_not_scaled else pcp,
+            scheduler_block_size=scheduler_block_size,
+        )
+        manager.pcp_world_size = pcp
+        return manager
 
     def get_num_blocks_to_allocate(
         self,
@@ -358,6 +418,8 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         metrics_collector: Any = None,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
+        pcp_not_scaled: bool = False,
+        dcp_sharded_geometry: bool = False,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -372,6 +434,8 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            pcp_not_scaled=pcp_not_scaled,
+            dcp_sharded_geometry=dcp_sharded_geometry,
         )
         self.num_single_type_manager = len(self.single_type_managers)
 
@@ -405,6 +469,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         metrics_collector: Any = None,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
+        pcp_not_scaled: bool = False,
+        dcp_sharded_geometry: bool = False,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -419,6 +485,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            pcp_not_scaled=pcp_not_scaled,
+            dcp_sharded_geometry=dcp_sharded_geometry,
         )
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
@@ -426,19 +494,35 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 f"{len(kv_cache_config.kv_cache_groups)}"
             )
         self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.dcp_world_size = dcp_world_size
+        manager = self.single_type_managers[0]
+        # The group's own dcp size (under dcp_sharded_geometry 1 for a replicated
+        # spec); the pcp size as given, which the lookup hands to the kind's finder.
+        self.dcp_world_size = manager.dcp_world_size
         self.pcp_world_size = pcp_world_size
-        # A block spans block_size * dcp * pcp tokens (hits, hashes and alignment).
-        self.block_size = self.kv_cache_spec.block_size * dcp_world_size * pcp_world_size
+        # A block spans block_size * dcp * pcp tokens (hits, hashes and alignment);
+        # block_size * dcp under pcp_not_scaled.
+        self.block_size = manager.block_size
         if enable_caching and hash_block_size != self.block_size:
-            raise ValueError(
+            message = (
                 f"hash_block_size={hash_block_size} must equal the block size "
                 f"{self.block_size} of the only KV-cache group (its spec's block size "
                 f"{self.kv_cache_spec.block_size} times dcp_world_size={dcp_world_size} "
-                f"and pcp_world_size={pcp_world_size})"
+                f"and pcp_world_size={pcp_world_size}"
+                + (", which does not scale blocks)" if pcp_not_scaled else ")")
             )
-        self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
-        self._manager_cls = type(self.single_type_managers[0])
+            if pcp_not_scaled or dcp_sharded_geometry:
+                raise AssertionError(message)  # vLLM 0.33.0 asserts
+            raise ValueError(message)
+        manager.use_eagle = 0 in self.eagle_group_ids
+        self._manager_cls = type(manager)
+        # Full attention reads blocks of block_size * dcp * pcp tokens; under
+        # pcp_not_scaled its finder gets pcp 1 (0.33.0's ignores it), the other
+        # kinds' finders still get the pcp size they refuse.
+        self._lookup_pcp_world_size = (
+            1
+            if pcp_not_scaled and issubclass(self._manager_cls, FullAttentionManager)
+            else pcp_world_size
+        )
         self._drop_eagle_block = 0 in self.eagle_group_ids
         self._group_ids = [0]
 
@@ -458,7 +542,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             drop_eagle_block=self._drop_eagle_block,
             alignment_tokens=self.block_size,
             dcp_world_size=self.dcp_world_size,
-            pcp_world_size=self.pcp_world_size,
+            pcp_world_size=self._lookup_pcp_world_size,
         )
         return hit_blocks, len(hit_blocks[0]) * self.block_size
 
@@ -469,6 +553,37 @@ def trim_null_head(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
     while start < len(blocks) and blocks[start].is_null:
         start += 1
     return blocks[start:] if start else blocks
+
+
+def check_hybrid_context_parallel(
+    kv_cache_config: KVCacheConfig, dcp_world_size: int, pcp_world_size: int
+) -> None:
+    """vLLM 0.33.0's rule for context parallelism beside several prefix-caching
+    groups (``dcp_sharded_geometry``): under dcp every group is full attention or
+    replicated (not dcp-sharded: Mamba, a replicated draft); under pcp every group
+    is full attention or a replicated attention group.
+
+    Raises:
+        AssertionError: naming the first group that breaks it (vLLM asserts).
+    """
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        full = _is_full(spec)
+        replicated = not is_dcp_sharded(spec)
+        if pcp_world_size > 1 and not (
+            full or (replicated and is_spec_kind(spec, "AttentionSpec"))
+        ):
+            raise AssertionError(
+                f"pcp_world_size={pcp_world_size} with several prefix-caching groups: "
+                f"group {i} ({type(spec).__name__}) is neither full attention nor a "
+                "replicated attention group"
+            )
+        if dcp_world_size > 1 and not (full or replicated):
+            raise AssertionError(
+                f"dcp_world_size={dcp_world_size} with several prefix-caching groups: "
+                f"group {i} ({type(spec).__name__}) is neither full attention nor "
+                "replicated (Mamba, a replicated draft)"
+            )
 
 
 class SpecGroup(NamedTuple):
@@ -505,6 +620,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         metrics_collector: Any = None,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
+        pcp_not_scaled: bool = False,
+        dcp_sharded_geometry: bool = False,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -519,15 +636,19 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            pcp_not_scaled=pcp_not_scaled,
+            dcp_sharded_geometry=dcp_sharded_geometry,
         )
-        if dcp_world_size != 1 or pcp_world_size != 1:
+        if dcp_sharded_geometry:
+            check_hybrid_context_parallel(kv_cache_config, dcp_world_size, pcp_world_size)
+        elif dcp_world_size != 1 or pcp_world_size != 1:
             raise ContextParallelError(
                 "several KV-cache groups with prefix caching do not support context "
                 f"parallelism (dcp_world_size={dcp_world_size}, "
                 f"pcp_world_size={pcp_world_size}); vLLM 0.25.1 asserts the same"
             )
         self.hash_block_size = hash_block_size
-        sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        sizes = [m.block_size for m in self.single_type_managers]
         if any(size % hash_block_size for size in sizes):
             raise ValueError(
                 f"every group's block size {sizes} must be a multiple of "
@@ -579,10 +700,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             )
             manager.cache_blocks(request, num_tokens, self.retention_interval)
 
-    def _block_hashes_for(self, block_hashes: list[BlockHash], spec: KVCacheSpec) -> BlockHashList:
-        if spec.block_size == self.hash_block_size:
+    def _block_hashes_for(self, block_hashes: list[BlockHash], block_size: int) -> BlockHashList:
+        """The request's hashes viewed at a group's block size (in tokens)."""
+        if block_size == self.hash_block_size:
             return block_hashes
-        return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, spec.block_size)
+        return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, block_size)
 
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
@@ -611,33 +733,38 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         while True:
             curr_hit_length = hit_length
             for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(self.attention_groups):
+                # The group's block in tokens: its spec's, times dcp for a sharded
+                # group under context parallelism (dcp_sharded_geometry).
+                manager = self.single_type_managers[group_ids[0]]
+                block_size = manager.block_size
                 if (
                     _is_full(spec)
                     and hit_blocks_by_group[group_ids[0]] is not None
                 ):
-                    curr_hit_length = curr_hit_length // spec.block_size * spec.block_size
+                    curr_hit_length = curr_hit_length // block_size * block_size
                     continue
                 drop_eagle_block = use_eagle and idx not in eagle_verified
                 max_length = curr_hit_length
                 if drop_eagle_block and not (
                     self.mamba_no_eagle_margin and is_spec_kind(spec, "MambaSpec")
                 ):  # 0.33.0: no peek past the candidate for Mamba (its finder never drops)
-                    max_length = min(curr_hit_length + spec.block_size, max_cache_hit_length)
+                    max_length = min(curr_hit_length + block_size, max_cache_hit_length)
                     if self.eagle_peek_to_hashed_length:
                         max_length = min(
-                            curr_hit_length + spec.block_size,
+                            curr_hit_length + block_size,
                             len(block_hashes) * self.hash_block_size,
                         )
                 hit_blocks = manager_cls.find_longest_cache_hit(
-                    block_hashes=self._block_hashes_for(block_hashes, spec),
+                    block_hashes=self._block_hashes_for(block_hashes, block_size),
                     max_length=max_length,
                     kv_cache_group_ids=group_ids,
                     block_pool=self.block_pool,
                     kv_cache_spec=spec,
                     drop_eagle_block=drop_eagle_block,
                     alignment_tokens=self.scheduler_block_size,
+                    dcp_world_size=manager.dcp_world_size,
                 )
-                new_hit_length = len(hit_blocks[0]) * spec.block_size
+                new_hit_length = len(hit_blocks[0]) * block_size
                 if drop_eagle_block:
                     eagle_verified.add(idx)
                 elif new_hit_length < curr_hit_length:
@@ -653,7 +780,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 break
         first = self.attention_groups[0]
         if _is_full(first.spec):
-            num_blocks = hit_length // first.spec.block_size
+            num_blocks = hit_length // self.single_type_managers[first.group_ids[0]].block_size
             for group_id in first.group_ids:
                 full_blocks = hit_blocks_by_group[group_id]
                 if full_blocks is not None:
@@ -671,7 +798,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         for group in self.attention_groups:
             if not _is_full(group.spec):
                 continue
-            num_blocks = hit_length // group.spec.block_size
+            num_blocks = hit_length // self.single_type_managers[group.group_ids[0]].block_size
             for group_id in group.group_ids:
                 full_blocks = hit_blocks_by_group[group_id]
                 if full_blocks is not None:
@@ -685,18 +812,20 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         hit_blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
         hit_lengths = [0] * num_groups
         for spec, group_ids, manager_cls, use_eagle in self.attention_groups:
+            manager = self.single_type_managers[group_ids[0]]
             blocks = manager_cls.find_longest_cache_hit(
-                block_hashes=self._block_hashes_for(block_hashes, spec),
+                block_hashes=self._block_hashes_for(block_hashes, manager.block_size),
                 max_length=max_cache_hit_length,
                 kv_cache_group_ids=group_ids,
                 block_pool=self.block_pool,
                 kv_cache_spec=spec,
                 drop_eagle_block=use_eagle,
                 alignment_tokens=self.scheduler_block_size,
+                dcp_world_size=manager.dcp_world_size,
             )
             for gid, group_blocks in zip(group_ids, blocks, strict=True):
                 hit_blocks[gid] = group_blocks
-                hit_lengths[gid] = len(blocks[0]) * spec.block_size
+                hit_lengths[gid] = len(blocks[0]) * manager.block_size
         return tuple(hit_blocks), tuple(hit_lengths)
 
 
@@ -714,6 +843,8 @@ def get_kv_cache_coordinator(
     metrics_collector: Any = None,
     *,
     prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
+    pcp_not_scaled: bool = False,
+    dcp_sharded_geometry: bool = False,
 ) -> KVCacheCoordinator:
     """Pick the coordinator for this config (see the module docstring).
 
@@ -740,6 +871,8 @@ def get_kv_cache_coordinator(
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            pcp_not_scaled=pcp_not_scaled,
+            dcp_sharded_geometry=dcp_sharded_geometry,
         )
     if len(kv_cache_config.kv_cache_groups) == 1:
         return UnitaryKVCacheCoordinator(
@@ -755,6 +888,8 @@ def get_kv_cache_coordinator(
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            pcp_not_scaled=pcp_not_scaled,
+            dcp_sharded_geometry=dcp_sharded_geometry,
         )
     return HybridKVCacheCoordinator(
         kv_cache_config,
@@ -769,4 +904,6 @@ def get_kv_cache_coordinator(
         hash_block_size,
         metrics_collector,
         prefix_cache_retention_interval=prefix_cache_retention_interval,
+        pcp_not_scaled=pcp_not_scaled,
+        dcp_sharded_geometry=dcp_sharded_geometry,
     )

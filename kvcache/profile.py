@@ -200,6 +200,26 @@ SWITCHES: tuple[Switch, ...] = (
         "the cap itself whenever anything is short.",
         "0.33.0",
     ),
+    Switch(
+        "pcp_not_scaled",
+        "pcp-not-scaled",
+        "A block spans block_size * dcp_world_size tokens: prefill context parallelism "
+        "no longer scales it (0.25.1: block_size * dcp * pcp), so a lone group's hash "
+        "block must equal block_size * dcp (AssertionError otherwise) and full-attention "
+        "lookups read blocks of that size.",
+        "0.33.0",
+    ),
+    Switch(
+        "dcp_sharded_geometry",
+        "mamba-not-dcp-sharded",
+        "Context parallelism is per group: only specs marked dcp_sharded (attention "
+        "specs, unless they opt out) take dcp_world_size and pcp_world_size; the others "
+        "(Mamba, replicated drafts) keep blocks of block_size tokens. Several "
+        "prefix-caching groups accept it when every group is full attention or "
+        "replicated (under pcp: full attention or a replicated attention group); "
+        "AssertionError otherwise, as vLLM asserts.",
+        "0.33.0",
+    ),
 )
 """Every switch, in the order of the ledger's entries."""
 
@@ -240,6 +260,8 @@ class Profile:
     mamba_no_eagle_margin: bool
     mamba_prompt_tail_state: bool
     mamba_caps_new_state_blocks: bool
+    pcp_not_scaled: bool
+    dcp_sharded_geometry: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:

@@ -281,6 +281,19 @@ EVENT_KINDS = [  # subclasses first, as in vLLM
     ("CrossAttentionSpec", "cross_attention")]
 
 
+def is_dcp_sharded(kv_cache_spec: Any) -> bool:
+    """Whether decode context parallelism shards the spec's blocks over the ranks: its
+    own ``dcp_sharded`` field (vLLM 0.33.0's specs), else attention specs are and the
+    rest (Mamba) are not; a uniform-type spec follows its first layer."""
+    sharded = getattr(kv_cache_spec, "dcp_sharded", None)
+    if isinstance(sharded, bool):
+        return sharded
+    layers = getattr(kv_cache_spec, "kv_cache_specs", None)
+    if isinstance(layers, dict) and layers:
+        return is_dcp_sharded(next(iter(layers.values())))
+    return is_a(kv_cache_spec, "AttentionSpec")
+
+
 def event_kind(kv_cache_spec: Any) -> str:
     """The kind label of a group's BlockStored events ("unknown" for other specs)."""
     return next((kind for name, kind in EVENT_KINDS if is_a(kv_cache_spec, name)), "unknown")

@@ -136,7 +136,6 @@ def test_conformance_families_not_yet_passing_are_listed_not_dropped() -> None:
         "full+mamba-align",
         "full+swa+mamba", "swa+mamba", "eagle-hybrid", "full+mamba-align-retention",
         "swa+mamba-retention", "swa-retention", "full+swa-retention",
-        "full-dcp", "hybrid-dcp",
         "tq",  # vLLM 0.33.0 has no TQFullAttentionSpec (ledger tq-spec-removed)
     }
 
