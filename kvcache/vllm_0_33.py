@@ -14,7 +14,9 @@ stats with the new fields).
 Covered: layouts of full attention, sliding window and chunked local attention
 (one group or several), with or without caching and EAGLE; Mamba alone, and
 Mamba beside attention without fine-grained hits (the ``mamba_*`` switches: a
-Mamba group caching outside 'align' is refused). Not covered yet
+Mamba group caching outside 'align' is refused); decode / prefill context
+parallelism with 0.33.0's per-group geometry (``pcp_not_scaled``,
+``dcp_sharded_geometry``). Not covered yet
 (``NotImplementedError`` naming the argument): lookahead hashing
 (``num_hash_lookahead_tokens`` > 0), prefill lookahead (``num_prefill_lookahead``
 > 0), the Mamba shared-prefix checkpoint, and asking to skip zeroing for a
