@@ -108,6 +108,24 @@ def timed_catch(bug: str, catch: Callable[[], BaseException | None]) -> BaseExce
     return error
 
 
+def catch_by_all(
+    bug: str, catchers: Sequence[Callable[[], BaseException | None]]
+) -> BaseException | None:
+    """Run every catcher on the planted ``bug``; each must fail. The first one's error.
+
+    A planted bug is listed with the tests meant to catch it; one of them passing on the
+    bug is a gap in that test even when another catches it, so every one must fail.
+    """
+
+    def every_catcher() -> BaseException | None:
+        errors = [catch() for catch in catchers]
+        missed = [i for i, error in enumerate(errors) if error is None]
+        assert not missed, f"directed tests {missed} missed: {bug}"
+        return errors[0]
+
+    return timed_catch(bug, every_catcher)
+
+
 def catch_summary() -> str:
     """One line: how many planted bugs were caught, the slowest three (CPU seconds)."""
     slowest = sorted(CATCHES, key=lambda c: -c[1])[:3]

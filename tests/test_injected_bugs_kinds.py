@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from injected_harness import budget, machine_failure, timed_catch, unit_failure
+from injected_harness import budget, catch_by_all, machine_failure, unit_failure
 from stateful.programs import replay
 from stateful.test_hybrid_machine import PROGRAMS, HybridMachine
 from stateful.test_kind_managers_machine import KindManagerMachine
@@ -142,12 +142,5 @@ def test_directed_tests_pass_unpatched() -> None:
 def test_directed_tests_catch(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
     plant, catchers = BUGS[bug]
     plant(monkeypatch)
-
-    def every_catcher() -> BaseException | None:
-        errors = [catch() for catch in catchers]
-        missed = [i for i, error in enumerate(errors) if error is None]
-        assert not missed, f"directed tests {missed} missed: {bug}"
-        return errors[0]
-
-    error = timed_catch(bug, every_catcher)
+    error = catch_by_all(bug, catchers)
     assert isinstance(error, AssertionError), f"{bug}: {error!r}"

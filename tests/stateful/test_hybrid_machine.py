@@ -48,15 +48,13 @@ decoding past its window.
 from __future__ import annotations
 
 import math
-import os
-import random
 from itertools import combinations
 from typing import Any, ClassVar
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import assume, event, note, seed, settings
-from hypothesis.stateful import initialize, invariant, run_state_machine_as_test
+from hypothesis import assume, event, note, settings
+from hypothesis.stateful import initialize, invariant
 
 from kvcache import (
     ChunkedLocalAttentionSpec,
@@ -76,6 +74,7 @@ from kvcache import (
 )
 
 from .programs import Seq, Step, replay, tokens
+from .runner import run_machine
 from .test_manager_machine import ManagerMachine
 
 KINDS = ["full", "full", "swa", "swa", "chunk", "mamba", "cross", "rswa"]
@@ -512,25 +511,7 @@ PROGRAMS: dict[str, list[Step]] = {
 
 def test_hybrid_machine(stateful_settings: settings, record_property: Any) -> None:
     """kvcache agrees with spec on hybrid layouts under the profile's budget."""
-    run_seed = int(os.environ.get("STATEFUL_SEED") or random.SystemRandom().getrandbits(64))
-    examples = stateful_settings.max_examples * CI_EXAMPLES // 600
-
-    @seed(run_seed)
-    def machine() -> HybridMachine:
-        return HybridMachine()
-
-    before = dict(HybridMachine.counters)
-    try:
-        run_state_machine_as_test(
-            machine, settings=settings(stateful_settings, max_examples=examples)
-        )
-    except Exception as error:
-        error.add_note(f"reproduce with: STATEFUL_SEED={run_seed} (and the same profile)")
-        raise
-    finally:
-        record_property("stateful_seed", run_seed)
-        for key, value in HybridMachine.counters.items():
-            record_property(f"stateful_{key}", value - before[key])
+    run_machine(HybridMachine, stateful_settings, record_property, share=CI_EXAMPLES)
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))

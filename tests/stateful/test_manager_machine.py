@@ -16,21 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import pprint
-import random
 from collections import deque
 from typing import Any, ClassVar
 
 import hypothesis.strategies as st
-from hypothesis import event, note, seed, settings
+from hypothesis import event, note, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 import kvcache
@@ -48,6 +45,8 @@ from kvcache import (
     get_request_block_hasher,
     sha256,
 )
+
+from .runner import run_machine
 
 ALPHABET = 3  # token ids 0..2: a tiny alphabet, so prefixes repeat and hits happen
 MAX_LIVE_REQUESTS = 6
@@ -816,19 +815,4 @@ def test_manager_machine(stateful_settings: settings, record_property: Any) -> N
 
     Each run draws a fresh seed (or takes ``STATEFUL_SEED``) and names it on failure.
     """
-    run_seed = int(os.environ.get("STATEFUL_SEED") or random.SystemRandom().getrandbits(64))
-
-    @seed(run_seed)
-    def machine() -> ManagerMachine:
-        return ManagerMachine()
-
-    before = dict(ManagerMachine.counters)
-    try:
-        run_state_machine_as_test(machine, settings=stateful_settings)
-    except Exception as error:
-        error.add_note(f"reproduce with: STATEFUL_SEED={run_seed} (and the same profile)")
-        raise
-    finally:
-        record_property("stateful_seed", run_seed)
-        for key, value in ManagerMachine.counters.items():
-            record_property(f"stateful_{key}", value - before[key])
+    run_machine(ManagerMachine, stateful_settings, record_property)

@@ -13,16 +13,14 @@ A subclass, so ``HybridMachine``'s own examples stay what they were.
 
 from __future__ import annotations
 
-import os
-import random
 from typing import Any, ClassVar
 
-from hypothesis import seed, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis import settings
 
 from kvcache import init_none_hash, sha256
 
 from .programs import Step, replay, tokens
+from .runner import run_machine
 from .test_hybrid_machine import HybridMachine, admit, computed, extend, finish, start
 
 # Examples of the CI profile for this machine (the hybrid machine runs 400).
@@ -74,22 +72,4 @@ def test_new_kinds_program() -> None:
 def test_new_kinds_machine(stateful_settings: settings, record_property: Any) -> None:
     """kvcache agrees with spec on layouts with MLA groups and context parallelism."""
     init_none_hash(sha256)  # other tests may have seeded the chain with another function
-    run_seed = int(os.environ.get("STATEFUL_SEED") or random.SystemRandom().getrandbits(64))
-    examples = stateful_settings.max_examples * CI_EXAMPLES // 600
-
-    @seed(run_seed)
-    def machine() -> NewKindsMachine:
-        return NewKindsMachine()
-
-    before = dict(NewKindsMachine.counters)
-    try:
-        run_state_machine_as_test(
-            machine, settings=settings(stateful_settings, max_examples=examples)
-        )
-    except Exception as error:
-        error.add_note(f"reproduce with: STATEFUL_SEED={run_seed} (and the same profile)")
-        raise
-    finally:
-        record_property("stateful_seed", run_seed)
-        for key, value in NewKindsMachine.counters.items():
-            record_property(f"stateful_{key}", value - before[key])
+    run_machine(NewKindsMachine, stateful_settings, record_property, share=CI_EXAMPLES)

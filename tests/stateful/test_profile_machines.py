@@ -23,8 +23,6 @@ machine must fail, so each switch tried is one the machines actually reach.
 
 from __future__ import annotations
 
-import os
-import random
 from typing import Any
 
 import pytest
@@ -35,6 +33,7 @@ import spec
 import spec.profile as spec_profile
 from kvcache import vllm_0_33
 
+from .runner import run_machine
 from .test_hybrid_machine import HybridMachine
 from .test_manager_machine import ManagerMachine
 from .test_new_kinds_machine import NewKindsMachine
@@ -134,27 +133,9 @@ def test_machine_under_0_33(
 ) -> None:
     """kvcache's 0.33.0 profile agrees with the spec's on every step of the machine."""
     cls = MACHINES[name]
-    run_seed = int(os.environ.get("STATEFUL_SEED") or random.SystemRandom().getrandbits(64))
-    examples = max(1, stateful_settings.max_examples * CI_EXAMPLES // 600)
-
-    @seed(run_seed)
-    def machine() -> ManagerMachine:
-        return cls()
-
-    before = dict(cls.counters)
-    try:
-        run_state_machine_as_test(
-            machine, settings=settings(stateful_settings, max_examples=examples)
-        )
-    except Exception as error:
-        error.add_note(f"reproduce with: STATEFUL_SEED={run_seed} (and the same profile)")
-        raise
-    finally:
-        record_property("stateful_seed", run_seed)
-        for key, value in cls.counters.items():
-            record_property(f"stateful_{key}", value - before[key])
+    added = run_machine(cls, stateful_settings, record_property, share=CI_EXAMPLES)
     # The run reached managers of the 0.33.0 profile (not only refused layouts).
-    assert cls.counters["steps"] > before["steps"]
+    assert added["steps"] > 0
 
 
 # (machine, switch, the machine's method whose check fails): each switch turned back in
