@@ -20,6 +20,7 @@ from kvcache.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     is_dcp_sharded,
+    is_prefix_cacheable,
     is_spec_kind,
 )
 from kvcache.kv_cache_utils import (
@@ -208,6 +209,7 @@ class KVCacheCoordinator:
                 dcp_world_size,
                 pcp_world_size,
                 scheduler_block_size,
+                getattr(g, "role", None),  # vLLM 0.33.0's KVCacheGroupSpec.role
             )
             for i, g in enumerate(groups)
         )
@@ -239,6 +241,7 @@ class KVCacheCoordinator:
         dcp_world_size: int,
         pcp_world_size: int,
         scheduler_block_size: int,
+        role: Any,
     ) -> SingleTypeKVCacheManager:
         """One group's manager, with that group's context-parallel geometry: its world
         sizes from ``group_world_sizes``; under ``pcp_not_scaled`` the block is
@@ -250,6 +253,7 @@ class KVCacheCoordinator:
             kv_cache_spec=kv_cache_spec,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
+            role=role,
             block_pool=self.block_pool,
             enable_caching=enable_caching,
             kv_cache_group_id=kv_cache_group_id,
@@ -648,7 +652,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 f"pcp_world_size={pcp_world_size}); vLLM 0.25.1 asserts the same"
             )
         self.hash_block_size = hash_block_size
-        sizes = [m.block_size for m in self.single_type_managers]
+        # Groups outside prefix caching (ring buffers) are scratch: not hashed, so
+        # their block size need not be a multiple of the hash block.
+        sizes = [
+            m.block_size
+            for g, m in zip(kv_cache_config.kv_cache_groups, self.single_type_managers)
+            if is_prefix_cacheable(g.kv_cache_spec)
+        ]
         if any(size % hash_block_size for size in sizes):
             raise ValueError(
                 f"every group's block size {sizes} must be a multiple of "
@@ -661,9 +671,19 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self.verify_and_split_kv_cache_groups()
 
     def verify_and_split_kv_cache_groups(self) -> None:
-        """Bundle groups with equal specs and order them full attention first."""
+        """Bundle groups with equal specs and order them full attention first.
+
+        A group outside prefix caching (a ring buffer: ``is_prefix_cacheable`` False)
+        joins no bundle: it is never searched, its hit is always empty. It still
+        counts as a distinct spec for the two-spec requirement.
+        """
         self.attention_groups: list[SpecGroup] = []
+        scratch_specs: list[KVCacheSpec] = []
         for i, g in enumerate(self.kv_cache_config.kv_cache_groups):
+            if not is_prefix_cacheable(g.kv_cache_spec):
+                if g.kv_cache_spec not in scratch_specs:
+                    scratch_specs.append(g.kv_cache_spec)
+                continue
             manager_cls = type(self.single_type_managers[i])
             use_eagle = i in self.eagle_group_ids
             for idx, group in enumerate(self.attention_groups):
@@ -676,10 +696,15 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 self.attention_groups.append(
                     SpecGroup(g.kv_cache_spec, [i], manager_cls, use_eagle)
                 )
-        if len(self.attention_groups) < 2:
+        if len(self.attention_groups) + len(scratch_specs) < 2:
             raise ValueError(
                 "HybridKVCacheCoordinator needs at least two distinct KV-cache specs; "
-                f"got {len(self.attention_groups)}"
+                f"got {len(self.attention_groups) + len(scratch_specs)}"
+            )
+        if not self.attention_groups:
+            raise ValueError(
+                "HybridKVCacheCoordinator needs at least one group that takes part in "
+                "prefix caching (every group is a ring buffer); vLLM 0.33.0 asserts"
             )
         # Full attention's cheap left-to-right scan bounds the others' searches.
         self.attention_groups.sort(key=lambda g: not _is_full(g.spec))

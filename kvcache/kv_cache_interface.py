@@ -510,6 +510,53 @@ class CrossAttentionSpec(AttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CircularBufferSpec(AttentionSpec):
+    """A ring buffer of vLLM 0.33.0 (``CircularBufferSpec``): each request holds one
+    block for its whole life, ``block_size`` being the ring's capacity in tokens.
+
+    Its blocks are private scratch (the raw keys a compressor has not folded in
+    yet), so the group takes no part in prefix caching (``prefix_cacheable`` is
+    False): nothing is looked up, cached or hashed for it. Under the 0.25.1 profile
+    (``circular_buffer_groups`` off) a manager with such a group cannot be built.
+    """
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """False: the ring's block is per-request scratch, never shared."""
+        return False
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        """False: the worker addresses the ring itself (no per-token slot mapping)."""
+        return False
+
+    @property
+    def block_table_token_alignment(self) -> int | None:
+        """None: the ring's one block covers no fixed token range."""
+        return None
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """One page: the ring is one block per request, whatever the length."""
+        del vllm_config
+        return self.page_size_bytes
+
+    def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
+        """1: one ring block per request."""
+        del vllm_config, max_len
+        return 1
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, Any]) -> bool:
+        """Whether every spec is a ring buffer (their group can hold them all)."""
+        return all(is_spec_kind(spec, "CircularBufferSpec") for spec in kv_cache_specs.values())
+
+
+def is_prefix_cacheable(kv_cache_spec: object) -> bool:
+    """Whether a group of ``kv_cache_spec`` takes part in prefix caching (vLLM 0.33.0's
+    ``prefix_cacheable``; specs without the property, such as 0.25.1's, do)."""
+    return bool(getattr(kv_cache_spec, "prefix_cacheable", True))
+
+
+@dataclass(frozen=True, kw_only=True)
 class RSWASpec(FullAttentionSpec):
     """Reference sliding-window attention (R-SWA): the prompt stays visible to every
     token, generated tokens only within the last ``rswa_window`` tokens.

@@ -143,6 +143,22 @@ class KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in range(len(self.blocks))))
 
 
+def _refuse_circular_buffer_groups(kv_cache_config: KVCacheConfig, profile: Profile) -> None:
+    """Refuse a ring-buffer group under a profile without ``circular_buffer_groups``
+    (vLLM 0.25.1 has no ``CircularBufferSpec``, so no manager for one).
+
+    Raises:
+        NotImplementedError: naming the group and the profile.
+    """
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        if is_spec_kind(group.kv_cache_spec, "CircularBufferSpec"):
+            raise NotImplementedError(
+                f"kv_cache_spec of type {type(group.kv_cache_spec).__name__} (group "
+                f"{group_id}) is not supported under {profile!r}: CircularBufferSpec "
+                "is a vLLM 0.33.0 kind (kvcache.vllm_0_33)"
+            )
+
+
 # Subclassing KVCacheManager is the documented way to plug in a variant (README,
 # "Check your own implementation"): allowed on the compiled build too.
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -204,6 +220,8 @@ class KVCacheManager:
         profile: Profile | str | None = None,
     ) -> None:
         self.profile = resolve_profile(profile)
+        if not self.profile.circular_buffer_groups:
+            _refuse_circular_buffer_groups(kv_cache_config, self.profile)
         if not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         if not watermark >= 0.0:

@@ -201,6 +201,15 @@ SWITCHES: tuple[Switch, ...] = (
         "0.33.0",
     ),
     Switch(
+        "circular_buffer_groups",
+        "circular-buffer-kind",
+        "A CircularBufferSpec group (one ring block per request for its whole life, "
+        "never prefix-cached) is built with CircularBufferManager and left out of the "
+        "hybrid hit search; 0.25.1 has no such kind, so a manager with one cannot be "
+        "built (NotImplementedError naming the class).",
+        "0.33.0",
+    ),
+    Switch(
         "pcp_not_scaled",
         "pcp-not-scaled",
         "A block spans block_size * dcp_world_size tokens: prefill context parallelism "
@@ -260,6 +269,7 @@ class Profile:
     mamba_no_eagle_margin: bool
     mamba_prompt_tail_state: bool
     mamba_caps_new_state_blocks: bool
+    circular_buffer_groups: bool
     pcp_not_scaled: bool
     dcp_sharded_geometry: bool
 

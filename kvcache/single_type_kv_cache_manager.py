@@ -32,6 +32,7 @@ from kvcache.kv_cache_interface import (
     spec_exact_class_name,
 )
 from kvcache.kv_cache_math import cdiv  # imported, not aliased: a native call when compiled
+from kvcache.kv_cache_spec_registry import KVCacheSpecRegistry
 from kvcache.kv_cache_utils import (
     BlockHash,
     BlockHashList,
@@ -1181,6 +1182,128 @@ class SinkFullAttentionManager(FullAttentionManager):
         )
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
+class CircularBufferManager(FullAttentionManager):
+    """A ring buffer (``CircularBufferSpec``, vLLM 0.33.0): each request claims one
+    block at its first allocation (or external load) and keeps it, whatever its
+    length, until it is freed. The block is private scratch: never a prefix hit,
+    never cached or hashed, never recorded for zeroing, and nothing is skipped.
+
+    ``needs_kv_cache_zeroing`` is accepted (vLLM 0.33.0's argument) and changes
+    nothing: a ring only reads slots its own request wrote.
+    """
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        max_admission_blocks_per_request: int | None = None,
+        needs_kv_cache_zeroing: bool = False,
+    ) -> None:
+        # NOTE: explicit arguments, not **kwargs (mypyc forwards **kwargs wrongly).
+        super().__init__(
+            kv_cache_spec,
+            block_pool,
+            enable_caching,
+            kv_cache_group_id,
+            scheduler_block_size,
+            dcp_world_size,
+            pcp_world_size,
+            max_admission_blocks_per_request,
+        )
+        self._tracks_new_block_ids = False
+
+    @property
+    def records_new_block_ids(self) -> bool:
+        """False: a ring block is never zeroed."""
+        return False
+
+    def _claim_ring_block(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's ring block if it has none yet (one block), else nothing."""
+        req_blocks = self.req_to_blocks[request_id]
+        if req_blocks:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(1)
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        num_local_computed_tokens: int = 0,
+        prefill_end: int = 0,
+    ) -> int:
+        """1 until the request holds its ring block, then 0 (hits and lengths do not
+        matter). ``num_local_computed_tokens`` and ``prefill_end`` are vLLM 0.33.0's
+        arguments, accepted by keyword and unused."""
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Nothing: a ring has no hits (the lookup gives it none)."""
+        return None
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
+    ) -> None:
+        """Claim the ring block for a request a KV connector loads (the ring itself is
+        not transferred); ``record_for_zeroing`` changes nothing (never zeroed)."""
+        self._claim_ring_block(request_id)
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
+        """The ring block on the request's first allocation; nothing afterwards."""
+        return self._claim_ring_block(request_id)
+
+    def cache_blocks(
+        self,
+        request: object,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        *,
+        replay_boundaries: Sequence[int] = (),
+    ) -> None:
+        """Nothing: a ring block is never cached (``replay_boundaries`` is vLLM
+        0.33.0's argument, unused)."""
+        return None
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """No hit: an empty list per group."""
+        return tuple([] for _ in kv_cache_group_ids)
+
+
 _TRACKING_SPECS = frozenset(
     {"FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec", "HiddenStateCacheSpec"}
 )
@@ -1198,6 +1321,7 @@ _MANAGER_FOR_SPEC: dict[str, type[SingleTypeKVCacheManager]] = {
     "CrossAttentionSpec": CrossAttentionManager,
     "RSWASpec": RSWAManager,
     "SinkFullAttentionSpec": SinkFullAttentionManager,
+    "CircularBufferSpec": CircularBufferManager,
 }
 """Manager per spec class name, as vLLM 0.25.1 registers them (MLA is full
 attention, sliding-window MLA is sliding window to the manager)."""
@@ -1209,16 +1333,21 @@ encoder-only layers keep no KV cache."""
 
 
 def get_manager_class_for_kv_cache_spec(
-    kv_cache_spec: KVCacheSpec,
+    kv_cache_spec: KVCacheSpec, role: object = None
 ) -> type[SingleTypeKVCacheManager]:
-    """The manager class for a spec: the nearest class in its MRO that is one of
-    kvcache's or vLLM's spec classes decides, so vLLM's own spec objects and
-    subclasses of either family are accepted.
+    """The manager class for a spec: a registration in ``KVCacheSpecRegistry``
+    (``kvcache.kv_cache_spec_registry``: the group ``role``'s manager, else the
+    nearest registered class of the spec's MRO) first; else the nearest class in
+    its MRO that is one of kvcache's or vLLM's spec classes decides, so vLLM's own
+    spec objects and subclasses of either family are accepted.
 
     Raises:
         NotImplementedError: for a spec kind kvcache does not support, or one vLLM
             registers no manager for (naming the class).
     """
+    registered = KVCacheSpecRegistry.registered_manager_class(kv_cache_spec, role)
+    if registered is not None:
+        return cast(type[SingleTypeKVCacheManager], registered)
     for cls in type(kv_cache_spec).__mro__:
         if cls.__module__ not in SPEC_MODULES:
             continue
@@ -1240,14 +1369,16 @@ def get_manager_for_kv_cache_spec(
     kv_cache_spec: KVCacheSpec,
     max_num_batched_tokens: int,
     max_model_len: int,
+    role: object = None,
     **kwargs: object,
 ) -> SingleTypeKVCacheManager:
-    """Build the manager for a group's spec; windowed kinds get their admission cap.
+    """Build the manager for a group's spec (and ``role``, vLLM 0.33.0's group role:
+    see ``get_manager_class_for_kv_cache_spec``); windowed kinds get their admission cap.
 
     Raises:
         NotImplementedError: for a spec kind kvcache does not support.
     """
-    manager_cls = get_manager_class_for_kv_cache_spec(kv_cache_spec)
+    manager_cls = get_manager_class_for_kv_cache_spec(kv_cache_spec, role)
     if is_spec_kind(kv_cache_spec, "SlidingWindowSpec", "ChunkedLocalAttentionSpec"):
         spec = cast(SlidingWindowSpec | ChunkedLocalAttentionSpec, kv_cache_spec)
         # Positional: vLLM 0.33.0's specs name the first argument max_in_flight_tokens.
@@ -1270,6 +1401,7 @@ _VLLM_REGISTRATIONS: tuple[tuple[str, type[SingleTypeKVCacheManager], str], ...]
     ("RSWASpec", RSWAManager, "FullAttentionSpec"),
     ("HiddenStateCacheSpec", FullAttentionManager, "FullAttentionSpec"),
     ("SinkFullAttentionSpec", SinkFullAttentionManager, "FullAttentionSpec"),
+    ("CircularBufferSpec", CircularBufferManager, "CircularBufferSpec"),
 )
 
 

@@ -12,7 +12,9 @@ code; this module only maps names, shapes and the 0.33.0 vocabulary (events and
 stats with the new fields).
 
 Covered: layouts of full attention, sliding window and chunked local attention
-(one group or several), with or without caching and EAGLE; Mamba alone, and
+(one group or several), with or without caching and EAGLE; ring buffers
+(``CircularBufferSpec`` / ``CircularBufferManager``); managers chosen through the
+spec registry (``KVCacheSpecRegistry``: registered spec classes, group roles); Mamba alone, and
 Mamba beside attention without fine-grained hits (the ``mamba_*`` switches: a
 Mamba group caching outside 'align' is refused); decode / prefill context
 parallelism with 0.33.0's per-group geometry (``pcp_not_scaled``,
@@ -34,24 +36,40 @@ from typing import Any
 
 from kvcache import kv_cache_utils as _utils
 from kvcache import kv_events as _events
-from kvcache.kv_cache_interface import KVCacheConfig, is_spec_kind
+from kvcache.kv_cache_interface import (
+    CircularBufferSpec,
+    KVCacheConfig,
+    is_prefix_cacheable,
+    is_spec_kind,
+)
 from kvcache.kv_cache_manager import KVCacheBlocks
 from kvcache.kv_cache_manager import KVCacheManager as _KVCacheManager
+from kvcache.kv_cache_spec_registry import (
+    KVCacheSpecMetadata,
+    KVCacheSpecRegistry,
+    register_kv_cache_spec,
+)
 from kvcache.kv_cache_utils import BlockHash, KVCacheBlock
 from kvcache.metrics import PrefixCacheStats as _PrefixCacheStats
 from kvcache.profile import Profile
 from kvcache.request import Request
+from kvcache.single_type_kv_cache_manager import CircularBufferManager
 
 __all__ = [
     "PROFILE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "CircularBufferManager",
+    "CircularBufferSpec",
     "KVCacheBlocks",
     "KVCacheManager",
+    "KVCacheSpecMetadata",
+    "KVCacheSpecRegistry",
     "PrefixCacheStats",
     "get_request_block_hasher",
     "init_none_hash",
+    "register_kv_cache_spec",
 ]
 
 PROFILE = Profile("0.33.0")
@@ -366,14 +384,16 @@ class KVCacheManager(_KVCacheManager):
 
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of ``request`` its cached blocks cover, the least over the groups
-        that prefix-cache (cross-attention groups left out); 0 if none."""
+        that prefix-cache (cross-attention and ring-buffer groups left out); 0 if none."""
         cached: int | None = None
         for group, blocks in zip(
             self.kv_cache_config.kv_cache_groups,
             self.get_blocks(request.request_id).blocks,
             strict=True,
         ):
-            if is_spec_kind(group.kv_cache_spec, "CrossAttentionSpec", "EncoderOnlyAttentionSpec"):
+            if not is_prefix_cacheable(group.kv_cache_spec) or is_spec_kind(
+                group.kv_cache_spec, "CrossAttentionSpec", "EncoderOnlyAttentionSpec"
+            ):
                 continue
             covered = max((b.block_hash_num_tokens or 0 for b in blocks), default=0)
             cached = covered if cached is None else min(cached, covered)
@@ -393,6 +413,9 @@ class KVCacheManager(_KVCacheManager):
         for group_blocks, manager in zip(
             blocks.blocks, self.coordinator.single_type_managers, strict=True
         ):
+            if not is_prefix_cacheable(manager.kv_cache_spec):
+                truncated.append([])  # a ring buffer: never part of a lookup result
+                continue
             if num_computed_tokens % manager.block_size:
                 raise ValueError(
                     f"num_computed_tokens={num_computed_tokens} is not a multiple of group "

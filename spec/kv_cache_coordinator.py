@@ -14,7 +14,8 @@ from spec.single_type_kv_cache_manager import (
     check_no_hits,
     get_manager_for_kv_cache_spec,
 )
-from spec.vocab import KVCacheConfig, KVCacheSpec, Request, coarsen, is_a, is_dcp_sharded
+from spec.vocab import (KVCacheConfig, KVCacheSpec, Request, cacheable, coarsen, is_a,
+                        is_dcp_sharded)
 
 
 class KVCacheCoordinator:
@@ -247,11 +248,19 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     attention first."""
 
     def _init_groups(self) -> None:
+        # A ring buffer (vLLM 0.33.0) takes no part in prefix caching: not hashed, never
+        # searched (its hit stays empty); it still counts as a distinct spec.
         groups = self.kv_cache_config.kv_cache_groups
-        if any(m.block_size % self.hash_block_size for m in self.single_type_managers):
+        if any(m.block_size % self.hash_block_size
+               for g, m in zip(groups, self.single_type_managers, strict=True)
+               if cacheable(g.kv_cache_spec)):
             raise ValueError(f"hash_block_size={self.hash_block_size} must divide every block size")
         self.attention_groups: list[SpecGroup] = []
+        scratch = [g.kv_cache_spec for g in groups if not cacheable(g.kv_cache_spec)]
+        num_scratch = len([s for i, s in enumerate(scratch) if s not in scratch[:i]])
         for i, (g, m) in enumerate(zip(groups, self.single_type_managers, strict=True)):
+            if not cacheable(g.kv_cache_spec):
+                continue
             use_eagle = i in self.eagle_group_ids
             for idx, sg in enumerate(self.attention_groups):
                 if groups[sg.group_ids[0]].kv_cache_spec == g.kv_cache_spec:
@@ -262,8 +271,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 lookup_spec = g.kv_cache_spec if m.block_size == g.kv_cache_spec.block_size \
                     else g.kv_cache_spec.copy_with_new_block_size(m.block_size)
                 self.attention_groups.append(SpecGroup(lookup_spec, [i], type(m), use_eagle))
-        if len(self.attention_groups) < 2:
+        if len(self.attention_groups) + num_scratch < 2:
             raise ValueError(f"{len(groups)} KV-cache groups need >= 2 distinct specs with caching")
+        if not self.attention_groups:
+            raise ValueError("every KV-cache group is a ring buffer: nothing to look up")
         self.attention_groups.sort(key=lambda sg: not is_a(sg.spec, "FullAttentionSpec"))
         for sg in self.attention_groups:
             for group_id in sg.group_ids:

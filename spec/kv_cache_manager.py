@@ -109,6 +109,11 @@ class KVCacheManager:
                  prefix_cache_retention_interval: int | None = None,
                  profile: Profile | str | None = None) -> None:
         self.profile = resolve_profile(profile)  # spec/profile.py
+        rings = [g for g in kv_cache_config.kv_cache_groups
+                 if is_a(g.kv_cache_spec, "CircularBufferSpec")]
+        if rings and not self.profile.circular_buffer_groups:
+            raise NotImplementedError("a CircularBufferSpec group (a vLLM 0.33.0 kind) under "
+                                      f"profile {self.profile.release}")
         for name, size in (("dcp_world_size", dcp_world_size), ("pcp_world_size", pcp_world_size)):
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be a positive int, got {size!r}")

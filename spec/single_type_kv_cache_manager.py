@@ -283,6 +283,53 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                     len(blocks))
 
 
+class CircularBufferManager(FullAttentionManager):
+    """A ring buffer (vLLM 0.33.0's ``CircularBufferSpec``): one block per request, taken
+    at its first allocation (or external load) and kept until it is freed; never a hit,
+    never cached, never recorded for zeroing."""
+
+    def _claim_ring_block(self, request_id: str) -> list[int]:
+        req_blocks = self._blocks_of(request_id)
+        if req_blocks:
+            return []
+        new_ids = self.block_pool.get_new_blocks(1)
+        req_blocks.extend(new_ids)
+        return new_ids
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[int], total_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False
+                                   ) -> int:
+        """1 until the request holds its ring block, then 0."""
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        """Nothing: a ring has no hits."""
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """The ring block, for a request a KV connector loads."""
+        self._claim_ring_block(request_id)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
+                            ) -> list[int]:
+        """The ring block on the first allocation; nothing afterwards."""
+        return self._claim_ring_block(request_id)
+
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None) -> None:
+        """Nothing: a ring block is never cached."""
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
+        """No hit."""
+        return tuple([] for _ in group_ids)
+
+
 class RSWAManager(FullAttentionManager):
     """Reference sliding window (R-SWA): full attention, except that the blocks wholly
     between the prompt's last block and the decode window (the last ``rswa_window``
@@ -640,6 +687,7 @@ MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
     "CrossAttentionSpec": CrossAttentionManager,
     "RSWASpec": RSWAManager,
     "SinkFullAttentionSpec": SinkFullAttentionManager,
+    "CircularBufferSpec": CircularBufferManager,
 }
 """The manager of each modelled layer-spec class, by class name (exact class only)."""
 

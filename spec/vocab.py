@@ -272,6 +272,13 @@ def is_a(kv_cache_spec: Any, class_name: str) -> bool:
     return any(c.__name__ == class_name for c in type(kv_cache_spec).__mro__)
 
 
+def cacheable(kv_cache_spec: Any) -> bool:
+    """Whether the spec's group takes part in prefix caching (not a ring buffer, nor a
+    vLLM 0.33.0 spec saying ``prefix_cacheable`` is False)."""
+    return not is_a(kv_cache_spec, "CircularBufferSpec") and bool(
+        getattr(kv_cache_spec, "prefix_cacheable", True))
+
+
 EVENT_KINDS = [  # subclasses first, as in vLLM
     ("SlidingWindowMLASpec", "sliding_window_mla"), ("MLAAttentionSpec", "mla_attention"),
     ("SinkFullAttentionSpec", "sink_full_attention"), ("FullAttentionSpec", "full_attention"),

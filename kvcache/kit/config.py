@@ -26,6 +26,7 @@ GROUP_KINDS = (
     "sink",
     "tq_full",
     "hidden_state",
+    "circular",
 )
 MAMBA_CACHE_MODES = ("none", "all", "align")
 HASH_FNS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -39,7 +40,8 @@ class GroupConfig:
         kind: full | sliding_window | chunked_local | mamba | cross_attention |
             mla (``MLAAttentionSpec``) | sliding_window_mla (``SlidingWindowMLASpec``) |
             rswa (``RSWASpec``) | sink (``SinkFullAttentionSpec``) |
-            tq_full (``TQFullAttentionSpec``) | hidden_state (``HiddenStateCacheSpec``).
+            tq_full (``TQFullAttentionSpec``) | hidden_state (``HiddenStateCacheSpec``) |
+            circular (``CircularBufferSpec``, vLLM 0.33.0: one ring block per request).
         block_size: Tokens per block.
         sliding_window: Window of a sliding_window (or sliding_window_mla) group.
         attention_chunk_size: Chunk of a chunked_local group.
@@ -93,7 +95,7 @@ class GroupConfig:
             return "mla"
         if self.kind == "sliding_window_mla":
             return "swa-mla"
-        if self.kind in ("rswa", "sink"):
+        if self.kind in ("rswa", "sink", "circular"):
             return self.kind
         if self.kind == "tq_full":
             return "tq"

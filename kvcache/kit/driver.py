@@ -411,6 +411,9 @@ class Family:
     a shuffle of 1, 2, 4, ...), never all alike.
     ``retention``: draw a prefix-cache retention interval
     (``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``): 0 or k * scheduler_block_size.
+    ``since``: the first vLLM release with the family's kinds (a family of a later
+    release than 0.25.1, e.g. ring buffers, is not run against vLLM 0.25.1, which
+    cannot build it: ``tests/conformance/test_conformance.py`` checks the refusal).
     """
 
     name: str
@@ -423,6 +426,7 @@ class Family:
     #: (dcp_world_size, pcp_world_size) choices; empty: no context parallelism.
     context_parallel: tuple[tuple[int, int], ...] = ()
     retention: bool = False
+    since: str = "0.25.1"
 
 
 #: Every family the kit knows, by name (fuzz ``--layouts``; the conformance tests).
@@ -471,6 +475,10 @@ FAMILIES: dict[str, Family] = {
         # kinds (TurboQuant: full_attention; hidden states: mla_attention).
         Family("tq", ("tq",)),
         Family("full+hidden-state", ("full", "hidden-state")),
+        # vLLM 0.33.0's ring buffer (CircularBufferSpec): one block per request, never
+        # cached, left out of the hit search.
+        Family("full+circular", ("full", "circular"), since="0.33.0"),
+        Family("full+swa+circular", ("full", "swa", "circular"), since="0.33.0"),
     ]
 }
 
@@ -506,6 +514,8 @@ def random_group(rng: random.Random, token: str, block_size: int, index: int) ->
         return GroupConfig("tq_full", block_size, num_kv_heads=heads)
     if token == "hidden-state":
         return GroupConfig("hidden_state", block_size, num_kv_heads=heads)
+    if token == "circular":
+        return GroupConfig("circular", block_size, num_kv_heads=heads)
     if token == "rswa":  # short windows: decodes of a few tokens pass them
         return GroupConfig("rswa", block_size, rswa_window=rng.randint(1, 5), num_kv_heads=heads)
     return GroupConfig("full", block_size, num_kv_heads=heads)

@@ -408,6 +408,14 @@ class CannotBuildTqRemoved(Rule):
         return any(g.kind == "tq_full" for g in config.groups) and "TQFullAttentionSpec" in reason
 
 
+class CannotBuildCircularAdded(Rule):
+    """0.25.1 has no ``CircularBufferSpec``: a layout with a ring-buffer group cannot be
+    built there (vLLM 0.25.1 lacks the class; kvcache's 0.25.1 profile refuses it)."""
+
+    def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
+        return any(g.kind == "circular" for g in config.groups) and "CircularBufferSpec" in reason
+
+
 class SubBlockEntries(Rule):
     """Where a group's blocks span several hash blocks, drops what only the new side
     has: extra cache entries (keys the old side lacks), the primary hash of a block
@@ -1175,6 +1183,7 @@ RULES: dict[str, Callable[[], Rule]] = {
     "common_prefix_zero": CommonPrefixZero,
     "cannot_build_mamba_all": CannotBuildMambaAll,
     "cannot_build_tq_removed": CannotBuildTqRemoved,
+    "cannot_build_circular_added": CannotBuildCircularAdded,
     "sub_block_entries": SubBlockEntries,
     "shorter_hit_mamba_eagle": ShorterHitMambaEagle,
     "mm_output_block_hash": MmOutputBlockHash,

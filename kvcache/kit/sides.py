@@ -157,6 +157,8 @@ def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -
         return lib.TQFullAttentionSpec(**common)
     if group.kind == "hidden_state":
         return lib.HiddenStateCacheSpec(**common)
+    if group.kind == "circular":
+        return lib.CircularBufferSpec(**common)
     return lib.FullAttentionSpec(**common)
 
 

@@ -202,7 +202,6 @@ FALLBACKS_0_33: dict[str, dict[str, str]] = {
 _NOT_MODELLED_0_33 = "not modelled by kvcache's 0.33.0 profile: "
 NOT_MODELLED_0_33: dict[str, dict[str, str]] = {
     "vllm.v1.core.single_type_kv_cache_manager": {
-        "CircularBufferManager": _NOT_MODELLED_0_33 + "CircularBufferSpec / CircularBufferManager",
         **{
             name: _NOT_MODELLED_0_33 + "the HiSparse managers"
             for name in ("HiSparseHotManager", "HiSparseResidentManager", "HiSparseSourceManager")

@@ -56,7 +56,13 @@ CORE = [
     for watermark in (0.0, 0.1, 0.25)
 ]
 # Every other layout family of the kit, caching drawn per sequence (85% on).
-LAYOUTS = [pytest.param(family, id=name) for name, family in FAMILIES.items() if name != "full"]
+# (Families of a later release's kinds, ``since`` > 0.25.1, cannot be built by vLLM
+# 0.25.1: test_later_release_layouts_refused_as_vllm_refuses_them.)
+LAYOUTS = [
+    pytest.param(family, id=name)
+    for name, family in FAMILIES.items()
+    if name != "full" and family.since == "0.25.1"
+]
 FAMILY_PARAMS = CORE + LAYOUTS
 FAMILY_IDS = [p.id for p in FAMILY_PARAMS]
 
@@ -185,3 +191,25 @@ def test_sink_layouts_refused_as_vllm_refuses_them(
         # (the compiled build's TypeError words it otherwise)
         with pytest.raises(CannotBuild, match=r"\(TypeError: "):
             make_side(impl, config)
+
+
+LATER_FAMILIES = [f for f in FAMILIES.values() if f.since != "0.25.1"]
+
+
+@pytest.mark.parametrize("family", LATER_FAMILIES, ids=[f.name for f in LATER_FAMILIES])
+def test_later_release_layouts_refused_as_vllm_refuses_them(
+    vllm_reference: ModuleType, subject_impl: str, family: Family
+) -> None:
+    """A family of vLLM 0.33.0's kinds (a ring buffer: ``CircularBufferSpec``) cannot
+    be built by vLLM 0.25.1, which has no such spec class; the subject under its 0.25.1
+    profile refuses it too, naming the class (``circular_buffer_groups`` off)."""
+    import random
+
+    from kvcache.kit.driver import random_config
+
+    for index in range(5):
+        config = random_config(random.Random(index), family)
+        for impl in ("vllm", subject_impl):
+            with pytest.raises(CannotBuild, match="CircularBufferSpec") as info:
+                make_side(impl, config)
+            assert f"{impl} rejects the config" in info.value.reason

@@ -251,7 +251,8 @@ def test_random_sequences_are_ones_a_scheduler_could_make() -> None:
     from kvcache.kit.driver import FAMILIES, run_sequence, scheduler_could_make
 
     for i, family in enumerate(FAMILIES):
-        result = run_sequence(100 + i, family, None, "kvcache")
+        impl = "kvcache" if FAMILIES[family].since == "0.25.1" else "kvcache-0.33"
+        result = run_sequence(100 + i, family, None, impl)
         assert result.run is not None
         calls = [(r["op"], r["args"]) for r in result.run.records]
         admitted = [

@@ -19,6 +19,10 @@ SEEDS = range(8)
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_agrees_with_spec(family: str) -> None:
+    # A family of a later release's kinds (ring buffers) runs under that profile.
+    later = FAMILIES[family].since != "0.25.1"
+    subject, reference = ("kvcache-0.33", "spec-0.33") if later else ("kvcache", "spec")
     for seed in SEEDS:
-        result = run_sequence(seed, family, "kvcache", reference="spec", num_steps=(20, 80))
+        result = run_sequence(seed, family, subject, reference=reference, num_steps=(20, 80))
+        assert result.cannot_build is None, f"{family} seed {seed}: {result.cannot_build}"
         assert result.mismatch is None, f"{family} seed {seed}: {result.mismatch}"
