@@ -656,7 +656,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         # their block size need not be a multiple of the hash block.
         sizes = [
             m.block_size
-            for g, m in zip(kv_cache_config.kv_cache_groups, self.single_type_managers)
+            for g, m in zip(kv_cache_config.kv_cache_groups, self.single_type_managers, strict=True)
             if is_prefix_cacheable(g.kv_cache_spec)
         ]
         if any(size % hash_block_size for size in sizes):

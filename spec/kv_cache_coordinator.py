@@ -14,8 +14,7 @@ from spec.single_type_kv_cache_manager import (
     check_no_hits,
     get_manager_for_kv_cache_spec,
 )
-from spec.vocab import (KVCacheConfig, KVCacheSpec, Request, cacheable, coarsen, is_a,
-                        is_dcp_sharded)
+from spec.vocab import KVCacheConfig, KVCacheSpec, Request, cacheable, coarsen, is_a, is_dcp_sharded
 
 
 class KVCacheCoordinator:
