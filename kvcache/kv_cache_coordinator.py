@@ -61,17 +61,28 @@ def prefix_cache_retention_interval_from_env() -> int | None:
         raise ValueError(f"{RETENTION_ENV}={value!r} is not an integer") from None
 
 
+def has_windowed_group(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether a group is sliding-window or Mamba: the kinds retention thins out."""
+    return any(
+        is_spec_kind(g.kv_cache_spec, "SlidingWindowSpec", "MambaSpec")
+        for g in kv_cache_config.kv_cache_groups
+    )
+
+
 def resolve_prefix_cache_retention_interval(
     prefix_cache_retention_interval: int | str | None,
     scheduler_block_size: int,
     kv_cache_config: KVCacheConfig,
+    zero_without_window: bool = False,
 ) -> int | None:
     """The retention interval a coordinator uses, checked as vLLM 0.25.1 checks it.
 
-    ``RETENTION_FROM_ENV`` reads the environment (vLLM's only source); None keeps
-    dense caching; 0 keeps only the latest replay boundary; a positive multiple of
-    ``scheduler_block_size`` keeps one checkpoint per that many tokens. It thins
-    sliding-window and Mamba groups only, so a model without one is refused.
+    ``RETENTION_FROM_ENV`` reads the environment (vLLM 0.25.1's only source); None
+    keeps dense caching; 0 keeps only the latest replay boundaries; a positive
+    multiple of ``scheduler_block_size`` keeps one checkpoint per that many tokens.
+    It thins sliding-window and Mamba groups only, so a model without one is
+    refused; with ``zero_without_window`` (the ``retention_zero_without_window``
+    switch, vLLM 0.33.0) 0 is accepted there, and changes nothing.
 
     Raises:
         ValueError: not an int; no sliding-window or Mamba group; negative or not a
@@ -88,10 +99,15 @@ def resolve_prefix_cache_retention_interval(
         raise ValueError(
             f"{name}={interval!r}: expected an int, None or {RETENTION_FROM_ENV!r}"
         )
-    if not any(
-        is_spec_kind(g.kv_cache_spec, "SlidingWindowSpec", "MambaSpec")
-        for g in kv_cache_config.kv_cache_groups
-    ):
+    if not has_windowed_group(kv_cache_config):
+        if zero_without_window:
+            if interval == 0:
+                return 0
+            raise ValueError(
+                f"{name}={interval} is set but this model has no sliding-window or Mamba "
+                "KV cache group, so retention has no effect; set it to 0 (it only "
+                "applies to sliding-window and Mamba attention)"
+            )
         raise ValueError(
             f"{name}={interval} is set but no KV-cache group is sliding-window or Mamba, "
             "the only kinds whose cached blocks it thins out; unset it"
@@ -223,6 +239,7 @@ class KVCacheCoordinator:
         self.trim_every_full_group = False
         self.eagle_peek_to_hashed_length = False
         self.mamba_no_eagle_margin = False
+        self.retention_replay_boundaries = False
         # Precomputed dispatch for the per-call loops.
         self._is_cross = tuple(
             isinstance(m, CrossAttentionManager) for m in self.single_type_managers
@@ -343,10 +360,26 @@ class KVCacheCoordinator:
             )
         return tuple(new_blocks)
 
+    def replay_boundaries(self, num_prompt_tokens: int) -> tuple[int, ...]:
+        """Token positions where a replay of a ``num_prompt_tokens`` prompt resumes,
+        whose tails sparse retention keeps in every group: 0.25.1's one position,
+        ``num_prompt_tokens - 1``, or, with the ``retention_replay_boundaries`` switch,
+        vLLM 0.33.0's (``kv_cache_math.replay_boundaries``: below the EAGLE drop for
+        a resend and for a longer sibling when any group is an EAGLE group)."""
+        if self.retention_replay_boundaries:
+            return kv_cache_math.replay_boundaries(
+                num_prompt_tokens, self.scheduler_block_size, bool(self.eagle_group_ids)
+            )
+        return (num_prompt_tokens - 1,)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache every group's full blocks within the first ``num_computed_tokens``."""
+        retention_interval = self.retention_interval
+        boundaries = None
+        if retention_interval is not None:
+            boundaries = self.replay_boundaries(request.num_prompt_tokens)
         for manager in self.single_type_managers:
-            manager.cache_blocks(request, num_computed_tokens, self.retention_interval)
+            manager.cache_blocks(request, num_computed_tokens, retention_interval, boundaries)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks in every group."""
@@ -716,6 +749,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache up to the last ``scheduler_block_size`` boundary (hits can only end
         there); EAGLE groups may also cache the block just past it."""
+        retention_interval = self.retention_interval
+        boundaries = None
+        if retention_interval is not None:
+            boundaries = self.replay_boundaries(request.num_prompt_tokens)
         for manager in self.single_type_managers:
             num_tokens = kv_cache_math.num_tokens_to_cache(
                 num_computed_tokens,
@@ -723,7 +760,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 manager.block_size,
                 manager.use_eagle,
             )
-            manager.cache_blocks(request, num_tokens, self.retention_interval)
+            manager.cache_blocks(request, num_tokens, retention_interval, boundaries)
 
     def _block_hashes_for(self, block_hashes: list[BlockHash], block_size: int) -> BlockHashList:
         """The request's hashes viewed at a group's block size (in tokens)."""

@@ -12,7 +12,12 @@ from typing import Any, Final, Literal, cast, overload
 
 from mypy_extensions import mypyc_attr
 
-from kvcache.kv_cache_coordinator import RETENTION_FROM_ENV, get_kv_cache_coordinator
+from kvcache.kv_cache_coordinator import (
+    RETENTION_FROM_ENV,
+    get_kv_cache_coordinator,
+    has_windowed_group,
+    resolve_prefix_cache_retention_interval,
+)
 from kvcache.kv_cache_interface import (
     KVCacheConfig,
     get_kv_cache_spec_kind,
@@ -234,6 +239,21 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        zero_retention_ignored = False
+        if self.profile.retention_zero_without_window:
+            # 0.33.0 accepts 0 without a windowed group: resolve and check here, and
+            # give the coordinator None then (its 0.25.1 check refuses any interval).
+            prefix_cache_retention_interval = resolve_prefix_cache_retention_interval(
+                prefix_cache_retention_interval,
+                scheduler_block_size,
+                kv_cache_config,
+                zero_without_window=True,
+            )
+            if prefix_cache_retention_interval == 0 and not has_windowed_group(
+                kv_cache_config
+            ):
+                zero_retention_ignored = True
+                prefix_cache_retention_interval = None
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config=kv_cache_config,
             max_model_len=max_model_len,
@@ -250,6 +270,8 @@ class KVCacheManager:
             pcp_not_scaled=self.profile.pcp_not_scaled,
             dcp_sharded_geometry=self.profile.dcp_sharded_geometry,
         )
+        if zero_retention_ignored:
+            self.coordinator.retention_interval = 0  # only full / chunked groups: no effect
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
@@ -506,6 +528,10 @@ class KVCacheManager:
         coordinator.trim_every_full_group = profile.trim_every_full_group
         coordinator.eagle_peek_to_hashed_length = profile.eagle_peek_to_hashed_length
         coordinator.mamba_no_eagle_margin = profile.mamba_no_eagle_margin
+        coordinator.retention_replay_boundaries = profile.retention_replay_boundaries
+        if profile.shared_prefix_junctions:
+            for manager in coordinator.single_type_managers:
+                manager.keeps_shared_prefix_junction = True
         coordinator.block_pool.mm_keys_by_window = profile.mm_keys_by_window
         if profile.partial_prompt_tail_entries:
             for manager in coordinator.single_type_managers:

@@ -200,10 +200,40 @@ def sliding_window_reachable_mask(
     ]
 
 
-def replay_boundary_tokens(num_prompt_tokens: int, alignment_tokens: int) -> int:
-    """The longest hit a replay of a ``num_prompt_tokens`` prompt can get: hits stop
-    one token short of the prompt (its logits are recomputed), on an aligned boundary."""
-    return (num_prompt_tokens - 1) // alignment_tokens * alignment_tokens
+def replay_boundaries(
+    num_prompt_tokens: int, scheduler_block_size: int, use_eagle: bool
+) -> tuple[int, ...]:
+    """Token positions where a later request replaying the prompt can resume, which
+    sparse retention keeps (vLLM 0.33.0's rule): ``num_prompt_tokens - 1`` without
+    EAGLE; with EAGLE a hit loses its last block, so the positions one scheduler block
+    below a resend's cap (the prompt less one token, rounded down) and below a longer
+    sibling's (the prompt rounded down), clamped at 0; one position unless the prompt
+    is block-aligned (the spec's twin carries the contract)."""
+    if not use_eagle:
+        return (num_prompt_tokens - 1,)
+    resend = (num_prompt_tokens - 1) // scheduler_block_size * scheduler_block_size
+    extension = num_prompt_tokens // scheduler_block_size * scheduler_block_size
+    low = max(resend - scheduler_block_size, 0)
+    high = max(extension - scheduler_block_size, 0)
+    return (low,) if low == high else (low, high)
+
+
+def sliding_window_final_segment_tail(
+    start_block: int, end_block: int, num_needed: int, per_segment: int, final_end_block: int
+) -> range:
+    """The blocks of ``[start_block, end_block)`` in the ``num_needed``-block tail of a
+    request's last, partial segment (ending at block ``final_end_block``), which a hit
+    on the whole request reads; empty when that segment is whole.
+
+    pre: 0 <= start_block and num_needed >= 0 and per_segment >= 1 and final_end_block >= 0
+    post: all(start_block <= i < min(end_block, final_end_block) for i in __return__)
+    post: len(__return__) <= num_needed
+    """
+    final_size = final_end_block % per_segment
+    if not final_size:
+        return range(0)
+    tail_start = max(final_end_block - final_size, final_end_block - num_needed)
+    return range(max(start_block, tail_start), min(end_block, final_end_block))
 
 
 def sliding_window_retention_mask(
@@ -213,13 +243,14 @@ def sliding_window_retention_mask(
     block_size: int,
     alignment_tokens: int,
     retention_interval: int,
-    num_prompt_tokens: int | None,
+    boundaries: Sequence[int],
     use_eagle: bool,
 ) -> list[bool] | None:
     """Sparse retention (``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``) for a sliding window:
     the ``num_needed`` blocks before each ``retention_interval`` boundary (no such tails
-    when it is 0), plus those before the prompt's replay boundary, which a replay of
-    the prompt hits. Shifted one block with EAGLE. None: every block."""
+    when it is 0), plus those before each of ``boundaries`` (token positions a replay
+    of the prompt resumes at, rounded down to ``alignment_tokens``). Shifted one block
+    with EAGLE. None: every block."""
     if retention_interval != 0:
         mask = sliding_window_reachable_mask(
             start_block, end_block, num_needed, retention_interval // block_size, use_eagle
@@ -228,10 +259,9 @@ def sliding_window_retention_mask(
             return None
     else:
         mask = [False] * max(0, end_block - start_block)
-    if num_prompt_tokens is not None:
-        shift = 1 if use_eagle else 0
-        replay_end = replay_boundary_tokens(num_prompt_tokens, alignment_tokens) // block_size
-        replay_end += shift
+    shift = 1 if use_eagle else 0
+    for boundary in boundaries:
+        replay_end = boundary // alignment_tokens * alignment_tokens // block_size + shift
         for i in range(max(start_block, replay_end - num_needed), min(end_block, replay_end)):
             mask[i - start_block] = True
     return mask
@@ -243,23 +273,24 @@ def mamba_retention_mask(
     block_size: int,
     alignment_tokens: int,
     retention_interval: int,
-    num_prompt_tokens: int | None,
+    boundaries: Sequence[int],
 ) -> list[bool] | None:
     """Sparse retention for Mamba states: block ``i`` holds the state after token
     ``(i + 1) * block_size``; keep the states ending on a ``retention_interval``
-    boundary (none when it is 0) and the state at the prompt's replay boundary.
+    boundary (none when it is 0) and, for each of ``boundaries`` (the positions a
+    replay of the prompt resumes at) rounded down to ``alignment_tokens``, the state
+    of the last whole block before it.
     None: every block (an interval of at most one block)."""
     if retention_interval != 0 and retention_interval // block_size <= 1:
         return None
-    replay = -1
-    if num_prompt_tokens is not None:
-        replay = replay_boundary_tokens(num_prompt_tokens, alignment_tokens)
+    # The state a hit at an aligned boundary resumes from: the last whole block before it.
+    kept = {b // alignment_tokens * alignment_tokens // block_size - 1 for b in boundaries}
     mask = []
     for i in range(start_block, end_block):
         num_state_tokens = (i + 1) * block_size  # the tokens block i's state follows
         mask.append(
             (retention_interval != 0 and num_state_tokens % retention_interval == 0)
-            or num_state_tokens == replay
+            or i in kept
         )
     return mask
 

@@ -193,6 +193,33 @@ SWITCHES: tuple[Switch, ...] = (
         "0.33.0",
     ),
     Switch(
+        "retention_replay_boundaries",
+        "bug-retention-eagle-replay-boundary",
+        "Sparse retention keeps the sliding-window tails (Mamba states) before each of "
+        "replay_boundaries: num_prompt_tokens - 1 without EAGLE; with an EAGLE group "
+        "{resend - b, extension - b} (resend: num_prompt_tokens - 1 rounded down to the "
+        "scheduler block b, extension: num_prompt_tokens rounded down), each aligned "
+        "and shifted by the group's own EAGLE bit (0.25.1: only num_prompt_tokens - 1).",
+        "0.33.0",
+    ),
+    Switch(
+        "retention_zero_without_window",
+        "",
+        "A retention interval of 0 is accepted (and changes nothing) when no group is "
+        "sliding-window or Mamba; a positive one is refused there with 0.33.0's "
+        "message (0.25.1 refuses any interval set without such a group).",
+        "0.33.0",
+    ),
+    Switch(
+        "shared_prefix_junctions",
+        "lookup-three-values",
+        "get_computed_blocks' third value is the shared-prefix boundary (the hit plus "
+        "the shared prefix a sparse-retention group has not cached yet; 0 if none), and "
+        "sparse retention keeps the tails before a request's shared_prefix_boundary "
+        "(one block lower too for an EAGLE group).",
+        "0.33.0",
+    ),
+    Switch(
         "mamba_caps_new_state_blocks",
         "",
         "An 'align' Mamba group's block count is its shortfall capped at one state "
@@ -269,6 +296,9 @@ class Profile:
     mamba_no_eagle_margin: bool
     mamba_prompt_tail_state: bool
     mamba_caps_new_state_blocks: bool
+    retention_replay_boundaries: bool
+    retention_zero_without_window: bool
+    shared_prefix_junctions: bool
     circular_buffer_groups: bool
     pcp_not_scaled: bool
     dcp_sharded_geometry: bool

@@ -157,6 +157,9 @@ class SingleTypeKVCacheManager:
         self._tracks_new_block_ids = spec_exact_class_name(kv_cache_spec) in _TRACKING_SPECS
         # The partial_prompt_tail_entries switch (kvcache.profile); full attention only.
         self.caches_partial_prompt_tail = False
+        # The shared_prefix_junctions switch: under sparse retention also keep the
+        # tail before the request's shared_prefix_boundary (vLLM 0.33.0's Request).
+        self.keeps_shared_prefix_junction = False
 
     # ------------------------------------------------------------ sizing
 
@@ -291,14 +294,35 @@ class SingleTypeKVCacheManager:
     # ------------------------------------------------------------ caching
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, retention_interval: int | None = None
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] | None = None,
     ) -> None:
-        """Cache the request's blocks that are full within its first ``num_tokens`` tokens."""
+        """Cache the request's blocks that are full within its first ``num_tokens`` tokens.
+
+        Under sparse retention (``retention_interval`` not None) windowed kinds keep
+        the tails before ``replay_boundaries`` (token positions a replay of the prompt
+        resumes at, chosen by the coordinator; None: 0.25.1's ``num_prompt_tokens - 1``)
+        and, with ``keeps_shared_prefix_junction``, before the request's
+        ``shared_prefix_boundary`` (one block lower too for an EAGLE group)."""
         request_id = request.request_id
         num_cached_blocks = self.num_cached_block.get(request_id, 0)
         num_full_blocks = num_tokens // self.block_size
         if num_cached_blocks >= num_full_blocks:
             return
+        boundaries: Sequence[int] | None = replay_boundaries
+        if retention_interval is not None and self.keeps_shared_prefix_junction:
+            junction: int = getattr(request, "shared_prefix_boundary", 0) or 0
+            if junction:
+                if boundaries is None:
+                    boundaries = (request.num_prompt_tokens - 1,)
+                boundaries = [*boundaries, junction]
+                if self.use_eagle:
+                    # A sibling diverging right after the junction has no block past
+                    # it to drop, so its hit ends one block lower.
+                    boundaries.append(junction - self.block_size)
         self.block_pool.cache_full_blocks(
             request=request,
             blocks=self.req_to_blocks[request_id],
@@ -314,6 +338,7 @@ class SingleTypeKVCacheManager:
                 use_eagle=self.use_eagle,
                 retention_interval=retention_interval,
                 num_prompt_tokens=request.num_prompt_tokens,
+                reachable_boundaries=boundaries,
             ),
         )
         self.num_cached_block[request_id] = num_full_blocks
@@ -328,9 +353,20 @@ class SingleTypeKVCacheManager:
         use_eagle: bool,
         retention_interval: int | None = None,
         num_prompt_tokens: int | None = None,
+        *,
+        reachable_boundaries: Sequence[int] | None = None,
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
     ) -> list[bool] | None:
         """Which of blocks ``[start_block, end_block)`` can ever serve a hit
-        (None: all of them); unreachable blocks are not cached."""
+        (None: all of them); unreachable blocks are not cached.
+
+        Under sparse retention the windowed kinds keep the tails before each of
+        ``reachable_boundaries`` (token positions a replay resumes at; vLLM 0.33.0's
+        argument), or, when it is None, before vLLM 0.25.1's one replay boundary
+        ``num_prompt_tokens - 1``. ``dcp_world_size`` and ``final_segment_end_block``
+        (the end of the request's last segment, for callers that cache ahead of
+        prefill) are 0.33.0's; full attention keeps every block whatever they say."""
         return None
 
     # ------------------------------------------------------------ freeing
@@ -455,11 +491,15 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return (found,)
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, retention_interval: int | None = None
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] | None = None,
     ) -> None:
         """Cache the full blocks, then (``caches_partial_prompt_tail``) the prompt's
         tail that ends inside a block."""
-        super().cache_blocks(request, num_tokens, retention_interval)
+        super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
         if self.caches_partial_prompt_tail:
             self.cache_partial_prompt_tail(request, num_tokens)
 
@@ -596,31 +636,58 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         use_eagle: bool,
         retention_interval: int | None = None,
         num_prompt_tokens: int | None = None,
+        *,
+        reachable_boundaries: Sequence[int] | None = None,
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
     ) -> list[bool] | None:
         """A hit ends on an ``alignment_tokens`` boundary and reads only the
         ``need`` blocks before it (shifted by one with EAGLE), so only those
         tails of each aligned segment are worth caching. With a retention
         interval (not None), only the tails of each ``retention_interval``
-        segment (none for 0) and the tail before the prompt's replay boundary."""
+        segment (none for 0) and those before each reachable boundary
+        (``reachable_boundaries``, else the prompt's replay boundary
+        ``num_prompt_tokens - 1``). A block spans ``block_size * dcp_world_size``
+        tokens; an alignment finer than that cannot be told apart, so every block
+        is kept. Without EAGLE, a request's last, partial segment ending at block
+        ``final_segment_end_block`` keeps its tail too."""
         kv_cache_spec = cast(SlidingWindowSpec, kv_cache_spec)
         if alignment_tokens is None:
             return None
-        block_size = kv_cache_spec.block_size
+        block_size = kv_cache_spec.block_size * dcp_world_size
+        if alignment_tokens % block_size != 0:
+            return None
         need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size, use_eagle)
-        if retention_interval is not None:
-            return kv_cache_math.sliding_window_retention_mask(
+        if retention_interval is None:
+            segment_tokens = alignment_tokens
+            mask = kv_cache_math.sliding_window_reachable_mask(
+                start_block, end_block, need, alignment_tokens // block_size, use_eagle
+            )
+        else:
+            segment_tokens = retention_interval
+            if reachable_boundaries is None:
+                reachable_boundaries = () if num_prompt_tokens is None else (num_prompt_tokens - 1,)
+            mask = kv_cache_math.sliding_window_retention_mask(
                 start_block,
                 end_block,
                 need,
                 block_size,
                 alignment_tokens,
                 retention_interval,
-                num_prompt_tokens,
+                reachable_boundaries,
                 use_eagle,
             )
-        return kv_cache_math.sliding_window_reachable_mask(
-            start_block, end_block, need, alignment_tokens // block_size, use_eagle
-        )
+        if (
+            mask is not None
+            and segment_tokens
+            and final_segment_end_block is not None
+            and not use_eagle
+        ):
+            for i in kv_cache_math.sliding_window_final_segment_tail(
+                start_block, end_block, need, segment_tokens // block_size, final_segment_end_block
+            ):
+                mask[i - start_block] = True
+        return mask
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens left of the next token's window: ``computed - window + 1``."""
@@ -795,19 +862,28 @@ class MambaManager(SingleTypeKVCacheManager):
         use_eagle: bool,
         retention_interval: int | None = None,
         num_prompt_tokens: int | None = None,
+        *,
+        reachable_boundaries: Sequence[int] | None = None,
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
     ) -> list[bool] | None:
         """Every state (None) unless a retention interval is set: then the states
-        ending on a ``retention_interval`` boundary (none for 0) and the state at the
-        prompt's replay boundary. EAGLE does not apply (draft models have no Mamba)."""
+        ending on a ``retention_interval`` boundary (none for 0) and those at each
+        reachable boundary (``reachable_boundaries``, else the prompt's replay
+        boundary ``num_prompt_tokens - 1``). EAGLE does not apply (draft models have
+        no Mamba), nor do ``dcp_world_size`` (Mamba state is not sharded) and
+        ``final_segment_end_block``."""
         if retention_interval is None or alignment_tokens is None:
             return None
+        if reachable_boundaries is None:
+            reachable_boundaries = () if num_prompt_tokens is None else (num_prompt_tokens - 1,)
         return kv_cache_math.mamba_retention_mask(
             start_block,
             end_block,
             kv_cache_spec.block_size,
             alignment_tokens,
             retention_interval,
-            num_prompt_tokens,
+            reachable_boundaries,
         )
 
     def remove_skipped_blocks(
@@ -972,11 +1048,15 @@ class MambaManager(SingleTypeKVCacheManager):
         return kv_cache_math.num_skipped_tokens_mamba(num_computed_tokens)
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, retention_interval: int | None = None
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] | None = None,
     ) -> None:
         """Cache as the base class and remember states cached in this step."""
         before = self.num_cached_block.get(request.request_id, 0)
-        super().cache_blocks(request, num_tokens, retention_interval)
+        super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
         if self.caches_prompt_tail_state and self.mamba_cache_mode == "align":
             key = self._cache_prompt_tail_state(request, num_tokens)
             if key is not None:
@@ -1046,7 +1126,11 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         return
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, retention_interval: int | None = None
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        replay_boundaries: Sequence[int] | None = None,
     ) -> None:
         """Never valid: cross-attention blocks are not cached (vLLM raises too)."""
         raise ValueError("cross-attention blocks are never cached (prefix caching must be off)")
@@ -1280,8 +1364,7 @@ class CircularBufferManager(FullAttentionManager):
         request: object,
         num_tokens: int,
         retention_interval: int | None = None,
-        *,
-        replay_boundaries: Sequence[int] = (),
+        replay_boundaries: Sequence[int] | None = None,
     ) -> None:
         """Nothing: a ring block is never cached (``replay_boundaries`` is vLLM
         0.33.0's argument, unused)."""

@@ -284,11 +284,19 @@ class KVCacheManager(_KVCacheManager):
     ) -> tuple[KVCacheBlocks, int, int]:
         """The longest cached prefix: ``(blocks, num_hit_tokens, shared_prefix_boundary)``.
 
-        ``shared_prefix_boundary`` is 0: it is non-zero only beside sparse-retention
-        groups (Mamba, retained sliding windows), which this profile does not model.
+        ``shared_prefix_boundary`` (the ``shared_prefix_junctions`` switch): where the
+        longest single-kind hit of a hybrid lookup ended, when it is longer than the
+        common hit (a shared prefix a sparse-retention group has not cached yet);
+        else 0. The scheduler stores it as ``request.shared_prefix_boundary``, whose
+        tail sparse retention then keeps.
         """
         blocks, num_hit_tokens = super().get_computed_blocks(request, max_cache_hit_length)
-        return blocks, num_hit_tokens, 0
+        if not self.profile.shared_prefix_junctions or not self.prefix_cache_lookup_enabled(
+            request
+        ):
+            return blocks, num_hit_tokens, 0
+        num_uncached: int = getattr(self.coordinator, "num_uncached_common_prefix_tokens", 0)
+        return blocks, num_hit_tokens, num_hit_tokens + num_uncached if num_uncached else 0
 
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None

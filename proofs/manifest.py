@@ -92,6 +92,7 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract(f"{S}.mamba_prompt_tail_boundary"),
     Contract(f"{K}.sliding_window_admission_blocks"),
     Contract(f"{K}.chunked_local_admission_blocks"),
+    Contract(f"{K}.sliding_window_final_segment_tail"),
     # skipped tokens per group kind
     Contract(f"{S}.num_skipped_tokens_full_attention"),
     Contract(f"{S}.num_skipped_tokens_sliding_window"),
@@ -103,6 +104,7 @@ CONTRACTS: tuple[Contract, ...] = (
     # sliding-window caching
     Contract(f"{S}.num_contiguous_blocks_for_hit"),
     Contract(f"{S}.sliding_window_reachable_mask"),
+    Contract(f"{S}.replay_boundaries"),
     # hit searches over a container of cached hashes
     Contract(f"{S}.align_num_hit_blocks"),
     Contract(f"{S}.full_attention_hit_num_blocks"),
@@ -156,15 +158,17 @@ PAIRS: tuple[Pair, ...] = (
     Pair("sliding_window_reachable_mask", f"{S}.sliding_window_reachable_mask",
          f"{K}.sliding_window_reachable_mask",
          lambda start, end, need, per_segment, eagle: _nonneg(start, need) and per_segment >= 1),
-    Pair("replay_boundary", f"{S}.replay_boundary", f"{K}.replay_boundary_tokens",
-         lambda n, alignment: alignment >= 1),
+    Pair("replay_boundaries", f"{S}.replay_boundaries", f"{K}.replay_boundaries",
+         lambda n, block, eagle: n >= 1 and block >= 1),
     Pair("sliding_window_retention_mask", f"{S}.sliding_window_retention_mask",
          f"{K}.sliding_window_retention_mask",
-         lambda start, end, need, bs, alignment, interval, prompt, eagle: (
-             _nonneg(start, need, interval) and bs >= 1 and alignment >= 1)),
+         lambda start, end, need, bs, alignment, interval, boundaries, eagle: (
+             _nonneg(start, need, interval, *boundaries) and bs >= 1 and alignment >= 1),
+         types={"boundaries": list[int]}),
     Pair("mamba_retention_mask", f"{S}.mamba_retention_mask", f"{K}.mamba_retention_mask",
-         lambda start, end, bs, alignment, interval, prompt: (
-             _nonneg(start, interval) and bs >= 1 and alignment >= 1)),
+         lambda start, end, bs, alignment, interval, boundaries: (
+             _nonneg(start, interval, *boundaries) and bs >= 1 and alignment >= 1),
+         types={"boundaries": list[int]}),
     Pair("align_num_hit_blocks", f"{S}.align_num_hit_blocks", f"{K}.align_num_hit_blocks",
          lambda n, bs, alignment: n >= 0 and bs >= 1 and alignment >= 1),
     Pair("full_attention_hit_num_blocks", f"{S}.full_attention_hit_num_blocks",

@@ -81,6 +81,7 @@ class KVCacheCoordinator:
     trim_every_full_group = False
     eagle_peek_to_hashed_length = False
     mamba_no_eagle_margin = False
+    retention_replay_boundaries = False
 
     def _check_hybrid_context_parallel(self) -> None:
         """0.33.0's rule for several caching groups: under dcp each is full attention or
@@ -154,10 +155,20 @@ class KVCacheCoordinator:
             request_id, num_encoder_tokens if isinstance(m, CrossAttentionManager) else num_tokens,
             num_tokens_main_model) for m in self.single_type_managers)
 
+    def replay_boundaries(self, num_prompt_tokens: int) -> tuple[int, ...]:
+        """Where replays of the prompt resume, whose tails sparse retention keeps: one
+        token short of the prompt, or (retention_replay_boundaries, 0.33.0) the EAGLE
+        rule of ``pure.replay_boundaries`` when some group is an EAGLE group."""
+        if self.retention_replay_boundaries:
+            return pure.replay_boundaries(num_prompt_tokens, self.scheduler_block_size,
+                                          bool(self.eagle_group_ids))
+        return (num_prompt_tokens - 1,)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's full blocks among its first ``num_computed_tokens`` tokens."""
+        boundaries = self.replay_boundaries(request.num_prompt_tokens)
         for m in self.single_type_managers:
-            m.cache_blocks(request, num_computed_tokens, self.retention_interval)
+            m.cache_blocks(request, num_computed_tokens, self.retention_interval, boundaries)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, group by group."""
@@ -282,10 +293,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache up to the last ``scheduler_block_size`` boundary (EAGLE groups one block
         further, since their hits look one block past a boundary)."""
+        boundaries = self.replay_boundaries(request.num_prompt_tokens)
         for m in self.single_type_managers:
             m.cache_blocks(request, pure.num_tokens_to_cache(
                 num_computed_tokens, self.scheduler_block_size, m.block_size, m.use_eagle),
-                self.retention_interval)
+                self.retention_interval, boundaries)
 
     def _hashes_for(self, block_hashes: list[bytes], spec: KVCacheSpec) -> list[bytes]:
         """The request's hashes at the spec's block size."""

@@ -127,13 +127,23 @@ class KVCacheManager:
         self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        # retention_zero_without_window (0.33.0): 0 is accepted, and ignored, without a
+        # sliding-window or Mamba group (0.25.1 refuses any interval there).
+        ignored_zero = (self.profile.retention_zero_without_window
+                        and prefix_cache_retention_interval == 0
+                        and not any(is_a(g.kv_cache_spec, "SlidingWindowSpec")
+                                    or is_a(g.kv_cache_spec, "MambaSpec")
+                                    for g in kv_cache_config.kv_cache_groups))
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config, max_model_len, self.max_num_batched_tokens, use_eagle,
             enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
             caching_hash_algo, hash_seed, dcp_world_size, pcp_world_size,
-            prefix_cache_retention_interval=prefix_cache_retention_interval,
+            prefix_cache_retention_interval=None if ignored_zero
+            else prefix_cache_retention_interval,
             pcp_not_scaled=self.profile.pcp_not_scaled,
             dcp_sharded_geometry=self.profile.dcp_sharded_geometry)
+        if ignored_zero:
+            self.coordinator.retention_interval = 0
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
@@ -157,6 +167,7 @@ class KVCacheManager:
         coordinator.trim_every_full_group = p.trim_every_full_group
         coordinator.eagle_peek_to_hashed_length = p.eagle_peek_to_hashed_length
         coordinator.mamba_no_eagle_margin = p.mamba_no_eagle_margin
+        coordinator.retention_replay_boundaries = p.retention_replay_boundaries
         if p.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
             coordinator.eagle_group_ids = set()  # without use_eagle no group drops a block
             coordinator._init_groups()
@@ -167,6 +178,7 @@ class KVCacheManager:
             # Full attention's subclasses too (R-SWA, sink): vLLM 0.33.0's inherit it.
             m.caches_partial_prompt_tail = (p.partial_prompt_tail_entries
                                             and isinstance(m, FullAttentionManager))
+            m.keeps_shared_prefix_junction = p.shared_prefix_junctions
         for m in coordinator.single_type_managers:
             m.zeroes_any_attention_kind = (
                 p.zero_every_attention_group and zeroing and is_a(m.kv_cache_spec, "AttentionSpec")
@@ -212,6 +224,17 @@ class KVCacheManager:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens,
                                            request.num_preemptions > 0)
         return self.create_kv_cache_blocks(hits), num_hit_tokens
+
+    def shared_prefix_boundary(self, request: Request, num_hit_tokens: int) -> int:
+        """shared_prefix_junctions (0.33.0's third lookup value), right after the
+        request's lookup hit ``num_hit_tokens``: where the longest single-kind hit
+        ended when it is longer than the common hit, else 0 (always 0 under 0.25.1,
+        and for a lookup that did not run)."""
+        if (not self.profile.shared_prefix_junctions or not self.enable_caching
+                or request.skip_reading_prefix_cache):
+            return 0
+        uncached = getattr(self.coordinator, "num_uncached_common_prefix_tokens", 0)
+        return num_hit_tokens + uncached if uncached else 0
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         """stats_at_admission: the scheduler counts an admitted request's lookup here

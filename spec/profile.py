@@ -17,7 +17,8 @@ SWITCHES = (
     "partial_prompt_tail_entries", "eagle_master_switch", "eagle_peek_to_hashed_length",
     "adopt_computed_without_new_tokens", "free_on_processed_tokens", "mamba_align_only",
     "mamba_frees_processed_states", "zero_every_attention_group", "mamba_no_eagle_margin",
-    "mamba_prompt_tail_state", "mamba_caps_new_state_blocks", "circular_buffer_groups",
+    "mamba_prompt_tail_state", "retention_replay_boundaries", "retention_zero_without_window",
+    "shared_prefix_junctions", "mamba_caps_new_state_blocks", "circular_buffer_groups",
     "pcp_not_scaled", "dcp_sharded_geometry",
 )  # fmt: skip
 """Every switch, in kvcache's order."""

@@ -266,44 +266,55 @@ def _reads(mask: list[bool], start_block: int, num_needed: int, per_segment: int
                for block, m in enumerate(mask, start_block))
 
 
-def replay_boundary(num_prompt_tokens: int, alignment_tokens: int) -> int:
-    """Where a replay of the prompt hits at best: one token short of the prompt (its
-    logits are recomputed), rounded down to ``alignment_tokens``."""
-    return (num_prompt_tokens - 1) // alignment_tokens * alignment_tokens
+def replay_boundaries(num_prompt_tokens: int, block: int, use_eagle: bool) -> tuple[int, ...]:
+    """Where replays of the prompt resume (vLLM 0.33.0): one token short of the prompt;
+    with EAGLE, one scheduler ``block`` below a resend's hit (the prompt less one token,
+    rounded down) and below a longer sibling's (the prompt rounded down), at least 0.
+
+    pre: num_prompt_tokens >= 1 and block >= 1
+    post: list(__return__) == sorted(set(__return__))
+    post: all(0 <= b < num_prompt_tokens for b in __return__)
+    """
+    if not use_eagle:
+        return (num_prompt_tokens - 1,)
+    resend = (num_prompt_tokens - 1) // block * block
+    extension = num_prompt_tokens // block * block
+    return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
 
 
 def sliding_window_retention_mask(start_block: int, end_block: int, num_needed: int,
                                   block_size: int, alignment_tokens: int, retention_interval: int,
-                                  num_prompt_tokens: int | None, use_eagle: bool
+                                  boundaries: Sequence[int], use_eagle: bool
                                   ) -> list[bool] | None:
     """Sparse retention of a sliding window: ``sliding_window_reachable_mask`` with
     segments of ``retention_interval`` tokens (no segments for 0), plus the window's
-    blocks before the prompt's replay boundary. None when that is every block."""
+    blocks before each of ``boundaries`` rounded down to ``alignment_tokens`` (shifted
+    one block with EAGLE). None when that is every block."""
     mask: list[bool] | None = [False] * max(0, end_block - start_block)
     if retention_interval != 0:
         mask = sliding_window_reachable_mask(start_block, end_block, num_needed,
                                              retention_interval // block_size, use_eagle)
-    if mask is None or num_prompt_tokens is None:
+    if mask is None:
         return mask
-    end = replay_boundary(num_prompt_tokens, alignment_tokens) // block_size + int(use_eagle)
-    for block in range(start_block, end_block):
-        mask[block - start_block] |= end - num_needed <= block < end
+    for boundary in boundaries:
+        end = boundary // alignment_tokens * alignment_tokens // block_size + int(use_eagle)
+        for block in range(start_block, end_block):
+            mask[block - start_block] |= end - num_needed <= block < end
     return mask
 
 
 def mamba_retention_mask(start_block: int, end_block: int, block_size: int,
                          alignment_tokens: int, retention_interval: int,
-                         num_prompt_tokens: int | None) -> list[bool] | None:
+                         boundaries: Sequence[int]) -> list[bool] | None:
     """Sparse retention of Mamba states (block ``i`` ends at token ``(i+1)*block_size``):
-    the states ending on a multiple of ``retention_interval`` (none for 0) and the state
-    at the prompt's replay boundary. None when the interval is at most one block."""
+    the states ending on a multiple of ``retention_interval`` (none for 0) and, for each
+    of ``boundaries`` rounded down to ``alignment_tokens``, the last whole block's state
+    before it. None when the interval is at most one block."""
     if retention_interval != 0 and retention_interval // block_size <= 1:
         return None
-    replay_end = 0 if num_prompt_tokens is None else replay_boundary(num_prompt_tokens,
-                                                                      alignment_tokens)
-    ends = [(block + 1) * block_size for block in range(start_block, end_block)]
-    return [(retention_interval != 0 and end % retention_interval == 0) or 0 < end == replay_end
-            for end in ends]
+    kept = [b // alignment_tokens * alignment_tokens // block_size - 1 for b in boundaries]
+    return [(retention_interval != 0 and (block + 1) * block_size % retention_interval == 0)
+            or block in kept for block in range(start_block, end_block)]
 
 
 # ---------------------------------------------------------------- hit searches

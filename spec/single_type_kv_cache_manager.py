@@ -67,6 +67,7 @@ class SingleTypeKVCacheManager:
     records_new_block_ids = True
     caches_partial_prompt_tail = False
     zeroes_any_attention_kind = False  # zero_every_attention_group, beside Mamba
+    keeps_shared_prefix_junction = False  # shared_prefix_junctions
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
@@ -167,25 +168,33 @@ class SingleTypeKVCacheManager:
         return ids
 
     def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None) -> None:
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
         """Cache the request's full blocks among its first ``num_tokens`` tokens (those
-        the group's mask keeps, for the coordinator's ``retention_interval``)."""
+        the group's mask keeps, for the coordinator's ``retention_interval`` and replay
+        ``boundaries``; None: one token short of the prompt). With
+        ``keeps_shared_prefix_junction`` the request's ``shared_prefix_boundary`` is a
+        boundary too (and one block below it for an EAGLE group)."""
         rid = request.request_id
         num_cached = self.num_cached_block.get(rid, 0)
         num_full = num_tokens // self.block_size
         if num_cached >= num_full:
             return
-        mask = self.reachable_block_mask(num_cached, num_full, retention_interval,
-                                         request.num_prompt_tokens)
+        kept = [request.num_prompt_tokens - 1] if boundaries is None else list(boundaries)
+        junction = getattr(request, "shared_prefix_boundary", 0)
+        if self.keeps_shared_prefix_junction and junction:
+            kept += [junction, junction - self.block_size] if self.use_eagle else [junction]
+        mask = self.reachable_block_mask(num_cached, num_full, retention_interval, kept)
         self.block_pool.cache_full_blocks(request, self._blocks_of(rid), num_cached, num_full,
                                           self.block_size, self.kv_cache_group_id, mask)
         self.num_cached_block[rid] = num_full
 
     def reachable_block_mask(self, start_block: int, end_block: int,
                              retention_interval: int | None = None,
-                             num_prompt_tokens: int | None = None) -> list[bool] | None:
+                             boundaries: Sequence[int] = ()) -> list[bool] | None:
         """Which of the blocks to cache a hit can ever use (None: all). A retention
-        interval (not None) thins them out further: see the windowed kinds."""
+        interval (not None) thins them out further, keeping what a replay resuming at
+        one of ``boundaries`` reads: see the windowed kinds."""
         return None
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
@@ -258,12 +267,13 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return hit_blocks(block_hashes, 0, num_blocks, group_ids, pool)
 
     def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None) -> None:
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
         """Cache the full blocks; with partial_prompt_tail_entries (0.33.0), also the block
         holding the prompt's last reachable hash boundary, as a partial entry: the
         boundary of ``num_prompt_tokens - 1`` tokens (the whole prompt for EAGLE), when
         it falls inside a block and within ``num_tokens``."""
-        super().cache_blocks(request, num_tokens, retention_interval)
+        super().cache_blocks(request, num_tokens, retention_interval, boundaries)
         hbs = self.block_pool.hash_block_size
         if not self.caches_partial_prompt_tail or self.block_size == hbs:
             return
@@ -319,7 +329,8 @@ class CircularBufferManager(FullAttentionManager):
         return self._claim_ring_block(request_id)
 
     def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None) -> None:
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
         """Nothing: a ring block is never cached."""
 
     @classmethod
@@ -414,16 +425,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def reachable_block_mask(self, start_block: int, end_block: int,
                              retention_interval: int | None = None,
-                             num_prompt_tokens: int | None = None) -> list[bool] | None:
+                             boundaries: Sequence[int] = ()) -> list[bool] | None:
         """Only the window's blocks before each ``scheduler_block_size`` boundary (shifted by
         one block with EAGLE) can serve a hit; None when that is every block. With a
         retention interval: before each ``retention_interval`` boundary instead (none
-        for 0), and before the prompt's replay boundary."""
+        for 0), and before each of the replay ``boundaries``."""
         num_needed = self._num_blocks_for_hit(self.kv_cache_spec, self.use_eagle)
         if retention_interval is not None:
             return pure.sliding_window_retention_mask(
                 start_block, end_block, num_needed, self.block_size, self.scheduler_block_size,
-                retention_interval, num_prompt_tokens, self.use_eagle)
+                retention_interval, boundaries, self.use_eagle)
         return pure.sliding_window_reachable_mask(
             start_block, end_block, num_needed, self.scheduler_block_size // self.block_size,
             self.use_eagle)
@@ -560,24 +571,25 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def reachable_block_mask(self, start_block: int, end_block: int,
                              retention_interval: int | None = None,
-                             num_prompt_tokens: int | None = None) -> list[bool] | None:
+                             boundaries: Sequence[int] = ()) -> list[bool] | None:
         """Every state (None), unless a retention interval thins them out to those on
-        its boundaries and the prompt's replay boundary."""
+        its boundaries and at the replay ``boundaries``."""
         if retention_interval is None:
             return None
         return pure.mamba_retention_mask(start_block, end_block, self.block_size,
                                          self.scheduler_block_size, retention_interval,
-                                         num_prompt_tokens)
+                                         boundaries)
 
     def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None) -> None:
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
         """As the base class; remember the keys cached in this step. With
         ``caches_prompt_tail_state`` (0.33.0, align) also key the state block at the
         prompt's last reusable hash boundary when caching reaches exactly there and the
         block is not keyed there already (e.g. after ``evict_blocks``)."""
         rid = request.request_id
         num_cached_before = self.num_cached_block.get(rid, 0)
-        super().cache_blocks(request, num_tokens, retention_interval)
+        super().cache_blocks(request, num_tokens, retention_interval, boundaries)
         hbs = self.block_pool.hash_block_size
         if (self.caches_prompt_tail_state and self.mamba_cache_mode == "align"
                 and num_tokens > 0 and num_tokens % self.block_size == 0
@@ -670,7 +682,8 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         """Nothing: a KV connector loads no encoder output."""
 
     def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None) -> None:
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
         """Refused: cross-attention blocks are never cached."""
         raise ValueError("cross-attention blocks are never cached")
 

@@ -46,12 +46,6 @@ MAMBA_REASON = (
     "hash block, unrounded cacheable tokens, partial-hit CoW copies, Mamba prompt-tail "
     "partial entries)"
 )
-RETENTION_REASON = (
-    "sparse retention with EAGLE under 0.33.0: the tails kept are those before the "
-    "replay boundaries {resend - b, extension - b} (b = scheduler_block_size) of the "
-    "coordinator's EAGLE groups, not the one replay boundary shifted by the group's "
-    "EAGLE bit (3-4 % of sequences, all with use_eagle)"
-)
 #: Families with a Mamba group the 0.33.0 profile already conforms on (the
 #: ``mamba_*`` switches of ``kvcache.profile``); configs 0.33.0 cannot build
 #: (a Mamba group caching outside 'align') must be refused by both sides.
@@ -59,10 +53,9 @@ CONFORMANT_MAMBA_FAMILIES = frozenset({"mamba", "full+mamba-all", "full+mamba-no
 #: Mamba modes 0.33.0 builds only with caching off.
 CACHING_OFF_MAMBA_KINDS = frozenset({"mamba-all", "mamba-none"})
 NOT_YET_CONFORMANT: dict[str, str] = {
-    name: MAMBA_REASON if "mamba" in name or name == "eagle-hybrid" else RETENTION_REASON
-    for name, family in FAMILIES.items()
-    if ("mamba" in name or name == "eagle-hybrid" or family.retention)
-    and name not in CONFORMANT_MAMBA_FAMILIES
+    name: MAMBA_REASON
+    for name in FAMILIES
+    if ("mamba" in name or name == "eagle-hybrid") and name not in CONFORMANT_MAMBA_FAMILIES
 }
 # Layouts of spec classes vLLM 0.33.0 no longer has: nothing to conform to there.
 NOT_YET_CONFORMANT.update(
@@ -118,6 +111,11 @@ def run_family(
     family: Family, family_index: int, sequences: int, base_seed: int = 0
 ) -> FamilyResult:
     """Run ``sequences`` random sequences of ``family`` on both sides."""
+    from kvcache.kit.vllm_side import VllmAdapter
+
+    # Both sides play 0.33.0's scheduler: it keeps the lookup's shared-prefix boundary
+    # on the request (kvcache-0.33's adapter always does).
+    VllmAdapter.stores_shared_prefix_boundary = True
     family = under_0_33(family)
     stats = Stats()
     started = time.monotonic()

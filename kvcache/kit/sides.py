@@ -385,7 +385,8 @@ class ProfileAdapter(Adapter):
         return self.factory(kv_cache_config, **kwargs)
 
     def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
-        blocks, num_computed_tokens, _boundary = manager.get_computed_blocks(request)
+        blocks, num_computed_tokens, boundary = manager.get_computed_blocks(request)
+        request.shared_prefix_boundary = int(boundary)  # as 0.33.0's scheduler does
         return blocks, int(num_computed_tokens)
 
     def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
@@ -422,6 +423,14 @@ class SpecProfileAdapter(SpecAdapter):
                             caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
                             prefix_cache_retention_interval=config.prefix_cache_retention_interval,
                             profile=self.release)
+
+    def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
+        blocks, num_computed_tokens = manager.get_computed_blocks(request)
+        # As 0.33.0's scheduler does with the lookup's third value.
+        request.shared_prefix_boundary = manager.shared_prefix_boundary(
+            request, num_computed_tokens
+        )
+        return blocks, int(num_computed_tokens)
 
     def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
         manager.record_prefix_cache_stats(request, num_hit_tokens)

@@ -201,7 +201,16 @@ def abstract_state(manager: KVCacheManager) -> dict[str, Any]:
 
 
 class VllmAdapter(Adapter):
-    """vLLM's ``KVCacheManager``, built from vLLM's own vocabulary."""
+    """vLLM's ``KVCacheManager``, built from vLLM's own vocabulary.
+
+    ``stores_shared_prefix_boundary``: on a line whose lookup returns the shared-prefix
+    boundary (0.33), put it on the request as that release's scheduler does, where
+    sparse retention keeps the junction's tail. Off by default: the cross-release
+    census compares with 0.25.1, and no ledger entry covers the junction tails yet;
+    ``kvcache.kit.conformance33`` (0.33.0 against its own profile) turns it on.
+    """
+
+    stores_shared_prefix_boundary = False
 
     def __init__(self, version: str = VLLM_VERSION) -> None:
         self.name = "vllm"
@@ -236,6 +245,10 @@ class VllmAdapter(Adapter):
                 f"vLLM {self.version} ({self.line.name}): get_computed_blocks returned "
                 f"{len(result)} values, expected {self.line.lookup_values}"
             )
+        if self.line.lookup_values == 3 and self.stores_shared_prefix_boundary:
+            # 0.33.0's scheduler keeps the shared-prefix boundary on the request, where
+            # the manager's caching reads it (junction tails under sparse retention).
+            request.shared_prefix_boundary = int(result[2])
         return result[0], int(result[1])
 
     def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:

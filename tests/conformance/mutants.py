@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import kvcache
+from kvcache.kit.config import ManagerConfig
+from kvcache.kit.sides import ProfileAdapter
 
 
 class FreeInAllocationOrder(kvcache.KVCacheManager):
@@ -45,3 +47,34 @@ class IgnoresRetentionInterval(kvcache.KVCacheManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs, prefix_cache_retention_interval=None)
+
+
+class OneReplayBoundary(ProfileAdapter):
+    """Bug: kvcache's 0.33.0 drop-in with 0.25.1's single replay boundary under sparse
+    retention (``retention_replay_boundaries`` off): with EAGLE it keeps the window
+    tail above the post-drop position, where 0.33.0 keeps the tails below a resend's
+    and a longer sibling's. Used as ``conformance.mutants:OneReplayBoundary``."""
+
+    def __init__(self) -> None:
+        super().__init__("kvcache-0.33-one-replay-boundary", "kvcache.vllm_0_33", "0.33")
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        manager = super().build_manager(config)
+        manager.coordinator.retention_replay_boundaries = False
+        return manager
+
+
+class NoJunctionTails(ProfileAdapter):
+    """Bug: kvcache's 0.33.0 drop-in whose groups ignore the request's shared-prefix
+    boundary under sparse retention (``shared_prefix_junctions`` off in the managers),
+    so the tail before a shared prefix's junction is not kept. Used as
+    ``conformance.mutants:NoJunctionTails``."""
+
+    def __init__(self) -> None:
+        super().__init__("kvcache-0.33-no-junction-tails", "kvcache.vllm_0_33", "0.33")
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        manager = super().build_manager(config)
+        for group_manager in manager.coordinator.single_type_managers:
+            group_manager.keeps_shared_prefix_junction = False
+        return manager

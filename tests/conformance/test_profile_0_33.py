@@ -55,3 +55,31 @@ def test_kvcache_0_33_matches_spec_0_33(family: Family) -> None:
     )
     built = SEQUENCES - stats.events["both_refuse"]  # layouts 0.33.0 removed are not run
     assert built > 0 and stats.events["get_computed_blocks"] > 0 and stats.calls > 50 * built
+
+
+# (planted bug, what it gets wrong): each a kvcache-0.33 with one retention rule of
+# 0.33.0 turned back (tests/conformance/mutants.py), which spec-0.33 must tell apart.
+PLANTED = [
+    ("conformance.mutants:OneReplayBoundary", "retention_replay_boundaries"),
+    ("conformance.mutants:NoJunctionTails", "shared_prefix_junctions"),
+]
+
+
+@pytest.mark.parametrize(("impl", "switch"), PLANTED, ids=[s for _, s in PLANTED])
+def test_planted_retention_bug_under_0_33_is_caught(impl: str, switch: str) -> None:
+    """Teeth for the sparse-retention switches: kvcache's 0.33.0 drop-in with 0.25.1's
+    single replay boundary, or ignoring the request's shared-prefix boundary, differs
+    from the spec's 0.33.0 profile in ``full+swa-retention`` (4 and 11 of its first 100
+    sequences here, the first at once) at which window blocks are cached."""
+    family = FAMILIES["full+swa-retention"]
+    index = list(FAMILIES).index(family.name)
+    for i in range(100):
+        result = run_sequence(family_seed(7, index, i), family, impl, "spec-0.33", Stats())
+        if result.mismatch is not None:
+            break
+    else:
+        raise AssertionError(f"{switch} turned back went unnoticed in 100 sequences")
+    if switch == "retention_replay_boundaries":
+        assert result.config.use_eagle, result.config  # the rules differ only with EAGLE
+    detail = str(result.mismatch)
+    assert "cached" in detail or "block_hash" in detail, detail

@@ -73,12 +73,13 @@ class DropInManager(vllm_0_33.KVCacheManager):
     def get_computed_blocks(  # type: ignore[override]
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[Any, int]:
-        """0.25.1's pair; the shared-prefix boundary (0.33.0's third value) is 0 on
-        every layout modelled."""
+        """0.25.1's pair; the shared-prefix boundary (0.33.0's third value) is 0 or past
+        the hit (where a longer single-kind hit ended). The machines play 0.25.1's
+        scheduler, which does not store it on the request."""
         blocks, num_hit_tokens, boundary = super().get_computed_blocks(
             request, max_cache_hit_length
         )
-        assert boundary == 0, f"shared_prefix_boundary={boundary}"
+        assert boundary == 0 or boundary > num_hit_tokens, (boundary, num_hit_tokens)
         return blocks, num_hit_tokens
 
 
@@ -147,7 +148,8 @@ def test_machine_under_0_33(
 # stats_hits_by_source, zero_every_attention_group and mamba_align_only are reached too,
 # within 1-15 s: left out of the budget. Not reached in 300 examples: the Mamba switches
 # mamba_frees_processed_states, mamba_caps_new_state_blocks, mamba_prompt_tail_state and
-# mamba_no_eagle_margin.)
+# mamba_no_eagle_margin; nor retention_replay_boundaries (sparse retention with EAGLE
+# beside a window: tests/conformance/test_profile_0_33.py plants that bug instead).)
 TEETH = [
     ("manager", "cascade_always_zero", ("get_num_common_prefix_blocks",)),  # zeros vs a count
     ("manager", "tagged_extra_keys", ("states_agree",)),  # LoRA / salt / multimodal hashes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 from kvcache.kit.driver import compare_outcomes, run_sequence
@@ -59,7 +60,7 @@ class _Spy:
         self.recorded: list[tuple[object, int]] = []
 
     def get_computed_blocks(self, request: object) -> tuple[object, ...]:
-        return ("blocks", 8, 0)[: self.values]
+        return ("blocks", 8, 12)[: self.values]
 
     def record_prefix_cache_stats(self, request: object, num_hits: int) -> None:
         self.recorded.append((request, num_hits))
@@ -72,15 +73,23 @@ def test_the_033_adapter_unpacks_three_values_and_records_stats_at_admission() -
 
     adapter = VllmAdapter("0.33.0")
     spy = _Spy(3)
-    assert adapter.get_computed_blocks(spy, "req") == ("blocks", 8)
-    adapter.admitted(spy, "req", 8)
-    assert spy.recorded == [("req", 8)]
+    request = types.SimpleNamespace()
+    assert adapter.get_computed_blocks(spy, request) == ("blocks", 8)
+    assert not hasattr(request, "shared_prefix_boundary")  # off unless asked (census)
+    adapter.stores_shared_prefix_boundary = True
+    assert adapter.get_computed_blocks(spy, request) == ("blocks", 8)
+    # The shared-prefix boundary goes on the request, as 0.33.0's scheduler puts it.
+    assert request.shared_prefix_boundary == 12
+    adapter.admitted(spy, request, 8)
+    assert spy.recorded == [(request, 8)]
     with pytest.raises(TypeError, match="returned 2 values, expected 3"):
-        adapter.get_computed_blocks(_Spy(2), "req")
+        adapter.get_computed_blocks(_Spy(2), request)
     old = VllmAdapter("0.25.1")
     spy = _Spy(2)
-    assert old.get_computed_blocks(spy, "req") == ("blocks", 8)
-    old.admitted(spy, "req", 8)
+    old_request = types.SimpleNamespace()
+    assert old.get_computed_blocks(spy, old_request) == ("blocks", 8)
+    assert not hasattr(old_request, "shared_prefix_boundary")
+    old.admitted(spy, old_request, 8)
     assert spy.recorded == []  # 0.25.1's lookup records the stats itself
 
 

@@ -46,6 +46,8 @@ def argument(name: str, annotation: str) -> st.SearchStrategy[Any]:
         return st.sets(st.integers(0, 4))
     if name == "blocks":
         return st.lists(st.integers(0, 3), max_size=8)
+    if name == "boundaries":  # token positions a replay resumes at
+        return st.lists(SMALL, max_size=3)
     if name == "null":
         return st.integers(0, 1)
     assert annotation == "int", (name, annotation)

@@ -135,7 +135,7 @@ def test_conformance_families_not_yet_passing_are_listed_not_dropped() -> None:
     assert set(NOT_YET_CONFORMANT) == {
         "full+mamba-align",
         "full+swa+mamba", "swa+mamba", "eagle-hybrid", "full+mamba-align-retention",
-        "swa+mamba-retention", "swa-retention", "full+swa-retention",
+        "swa+mamba-retention",
         "tq",  # vLLM 0.33.0 has no TQFullAttentionSpec (ledger tq-spec-removed)
     }
 
@@ -365,3 +365,41 @@ def test_drop_in_helpers_of_0_33() -> None:
     assert m.take_boundary_state_offloads() == {}
     assert m.finalize_partial_tail_offloads(first) == []
     assert m.mamba_shared_prefix_checkpoint is False
+
+
+# ---------------------------------------------------------------- retention under 0.33.0
+
+
+@pytest.mark.parametrize("side", ["kvcache", "spec"])
+def test_zero_retention_without_a_window_is_accepted_only_under_0_33(side: str) -> None:
+    """``retention_zero_without_window``: with only full attention, 0.33.0 accepts an
+    interval of 0 (it thins nothing) and refuses a positive one; 0.25.1 refuses both."""
+
+    def build(release: str, interval: int) -> Any:
+        if side == "spec":
+            return spec.KVCacheManager(full_config(), 64, BS, BS, profile=release,
+                                       prefix_cache_retention_interval=interval)
+        if release == "0.33.0":
+            config = full_config()
+            config.prefix_cache_retention_interval = interval
+            return manager(config, release)
+        return manager(full_config(), release, prefix_cache_retention_interval=interval)
+
+    assert build("0.33.0", 0).coordinator.retention_interval == 0
+    with pytest.raises(ValueError, match="sliding-window or Mamba"):
+        build("0.33.0", BS)
+    for interval in (0, BS):
+        with pytest.raises(ValueError, match="sliding-window or Mamba"):
+            build("0.25.1", interval)
+
+
+def test_replay_boundaries_under_each_release() -> None:
+    """0.25.1 keeps one position (one token short of the prompt); 0.33.0 with an EAGLE
+    group keeps one scheduler block below a resend's and a longer sibling's hit."""
+    old, new = manager(full_config(), "0.25.1", use_eagle=True), manager(
+        full_config(), "0.33.0", use_eagle=True)
+    assert old.coordinator.replay_boundaries(12) == (11,)
+    assert new.coordinator.replay_boundaries(12) == (4, 8)  # block-aligned: both
+    assert new.coordinator.replay_boundaries(13) == (8,)
+    assert new.coordinator.replay_boundaries(3) == (0,)
+    assert manager(full_config(), "0.33.0").coordinator.replay_boundaries(12) == (11,)
