@@ -26,6 +26,7 @@ from kvcache.kv_cache_utils import (
     generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
+    lookahead_extra_keys,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
 )
@@ -35,6 +36,7 @@ from kvcache.kv_events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
+    LookaheadBlockStored,
     emitted,
 )
 
@@ -267,6 +269,9 @@ class BlockPool:
         self.metrics_collector: Any = metrics_collector
         # The mm_keys_by_window switch (kvcache.profile), set by the KVCacheManager.
         self.mm_keys_by_window = False
+        # Tokens after each block its hash covers (vLLM 0.33.0's lookahead hashing; 0
+        # in 0.25.1), set by the KVCacheManager: events report them and key the window.
+        self.num_hash_lookahead_tokens = 0
 
     # ------------------------------------------------------------ lookups
 
@@ -386,6 +391,8 @@ class BlockPool:
         )
         # One extra-keys entry per stored block, recomputed at this group's block size.
         extra_keys_list: list[tuple[Any, ...] | None] = []
+        lookahead = self.num_hash_lookahead_tokens
+        lookahead_ids: list[list[int]] = []
         mm_idx = 0
         for i in range(num_cached_blocks, num_full_blocks):
             if blocks[i].is_null or (
@@ -393,13 +400,16 @@ class BlockPool:
             ):
                 continue
             start = i * block_size
-            extra_keys, mm_idx = generate_block_hash_extra_keys(
-                request, start, start + block_size, mm_idx
-            )
+            end = start + block_size
+            if lookahead:
+                extra_keys, mm_idx = lookahead_extra_keys(request, start, end, lookahead, mm_idx)
+                lookahead_ids.append(list(request.all_token_ids[end : end + lookahead]))
+            else:
+                extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
             extra_keys_list.append(extra_keys)
         lora = request.lora_request
         self.kv_event_queue.append(
-            BlockStored(
+            self._block_stored(
                 block_hashes=stored,
                 parent_block_hash=parent,
                 token_ids=list(
@@ -409,11 +419,50 @@ class BlockPool:
                 ),
                 block_size=block_size,
                 lora_id=lora.adapter_id if lora else None,
-                medium=MEDIUM_GPU,
                 lora_name=lora.lora_name if lora else None,
                 extra_keys=extra_keys_list or None,
                 group_idx=group_id,
+                lookahead_token_ids=lookahead_ids,
             )
+        )
+
+    def _block_stored(
+        self,
+        block_hashes: list[ExternalBlockHash],
+        parent_block_hash: ExternalBlockHash | None,
+        token_ids: list[int],
+        block_size: int,
+        lora_id: int | None,
+        lora_name: str | None,
+        extra_keys: list[tuple[Any, ...] | None] | None,
+        group_idx: int,
+        lookahead_token_ids: list[list[int]],
+    ) -> BlockStored:
+        """A ``BlockStored``; with lookahead hashing on, one that also lists each
+        block's lookahead tokens (``LookaheadBlockStored``)."""
+        if self.num_hash_lookahead_tokens:
+            return LookaheadBlockStored(
+                block_hashes=block_hashes,
+                parent_block_hash=parent_block_hash,
+                token_ids=token_ids,
+                block_size=block_size,
+                lora_id=lora_id,
+                medium=MEDIUM_GPU,
+                lora_name=lora_name,
+                extra_keys=extra_keys,
+                group_idx=group_idx,
+                lookahead_token_ids=lookahead_token_ids,
+            )
+        return BlockStored(
+            block_hashes=block_hashes,
+            parent_block_hash=parent_block_hash,
+            token_ids=token_ids,
+            block_size=block_size,
+            lora_id=lora_id,
+            medium=MEDIUM_GPU,
+            lora_name=lora_name,
+            extra_keys=extra_keys,
+            group_idx=group_idx,
         )
 
     def cache_partial_block(
@@ -538,19 +587,24 @@ class BlockPool:
             mm_start = -1 if start > 0 else 0
             if self.mm_keys_by_window and start > 0:
                 mm_start = first_mm_feature_ending_after(request, start)
-            extra_keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, mm_start)
+            lookahead = self.num_hash_lookahead_tokens
+            extra_keys, _ = generate_block_hash_extra_keys(
+                request, start, num_tokens + lookahead, mm_start
+            )
             lora = request.lora_request
             self.kv_event_queue.append(
-                BlockStored(
+                self._block_stored(
                     block_hashes=[maybe_convert_block_hash(h)],
                     parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
                     token_ids=list(request.all_token_ids[start:num_tokens]),
                     block_size=num_tokens - start,
                     lora_id=lora.adapter_id if lora else None,
-                    medium=MEDIUM_GPU,
                     lora_name=lora.lora_name if lora else None,
                     extra_keys=[extra_keys],
                     group_idx=kv_cache_group_id,
+                    lookahead_token_ids=[
+                        list(request.all_token_ids[num_tokens : num_tokens + lookahead])
+                    ],
                 )
             )
         return key

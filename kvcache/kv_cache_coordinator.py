@@ -240,6 +240,9 @@ class KVCacheCoordinator:
         self.eagle_peek_to_hashed_length = False
         self.mamba_no_eagle_margin = False
         self.retention_replay_boundaries = False
+        # Computed tokens a multi-module drafter re-prefills, so not cached yet (vLLM
+        # 0.33.0's num_prefill_lookahead - 1; 0 in 0.25.1), set by the KVCacheManager.
+        self.num_reprefillable_tokens = 0
         # Precomputed dispatch for the per-call loops.
         self._is_cross = tuple(
             isinstance(m, CrossAttentionManager) for m in self.single_type_managers
@@ -373,7 +376,10 @@ class KVCacheCoordinator:
         return (num_prompt_tokens - 1,)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Cache every group's full blocks within the first ``num_computed_tokens``."""
+        """Cache every group's full blocks within the first ``num_computed_tokens``
+        (less the ``num_reprefillable_tokens``, whose KV is not final)."""
+        if self.num_reprefillable_tokens:
+            num_computed_tokens = max(0, num_computed_tokens - self.num_reprefillable_tokens)
         retention_interval = self.retention_interval
         boundaries = None
         if retention_interval is not None:
@@ -759,6 +765,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 self.scheduler_block_size,
                 manager.block_size,
                 manager.use_eagle,
+                self.num_reprefillable_tokens,
             )
             manager.cache_blocks(request, num_tokens, retention_interval, boundaries)
 

@@ -25,7 +25,7 @@ from kvcache.kv_cache_interface import (
     is_spec_kind,
 )
 from kvcache.kv_cache_math import admits, cdiv
-from kvcache.kv_cache_utils import KVCacheBlock
+from kvcache.kv_cache_utils import KVCacheBlock, check_num_hash_lookahead_tokens
 from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
 from kvcache.profile import Profile, resolve_profile
@@ -203,6 +203,17 @@ class KVCacheManager:
         profile: The vLLM release to behave like (``kvcache.profile``): a
             ``Profile``, a release string, or None for ``Profile("0.25.1")``.
             ``kvcache.vllm_0_33`` builds managers with ``Profile("0.33.0")``.
+        num_hash_lookahead_tokens: Keyword only; vLLM 0.33.0's lookahead hashing
+            (0: none, as 0.25.1). The requests' hasher covers that many tokens after
+            each block (``get_request_block_hasher``); the manager's events report
+            them (``lookahead_token_ids``) and key that window, and a Mamba state
+            is cached at the prompt's last boundary whose lookahead exists. A bool
+            counts as 0 / 1, as in vLLM.
+        num_prefill_lookahead: Keyword only; vLLM 0.33.0's prefill lookahead of a
+            multi-module drafter (0: none). It re-prefills the last
+            ``num_prefill_lookahead - 1`` computed tokens, which are therefore not
+            cached yet; with caching and an EAGLE group the scheduler block must
+            hold at least ``num_prefill_lookahead`` tokens (ValueError otherwise).
     """
 
     def __init__(
@@ -223,10 +234,32 @@ class KVCacheManager:
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
         profile: Profile | str | None = None,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
     ) -> None:
         self.profile = resolve_profile(profile)
         if not self.profile.circular_buffer_groups:
             _refuse_circular_buffer_groups(kv_cache_config, self.profile)
+        self.num_hash_lookahead_tokens = check_num_hash_lookahead_tokens(num_hash_lookahead_tokens)
+        if (
+            not isinstance(num_prefill_lookahead, int)
+            or isinstance(num_prefill_lookahead, bool)
+            or num_prefill_lookahead < 0
+        ):
+            raise ValueError(
+                f"num_prefill_lookahead must be a non-negative int, got {num_prefill_lookahead!r}"
+            )
+        self.num_prefill_lookahead = num_prefill_lookahead
+        if (
+            num_prefill_lookahead > scheduler_block_size
+            and enable_caching
+            and (use_eagle or any(g.is_eagle_group for g in kv_cache_config.kv_cache_groups))
+        ):
+            raise ValueError(
+                f"num_prefill_lookahead={num_prefill_lookahead} with prefix caching and an "
+                f"EAGLE group needs scheduler_block_size={scheduler_block_size} to be at "
+                "least as large"
+            )
         if not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         if not watermark >= 0.0:
@@ -289,6 +322,8 @@ class KVCacheManager:
         self._owners: dict[str, Request] = {}
         self.stats_at_admission = self.profile.stats_at_admission
         self._apply_profile()
+        self.block_pool.num_hash_lookahead_tokens = self.num_hash_lookahead_tokens
+        self.coordinator.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
         if os.environ.get(SELF_CHECK_ENV, "0") not in ("", "0"):
             enable_self_check(self)
 
@@ -533,6 +568,8 @@ class KVCacheManager:
             for manager in coordinator.single_type_managers:
                 manager.keeps_shared_prefix_junction = True
         coordinator.block_pool.mm_keys_by_window = profile.mm_keys_by_window
+        for manager in coordinator.single_type_managers:
+            manager.caches_within_hashed_tokens = profile.cache_within_hashed_tokens
         if profile.partial_prompt_tail_entries:
             for manager in coordinator.single_type_managers:
                 if isinstance(manager, FullAttentionManager):

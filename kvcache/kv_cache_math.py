@@ -75,16 +75,19 @@ def mamba_align_num_new_blocks(
     return 1 if allocated_before else 1 + num_spec
 
 
-def mamba_prompt_tail_boundary(num_prompt_tokens: int, hash_block_size: int, eagle: bool) -> int:
+def mamba_prompt_tail_boundary(
+    num_prompt_tokens: int, hash_block_size: int, eagle: bool, num_hash_lookahead_tokens: int = 0
+) -> int:
     """The prompt's last hash boundary a later lookup of it can reuse a Mamba state
-    at (vLLM 0.33.0): one token is left for the logits; with EAGLE the whole
-    prompt counts and one more hash block is dropped. Never negative.
+    at (vLLM 0.33.0): one token is left for the logits, or the lookahead tokens the
+    boundary's hash covers when there are more (``num_hash_lookahead_tokens``); with
+    EAGLE the whole prompt counts and one more hash block is dropped. Never negative.
 
-    pre: num_prompt_tokens >= 0 and hash_block_size > 0
+    pre: num_prompt_tokens >= 0 and hash_block_size > 0 and num_hash_lookahead_tokens >= 0
     post: __return__ >= 0 and __return__ % hash_block_size == 0
     post: __return__ < num_prompt_tokens or __return__ == 0
     """
-    limit = num_prompt_tokens if eagle else num_prompt_tokens - 1
+    limit = num_prompt_tokens if eagle else num_prompt_tokens - max(1, num_hash_lookahead_tokens)
     boundary = max(limit, 0) // hash_block_size * hash_block_size
     if eagle:
         boundary -= hash_block_size
@@ -403,13 +406,25 @@ def mamba_hit_num_blocks(
 
 
 def num_tokens_to_cache(
-    num_computed_tokens: int, scheduler_block_size: int, block_size: int, use_eagle: bool
+    num_computed_tokens: int,
+    scheduler_block_size: int,
+    block_size: int,
+    use_eagle: bool,
+    num_reprefillable_tokens: int = 0,
 ) -> int:
     """Tokens a hybrid group caches: up to the last scheduler-block boundary, plus the
-    block just past it for an EAGLE group."""
+    block just past it for an EAGLE group. That block stops short of the last
+    ``num_reprefillable_tokens`` computed tokens (vLLM 0.33.0's prefill lookahead:
+    a multi-module drafter computes them again, so their KV is not final).
+
+    pre: num_computed_tokens >= 0 and scheduler_block_size > 0 and block_size > 0
+    pre: num_reprefillable_tokens >= 0
+    post: 0 <= __return__ <= num_computed_tokens
+    """
     aligned = num_computed_tokens // scheduler_block_size * scheduler_block_size
     if use_eagle and aligned > 0:
-        return min(num_computed_tokens, aligned + block_size)
+        finalized = max(0, num_computed_tokens - num_reprefillable_tokens)
+        return min(finalized, finalized // scheduler_block_size * scheduler_block_size + block_size)
     return aligned
 
 

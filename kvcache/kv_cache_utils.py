@@ -293,6 +293,7 @@ def get_request_block_hasher(
     caching_hash_fn: Callable[[Any], bytes],
     tagged_extra_keys: bool = False,
     mm_keys_by_window: bool = False,
+    num_hash_lookahead_tokens: int = 0,
 ) -> Callable[[Request], list[BlockHash]]:
     """A function returning the hashes of a request's full blocks not hashed yet.
 
@@ -301,17 +302,26 @@ def get_request_block_hasher(
     (``tag_extra_keys``); ``mm_keys_by_window`` finds a later block's
     multimodal items by its token window instead of from the last item only.
 
+    ``num_hash_lookahead_tokens`` (L, vLLM 0.33.0's lookahead hashing; 0 in 0.25.1):
+    each block's hash also covers the L tokens after it (a drafter's KV at the
+    block's last position depends on them), so a block is hashed only once they
+    exist. The hashed tokens stay the block's; its extra keys become
+    ``(keys, *next_L_tokens)``, ``keys`` being those of the window from the block's
+    start to L tokens past its end (``lookahead_extra_keys``; None when empty).
+
     Raises:
-        ValueError: if ``hash_block_size`` is not a positive int.
+        ValueError: if ``hash_block_size`` is not a positive int, or
+            ``num_hash_lookahead_tokens`` is negative.
     """
     if not isinstance(hash_block_size, int) or hash_block_size <= 0:
         raise ValueError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
+    lookahead = check_num_hash_lookahead_tokens(num_hash_lookahead_tokens)
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
         # HashValue, not BlockHash: read and made without a bytes check (see there).
         block_hashes: Sequence[HashValue] = request.block_hashes
         start = len(block_hashes) * hash_block_size
-        num_tokens = request.num_tokens
+        num_tokens = request.num_tokens - lookahead  # a block's lookahead must exist
         if start + hash_block_size > num_tokens:
             return []
         # Blocks completed after the first call can only touch the last MM item.
@@ -332,7 +342,15 @@ def get_request_block_hasher(
         while start + hash_block_size <= num_tokens:
             end = start + hash_block_size
             extra_keys: tuple[Any, ...] | None = None
-            if not keyless:
+            if lookahead:
+                if not keyless:
+                    extra_keys, mm_idx = lookahead_extra_keys(
+                        request, start, end, lookahead, mm_idx
+                    )
+                    if tagged_extra_keys and extra_keys is not None:
+                        extra_keys = tag_extra_keys(request, start, extra_keys)
+                extra_keys = (extra_keys, *tokens[end : end + lookahead])
+            elif not keyless:
                 extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
                 if tagged_extra_keys and extra_keys is not None:
                     extra_keys = tag_extra_keys(request, start, extra_keys)
@@ -343,6 +361,42 @@ def get_request_block_hasher(
         return cast(list[BlockHash], new_hashes)
 
     return request_block_hasher
+
+
+def check_num_hash_lookahead_tokens(value: Any) -> int:
+    """``num_hash_lookahead_tokens`` as an int: a bool counts as 0 / 1 (vLLM 0.33.0
+    does arithmetic with the value, and its tests pass ``True``).
+
+    Raises:
+        ValueError: for a negative value or one that is no int.
+    """
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"num_hash_lookahead_tokens must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def lookahead_extra_keys(
+    request: Request, start: int, end: int, num_lookahead_tokens: int, start_mm_idx: int
+) -> tuple[tuple[Any, ...] | None, int]:
+    """Extra keys of the block ``[start, end)`` hashed with ``num_lookahead_tokens``
+    tokens after it: ``generate_block_hash_extra_keys`` of the window ``[start, end +
+    num_lookahead_tokens)`` (so a multimodal item or prompt-embedding rows inside the
+    lookahead key the block too).
+
+    Returns:
+        ``(keys or None, next multimodal index)``; the index steps back to the first
+        item still running past ``end``, since the next block starts there.
+    """
+    keys, mm_idx = generate_block_hash_extra_keys(
+        request, start, end + num_lookahead_tokens, start_mm_idx
+    )
+    features = request.mm_features
+    while mm_idx > 0:
+        pos = features[mm_idx - 1].mm_position
+        if pos.offset + pos.length <= end:
+            break
+        mm_idx -= 1
+    return keys, mm_idx
 
 
 def first_mm_feature_ending_after(request: Request, start: int) -> int:
@@ -440,6 +494,51 @@ class BlockHashListWithBlockSize:
 
 
 BlockHashList: TypeAlias = list[BlockHash] | BlockHashListWithBlockSize
+
+
+@mypyc_attr(native_class=False)
+class BlockHashViewError(ValueError, AssertionError):
+    """A hash view of another block size than the one asked for
+    (``resolve_block_hashes``): a ``ValueError``, and the ``AssertionError`` vLLM
+    0.33.0 raises there."""
+
+
+def resolve_block_hashes(
+    block_hashes: BlockHashList,
+    hash_block_size: int,
+    block_size: int,
+    *,
+    supports_fine_grained_hash_lookup: bool = False,
+    alignment_tokens: int | None = None,
+) -> BlockHashList:
+    """A request's hashes seen at ``block_size`` (vLLM 0.33.0's helper).
+
+    The list itself when ``block_size`` is the hash block size, or when a manager
+    that can find hits ending inside a block (``supports_fine_grained_hash_lookup``)
+    looks them up at a finer ``alignment_tokens`` dividing ``block_size``; a view
+    given already is returned as it is; otherwise a ``BlockHashListWithBlockSize``.
+
+    Raises:
+        BlockHashViewError: for a view of another block size.
+        ValueError: if ``block_size`` is not a multiple of ``hash_block_size``.
+    """
+    if block_size == hash_block_size:
+        return block_hashes
+    if isinstance(block_hashes, BlockHashListWithBlockSize):
+        if block_hashes.scale_factor * hash_block_size != block_size:
+            raise BlockHashViewError(
+                f"block_hashes is a view at {block_hashes.scale_factor * hash_block_size} "
+                f"tokens per block, not block_size={block_size}"
+            )
+        return block_hashes
+    if (
+        supports_fine_grained_hash_lookup
+        and alignment_tokens is not None
+        and alignment_tokens < block_size
+        and block_size % alignment_tokens == 0
+    ):
+        return block_hashes
+    return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
 
 
 # ---------------------------------------------------------------- blocks

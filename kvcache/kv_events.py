@@ -57,6 +57,27 @@ class BlockStored(KVCacheEvent):
 
 
 @dataclass
+class LookaheadBlockStored(BlockStored):
+    """A ``BlockStored`` of blocks hashed with lookahead tokens (vLLM 0.33.0's
+    ``num_hash_lookahead_tokens`` > 0): ``lookahead_token_ids`` lists, per stored
+    block, the tokens after it that its hash covers, so a consumer can rebuild the
+    hash from the event (``(extra_keys[i], *lookahead_token_ids[i])``).
+
+    Its class name is ``BlockStored`` (``__name__``): converters, the wire format and
+    the kit know events by that name, and vLLM 0.33.0's ``BlockStored`` has the
+    field. Only a pool hashing with lookahead makes one, which 0.25.1 never does.
+    """
+
+    lookahead_token_ids: list[list[int]] | None = None
+
+    def __hash__(self) -> int:
+        return hash(_freeze(dataclasses.astuple(self)))
+
+
+LookaheadBlockStored.__name__ = "BlockStored"
+
+
+@dataclass
 class BlockRemoved(KVCacheEvent):
     """Cached hashes were evicted from the prefix cache."""
 

@@ -237,6 +237,14 @@ SWITCHES: tuple[Switch, ...] = (
         "0.33.0",
     ),
     Switch(
+        "cache_within_hashed_tokens",
+        "",
+        "A group caches only the full blocks the request has hashes for (with lookahead "
+        "hashing a block's hash waits for the tokens after it); 0.25.1 asserts that "
+        "every full block within the tokens to cache has one.",
+        "0.33.0",
+    ),
+    Switch(
         "pcp_not_scaled",
         "pcp-not-scaled",
         "A block spans block_size * dcp_world_size tokens: prefill context parallelism "
@@ -300,6 +308,7 @@ class Profile:
     retention_zero_without_window: bool
     shared_prefix_junctions: bool
     circular_buffer_groups: bool
+    cache_within_hashed_tokens: bool
     pcp_not_scaled: bool
     dcp_sharded_geometry: bool
 

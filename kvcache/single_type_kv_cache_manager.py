@@ -160,6 +160,8 @@ class SingleTypeKVCacheManager:
         # The shared_prefix_junctions switch: under sparse retention also keep the
         # tail before the request's shared_prefix_boundary (vLLM 0.33.0's Request).
         self.keeps_shared_prefix_junction = False
+        # The cache_within_hashed_tokens switch (kvcache.profile).
+        self.caches_within_hashed_tokens = False
 
     # ------------------------------------------------------------ sizing
 
@@ -309,6 +311,9 @@ class SingleTypeKVCacheManager:
         ``shared_prefix_boundary`` (one block lower too for an EAGLE group)."""
         request_id = request.request_id
         num_cached_blocks = self.num_cached_block.get(request_id, 0)
+        if self.caches_within_hashed_tokens:  # a block's hash may wait for its lookahead
+            num_hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
+            num_tokens = min(num_tokens, num_hashed_tokens)
         num_full_blocks = num_tokens // self.block_size
         if num_cached_blocks >= num_full_blocks:
             return
@@ -1074,14 +1079,18 @@ class MambaManager(SingleTypeKVCacheManager):
         """Under ``caches_prompt_tail_state`` (0.33.0, 'align'): when ``num_tokens``
         is the prompt's last reusable hash boundary, key the state block holding it
         there unless it already is (a state the pool lost, e.g. by ``evict_blocks``,
-        is keyed again). The boundary leaves one token for the logits, or with
-        EAGLE one whole hash block less. Boundaries inside a block (fine-grained
+        is keyed again). The boundary leaves one token for the logits (or the
+        lookahead tokens its hash covers, when more), or with EAGLE one whole hash
+        block less. Boundaries inside a block (fine-grained
         hits) are not modelled."""
         hash_block_size = self.block_pool.hash_block_size
         if num_tokens <= 0 or num_tokens % hash_block_size:
             return None
         boundary = kv_cache_math.mamba_prompt_tail_boundary(
-            request.num_prompt_tokens, hash_block_size, self.prompt_tail_drops_eagle
+            request.num_prompt_tokens,
+            hash_block_size,
+            self.prompt_tail_drops_eagle,
+            self.block_pool.num_hash_lookahead_tokens,
         )
         if num_tokens != boundary or num_tokens % self.block_size:
             return None

@@ -16,12 +16,12 @@ Covered: layouts of full attention, sliding window and chunked local attention
 (``CircularBufferSpec`` / ``CircularBufferManager``); managers chosen through the
 spec registry (``KVCacheSpecRegistry``: registered spec classes, group roles); Mamba alone, and
 Mamba beside attention without fine-grained hits (the ``mamba_*`` switches: a
-Mamba group caching outside 'align' is refused); decode / prefill context
-parallelism with 0.33.0's per-group geometry (``pcp_not_scaled``,
-``dcp_sharded_geometry``). Not covered yet
-(``NotImplementedError`` naming the argument): lookahead hashing
-(``num_hash_lookahead_tokens`` > 0), prefill lookahead (``num_prefill_lookahead``
-> 0), the Mamba shared-prefix checkpoint, and asking to skip zeroing for a
+Mamba group caching outside 'align' is refused); lookahead hashing
+(``num_hash_lookahead_tokens``) and prefill lookahead (``num_prefill_lookahead``:
+re-prefilled tokens are not cached); decode / prefill context parallelism with
+0.33.0's per-group geometry (``pcp_not_scaled``, ``dcp_sharded_geometry``). Not
+covered yet (``NotImplementedError`` naming the argument): the Mamba shared-prefix
+checkpoint, and asking to skip zeroing for a
 layout that zeroes (Mamba). Mamba 'align' fine-grained (sub-block) hits and
 prefill checkpoints are not modelled: see ``NOT_YET_CONFORMANT`` in
 ``kvcache.kit.conformance33``.
@@ -67,6 +67,7 @@ __all__ = [
     "KVCacheSpecMetadata",
     "KVCacheSpecRegistry",
     "PrefixCacheStats",
+    "generate_lookahead_block_hash_extra_keys",
     "get_request_block_hasher",
     "init_none_hash",
     "register_kv_cache_spec",
@@ -90,7 +91,8 @@ class PrefixCacheStats(_PrefixCacheStats):
 @dataclass
 class BlockStored(_events.BlockStored):
     """0.33.0's ``BlockStored``: 0.25.1's fields plus the new ones, at their defaults
-    for blocks this manager caches (no lookahead hashing, no session, local)."""
+    for blocks this manager caches (no session, local); ``lookahead_token_ids`` set
+    under lookahead hashing."""
 
     locality: str | None = None
     ownership: str | None = None
@@ -143,29 +145,50 @@ def get_request_block_hasher(
     caching_hash_fn: Callable[[Any], bytes],
     num_hash_lookahead_tokens: int = 0,
 ) -> Callable[[Request], list[BlockHash]]:
-    """0.33.0's request block hasher: tagged extra keys, multimodal items by window.
+    """0.33.0's request block hasher: tagged extra keys, multimodal items by window,
+    and lookahead hashing: with ``num_hash_lookahead_tokens`` (L) > 0 a block is
+    hashed once the L tokens after it exist, its extra keys ``(keys of the block and
+    its lookahead, *those L tokens)``. A bool counts as 0 / 1, as in vLLM.
 
     Raises:
-        NotImplementedError: for ``num_hash_lookahead_tokens`` > 0 (not covered yet).
         ValueError: for a negative ``num_hash_lookahead_tokens`` or a bad block size.
     """
-    _check_lookahead("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
     return _utils.get_request_block_hasher(
         hash_block_size,
         caching_hash_fn,
         tagged_extra_keys=PROFILE.tagged_extra_keys,
         mm_keys_by_window=PROFILE.mm_keys_by_window,
+        num_hash_lookahead_tokens=_check_lookahead(
+            "num_hash_lookahead_tokens", num_hash_lookahead_tokens
+        ),
     )
 
 
-def _check_lookahead(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+def generate_lookahead_block_hash_extra_keys(
+    request: Request, start_token_idx: int, end_token_idx: int, hash_end_token_idx: int,
+    start_mm_idx: int,
+) -> tuple[tuple[Any, ...] | None, int]:
+    """0.33.0's extra keys of the block ``[start_token_idx, end_token_idx)`` hashed up
+    to ``hash_end_token_idx`` (its lookahead), tagged, and the multimodal index the
+    next block starts from (``kvcache.kv_cache_utils.lookahead_extra_keys``)."""
+    keys, mm_idx = _utils.lookahead_extra_keys(
+        request, start_token_idx, end_token_idx, hash_end_token_idx - end_token_idx,
+        start_mm_idx,
+    )
+    if keys is not None and PROFILE.tagged_extra_keys:
+        keys = _utils.tag_extra_keys(request, start_token_idx, keys)
+    return keys, mm_idx
+
+
+def _check_lookahead(name: str, value: Any) -> int:
+    """``value`` as an int (a bool counts as 0 / 1, as in vLLM).
+
+    Raises:
+        ValueError: for a negative value or one that is no int.
+    """
+    if not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    if value:
-        raise NotImplementedError(
-            f"{name}={value}: kvcache's 0.33.0 profile does not model lookahead yet "
-            "(only 0 is supported)"
-        )
+    return int(value)
 
 
 # ---------------------------------------------------------------- the manager
@@ -177,8 +200,11 @@ class KVCacheManager(_KVCacheManager):
     Args:
         max_in_flight_tokens: 0.33.0's name for 0.25.1's ``max_num_batched_tokens``
             (the admission cap's token budget; default ``max_model_len``).
-        num_hash_lookahead_tokens: Must be 0 (lookahead hashing is not modelled).
-        num_prefill_lookahead: Must be 0 (prefill lookahead is not modelled).
+        num_hash_lookahead_tokens: Lookahead hashing: tokens after each block its
+            hash covers (the requests' hasher must use the same count); events
+            list them per block (``lookahead_token_ids``). A bool counts as 0 / 1.
+        num_prefill_lookahead: A multi-module drafter's prefill lookahead: the last
+            ``num_prefill_lookahead - 1`` computed tokens are not cached yet.
         enable_mamba_shared_prefix_checkpoint: Must be False with a Mamba group
             (a no-op without one, as in vLLM).
 
@@ -207,8 +233,10 @@ class KVCacheManager(_KVCacheManager):
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        _check_lookahead("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
-        _check_lookahead("num_prefill_lookahead", num_prefill_lookahead)
+        num_hash_lookahead_tokens = _check_lookahead(
+            "num_hash_lookahead_tokens", num_hash_lookahead_tokens
+        )
+        num_prefill_lookahead = _check_lookahead("num_prefill_lookahead", num_prefill_lookahead)
         if enable_mamba_shared_prefix_checkpoint and any(
             is_spec_kind(g.kv_cache_spec, "MambaSpec") for g in kv_cache_config.kv_cache_groups
         ):
@@ -244,6 +272,8 @@ class KVCacheManager(_KVCacheManager):
                 kv_cache_config, "prefix_cache_retention_interval", None
             ),
             profile=PROFILE,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            num_prefill_lookahead=num_prefill_lookahead,
         )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = self._new_stats()

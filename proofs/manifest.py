@@ -138,7 +138,8 @@ PAIRS: tuple[Pair, ...] = (
          f"{K}.mamba_align_num_new_blocks",
          lambda n, bs, spec, hits, held, before: bs > 0 and _nonneg(n, spec, hits, held)),
     Pair("mamba_prompt_tail_boundary", f"{S}.mamba_prompt_tail_boundary",
-         f"{K}.mamba_prompt_tail_boundary", lambda n, hbs, eagle: n >= 0 and hbs > 0),
+         f"{K}.mamba_prompt_tail_boundary",
+         lambda n, hbs, eagle, lookahead: n >= 0 and hbs > 0 and lookahead >= 0),
     Pair("num_skipped_tokens_sliding_window", f"{S}.num_skipped_tokens_sliding_window",
          f"{K}.num_skipped_tokens_sliding_window", lambda n, window: n >= 0 and window >= 1),
     Pair("num_skipped_tokens_chunked_local", f"{S}.num_skipped_tokens_chunked_local",
@@ -188,7 +189,8 @@ PAIRS: tuple[Pair, ...] = (
          lambda hashes, cached, n, bs, alignment: (
              _hashes(hashes, n) and bs >= 1 and alignment >= 1), types=INT_HASHES),
     Pair("num_tokens_to_cache", f"{S}.num_tokens_to_cache", f"{K}.num_tokens_to_cache",
-         lambda n, scheduler_bs, bs, eagle: n >= 0 and scheduler_bs >= 1 and bs >= 1),
+         lambda n, scheduler_bs, bs, eagle, reprefill: n >= 0 and scheduler_bs >= 1
+         and bs >= 1 and reprefill >= 0),
     Pair("admits", f"{S}.admits", f"{K}.admits",
          lambda n, free, reserved, watermark: _nonneg(free, reserved, watermark)),
     Pair("slot_formula", "proofs.slots.reference_slot", "proofs.slots.kernel_slot", _split),

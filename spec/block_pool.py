@@ -11,6 +11,7 @@ from spec.vocab import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    BlockStored033,
     KVCacheEvent,
     Request,
     block_extra_keys,
@@ -47,6 +48,9 @@ class BlockPool:
     # Release switches (spec/profile.py), set by the KVCacheManager.
     tagged_extra_keys = False
     mm_keys_by_window = False
+    # 0.33.0's lookahead hashing: tokens after each block its hash covers (set by the
+    # KVCacheManager; 0 in 0.25.1).
+    num_hash_lookahead_tokens = 0
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
@@ -76,7 +80,8 @@ class BlockPool:
         """The request's block hashes, computed by the spec from its tokens and keys
         (never read from the request), at ``block_size`` (default: the hash block size)."""
         hashes = request_block_hashes(request, self.hash_block_size, self.hash_fn, self.none_hash,
-                                      self.tagged_extra_keys, self.mm_keys_by_window)
+                                      self.tagged_extra_keys, self.mm_keys_by_window,
+                                      self.num_hash_lookahead_tokens)
         if block_size is None or block_size == self.hash_block_size:
             return hashes
         return coarsen(hashes, self.hash_block_size, block_size)
@@ -129,11 +134,16 @@ class BlockPool:
             return
         # NOTE: like vLLM, this reads blocks[i] up to num_full_blocks, so it raises
         # IndexError (after caching) when asked to cache past the request's last block.
-        extra_keys = [block_extra_keys(request, i * block_size, (i + 1) * block_size)
-                      for i in range(num_cached_blocks, num_full_blocks)
-                      if blocks[i] != NULL_BLOCK and keep[i - num_cached_blocks]]
+        # Each block's keys cover its window: the block and its lookahead tokens.
+        la = self.num_hash_lookahead_tokens
+        stored = [i for i in range(num_cached_blocks, num_full_blocks)
+                  if blocks[i] != NULL_BLOCK and keep[i - num_cached_blocks]]
+        extra_keys = [block_extra_keys(request, i * block_size, (i + 1) * block_size + la)
+                      for i in stored]
         lora = request.lora_request
-        self.kv_event_queue.append(BlockStored(
+        self.kv_event_queue.append(self._block_stored(
+            [list(request.all_token_ids[(i + 1) * block_size:(i + 1) * block_size + la])
+             for i in stored],
             block_hashes=new_hashes,
             parent_block_hash=(None if num_cached_blocks == 0
                                else external_hash(hashes[num_cached_blocks - 1])),
@@ -142,6 +152,13 @@ class BlockPool:
             block_size=block_size, lora_id=lora.adapter_id if lora else None,
             medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
             extra_keys=extra_keys or None, group_idx=kv_cache_group_id))
+
+    def _block_stored(self, lookahead_token_ids: list[list[int]], **fields: Any) -> Any:
+        """A BlockStored; under lookahead hashing 0.33.0's, which also lists the tokens
+        after each block that its hash covers."""
+        if self.num_hash_lookahead_tokens:
+            return BlockStored033(**fields, lookahead_token_ids=lookahead_token_ids)
+        return BlockStored(**fields)
 
     def cache_partial_block(self, request: Request, block: int, num_tokens: int,
                             kv_cache_group_id: int, block_size: int,
@@ -174,14 +191,15 @@ class BlockPool:
             first_mm = max(len(request.mm_features) - 1, 0) if start > 0 else 0
             if self.mm_keys_by_window:  # 0.33.0: every item of the window
                 first_mm = 0
-            lora = request.lora_request
-            self.kv_event_queue.append(BlockStored(
+            lora, la = request.lora_request, self.num_hash_lookahead_tokens
+            self.kv_event_queue.append(self._block_stored(
+                [list(request.all_token_ids[num_tokens:num_tokens + la])],
                 block_hashes=[external_hash(hashes[n - 1])],
                 parent_block_hash=external_hash(hashes[n - 2]) if n > 1 else None,
                 token_ids=list(request.all_token_ids[start:num_tokens]),
                 block_size=num_tokens - start, lora_id=lora.adapter_id if lora else None,
                 medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
-                extra_keys=[block_extra_keys(request, start, num_tokens, first_mm)],
+                extra_keys=[block_extra_keys(request, start, num_tokens + la, first_mm)],
                 group_idx=kv_cache_group_id))
         return key
 

@@ -67,6 +67,7 @@ class KVCacheCoordinator:
                 len(groups) > 1 or not is_a(groups[0].kv_cache_spec, "FullAttentionSpec")):
             raise NotImplementedError("context parallelism with prefix caching: one full-"
                                       "attention group only (vLLM asserts for the rest)")
+        self.num_reprefillable_tokens = 0  # 0.33.0's prefill lookahead, set by the manager
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(g.kv_cache_spec, max_num_batched_tokens, max_model_len,
                                           self.block_pool, enable_caching, i, scheduler_block_size,
@@ -165,10 +166,13 @@ class KVCacheCoordinator:
         return (num_prompt_tokens - 1,)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Cache the request's full blocks among its first ``num_computed_tokens`` tokens."""
+        """Cache the request's full blocks among its first ``num_computed_tokens`` tokens,
+        but the last ``num_reprefillable_tokens`` (0.33.0's prefill lookahead: a
+        multi-module drafter computes them again)."""
+        num_tokens = max(0, num_computed_tokens - self.num_reprefillable_tokens)
         boundaries = self.replay_boundaries(request.num_prompt_tokens)
         for m in self.single_type_managers:
-            m.cache_blocks(request, num_computed_tokens, self.retention_interval, boundaries)
+            m.cache_blocks(request, num_tokens, self.retention_interval, boundaries)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, group by group."""
@@ -296,8 +300,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         boundaries = self.replay_boundaries(request.num_prompt_tokens)
         for m in self.single_type_managers:
             m.cache_blocks(request, pure.num_tokens_to_cache(
-                num_computed_tokens, self.scheduler_block_size, m.block_size, m.use_eagle),
-                self.retention_interval, boundaries)
+                num_computed_tokens, self.scheduler_block_size, m.block_size, m.use_eagle,
+                self.num_reprefillable_tokens), self.retention_interval, boundaries)
 
     def _hashes_for(self, block_hashes: list[bytes], spec: KVCacheSpec) -> list[bytes]:
         """The request's hashes at the spec's block size."""

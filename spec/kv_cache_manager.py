@@ -107,13 +107,28 @@ class KVCacheManager:
                  watermark: float = 0.0, *, caching_hash_algo: str = "sha256",
                  hash_seed: str | None = None,
                  prefix_cache_retention_interval: int | None = None,
-                 profile: Profile | str | None = None) -> None:
+                 profile: Profile | str | None = None, num_hash_lookahead_tokens: int = 0,
+                 num_prefill_lookahead: int = 0) -> None:
         self.profile = resolve_profile(profile)  # spec/profile.py
         rings = [g for g in kv_cache_config.kv_cache_groups
                  if is_a(g.kv_cache_spec, "CircularBufferSpec")]
         if rings and not self.profile.circular_buffer_groups:
             raise NotImplementedError("a CircularBufferSpec group (a vLLM 0.33.0 kind) under "
                                       f"profile {self.profile.release}")
+        # 0.33.0's lookahead hashing and prefill lookahead (0: none; a bool hash
+        # lookahead counts as 0 / 1, as vLLM does arithmetic with it).
+        for name, value in (("num_hash_lookahead_tokens", num_hash_lookahead_tokens),
+                            ("num_prefill_lookahead", num_prefill_lookahead)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if isinstance(num_prefill_lookahead, bool):
+            raise ValueError(f"num_prefill_lookahead must be a non-negative int, got "
+                             f"{num_prefill_lookahead!r}")
+        eagle = use_eagle or any(g.is_eagle_group for g in kv_cache_config.kv_cache_groups)
+        if enable_caching and eagle and num_prefill_lookahead > scheduler_block_size:
+            raise ValueError(f"num_prefill_lookahead={num_prefill_lookahead} with prefix caching "
+                             f"and an EAGLE group needs scheduler_block_size="
+                             f"{scheduler_block_size} to be at least as large")
         for name, size in (("dcp_world_size", dcp_world_size), ("pcp_world_size", pcp_world_size)):
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
@@ -156,6 +171,8 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool)
         self._apply_profile(hash_seed)
+        self.block_pool.num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
+        self.coordinator.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
 
     def _apply_profile(self, hash_seed: str | None) -> None:
         """Set the profile's switches on the coordinator, managers and pool."""
@@ -179,6 +196,7 @@ class KVCacheManager:
             m.caches_partial_prompt_tail = (p.partial_prompt_tail_entries
                                             and isinstance(m, FullAttentionManager))
             m.keeps_shared_prefix_junction = p.shared_prefix_junctions
+            m.caches_within_hashed_tokens = p.cache_within_hashed_tokens
         for m in coordinator.single_type_managers:
             m.zeroes_any_attention_kind = (
                 p.zero_every_attention_group and zeroing and is_a(m.kv_cache_spec, "AttentionSpec")

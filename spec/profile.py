@@ -19,7 +19,7 @@ SWITCHES = (
     "mamba_frees_processed_states", "zero_every_attention_group", "mamba_no_eagle_margin",
     "mamba_prompt_tail_state", "retention_replay_boundaries", "retention_zero_without_window",
     "shared_prefix_junctions", "mamba_caps_new_state_blocks", "circular_buffer_groups",
-    "pcp_not_scaled", "dcp_sharded_geometry",
+    "cache_within_hashed_tokens", "pcp_not_scaled", "dcp_sharded_geometry",
 )  # fmt: skip
 """Every switch, in kvcache's order."""
 

@@ -100,19 +100,22 @@ def num_skipped_hits(num_skipped: int, num_held: int) -> int:
     return max(0, num_skipped - num_held)
 
 
-def mamba_prompt_tail_boundary(num_prompt_tokens: int, hash_block_size: int, eagle: bool) -> int:
+def mamba_prompt_tail_boundary(num_prompt_tokens: int, hash_block_size: int, eagle: bool,
+                               num_hash_lookahead_tokens: int = 0) -> int:
     """The last hash boundary of the prompt where a later lookup of it can reuse a Mamba
-    state (0.33.0): ``num_prompt_tokens - 1`` rounded down, or with EAGLE the prompt
+    state (0.33.0): the prompt less one token (for the logits), or less the lookahead
+    tokens its hash covers when there are more, rounded down; with EAGLE the prompt
     rounded down less one hash block; at least 0.
 
-    pre: num_prompt_tokens >= 0 and hash_block_size > 0
+    pre: num_prompt_tokens >= 0 and hash_block_size > 0 and num_hash_lookahead_tokens >= 0
     post: __return__ >= 0 and __return__ % hash_block_size == 0
     post: __return__ < num_prompt_tokens or __return__ == 0
     """
     if eagle:
         boundary = num_prompt_tokens // hash_block_size * hash_block_size - hash_block_size
     else:
-        boundary = max(num_prompt_tokens - 1, 0) // hash_block_size * hash_block_size
+        limit = num_prompt_tokens - max(1, num_hash_lookahead_tokens)
+        boundary = max(limit, 0) // hash_block_size * hash_block_size
     return max(boundary, 0)
 
 
@@ -429,20 +432,23 @@ def mamba_hit_num_blocks(block_hashes: Sequence[H], cached: Container[H], max_nu
 
 
 def num_tokens_to_cache(num_computed_tokens: int, scheduler_block_size: int, block_size: int,
-                        use_eagle: bool) -> int:
+                        use_eagle: bool, num_reprefillable_tokens: int = 0) -> int:
     """Hybrid caching: up to the last scheduler-block boundary (hits end only there);
-    an EAGLE group one block further, since its hits look one block past a boundary.
+    an EAGLE group one block further, since its hits look one block past a boundary,
+    counted from the tokens whose KV is final: all but the last
+    ``num_reprefillable_tokens`` (0.33.0's prefill lookahead re-computes those).
 
     pre: num_computed_tokens >= 0 and scheduler_block_size >= 1 and block_size >= 1
+    pre: num_reprefillable_tokens >= 0
     post: __return__ <= num_computed_tokens
-    post: 0 <= __return__ - _align_down(num_computed_tokens, scheduler_block_size)
-    post: __return__ - _align_down(num_computed_tokens, scheduler_block_size) <= block_size
+    post: num_reprefillable_tokens > 0 or 0 <= __return__ - _align_down(num_computed_tokens, scheduler_block_size) <= block_size
     post: use_eagle or __return__ % scheduler_block_size == 0
-    """
-    aligned = num_computed_tokens // scheduler_block_size * scheduler_block_size
-    if use_eagle and aligned > 0:
-        return min(num_computed_tokens, aligned + block_size)
-    return aligned
+    post: not use_eagle or __return__ == 0 or __return__ <= num_computed_tokens - num_reprefillable_tokens
+    """  # noqa: E501
+    if not use_eagle or num_computed_tokens < scheduler_block_size:
+        return _align_down(num_computed_tokens, scheduler_block_size)
+    final = max(0, num_computed_tokens - num_reprefillable_tokens)
+    return min(final, _align_down(final, scheduler_block_size) + block_size)
 
 
 # ---------------------------------------------------------------- admission

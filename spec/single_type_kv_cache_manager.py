@@ -66,6 +66,7 @@ class SingleTypeKVCacheManager:
     # Release switches (spec/profile.py), set by the KVCacheManager.
     records_new_block_ids = True
     caches_partial_prompt_tail = False
+    caches_within_hashed_tokens = False
     zeroes_any_attention_kind = False  # zero_every_attention_group, beside Mamba
     keeps_shared_prefix_junction = False  # shared_prefix_junctions
 
@@ -177,6 +178,9 @@ class SingleTypeKVCacheManager:
         boundary too (and one block below it for an EAGLE group)."""
         rid = request.request_id
         num_cached = self.num_cached_block.get(rid, 0)
+        if self.caches_within_hashed_tokens:  # only blocks the request has hashes for
+            hbs = self.block_pool.hash_block_size
+            num_tokens = min(num_tokens, len(self.block_pool.block_hashes(request)) * hbs)
         num_full = num_tokens // self.block_size
         if num_cached >= num_full:
             return
@@ -594,7 +598,8 @@ class MambaManager(SingleTypeKVCacheManager):
         if (self.caches_prompt_tail_state and self.mamba_cache_mode == "align"
                 and num_tokens > 0 and num_tokens % self.block_size == 0
                 and num_tokens == pure.mamba_prompt_tail_boundary(
-                    request.num_prompt_tokens, hbs, self.prompt_tail_drops_eagle)):
+                    request.num_prompt_tokens, hbs, self.prompt_tail_drops_eagle,
+                    self.block_pool.num_hash_lookahead_tokens)):
             blocks = self._blocks_of(rid)
             idx = num_tokens // self.block_size - 1
             if (idx < len(blocks) and blocks[idx] != NULL_BLOCK

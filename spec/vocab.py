@@ -140,23 +140,29 @@ def block_extra_keys(request: Any, start: int, end: int, first_mm: int = 0,
 
 def request_block_hashes(request: Any, block_size: int, hash_fn: Callable[[Any], bytes],
                          first_parent: bytes, tagged: bool = False,
-                         by_window: bool = False) -> list[bytes]:
+                         by_window: bool = False, lookahead: int = 0) -> list[bytes]:
     """The hashes of the request's full ``block_size`` blocks, chained from ``first_parent``.
 
     As in vLLM, where a request's hashes grow as tokens arrive: a block that was not
     full when the request was made (the prompt's partial tail) is hashed later,
     and that later hashing looks at the last multimodal item only (0.33.0's
     mm_keys_by_window, ``by_window``: at every item in the block, as the first
-    hashing does). ``tagged``: see ``block_extra_keys``.
+    hashing does). ``tagged``: see ``block_extra_keys``. ``lookahead`` (0.33.0's
+    lookahead hashing): a block's hash also covers the ``lookahead`` tokens after it,
+    so it exists only once they do; its keys are those of the block and its lookahead
+    tokens, followed by those tokens.
     """
     tokens, num_prompt = request.all_token_ids, request.num_prompt_tokens
     hashes: list[bytes] = []
     parent = first_parent
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        hashed_later = start > 0 and start + block_size > num_prompt and not by_window
+    for start in range(0, len(tokens) - lookahead - block_size + 1, block_size):
+        end = start + block_size
+        hashed_later = start > 0 and end > num_prompt and not by_window
         first_mm = len(request.mm_features) - 1 if hashed_later else 0
-        keys = block_extra_keys(request, start, start + block_size, max(first_mm, 0), tagged)
-        parent = hash_fn((parent, tuple(tokens[start:start + block_size]), keys))
+        keys = block_extra_keys(request, start, end + lookahead, max(first_mm, 0), tagged)
+        if lookahead:
+            keys = (keys, *tokens[end:end + lookahead])
+        parent = hash_fn((parent, tuple(tokens[start:end]), keys))
         hashes.append(parent)
     return hashes
 

@@ -104,6 +104,10 @@ class GroupConfig:
         return "full"
 
 
+LOOKAHEAD_FIELDS = ("num_hash_lookahead_tokens", "num_prefill_lookahead")
+"""vLLM 0.33.0's lookahead arguments of ``ManagerConfig`` (omitted when 0)."""
+
+
 @dataclass(frozen=True)
 class ManagerConfig:
     """Everything needed to build the same ``KVCacheManager`` in every implementation.
@@ -114,6 +118,9 @@ class ManagerConfig:
     ``prefix_cache_retention_interval`` is vLLM 0.25.1's
     ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (None: unset); adapters set the
     variable while the manager is built (``kvcache.kit.sides.retention_env``).
+    ``num_hash_lookahead_tokens`` and ``num_prefill_lookahead`` are vLLM 0.33.0's
+    lookahead hashing and prefill lookahead (0: none; 0.25.1 has neither): passed to
+    the manager only when set, and the requests' hasher hashes with the same lookahead.
     """
 
     num_blocks: int
@@ -132,6 +139,8 @@ class ManagerConfig:
     dcp_world_size: int = 1
     pcp_world_size: int = 1
     prefix_cache_retention_interval: int | None = None
+    num_hash_lookahead_tokens: int = 0
+    num_prefill_lookahead: int = 0
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -140,6 +149,10 @@ class ManagerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}; expected a positive int")
+        for name in LOOKAHEAD_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r}; expected a non-negative int")
         retention = self.prefix_cache_retention_interval
         if retention is not None and type(retention) is not int:
             raise ValueError(
@@ -216,6 +229,8 @@ class ManagerConfig:
                 for name in ("dcp_world_size", "pcp_world_size")
                 if getattr(self, name) != 1
             },
+            # Likewise: 0.25.1's factories know no lookahead.
+            **{name: getattr(self, name) for name in LOOKAHEAD_FIELDS if getattr(self, name)},
         }
 
     def to_record(self) -> dict[str, Any]:
@@ -227,6 +242,9 @@ class ManagerConfig:
                 del record[name]
         if record["prefix_cache_retention_interval"] is None:
             del record["prefix_cache_retention_interval"]  # headers of older traces
+        for name in LOOKAHEAD_FIELDS:
+            if record[name] == 0:
+                del record[name]
         return record
 
     @classmethod

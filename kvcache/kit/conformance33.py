@@ -70,6 +70,8 @@ NOT_YET_CONFORMANT.update(
 # so that a driver bug cannot make the comparison trivial.
 REQUIRED_PATHS = ("allocate_none", "raises:ValueError", "raises:AssertionError", "reset_True")
 REQUIRED_WITH_CACHING = ("prefix_hit", "event:BlockStored", "event:BlockRemoved")
+# ... and in a lookahead family: configs with each lookahead, events listing lookahead tokens.
+REQUIRED_WITH_LOOKAHEAD = ("config:hash_lookahead", "config:prefill_lookahead", "event:lookahead")
 
 
 def under_0_33(family: Family) -> Family:
@@ -85,6 +87,11 @@ def under_0_33(family: Family) -> Family:
 def conformant_families() -> list[Family]:
     """The families run: every driver family not in ``NOT_YET_CONFORMANT``."""
     return [under_0_33(f) for name, f in FAMILIES.items() if name not in NOT_YET_CONFORMANT]
+
+
+def family_index(name: str) -> int:
+    """The index of a family in ``FAMILIES`` (its sequences' seeds derive from it)."""
+    return list(FAMILIES).index(name)
 
 
 def family_seed(base_seed: int, family_index: int, index: int) -> int:
@@ -132,6 +139,8 @@ def run_family(
     stats.seconds = time.monotonic() - started
     caching = family.enable_caching is not False and "cross" not in family.kinds
     required = REQUIRED_PATHS + (REQUIRED_WITH_CACHING if caching else ())
+    if family.lookahead:
+        required += REQUIRED_WITH_LOOKAHEAD
     missing = [path for path in required if stats.events[path] == 0]
     return FamilyResult(family, stats, failures, missing)
 
@@ -218,7 +227,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if vllm.__version__ != REFERENCE_VERSION:
         print(f"conformance-0.33: needs vLLM {REFERENCE_VERSION}, found {vllm.__version__}")
         return 2
-    names = list(FAMILIES)
     chosen = conformant_families()
     if args.families:
         wanted = [n.strip() for n in args.families.split(",") if n.strip()]
@@ -229,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = Stats()
     failed: list[str] = []
     for family in chosen:
-        result = run_family(family, names.index(family.name), args.sequences, args.seed)
+        result = run_family(family, family_index(family.name), args.sequences, args.seed)
         total.add(result.stats)
         print(f"{result.stats.summary()} in {result.stats.seconds:.1f}s", flush=True)
         if result.failures:

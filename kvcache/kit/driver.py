@@ -206,6 +206,8 @@ class Stats:
         self.hybrid += len(config.groups) > 1
         self.with_eagle += config.has_eagle
         self.with_mixed_block_sizes += config.has_mixed_block_sizes
+        self.events["config:hash_lookahead"] += config.num_hash_lookahead_tokens > 0
+        self.events["config:prefill_lookahead"] += config.num_prefill_lookahead > 1
 
     def layout_summary(self) -> str:
         parts = [f"{name} {n}" for name, n in sorted(self.layouts.items(), key=lambda kv: -kv[1])]
@@ -393,6 +395,8 @@ class Lockstep:
         elif op == "take_events":
             for event in result:
                 events["event:" + event["type"]] += 1
+                if event.get("fields", {}).get("lookahead_token_ids"):
+                    events["event:lookahead"] += 1
 
 
 # ---------------------------------------------------------------- layouts
@@ -414,6 +418,9 @@ class Family:
     ``since``: the first vLLM release with the family's kinds (a family of a later
     release than 0.25.1, e.g. ring buffers, is not run against vLLM 0.25.1, which
     cannot build it: ``tests/conformance/test_conformance.py`` checks the refusal).
+    ``lookahead``: draw vLLM 0.33.0's lookahead hashing (``num_hash_lookahead_tokens``
+    0-3) and prefill lookahead (``num_prefill_lookahead`` 0-3, at most the scheduler
+    block with an EAGLE group), last; only in families ``since`` 0.33.0.
     """
 
     name: str
@@ -427,6 +434,7 @@ class Family:
     context_parallel: tuple[tuple[int, int], ...] = ()
     retention: bool = False
     since: str = "0.25.1"
+    lookahead: bool = False
 
 
 #: Every family the kit knows, by name (fuzz ``--layouts``; the conformance tests).
@@ -479,6 +487,20 @@ FAMILIES: dict[str, Family] = {
         # cached, left out of the hit search.
         Family("full+circular", ("full", "circular"), since="0.33.0"),
         Family("full+swa+circular", ("full", "swa", "circular"), since="0.33.0"),
+        # vLLM 0.33.0's lookahead hashing and prefill lookahead (EAGLE / MTP drafters).
+        # Not sliding window or Mamba alone: vLLM 0.33.0's hit search of those kinds
+        # reads hashes up to the lookup length, past the fewer hashes lookahead leaves
+        # (IndexError, in kvcache too); beside full attention its hit bounds theirs.
+        # Mamba beside attention needs fine-grained hits (not modelled yet).
+        *(
+            Family(name, kinds, eagle=0.3, since="0.33.0", lookahead=True)
+            for name, kinds in (
+                ("full-lookahead", ("full",)),
+                ("full+swa-lookahead", ("full", "swa")),
+                ("full+full-lookahead", ("full", "full")),
+                ("full+chunked-lookahead", ("full", "chunked")),
+            )
+        ),
     ]
 }
 
@@ -577,6 +599,15 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
     if family.retention:  # drawn last: the other families' configs stay as they were
         interval = rng.choice([0, 0, 1, 2, 2, 3, 4]) * config.scheduler_block_size
         config = replace(config, prefix_cache_retention_interval=interval)
+    if family.lookahead:  # drawn last too
+        prefill = rng.choice([0, 0, 1, 2, 3])
+        if config.enable_caching and config.has_eagle:
+            prefill = min(prefill, config.scheduler_block_size)
+        config = replace(
+            config,
+            num_hash_lookahead_tokens=rng.choice([0, 1, 1, 2, 3]),
+            num_prefill_lookahead=prefill,
+        )
     return config
 
 

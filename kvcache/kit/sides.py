@@ -394,7 +394,7 @@ class ProfileAdapter(Adapter):
 
     def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
         hasher: Callable[[Any], list[Any]] = self.drop_in.get_request_block_hasher(
-            config.hash_block_size, self.hash_fn(config.hash_fn)
+            config.hash_block_size, self.hash_fn(config.hash_fn), config.num_hash_lookahead_tokens
         )
         return hasher
 
@@ -437,7 +437,7 @@ class SpecProfileAdapter(SpecAdapter):
 
     def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
         hasher: Callable[[Any], list[Any]] = self.drop_in.get_request_block_hasher(
-            config.hash_block_size, self.hash_fn(config.hash_fn)
+            config.hash_block_size, self.hash_fn(config.hash_fn), config.num_hash_lookahead_tokens
         )
         return hasher
 

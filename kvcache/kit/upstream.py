@@ -213,9 +213,6 @@ NOT_MODELLED_0_33: dict[str, dict[str, str]] = {
         "trim_null_head": _NOT_MODELLED_0_33 + "the null-head helpers",
         "to_event_extra_keys": _NOT_MODELLED_0_33 + "vLLM 0.33.0's event-key helper (kvcache "
         "untags the keys inside its block pool)",
-        "generate_lookahead_block_hash_extra_keys": _NOT_MODELLED_0_33 + "lookahead hashing",
-        "resolve_block_hashes": _NOT_MODELLED_0_33 + "lookahead hashing (block hashes per "
-        "lookahead extension)",
         "get_none_hash_seed": _NOT_MODELLED_0_33 + "the NONE_HASH seed as a function of its own",
         "eagle_proof_margin": _NOT_MODELLED_0_33 + "the EAGLE margin rules beside Mamba",
     },

@@ -143,9 +143,14 @@ def vllm_hash_fn(name: str) -> Callable[[Any], bytes]:
 
 
 def build_request(
-    args: Mapping[str, Any], hash_block_size: int, hash_fn: Callable[[Any], bytes]
+    args: Mapping[str, Any],
+    hash_block_size: int,
+    hash_fn: Callable[[Any], bytes],
+    num_hash_lookahead_tokens: int = 0,
 ) -> Request:
-    """vLLM's ``Request`` for the fields of a trace's request record."""
+    """vLLM's ``Request`` for the fields of a trace's request record (hashed with
+    ``num_hash_lookahead_tokens``, vLLM 0.33.0's lookahead hashing, when set)."""
+    lookahead = (num_hash_lookahead_tokens,) if num_hash_lookahead_tokens else ()
     lora = args.get("lora")
     skip = bool(args.get("skip_reading_prefix_cache", False))
     return Request(
@@ -169,7 +174,9 @@ def build_request(
         ],
         lora_request=None if lora is None else LoRARequest(lora[0], lora[1], lora_path="/x"),
         cache_salt=args.get("cache_salt"),
-        block_hasher=vllm_kv_cache_utils.get_request_block_hasher(hash_block_size, hash_fn),
+        block_hasher=vllm_kv_cache_utils.get_request_block_hasher(
+            hash_block_size, hash_fn, *lookahead
+        ),
     )
 
 
@@ -256,7 +263,12 @@ class VllmAdapter(Adapter):
             manager.record_prefix_cache_stats(request, num_hit_tokens)
 
     def build_request(self, config: ManagerConfig, args: Mapping[str, Any]) -> Any:
-        return build_request(args, config.hash_block_size, vllm_hash_fn(config.hash_fn))
+        return build_request(
+            args,
+            config.hash_block_size,
+            vllm_hash_fn(config.hash_fn),
+            config.num_hash_lookahead_tokens,
+        )
 
     def status(self, name: str) -> Any:
         return RequestStatus[name]

@@ -193,7 +193,8 @@ def test_sink_layouts_refused_as_vllm_refuses_them(
             make_side(impl, config)
 
 
-LATER_FAMILIES = [f for f in FAMILIES.values() if f.since != "0.25.1"]
+# (The lookahead families have 0.25.1's kinds; only the arguments they draw are 0.33.0's.)
+LATER_FAMILIES = [f for f in FAMILIES.values() if f.since != "0.25.1" and not f.lookahead]
 
 
 @pytest.mark.parametrize("family", LATER_FAMILIES, ids=[f.name for f in LATER_FAMILIES])

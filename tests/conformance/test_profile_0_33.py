@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 import kvcache.kv_cache_utils as kcu
-from kvcache.kit.conformance33 import both_refuse, conformant_families, family_seed
+from kvcache.kit.conformance33 import both_refuse, conformant_families, family_index, family_seed
 from kvcache.kit.driver import FAMILIES, Family, Stats, run_sequence
 
 pytestmark = pytest.mark.conformance
@@ -39,7 +39,7 @@ def keep_none_hash() -> Iterator[None]:
 def test_kvcache_0_33_matches_spec_0_33(family: Family) -> None:
     stats = Stats()
     failures = []
-    index = list(FAMILIES).index(family.name)
+    index = family_index(family.name)
     for i in range(SEQUENCES):
         result = run_sequence(family_seed(7, index, i), family, "kvcache-0.33", "spec-0.33", stats)
         if result.cannot_build is not None and both_refuse(result, "kvcache-0.33", "spec-0.33"):

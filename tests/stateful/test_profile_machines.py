@@ -14,6 +14,10 @@ prefill checkpoints and CoW copies are modelled by neither side yet,
 profile's hashing switches, and the invariant compares them with the spec's,
 byte for byte.
 
+A third machine, ``manager-lookahead``, runs the manager machine with 0.33.0's
+lookahead hashing (two tokens) and prefill lookahead (three, fitted to the scheduler
+block with EAGLE) on both sides and the requests' hasher.
+
 A reduced run (a twelfth of the CI profile's examples for each machine) keeps the
 budget; ``HYPOTHESIS_PROFILE=nightly`` scales it as it scales the others.
 
@@ -93,17 +97,30 @@ def spec_profile_with(flipped: str | None) -> spec_profile.Profile:
     return profile
 
 
-def machine_class(base: type[ManagerMachine], flipped: str | None = None) -> type[ManagerMachine]:
+def machine_class(
+    base: type[ManagerMachine], flipped: str | None = None, **lookahead: int
+) -> type[ManagerMachine]:
     """``base`` with both managers built under the 0.33.0 profile (the spec's with
-    ``flipped`` turned back, for the teeth)."""
+    ``flipped`` turned back, for the teeth); ``lookahead``: 0.33.0's
+    ``num_hash_lookahead_tokens`` / ``num_prefill_lookahead`` for both managers (and
+    the requests' hasher)."""
     impl_profile = vllm_0_33.PROFILE
     spec_side = spec_profile_with(flipped)
 
+    def lookahead_for(kwargs: dict[str, Any]) -> dict[str, int]:
+        # With caching and EAGLE the scheduler block must hold the prefill lookahead.
+        fitted = dict(lookahead)
+        if "num_prefill_lookahead" in fitted and kwargs["enable_caching"] and kwargs["use_eagle"]:
+            fitted["num_prefill_lookahead"] = min(
+                fitted["num_prefill_lookahead"], kwargs["scheduler_block_size"]
+            )
+        return fitted
+
     def spec_factory(config: Any, **kwargs: Any) -> Any:
-        return spec.KVCacheManager(config, **kwargs, profile=spec_side)
+        return spec.KVCacheManager(config, **kwargs, **lookahead_for(kwargs), profile=spec_side)
 
     def impl_factory(config: Any, **kwargs: Any) -> Any:
-        return DropInManager(config, **kwargs)
+        return DropInManager(config, **kwargs, **lookahead_for(kwargs))
 
     namespace: dict[str, Any] = {
         "spec_manager_cls": staticmethod(spec_factory),
@@ -111,10 +128,12 @@ def machine_class(base: type[ManagerMachine], flipped: str | None = None) -> typ
         "hasher_switches": {
             "tagged_extra_keys": impl_profile.tagged_extra_keys,
             "mm_keys_by_window": impl_profile.mm_keys_by_window,
+            **{k: v for k, v in lookahead.items() if k == "num_hash_lookahead_tokens"},
         },
         "counters": {"steps": 0, "examples": 0},
     }
     name = f"{base.__name__}_0_33" + (f"_without_{flipped}" if flipped else "")
+    name += "_lookahead" if lookahead else ""
     return type(name, (base,), namespace)
 
 
@@ -125,6 +144,11 @@ MACHINES: dict[str, type[ManagerMachine]] = {
     # (pcp_not_scaled; the machine's hash block is 0.25.1's block_size * dcp * pcp, so
     # under pcp with caching both sides refuse the layout and the machine redraws).
     "new-kinds": machine_class(NewKindsMachine),
+    # Lookahead hashing (two tokens) and prefill lookahead (three: two re-prefilled
+    # tokens) on the manager machine's full-attention layouts.
+    "manager-lookahead": machine_class(
+        ManagerMachine, num_hash_lookahead_tokens=2, num_prefill_lookahead=3
+    ),
 }
 
 

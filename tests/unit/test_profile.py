@@ -152,11 +152,11 @@ def test_drop_in_constructor_takes_0_33_names() -> None:
 
 
 @pytest.mark.parametrize("name", ["num_hash_lookahead_tokens", "num_prefill_lookahead"])
-def test_drop_in_refuses_lookahead_it_does_not_model(name: str) -> None:
-    with pytest.raises(NotImplementedError, match=f"{name}=2"):
-        manager(full_config(), "0.33.0", **{name: 2})
-    with pytest.raises(ValueError, match=name):
-        manager(full_config(), "0.33.0", **{name: -1})
+def test_drop_in_validates_lookahead_counts(name: str) -> None:
+    assert getattr(manager(full_config(), "0.33.0", **{name: 2}), name) == 2
+    for bad in (-1, 1.5, "1"):
+        with pytest.raises(ValueError, match=name):
+            manager(full_config(), "0.33.0", **{name: bad})
 
 
 def test_drop_in_refuses_mamba_shared_prefix_checkpoint_beside_mamba() -> None:
