@@ -609,6 +609,44 @@ class BlockPool:
             )
         return key
 
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Move every prefix-cache key of ``src_block`` to ``dst_block`` (the
+        ``partial_hit_copy_on_write`` switch: a running request keeps writing its
+        state into ``src_block``, so the cache keeps a copy under the same keys).
+        ``src_block``'s hash becomes ``dst_block``'s, with its token count; its other
+        keys follow as further keys. No event: the entries stay cached.
+
+        Raises:
+            PartialBlockError: if ``dst_block`` is cached already (nothing changes).
+        """
+        if dst_block._hash is not None or dst_block.block_id in self.cached_block_hashes_by_block:
+            raise PartialBlockError(
+                f"move_block_hashes: destination block {dst_block.block_id} is cached already"
+            )
+        h = src_block._hash
+        if h is None:
+            return
+        cache = self.cached_block_hash_to_block
+        group_id, num_tokens = src_block._group_id, src_block._block_hash_num_tokens
+        moved = []
+        if cache.pop_raw(group_id, h, src_block.block_id) is not None:
+            moved.append(make_block_hash_with_group_id(h, group_id))
+        for key in self.cached_block_hashes_by_block.pop(src_block.block_id, ()):
+            if cache.pop(key, src_block.block_id) is not None:
+                moved.append(key)
+        src_block.reset_hash()
+        for key in moved:
+            key_hash, key_group = get_block_hash(key), get_group_id(key)
+            if dst_block._hash is None:
+                dst_block._hash = key_hash
+                dst_block._group_id = key_group
+                dst_block._block_hash_num_tokens = num_tokens
+            elif (dst_block._hash, dst_block._group_id) == (key_hash, key_group):
+                continue
+            else:
+                self.cached_block_hashes_by_block.setdefault(dst_block.block_id, set()).add(key)
+            cache.insert_raw(key_group, key_hash, dst_block)
+
     # ------------------------------------------------------------ allocation
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:

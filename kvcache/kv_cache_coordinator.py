@@ -23,6 +23,7 @@ from kvcache.kv_cache_interface import (
     is_prefix_cacheable,
     is_spec_kind,
 )
+from kvcache.kv_cache_math import cdiv
 from kvcache.kv_cache_utils import (
     BlockHash,
     BlockHashList,
@@ -32,6 +33,7 @@ from kvcache.kv_cache_utils import (
 from kvcache.single_type_kv_cache_manager import (
     CrossAttentionManager,
     FullAttentionManager,
+    MambaManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
@@ -118,6 +120,13 @@ def resolve_prefix_cache_retention_interval(
             f"scheduler_block_size={scheduler_block_size}"
         )
     return interval
+
+
+def _finds_fine_grained_hits(manager_cls: type[SingleTypeKVCacheManager]) -> bool:
+    """Whether a group of this manager class can find hits ending inside a block
+    (vLLM 0.33.0's ``supports_fine_grained_hash_lookup``: full attention and its
+    variants, and Mamba)."""
+    return manager_cls.supports_fine_grained_hash_lookup
 
 
 def _is_full(spec: KVCacheSpec) -> bool:
@@ -239,6 +248,8 @@ class KVCacheCoordinator:
         self.trim_every_full_group = False
         self.eagle_peek_to_hashed_length = False
         self.mamba_no_eagle_margin = False
+        # mamba_fine_grained_hits in effect (vLLM 0.33.0's name; hybrid layouts only).
+        self.enable_partial_hash_hits = False
         self.retention_replay_boundaries = False
         # Computed tokens a multi-module drafter re-prefills, so not cached yet (vLLM
         # 0.33.0's num_prefill_lookahead - 1; 0 in 0.25.1), set by the KVCacheManager.
@@ -293,9 +304,12 @@ class KVCacheCoordinator:
         total_computed_tokens: int,
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         """Blocks all groups together need from the pool for ``num_tokens`` slots
-        (cross-attention groups: for ``num_encoder_tokens``, allocated once)."""
+        (cross-attention groups: for ``num_encoder_tokens``, allocated once).
+        ``num_local_computed_tokens`` (computed plus hit tokens) tells the managers
+        whether a hit ends inside a block (``partial_hit_copy_on_write``)."""
         total = 0
         for i, manager in enumerate(self.single_type_managers):
             if self._is_cross[i]:
@@ -310,6 +324,7 @@ class KVCacheCoordinator:
                     total_computed_tokens,
                     num_tokens_main_model,
                     apply_admission_cap,
+                    num_local_computed_tokens,
                 )
         return total
 
@@ -690,6 +705,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 f"parallelism (dcp_world_size={dcp_world_size}, "
                 f"pcp_world_size={pcp_world_size}); vLLM 0.25.1 asserts the same"
             )
+        self.dcp_world_size = dcp_world_size
         self.hash_block_size = hash_block_size
         # Groups outside prefix caching (ring buffers) are scratch: not hashed, so
         # their block size need not be a multiple of the hash block.
@@ -708,6 +724,43 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
     def _eagle_groups_changed(self) -> None:
         self.verify_and_split_kv_cache_groups()
+
+    @property
+    def _cache_hit_alignment_tokens(self) -> int:
+        """Where hits end: the hash block with fine-grained hits, else the scheduler
+        block (vLLM 0.33.0's private name; its tests read it)."""
+        return self.hash_block_size if self.enable_partial_hash_hits else self.scheduler_block_size
+
+    def enable_fine_grained_hits(self) -> bool:
+        """Turn on sub-block hits where vLLM 0.33.0 does (``mamba_fine_grained_hits``):
+        a Mamba 'align' group's block is larger than the hash block (under
+        ``dcp_world_size > 1`` at least the hash block), and every other
+        prefix-caching group is full attention, Mamba, or hashed at its own block size. Hits then
+        land on hash-block boundaries (every manager's ``cache_hit_alignment_tokens``)
+        and ``cache_blocks`` caches unrounded token counts.
+
+        Returns:
+            Whether fine-grained hits are on.
+        """
+        hbs = self.hash_block_size
+        # Under decode context parallelism a Mamba block equal to the hash block
+        # qualifies too: the dcp-scaled full-attention blocks are larger than it.
+        if not any(
+            isinstance(m, MambaManager)
+            and m.mamba_cache_mode == "align"
+            and (m.block_size > hbs or (self.dcp_world_size > 1 and m.block_size == hbs))
+            for m in self.single_type_managers
+        ) or any(
+            not _finds_fine_grained_hits(type(m))
+            and m.block_size != hbs
+            and is_prefix_cacheable(m.kv_cache_spec)  # a ring buffer takes no part
+            for m in self.single_type_managers
+        ):
+            return False
+        self.enable_partial_hash_hits = True
+        for manager in self.single_type_managers:
+            manager.cache_hit_alignment_tokens = hbs
+        return True
 
     def verify_and_split_kv_cache_groups(self) -> None:
         """Bundle groups with equal specs and order them full attention first.
@@ -754,15 +807,18 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache up to the last ``scheduler_block_size`` boundary (hits can only end
-        there); EAGLE groups may also cache the block just past it."""
+        there); EAGLE groups may also cache the block just past it. With fine-grained
+        hits nothing is rounded: every group caches all ``num_computed_tokens`` (an
+        EAGLE group less the ``num_reprefillable_tokens``)."""
         retention_interval = self.retention_interval
         boundaries = None
         if retention_interval is not None:
             boundaries = self.replay_boundaries(request.num_prompt_tokens)
+        alignment = 1 if self.enable_partial_hash_hits else self.scheduler_block_size
         for manager in self.single_type_managers:
             num_tokens = kv_cache_math.num_tokens_to_cache(
                 num_computed_tokens,
-                self.scheduler_block_size,
+                alignment,
                 manager.block_size,
                 manager.use_eagle,
                 self.num_reprefillable_tokens,
@@ -783,7 +839,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         Full attention is searched once and then only trimmed (its hits are
         prefix-closed). An EAGLE kind searches one block further and drops it,
         once per candidate length. With exactly full attention plus one other
-        kind, one pass suffices.
+        kind, one pass suffices. With fine-grained hits (``enable_partial_hash_hits``)
+        lengths are multiples of the hash block: full attention and Mamba groups
+        with larger blocks find hits ending inside a block, and an EAGLE one
+        looks one hash block further, not one block.
 
         Returns:
             ``(hit blocks per group, hit length in tokens)``; also sets
@@ -799,6 +858,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             self.attention_groups[0].spec
         )
         eagle_verified: set[int] = set()
+        fine = self.enable_partial_hash_hits
+        hbs = self.hash_block_size
+        alignment = self._cache_hit_alignment_tokens
         while True:
             curr_hit_length = hit_length
             for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(self.attention_groups):
@@ -810,30 +872,51 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     _is_full(spec)
                     and hit_blocks_by_group[group_ids[0]] is not None
                 ):
-                    curr_hit_length = curr_hit_length // block_size * block_size
+                    if not fine:  # fine: the candidate is within the full hit already
+                        curr_hit_length = curr_hit_length // block_size * block_size
                     continue
                 drop_eagle_block = use_eagle and idx not in eagle_verified
+                sub_block = fine and block_size > hbs and _finds_fine_grained_hits(manager_cls)
                 max_length = curr_hit_length
                 if drop_eagle_block and not (
                     self.mamba_no_eagle_margin and is_spec_kind(spec, "MambaSpec")
                 ):  # 0.33.0: no peek past the candidate for Mamba (its finder never drops)
-                    max_length = min(curr_hit_length + block_size, max_cache_hit_length)
+                    margin = hbs if sub_block else block_size
+                    max_length = min(curr_hit_length + margin, max_cache_hit_length)
                     if self.eagle_peek_to_hashed_length:
                         max_length = min(
-                            curr_hit_length + block_size,
+                            curr_hit_length + margin,
                             len(block_hashes) * self.hash_block_size,
                         )
-                hit_blocks = manager_cls.find_longest_cache_hit(
-                    block_hashes=self._block_hashes_for(block_hashes, block_size),
-                    max_length=max_length,
-                    kv_cache_group_ids=group_ids,
-                    block_pool=self.block_pool,
-                    kv_cache_spec=spec,
-                    drop_eagle_block=drop_eagle_block,
-                    alignment_tokens=self.scheduler_block_size,
-                    dcp_world_size=manager.dcp_world_size,
-                )
-                new_hit_length = len(hit_blocks[0]) * block_size
+                if sub_block:
+                    # A dcp-sharded full-attention group is searched at its own
+                    # (dcp-scaled) block: its spec with the manager's block size.
+                    lookup_spec = (
+                        spec
+                        if block_size == spec.block_size
+                        else spec.copy_with_new_block_size(block_size)
+                    )
+                    hit_blocks, new_hit_length = manager_cls.find_fine_grained_hit(
+                        block_hashes,
+                        max_length,
+                        group_ids,
+                        self.block_pool,
+                        lookup_spec,
+                        drop_eagle_block,
+                        hbs,
+                    )
+                else:
+                    hit_blocks = manager_cls.find_longest_cache_hit(
+                        block_hashes=self._block_hashes_for(block_hashes, block_size),
+                        max_length=max_length,
+                        kv_cache_group_ids=group_ids,
+                        block_pool=self.block_pool,
+                        kv_cache_spec=spec,
+                        drop_eagle_block=drop_eagle_block,
+                        alignment_tokens=alignment,
+                        dcp_world_size=manager.dcp_world_size,
+                    )
+                    new_hit_length = len(hit_blocks[0]) * block_size
                 if drop_eagle_block:
                     eagle_verified.add(idx)
                 elif new_hit_length < curr_hit_length:
@@ -849,7 +932,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 break
         first = self.attention_groups[0]
         if _is_full(first.spec):
-            num_blocks = hit_length // self.single_type_managers[first.group_ids[0]].block_size
+            first_block_size = self.single_type_managers[first.group_ids[0]].block_size
+            num_blocks = hit_length // first_block_size
+            if fine:  # the hit may end inside the last block
+                num_blocks = cdiv(hit_length, first_block_size)
             for group_id in first.group_ids:
                 full_blocks = hit_blocks_by_group[group_id]
                 if full_blocks is not None:
@@ -867,7 +953,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         for group in self.attention_groups:
             if not _is_full(group.spec):
                 continue
-            num_blocks = hit_length // self.single_type_managers[group.group_ids[0]].block_size
+            group_block_size = self.single_type_managers[group.group_ids[0]].block_size
+            num_blocks = hit_length // group_block_size
+            if self.enable_partial_hash_hits:
+                num_blocks = cdiv(hit_length, group_block_size)
             for group_id in group.group_ids:
                 full_blocks = hit_blocks_by_group[group_id]
                 if full_blocks is not None:

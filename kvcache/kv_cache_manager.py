@@ -14,6 +14,7 @@ from mypy_extensions import mypyc_attr
 
 from kvcache.kv_cache_coordinator import (
     RETENTION_FROM_ENV,
+    HybridKVCacheCoordinator,
     get_kv_cache_coordinator,
     has_windowed_group,
     resolve_prefix_cache_retention_interval,
@@ -494,6 +495,7 @@ class KVCacheManager:
                 total_computed_tokens=total_computed_tokens,
                 num_tokens_main_model=full_num_tokens,
                 apply_admission_cap=True,
+                num_local_computed_tokens=num_local_computed_tokens,
             )
             if not admits(num_blocks_to_allocate, free_queue.num_free_blocks, 0, watermark_blocks):
                 return None
@@ -516,6 +518,7 @@ class KVCacheManager:
             num_encoder_tokens=num_encoder_tokens,
             total_computed_tokens=num_local_computed_tokens + num_external_computed_tokens,
             num_tokens_main_model=num_tokens_main_model,
+            num_local_computed_tokens=num_local_computed_tokens,
         )
         num_free = free_queue.num_free_blocks
         if not admits(num_blocks_to_allocate, num_free, reserved_blocks, watermark_blocks):
@@ -583,6 +586,11 @@ class KVCacheManager:
             for manager in coordinator.single_type_managers:
                 manager.stop_tracking_new_block_ids()
         self._apply_mamba_profile(profile)
+        if profile.partial_hit_copy_on_write:
+            for manager in coordinator.single_type_managers:
+                manager.copies_partial_hits = True
+        if profile.mamba_fine_grained_hits and isinstance(coordinator, HybridKVCacheCoordinator):
+            coordinator.enable_fine_grained_hits()
 
     def _apply_mamba_profile(self, profile: Profile) -> None:
         """The Mamba switches: refuse a Mamba group that caches outside 'align'

@@ -264,6 +264,27 @@ SWITCHES: tuple[Switch, ...] = (
         "AssertionError otherwise, as vLLM asserts.",
         "0.33.0",
     ),
+    Switch(
+        "mamba_fine_grained_hits",
+        "mamba-fine-grained-hits",
+        "Beside a Mamba 'align' group whose block is larger than the hash block (under "
+        "dcp_world_size > 1 at least the hash block; every other prefix-cacheable group "
+        "full attention, Mamba, or hashed at its own block size), a hybrid lookup's hits "
+        "land on hash-block boundaries (each group searched at its own block): full attention "
+        "and Mamba find hits ending inside a block, an EAGLE group drops one hash block, "
+        "and the coordinator caches unrounded token counts.",
+        "0.33.0",
+    ),
+    Switch(
+        "partial_hit_copy_on_write",
+        "mamba-partial-tail-copy",
+        "A hit ending inside a block is copied on write: the request gets a fresh block "
+        "in the hit block's place (counted by the admission check, recorded in "
+        "new_block_ids, both blocks kept for take_kv_cache_block_copies). An 'align' "
+        "Mamba group keys its state at the prompt's last reusable hash boundary inside "
+        "a block too, and moves that entry to a fresh copy when the request goes on.",
+        "0.33.0",
+    ),
 )
 """Every switch, in the order of the ledger's entries."""
 
@@ -311,6 +332,8 @@ class Profile:
     cache_within_hashed_tokens: bool
     pcp_not_scaled: bool
     dcp_sharded_geometry: bool
+    mamba_fine_grained_hits: bool
+    partial_hit_copy_on_write: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:

@@ -13,7 +13,7 @@ import itertools
 import operator
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -94,6 +94,13 @@ def _hit_blocks(
     return computed
 
 
+def _blocks_at(
+    block_pool: BlockPool, block_hash: BlockHash, kv_cache_group_ids: list[int]
+) -> list[KVCacheBlock] | None:
+    """The block cached under ``block_hash`` in each group (None on any miss)."""
+    return block_pool.get_cached_block(block_hash, kv_cache_group_ids)
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)
 class SingleTypeKVCacheManager:
     """Block tables of one KV-cache group over the shared ``BlockPool``.
@@ -117,6 +124,10 @@ class SingleTypeKVCacheManager:
         max_admission_blocks_per_request: Admission cap for groups that recycle
             blocks (None: no cap).
     """
+
+    #: Whether the kind finds hits ending inside a block (``find_fine_grained_hit``;
+    #: vLLM 0.33.0's name): full attention and its variants, and Mamba.
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -157,6 +168,16 @@ class SingleTypeKVCacheManager:
         self._tracks_new_block_ids = spec_exact_class_name(kv_cache_spec) in _TRACKING_SPECS
         # The partial_prompt_tail_entries switch (kvcache.profile); full attention only.
         self.caches_partial_prompt_tail = False
+        # Where hits may end (vLLM 0.33.0's name): the scheduler block, or the hash
+        # block under mamba_fine_grained_hits (set by the hybrid coordinator).
+        self.cache_hit_alignment_tokens = scheduler_block_size
+        # The partial_hit_copy_on_write switch (kvcache.profile): a hit ending inside
+        # a block is copied on write. Per request, the index and block of the hit's
+        # last block until allocate_new_blocks copies it; the (source, copy) pairs
+        # until take_pending_cow_copies.
+        self.copies_partial_hits = False
+        self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
+        self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
         # The shared_prefix_junctions switch: under sparse retention also keep the
         # tail before the request's shared_prefix_boundary (vLLM 0.33.0's Request).
         self.keeps_shared_prefix_junction = False
@@ -173,6 +194,7 @@ class SingleTypeKVCacheManager:
         total_computed_tokens: int,
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         """Blocks the pool must supply so the request has ``num_tokens`` slots.
 
@@ -187,6 +209,9 @@ class SingleTypeKVCacheManager:
             total_computed_tokens: Local plus external computed tokens.
             num_tokens_main_model: ``num_tokens`` without lookahead (spec decode).
             apply_admission_cap: Apply the per-request admission cap (admission gate only).
+            num_local_computed_tokens: Computed plus hit tokens (vLLM 0.33.0's argument):
+                under ``copies_partial_hits`` a hit ending inside a block needs one
+                more block, its copy.
         """
         num_required_blocks = kv_cache_math.num_required_blocks(
             num_tokens,
@@ -210,7 +235,17 @@ class SingleTypeKVCacheManager:
         for block in new_computed_blocks[first_kept:]:
             if block.ref_cnt == 0 and not block.is_null:
                 num_evictable += 1
+        if self.copies_partial_hits and self._has_partial_local_hit(
+            new_computed_blocks, num_local_computed_tokens
+        ):
+            num_new_blocks += 1
         return num_new_blocks + num_evictable
+
+    def _has_partial_local_hit(
+        self, new_computed_blocks: Sequence[KVCacheBlock], num_local_computed_tokens: int
+    ) -> bool:
+        """Whether the hit ends inside one of its blocks (that block needs a copy)."""
+        return len(new_computed_blocks) > 0 and num_local_computed_tokens % self.block_size != 0
 
     # ------------------------------------------------------------ allocation
 
@@ -240,6 +275,14 @@ class SingleTypeKVCacheManager:
         req_blocks.extend([self._null_block] * num_skipped_blocks)
         req_blocks.extend(new_computed_blocks)
         self.num_cached_block[request_id] = len(req_blocks)
+        if self.copies_partial_hits and self._has_partial_local_hit(
+            new_computed_blocks, num_local_computed_tokens
+        ):
+            # The hit's last block is shared and only partly this request's: the next
+            # allocation swaps in a copy, which is cached again once it is full.
+            block_idx = num_local_computed_tokens // self.block_size
+            self._partial_hit_reqs[request_id] = (block_idx, new_computed_blocks[-1])
+            self.num_cached_block[request_id] = block_idx
 
     def allocate_external_computed_blocks(
         self,
@@ -270,18 +313,46 @@ class SingleTypeKVCacheManager:
     ) -> list[KVCacheBlock]:
         """Append fresh blocks until the request has ``num_tokens`` slots.
 
+        Under ``copies_partial_hits`` a hit that ended inside a block first gets
+        that block replaced by a fresh copy (``_copy_partial_hit``).
+
         Returns:
-            The blocks added (possibly none).
+            The blocks added (possibly none), the copy first.
         """
+        copies: list[KVCacheBlock] = []
+        if self._partial_hit_reqs and request_id in self._partial_hit_reqs:
+            block_idx, source = self._partial_hit_reqs.pop(request_id)
+            copy = self.block_pool.get_new_blocks(1)[0]
+            self._copy_partial_hit(request_id, block_idx, source, copy)
+            self.new_block_ids.append(copy.block_id)
+            copies.append(copy)
         req_blocks = self.req_to_blocks[request_id]
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks)
         if num_new_blocks <= 0:
-            return []
+            return copies
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         if self._tracks_new_block_ids:
             self.new_block_ids.extend([b.block_id for b in new_blocks])
-        return new_blocks
+        return copies + new_blocks if copies else new_blocks
+
+    def _copy_partial_hit(
+        self, request_id: str, block_idx: int, source: KVCacheBlock, copy: KVCacheBlock
+    ) -> None:
+        """Put ``copy`` in the request's table in place of the hit block ``source``
+        and queue the copy. Both stay held until the copy ran: ``source`` keeps the
+        request's hit reference, ``copy`` gets one more (``take_pending_cow_copies``
+        hands both to the caller, who releases them)."""
+        req_blocks = self.req_to_blocks[request_id]
+        assert req_blocks[block_idx] is source and source.ref_cnt > 0
+        req_blocks[block_idx] = copy
+        self._pending_cow_copies.append((source, copy))
+        copy.ref_cnt += 1
+
+    def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """Return and clear the (source, copy) block pairs queued since the last call."""
+        pending, self._pending_cow_copies = self._pending_cow_copies, []
+        return pending
 
     def stop_tracking_new_block_ids(self) -> None:
         """Record no new block ids from now on (the ``new_block_ids_zeroing_only``
@@ -338,7 +409,7 @@ class SingleTypeKVCacheManager:
             block_mask=self.reachable_block_mask(
                 start_block=num_cached_blocks,
                 end_block=num_full_blocks,
-                alignment_tokens=self.scheduler_block_size,
+                alignment_tokens=self.cache_hit_alignment_tokens,
                 kv_cache_spec=self.kv_cache_spec,
                 use_eagle=self.use_eagle,
                 retention_interval=retention_interval,
@@ -380,6 +451,8 @@ class SingleTypeKVCacheManager:
         """Forget the request and return its blocks in allocation order, without
         freeing them (the caller frees them, tail first)."""
         self.num_cached_block.pop(request_id, None)
+        if self._partial_hit_reqs:
+            self._partial_hit_reqs.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, [])
 
     def free(self, request_id: str) -> None:
@@ -443,11 +516,29 @@ class SingleTypeKVCacheManager:
         per group (skipped positions hold the null block)."""
         raise NotImplementedError
 
+    @classmethod
+    def find_fine_grained_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        hash_block_size: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """A hit that may end inside a block, with its length (``mamba_fine_grained_hits``):
+        only full attention and Mamba have one (vLLM 0.33.0's
+        ``supports_fine_grained_hash_lookup``)."""
+        raise NotImplementedError(f"{cls.__name__} finds no hits inside a block")
+
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: every token is attended to, so every block is kept and a
     hit is the longest run of cached leading blocks."""
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = True
 
     @classmethod
     def find_longest_cache_hit(
@@ -494,6 +585,55 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             # Some hash maps to several identical blocks: a hit takes the oldest.
             found = [b if isinstance(b, KVCacheBlock) else next(iter(b.values())) for b in found]
         return (found,)
+
+    @classmethod
+    def find_fine_grained_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        hash_block_size: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """A hit that may end inside a block (``mamba_fine_grained_hits``, blocks larger
+        than the hash block): the leading cached blocks, then the longest cached
+        hash-block prefix of the next block (a partial entry), at most ``max_length``
+        tokens. EAGLE drops one hash block; the block it ends in stays a hit.
+
+        Args:
+            block_hashes: The request's hashes at ``hash_block_size`` granularity.
+
+        Returns:
+            ``(hit blocks per group, hit length in tokens)``.
+        """
+        block_size = kv_cache_spec.block_size
+        scale = block_size // hash_block_size
+        hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+        num_full = min(max_length // block_size, len(block_hashes) // scale)
+        for i in range(num_full):
+            cached = _blocks_at(block_pool, block_hashes[(i + 1) * scale - 1], kv_cache_group_ids)
+            if cached is None:
+                break
+            for group_hits, block in zip(hits, cached, strict=True):
+                group_hits.append(block)
+        hit_length = len(hits[0]) * block_size
+        first = len(hits[0]) * scale
+        stop = min(first + scale - 1, max_length // hash_block_size, len(block_hashes))
+        for fine_idx in range(stop - 1, first - 1, -1):  # longest partial entry first
+            cached = _blocks_at(block_pool, block_hashes[fine_idx], kv_cache_group_ids)
+            if cached is not None:
+                for group_hits, block in zip(hits, cached, strict=True):
+                    group_hits.append(block)
+                hit_length = (fine_idx + 1) * hash_block_size
+                break
+        if drop_eagle_block and hit_length > 0:
+            hit_length -= hash_block_size
+        num_blocks = cdiv(hit_length, block_size)
+        for group_hits in hits:
+            del group_hits[num_blocks:]
+        return hits, hit_length
 
     def cache_blocks(
         self,
@@ -789,6 +929,8 @@ class MambaManager(SingleTypeKVCacheManager):
     ``new_step_starts`` (its KV is written by this step's forward pass).
     """
 
+    supports_fine_grained_hash_lookup: ClassVar[bool] = True
+
     def __init__(
         self,
         kv_cache_spec: MambaSpec,
@@ -856,6 +998,34 @@ class MambaManager(SingleTypeKVCacheManager):
         )
         first = num_blocks - 1 if num_blocks else 0
         return _hit_blocks(block_hashes, first, num_blocks, kv_cache_group_ids, block_pool)
+
+    @classmethod
+    def find_fine_grained_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        hash_block_size: int,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """The rightmost state cached at any hash boundary of at most ``max_length``
+        tokens, null blocks before the block holding it (``mamba_fine_grained_hits``;
+        no EAGLE drop: draft models have no Mamba layers).
+
+        Returns:
+            ``(hit blocks per group, hit length in tokens)``.
+        """
+        scale = kv_cache_spec.block_size // hash_block_size
+        null = block_pool.null_block
+        for fine_idx in range(min(max_length // hash_block_size, len(block_hashes)) - 1, -1, -1):
+            cached = _blocks_at(block_pool, block_hashes[fine_idx], kv_cache_group_ids)
+            if cached is not None:
+                nulls = fine_idx // scale
+                hits = tuple([null] * nulls + [block] for block in cached)
+                return hits, (fine_idx + 1) * hash_block_size
+        return tuple([] for _ in kv_cache_group_ids), 0
 
     @classmethod
     def reachable_block_mask(
@@ -953,9 +1123,12 @@ class MambaManager(SingleTypeKVCacheManager):
         total_computed_tokens: int,
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         """As the base class, plus speculative blocks; align mode needs at most
-        one new state (plus speculative blocks on first prefill). A hit on a state
+        one new state (plus speculative blocks on first prefill), and one more for
+        the copy of a state that ends inside its block (``copies_partial_hits``: a
+        hit there, or the request's own prompt-tail entry). A hit on a state
         cached this step reports more blocks than the pool has, deferring the
         request to the next step."""
         if new_computed_blocks:
@@ -974,6 +1147,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 total_computed_tokens,
                 num_tokens_main_model,
                 apply_admission_cap=apply_admission_cap,
+                num_local_computed_tokens=num_local_computed_tokens,
             )
         # Align mode ignores lookahead slots (draft models have no Mamba layers).
         num_new_blocks = kv_cache_math.mamba_align_num_new_blocks(
@@ -986,6 +1160,13 @@ class MambaManager(SingleTypeKVCacheManager):
         )
         if self.caps_new_state_blocks and num_new_blocks > 0:
             num_new_blocks = self._capped_new_state_blocks(
+                request_id, num_tokens_main_model, len(new_computed_blocks)
+            )
+        if self.copies_partial_hits and (
+            request_id in self._partial_hit_reqs
+            or self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens)
+        ):
+            num_new_blocks = self._new_state_blocks_with_copy(
                 request_id, num_tokens_main_model, len(new_computed_blocks)
             )
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
@@ -1002,20 +1183,38 @@ class MambaManager(SingleTypeKVCacheManager):
         allocated_before = request_id in self._allocated_block_reqs
         return min(shortfall, 1 if allocated_before else 1 + self.num_speculative_blocks)
 
+    def _new_state_blocks_with_copy(
+        self, request_id: str, num_tokens_main_model: int, num_hits: int
+    ) -> int:
+        """Under ``copies_partial_hits``: align mode's shortfall (at least 0) plus the
+        copy of a state ending inside its block, capped at two blocks (plus the
+        speculative blocks on the first allocation)."""
+        num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        shortfall = num_required - num_hits - len(self.req_to_blocks[request_id])
+        allocated_before = request_id in self._allocated_block_reqs
+        cap = 2 if allocated_before else 2 + self.num_speculative_blocks
+        return min(max(shortfall, 0) + 1, cap)
+
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
     ) -> list[KVCacheBlock]:
         """Allocate state blocks. Align mode keeps the running state (and the
         speculative blocks) at the tail, null-pads skipped positions, moves the
         previous speculative blocks forward, and records the previous state's
-        index so ``remove_skipped_blocks`` frees it one step later."""
+        index so ``remove_skipped_blocks`` frees it one step later.
+
+        Under ``copies_partial_hits`` a state ending inside its block also gets a
+        fresh copy: a new request's hit block is replaced by it (as the base
+        class), while a running request's own prompt-tail entry moves to it (the
+        request keeps writing into its block; the copy is hittable next step)."""
         if self.mamba_cache_mode != "align":
             num_tokens += self.block_size * self.num_speculative_blocks
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         req_blocks = self.req_to_blocks[request_id]
         num_spec = self.num_speculative_blocks
         num_required_blocks = cdiv(num_tokens_main_model, self.block_size) + num_spec
-        if num_required_blocks <= len(req_blocks):
+        partial = self._partial_hit_reqs.pop(request_id, None) if self._partial_hit_reqs else None
+        if num_required_blocks <= len(req_blocks) and partial is None:
             if self.frees_processed_states:  # 0.33.0: allocated, even with nothing new
                 self._allocated_block_reqs.add(request_id)
             return []
@@ -1035,11 +1234,32 @@ class MambaManager(SingleTypeKVCacheManager):
                     break
                 req_blocks.append(req_blocks[idx])
                 req_blocks[idx] = self._null_block
-        num_new_blocks = num_required_blocks - len(req_blocks)
+        num_new_blocks = max(num_required_blocks - len(req_blocks), 0)
+        if partial is None:
+            assert num_new_blocks <= (1 if allocated_before else num_spec + 1)
+            req_blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+            self._allocated_block_reqs.add(request_id)
+            return req_blocks[prev_len:]
         assert num_new_blocks <= (1 if allocated_before else num_spec + 1)
-        req_blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks + 1)
+        returned = req_blocks[prev_len:]
+        block_idx, source = partial
+        copy = new_blocks[0]
+        if allocated_before:
+            assert req_blocks[block_idx] is source
+            self.block_pool.move_block_hashes(source, copy)
+            self._pending_cow_copies.append((source, copy))
+            source.ref_cnt += 1
+            if copy._hash is not None:
+                # Filled by this step's copy: no hit on it before the next step.
+                self.cached_blocks_this_step.add(copy._hash)
+        else:
+            self._copy_partial_hit(request_id, block_idx, source, copy)
+            returned.insert(0, copy)
+        req_blocks.extend(new_blocks[1:])
         self._allocated_block_reqs.add(request_id)
-        return req_blocks[prev_len:]
+        returned.extend(new_blocks[1:])
+        return returned
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         """Forget the request, including align-mode bookkeeping."""
@@ -1062,11 +1282,11 @@ class MambaManager(SingleTypeKVCacheManager):
         """Cache as the base class and remember states cached in this step."""
         before = self.num_cached_block.get(request.request_id, 0)
         super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
+        after = self.num_cached_block.get(request.request_id, 0)
         if self.caches_prompt_tail_state and self.mamba_cache_mode == "align":
             key = self._cache_prompt_tail_state(request, num_tokens)
             if key is not None:
                 self.cached_blocks_this_step.add(get_block_hash(key))
-        after = self.num_cached_block.get(request.request_id, 0)
         if after <= before:
             return
         for block in self.req_to_blocks[request.request_id][before:after]:
@@ -1081,8 +1301,9 @@ class MambaManager(SingleTypeKVCacheManager):
         there unless it already is (a state the pool lost, e.g. by ``evict_blocks``,
         is keyed again). The boundary leaves one token for the logits (or the
         lookahead tokens its hash covers, when more), or with EAGLE one whole hash
-        block less. Boundaries inside a block (fine-grained
-        hits) are not modelled."""
+        block less. A boundary inside a block is keyed only under
+        ``copies_partial_hits``: the request then counts the block as not cached yet
+        and its next allocation moves the entry to a copy."""
         hash_block_size = self.block_pool.hash_block_size
         if num_tokens <= 0 or num_tokens % hash_block_size:
             return None
@@ -1092,18 +1313,23 @@ class MambaManager(SingleTypeKVCacheManager):
             self.prompt_tail_drops_eagle,
             self.block_pool.num_hash_lookahead_tokens,
         )
-        if num_tokens != boundary or num_tokens % self.block_size:
+        inside = num_tokens % self.block_size != 0
+        if num_tokens != boundary or (inside and not self.copies_partial_hits):
             return None
         blocks = self.req_to_blocks[request.request_id]
-        block_idx = num_tokens // self.block_size - 1
+        block_idx = cdiv(num_tokens, self.block_size) - 1
         if block_idx >= len(blocks):
             return None
         block = blocks[block_idx]
         if block.is_null or block._block_hash_num_tokens == num_tokens:
             return None
-        return self.block_pool.cache_state_entry(
+        key = self.block_pool.cache_state_entry(
             request, block, num_tokens, self.kv_cache_group_id
         )
+        if key is not None and inside:
+            self._partial_hit_reqs[request.request_id] = (block_idx, block)
+            self.num_cached_block[request.request_id] = block_idx
+        return key
 
     def new_step_starts(self) -> None:
         """States cached in the previous step become hittable."""
@@ -1285,6 +1511,8 @@ class CircularBufferManager(FullAttentionManager):
     ``needs_kv_cache_zeroing`` is accepted (vLLM 0.33.0's argument) and changes
     nothing: a ring only reads slots its own request wrote.
     """
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
 
     def __init__(
         self,

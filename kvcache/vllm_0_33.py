@@ -14,16 +14,19 @@ stats with the new fields).
 Covered: layouts of full attention, sliding window and chunked local attention
 (one group or several), with or without caching and EAGLE; ring buffers
 (``CircularBufferSpec`` / ``CircularBufferManager``); managers chosen through the
-spec registry (``KVCacheSpecRegistry``: registered spec classes, group roles); Mamba alone, and
-Mamba beside attention without fine-grained hits (the ``mamba_*`` switches: a
-Mamba group caching outside 'align' is refused); lookahead hashing
+spec registry (``KVCacheSpecRegistry``: registered spec classes, group roles); Mamba
+alone, and Mamba beside attention, with 0.33.0's fine-grained (sub-block) hits and
+their copy-on-write copies (the ``mamba_*`` and ``partial_hit_copy_on_write``
+switches: a Mamba group caching outside 'align' is refused;
+``take_kv_cache_block_copies`` hands out the copies); lookahead hashing
 (``num_hash_lookahead_tokens``) and prefill lookahead (``num_prefill_lookahead``:
 re-prefilled tokens are not cached); decode / prefill context parallelism with
 0.33.0's per-group geometry (``pcp_not_scaled``, ``dcp_sharded_geometry``). Not
 covered yet (``NotImplementedError`` naming the argument): the Mamba shared-prefix
-checkpoint, and asking to skip zeroing for a
-layout that zeroes (Mamba). Mamba 'align' fine-grained (sub-block) hits and
-prefill checkpoints are not modelled: see ``NOT_YET_CONFORMANT`` in
+checkpoint, and asking to skip zeroing for a layout that zeroes (Mamba). Mamba
+prefill checkpoints, boundary-state offloads and 0.33.0's fine-grained hits under
+decode context parallelism with the Mamba block equal to the hash block are not
+modelled: see ``docs/profiles.md`` and ``NOT_YET_CONFORMANT`` in
 ``kvcache.kit.conformance33``.
 """
 
@@ -32,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvcache import kv_cache_utils as _utils
 from kvcache import kv_events as _events
@@ -62,6 +65,7 @@ __all__ = [
     "BlockStored",
     "CircularBufferManager",
     "CircularBufferSpec",
+    "KVCacheBlockCopy",
     "KVCacheBlocks",
     "KVCacheManager",
     "KVCacheSpecMetadata",
@@ -115,6 +119,20 @@ class BlockRemoved(_events.BlockRemoved):
 
 
 AllBlocksCleared = _events.AllBlocksCleared
+
+
+class TruncateError(ValueError, AssertionError):
+    """Bad ``num_computed_tokens`` for ``KVCacheManager.truncate_computed_blocks``: a
+    ``ValueError`` (kvcache's error at a public boundary) that is also the
+    ``AssertionError`` vLLM 0.33.0 raises there."""
+
+
+class KVCacheBlockCopy(NamedTuple):
+    """One copy-on-write copy the worker runs: block ``src_block_id`` into
+    ``dst_block_id`` (``KVCacheManager.take_kv_cache_block_copies``)."""
+
+    src_block_id: int
+    dst_block_id: int
 
 
 def with_new_event_fields(events: list[Any]) -> list[Any]:
@@ -444,8 +462,8 @@ class KVCacheManager(_KVCacheManager):
         reference counts untouched, ``blocks`` not changed).
 
         Raises:
-            ValueError: if ``num_computed_tokens`` is not a multiple of a group's
-                block size, or longer than a group's hit.
+            TruncateError: if ``num_computed_tokens`` is not a multiple of a group's
+                block size, or longer than a group's hit (but Mamba's).
         """
         truncated: list[list[KVCacheBlock]] = []
         for group_blocks, manager in zip(
@@ -455,7 +473,7 @@ class KVCacheManager(_KVCacheManager):
                 truncated.append([])  # a ring buffer: never part of a lookup result
                 continue
             if num_computed_tokens % manager.block_size:
-                raise ValueError(
+                raise TruncateError(
                     f"num_computed_tokens={num_computed_tokens} is not a multiple of group "
                     f"{manager.kv_cache_group_id}'s block size {manager.block_size}"
                 )
@@ -463,7 +481,7 @@ class KVCacheManager(_KVCacheManager):
             if is_spec_kind(manager.kv_cache_spec, "MambaSpec"):
                 num_blocks = min(num_blocks, len(group_blocks))
             elif num_blocks > len(group_blocks):
-                raise ValueError(
+                raise TruncateError(
                     f"num_computed_tokens={num_computed_tokens} is past group "
                     f"{manager.kv_cache_group_id}'s hit of {len(group_blocks)} blocks"
                 )
@@ -489,10 +507,18 @@ class KVCacheManager(_KVCacheManager):
             start = start_token // manager.block_size
             manager.new_block_ids.extend(b.block_id for b in held[start:])
 
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
-        """Pending copy-on-write block copies and the blocks they keep: none, as no
-        covered layout copies blocks."""
-        return [], []
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """The copy-on-write copies queued since the last call (``partial_hit_copy_on_write``:
+        a hit or a Mamba prompt-tail state ending inside a block), and the blocks
+        they keep held, source then copy per pair: the caller frees those once the
+        copies have run."""
+        pairs = [
+            pair
+            for manager in self.coordinator.single_type_managers
+            for pair in manager.take_pending_cow_copies()
+        ]
+        copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pairs]
+        return copies, [block for pair in pairs for block in pair]
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """Boundary-state hand-offs for a KV connector: none without Mamba 'align'."""

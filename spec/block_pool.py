@@ -212,6 +212,22 @@ class BlockPool:
             self.hash_num_tokens[block_id] = num_tokens
         self.cached.setdefault(key, []).append(block_id)
 
+    def move_block_hashes(self, src: int, dst: int) -> None:
+        """Move every key of block ``src`` (its hash first) to block ``dst``, which becomes
+        the one cached under them, after any older block there; no event (the entries stay
+        cached). ValueError if ``dst`` is cached."""
+        if dst in self.block_hash:
+            raise ValueError(f"move_block_hashes: block {dst} is cached already")
+        key = self.block_hash.pop(src, None)
+        if key is None:
+            return
+        num_tokens = self.hash_num_tokens.pop(src)
+        for k in [key, *self.cached_block_hashes_by_block.pop(src, set())]:
+            self.cached[k].remove(src)
+            if not self.cached[k]:
+                del self.cached[k]
+            self._add_key(dst, k, num_tokens)
+
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Take ``num_blocks`` ids from the front of the free queue, evicting their hashes;
         ValueError if fewer are free or ``num_blocks < 0``."""

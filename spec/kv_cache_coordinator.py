@@ -8,8 +8,11 @@ from typing import NamedTuple
 from spec import pure
 from spec.block_pool import BlockPool
 from spec.single_type_kv_cache_manager import (
+    CircularBufferManager,
     CrossAttentionManager,
+    FullAttentionManager,
     Hits,
+    MambaManager,
     SingleTypeKVCacheManager,
     check_no_hits,
     get_manager_for_kv_cache_spec,
@@ -82,6 +85,7 @@ class KVCacheCoordinator:
     trim_every_full_group = False
     eagle_peek_to_hashed_length = False
     mamba_no_eagle_margin = False
+    fine_grained = False  # mamba_fine_grained_hits in effect (hybrid only)
     retention_replay_boundaries = False
 
     def _check_hybrid_context_parallel(self) -> None:
@@ -116,8 +120,8 @@ class KVCacheCoordinator:
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: tuple[Sequence[int], ...],
                                    num_encoder_tokens: int, total_computed_tokens: int,
-                                   num_tokens_main_model: int, apply_admission_cap: bool = False
-                                   ) -> int:
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                   num_local_computed_tokens: int = 0) -> int:
         """Free blocks needed across all groups (see the managers' method)."""
         num_blocks = 0
         for i, m in enumerate(self.single_type_managers):
@@ -127,7 +131,7 @@ class KVCacheCoordinator:
             else:
                 num_blocks += m.get_num_blocks_to_allocate(
                     request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
-                    num_tokens_main_model, apply_admission_cap)
+                    num_tokens_main_model, apply_admission_cap, num_local_computed_tokens)
         return num_blocks
 
     def allocate_new_computed_blocks(self, request_id: str,
@@ -294,13 +298,33 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             for group_id in sg.group_ids:
                 self.single_type_managers[group_id].use_eagle = sg.use_eagle
 
+    def enable_fine_grained_hits(self) -> None:
+        """mamba_fine_grained_hits: hits end on hash-block boundaries when a Mamba 'align'
+        group's block is larger than the hash block (under dcp, at least the hash block:
+        the dcp-scaled attention blocks are larger) and every other group is full
+        attention (or a variant), Mamba, or hashed at its own block size (a ring buffer,
+        outside prefix caching, takes no part)."""
+        hbs = self.hash_block_size
+        fine_kinds = (FullAttentionManager, MambaManager)
+        if any(isinstance(m, MambaManager) and m.mamba_cache_mode == "align"
+               and (m.block_size > hbs or (self.dcp_world_size > 1 and m.block_size == hbs))
+               for m in self.single_type_managers) and all(
+                (isinstance(m, fine_kinds) and not isinstance(m, CircularBufferManager))
+                or m.block_size == hbs or not cacheable(m.kv_cache_spec)
+                for m in self.single_type_managers):
+            self.fine_grained = True
+            for m in self.single_type_managers:
+                m.cache_hit_alignment_tokens = hbs
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache up to the last ``scheduler_block_size`` boundary (EAGLE groups one block
-        further, since their hits look one block past a boundary)."""
+        further, since their hits look one block past a boundary); with fine-grained hits
+        nothing is rounded (an EAGLE group still leaves out the re-prefilled tokens)."""
         boundaries = self.replay_boundaries(request.num_prompt_tokens)
+        alignment = 1 if self.fine_grained else self.scheduler_block_size
         for m in self.single_type_managers:
             m.cache_blocks(request, pure.num_tokens_to_cache(
-                num_computed_tokens, self.scheduler_block_size, m.block_size, m.use_eagle,
+                num_computed_tokens, alignment, m.block_size, m.use_eagle,
                 self.num_reprefillable_tokens), self.retention_interval, boundaries)
 
     def _hashes_for(self, block_hashes: list[bytes], spec: KVCacheSpec) -> list[bytes]:
@@ -317,31 +341,44 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         one other spec a single round suffices. An EAGLE spec searches one block further
         and drops it, once per candidate length. Only the first spec's hits are trimmed
         to the final length, as in vLLM. Sets ``num_uncached_common_prefix_tokens``: how
-        much longer the longest single-spec hit was.
+        much longer the longest single-spec hit was. With fine-grained hits lengths are
+        multiples of the hash block: full attention and Mamba with larger blocks find hits
+        ending inside a block, and their EAGLE look-ahead is one hash block.
         """
         hit_blocks: list[list[int] | None] = [None] * len(self.single_type_managers)
         hit_length, longest_hit_length = max_cache_hit_length, 0
         is_simple_hybrid = len(self.attention_groups) == 2 and is_a(
             self.attention_groups[0].spec, "FullAttentionSpec")
         eagle_verified: set[int] = set()  # specs whose EAGLE drop holds at the current length
+        hbs = self.hash_block_size
         while True:
             curr_length = hit_length
             for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(self.attention_groups):
                 if is_a(spec, "FullAttentionSpec") and hit_blocks[group_ids[0]] is not None:
-                    curr_length = curr_length // spec.block_size * spec.block_size
+                    if not self.fine_grained:  # (fine: within the full hit already)
+                        curr_length = curr_length // spec.block_size * spec.block_size
                     continue
                 drop_eagle_block = use_eagle and idx not in eagle_verified
+                sub_block = (self.fine_grained and spec.block_size > hbs
+                             and issubclass(manager_cls, (FullAttentionManager, MambaManager)))
                 max_length = curr_length
                 # 0.33.0: no peek past the candidate for Mamba (its finder never drops)
                 if drop_eagle_block and not (self.mamba_no_eagle_margin
                                              and is_a(spec, "MambaSpec")):
-                    max_length = min(curr_length + spec.block_size, max_cache_hit_length
+                    margin = hbs if sub_block else spec.block_size
+                    max_length = min(curr_length + margin, max_cache_hit_length
                                      if not self.eagle_peek_to_hashed_length  # 0.33.0
-                                     else len(block_hashes) * self.hash_block_size)
-                hits = manager_cls.find_longest_cache_hit(
-                    self._hashes_for(block_hashes, spec), max_length, group_ids, self.block_pool,
-                    spec, drop_eagle_block, self.scheduler_block_size)
-                new_length = len(hits[0]) * spec.block_size
+                                     else len(block_hashes) * hbs)
+                if sub_block:
+                    hits, new_length = manager_cls.find_fine_grained_hit(
+                        block_hashes, max_length, group_ids, self.block_pool, spec,
+                        drop_eagle_block, hbs)
+                else:
+                    hits = manager_cls.find_longest_cache_hit(
+                        self._hashes_for(block_hashes, spec), max_length, group_ids,
+                        self.block_pool, spec, drop_eagle_block,
+                        hbs if self.fine_grained else self.scheduler_block_size)
+                    new_length = len(hits[0]) * spec.block_size
                 if drop_eagle_block:
                     eagle_verified.add(idx)
                 elif new_length < curr_length:
@@ -359,15 +396,20 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         if is_a(first.spec, "FullAttentionSpec"):
             for group_id in first.group_ids:
                 if (first_hits := hit_blocks[group_id]) is not None:
-                    del first_hits[hit_length // first.spec.block_size:]
+                    del first_hits[self._num_hit_blocks(hit_length, first.spec.block_size):]
         if self.trim_every_full_group:  # 0.33.0: every full-attention spec, not the first only
             for sg in self.attention_groups:
                 if is_a(sg.spec, "FullAttentionSpec"):
                     for group_id in sg.group_ids:
                         if (full_hits := hit_blocks[group_id]) is not None:
-                            del full_hits[hit_length // sg.spec.block_size:]
+                            del full_hits[self._num_hit_blocks(hit_length, sg.spec.block_size):]
         self.num_uncached_common_prefix_tokens = longest_hit_length - hit_length
         return tuple(b if b is not None else [] for b in hit_blocks), hit_length
+
+    def _num_hit_blocks(self, hit_length: int, block_size: int) -> int:
+        """Blocks a hit of ``hit_length`` tokens keeps (fine-grained: also the block it
+        ends inside)."""
+        return pure.cdiv(hit_length, block_size) if self.fine_grained else hit_length // block_size
 
     def find_longest_cache_hit_per_group(self, block_hashes: list[bytes],
                                          max_cache_hit_length: int

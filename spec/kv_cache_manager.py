@@ -11,7 +11,7 @@ from typing import Any, Literal, overload
 
 from spec import pure
 from spec.block_pool import NULL_BLOCK, BlockPool
-from spec.kv_cache_coordinator import get_kv_cache_coordinator
+from spec.kv_cache_coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
 from spec.profile import Profile, resolve_profile
 from spec.pure import cdiv
 from spec.single_type_kv_cache_manager import FullAttentionManager, MambaManager
@@ -210,6 +210,10 @@ class KVCacheManager:
             m.caps_new_state_blocks = p.mamba_caps_new_state_blocks
             m.caches_prompt_tail_state = p.mamba_prompt_tail_state
             m.prompt_tail_drops_eagle = p.mamba_prompt_tail_state and self.use_eagle
+        for m in coordinator.single_type_managers:
+            m.copies_partial_hits = p.partial_hit_copy_on_write
+        if p.mamba_fine_grained_hits and isinstance(coordinator, HybridKVCacheCoordinator):
+            coordinator.enable_fine_grained_hits()
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = self._new_stats()
 
@@ -292,7 +296,8 @@ class KVCacheManager:
         if full_sequence_must_fit:
             num_full = min(request.num_tokens, self.max_model_len)
             num_needed = coordinator.get_num_blocks_to_allocate(
-                rid, num_full, hits, num_encoder_tokens, total_computed, num_full, True)
+                rid, num_full, hits, num_encoder_tokens, total_computed, num_full, True,
+                num_local_computed)
             if not pure.admits(num_needed, self.block_pool.get_num_free_blocks(), 0,
                                watermark_blocks):
                 return None
@@ -306,7 +311,7 @@ class KVCacheManager:
         coordinator.remove_skipped_blocks(rid, processed, request.num_prompt_tokens)
         num_needed = coordinator.get_num_blocks_to_allocate(
             rid, num_tokens_need_slot, hits, num_encoder_tokens, num_computed,
-            num_tokens_main_model)
+            num_tokens_main_model, False, num_local_computed)
         if not pure.admits(num_needed, self.block_pool.get_num_free_blocks(), reserved_blocks,
                            watermark_blocks):
             return None

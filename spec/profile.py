@@ -20,6 +20,7 @@ SWITCHES = (
     "mamba_prompt_tail_state", "retention_replay_boundaries", "retention_zero_without_window",
     "shared_prefix_junctions", "mamba_caps_new_state_blocks", "circular_buffer_groups",
     "cache_within_hashed_tokens", "pcp_not_scaled", "dcp_sharded_geometry",
+    "mamba_fine_grained_hits", "partial_hit_copy_on_write",
 )  # fmt: skip
 """Every switch, in kvcache's order."""
 

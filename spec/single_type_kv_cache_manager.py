@@ -68,6 +68,7 @@ class SingleTypeKVCacheManager:
     caches_partial_prompt_tail = False
     caches_within_hashed_tokens = False
     zeroes_any_attention_kind = False  # zero_every_attention_group, beside Mamba
+    copies_partial_hits = False  # partial_hit_copy_on_write
     keeps_shared_prefix_junction = False  # shared_prefix_junctions
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
@@ -83,13 +84,24 @@ class SingleTypeKVCacheManager:
         self.scheduler_block_size = scheduler_block_size
         self.max_admission_blocks_per_request = max_admission_blocks_per_request
         self.use_eagle = False  # set by the coordinator
+        # Where hits end: the hash block under mamba_fine_grained_hits (the coordinator).
+        self.cache_hit_alignment_tokens = scheduler_block_size
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.new_block_ids: list[int] = []
+        # copies_partial_hits: per request, (index, block) of a hit block to copy at the
+        # next allocation; the (source, copy) pairs queued for the worker.
+        self.partial_hit_reqs: dict[str, tuple[int, int]] = {}
+        self.pending_copies: list[tuple[int, int]] = []
 
     def _blocks_of(self, request_id: str) -> list[int]:
         """The request's table, created empty if unknown (vLLM's defaultdict read)."""
         return self.req_to_blocks.setdefault(request_id, [])
+
+    def _ends_inside_block(self, hits: Sequence[int], num_local_computed_tokens: int) -> bool:
+        """Under ``copies_partial_hits``: whether a hit ends inside its last block."""
+        return (self.copies_partial_hits and len(hits) > 0
+                and num_local_computed_tokens % self.block_size != 0)
 
     def _num_evictable(self, blocks: Sequence[int]) -> int:
         """Blocks that touching them takes out of the free queue."""
@@ -97,9 +109,11 @@ class SingleTypeKVCacheManager:
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[int], total_computed_tokens: int,
-                                   num_tokens_main_model: int, apply_admission_cap: bool = False
-                                   ) -> int:
-        """Free blocks needed to give the request ``num_tokens`` slots and take its hits."""
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                   num_local_computed_tokens: int = 0) -> int:
+        """Free blocks needed to give the request ``num_tokens`` slots and take its hits
+        (one more for the copy of a hit ending inside a block, ``copies_partial_hits``;
+        ``num_local_computed_tokens``: computed plus hit tokens)."""
         num_required = pure.num_required_blocks(
             num_tokens, self.block_size,
             self.max_admission_blocks_per_request if apply_admission_cap else None)
@@ -110,6 +124,8 @@ class SingleTypeKVCacheManager:
         num_skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
         num_new = pure.num_new_blocks(num_required, num_held, len(new_computed_blocks),
                                       num_skipped, False)
+        if self._ends_inside_block(new_computed_blocks, num_local_computed_tokens):
+            num_new += 1
         return num_new + self._num_evictable(
             new_computed_blocks[pure.num_skipped_hits(num_skipped, num_held):])
 
@@ -132,6 +148,11 @@ class SingleTypeKVCacheManager:
         req_blocks.extend([NULL_BLOCK] * num_skipped)
         req_blocks.extend(new_computed_blocks)
         self.num_cached_block[request_id] = len(req_blocks)
+        if self._ends_inside_block(new_computed_blocks, num_local_computed_tokens):
+            # The last hit block is copied at the next allocation; the copy is cached anew.
+            index = num_local_computed_tokens // self.block_size
+            self.partial_hit_reqs[request_id] = (index, new_computed_blocks[-1])
+            self.num_cached_block[request_id] = index
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
                                           num_external_computed_tokens: int) -> None:
@@ -158,10 +179,32 @@ class SingleTypeKVCacheManager:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
                             ) -> list[int]:
-        """Append fresh blocks until the request has ``num_tokens`` slots; return them."""
+        """Append fresh blocks until the request has ``num_tokens`` slots; return them. A
+        pending partial hit first gets its copy (returned first, recorded for zeroing)."""
+        copies = []
+        if request_id in self.partial_hit_reqs:
+            index, source = self.partial_hit_reqs.pop(request_id)
+            copies = self.block_pool.get_new_blocks(1)
+            self._copy_hit_block(request_id, index, source, copies[0])
+            self.new_block_ids.extend(copies)
         req_blocks = self._blocks_of(request_id)
         num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
-        return self._append_new(req_blocks, num_new) if num_new > 0 else []
+        return copies + (self._append_new(req_blocks, num_new) if num_new > 0 else [])
+
+    def _copy_hit_block(self, request_id: str, index: int, source: int, copy: int) -> None:
+        """Put ``copy`` in place of hit block ``source`` and queue the copy. Until the
+        caller takes the copies both stay held: ``source`` by the request's hit
+        reference, ``copy`` by one more."""
+        req_blocks = self._blocks_of(request_id)
+        assert req_blocks[index] == source
+        req_blocks[index] = copy
+        self.pending_copies.append((source, copy))
+        self.block_pool.ref_cnt[copy] += 1
+
+    def take_pending_cow_copies(self) -> list[tuple[int, int]]:
+        """Drain the (source, copy) pairs queued since the last call."""
+        pending, self.pending_copies = self.pending_copies, []
+        return pending
 
     def take_new_block_ids(self) -> list[int]:
         """Drain the ids allocated since the last call."""
@@ -204,6 +247,7 @@ class SingleTypeKVCacheManager:
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
         """Forget the request; return its blocks in allocation order, still referenced."""
         self.num_cached_block.pop(request_id, None)
+        self.partial_hit_reqs.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, [])
 
     def free(self, request_id: str) -> None:
@@ -221,6 +265,14 @@ class SingleTypeKVCacheManager:
         """Per group, the longest hit of at most ``max_length`` tokens cached in all groups,
         a multiple of ``alignment_tokens``; EAGLE drops its last block."""
         raise NotImplementedError(f"{cls.__name__} does not support prefix caching")
+
+    @classmethod
+    def find_fine_grained_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                              group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                              drop_eagle_block: bool, hash_block_size: int
+                              ) -> tuple[Hits, int]:
+        """A hit that may end inside a block, and its length: full attention and Mamba."""
+        raise NotImplementedError(f"{cls.__name__} finds no hits inside a block")
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -270,6 +322,36 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             kv_cache_spec.block_size, alignment_tokens)
         return hit_blocks(block_hashes, 0, num_blocks, group_ids, pool)
 
+    @classmethod
+    def find_fine_grained_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                              group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                              drop_eagle_block: bool, hash_block_size: int
+                              ) -> tuple[Hits, int]:
+        """With mamba_fine_grained_hits (blocks larger than the hash block): the leading
+        cached blocks, then the longest cached hash-block prefix inside the next block;
+        EAGLE drops one hash block. ``block_hashes`` are per hash block. Returns the
+        hits and their length in tokens."""
+        scale = kv_cache_spec.block_size // hash_block_size
+        ends = [(i + 1) * scale - 1 for i in range(max_length // kv_cache_spec.block_size)]
+        num_blocks = 0
+        while num_blocks < len(ends) and ends[num_blocks] < len(block_hashes) and (
+                pool.get_cached_block(block_hashes[ends[num_blocks]], group_ids) is not None):
+            num_blocks += 1
+        hit_ends = ends[:num_blocks]
+        length = num_blocks * kv_cache_spec.block_size
+        first = num_blocks * scale
+        for i in reversed(range(first, min(first + scale - 1, max_length // hash_block_size,
+                                           len(block_hashes)))):
+            if pool.get_cached_block(block_hashes[i], group_ids) is not None:
+                hit_ends.append(i)
+                length = (i + 1) * hash_block_size
+                break
+        if drop_eagle_block and length > 0:
+            length -= hash_block_size
+        hit_ends = hit_ends[:cdiv(length, kv_cache_spec.block_size)]
+        return hit_blocks([block_hashes[i] for i in hit_ends], 0, len(hit_ends), group_ids,
+                          pool), length
+
     def cache_blocks(self, request: Request, num_tokens: int,
                      retention_interval: int | None = None,
                      boundaries: Sequence[int] | None = None) -> None:
@@ -312,8 +394,8 @@ class CircularBufferManager(FullAttentionManager):
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[int], total_computed_tokens: int,
-                                   num_tokens_main_model: int, apply_admission_cap: bool = False
-                                   ) -> int:
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                   num_local_computed_tokens: int = 0) -> int:
         """1 until the request holds its ring block, then 0."""
         return 0 if self.req_to_blocks.get(request_id) else 1
 
@@ -437,11 +519,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         num_needed = self._num_blocks_for_hit(self.kv_cache_spec, self.use_eagle)
         if retention_interval is not None:
             return pure.sliding_window_retention_mask(
-                start_block, end_block, num_needed, self.block_size, self.scheduler_block_size,
-                retention_interval, boundaries, self.use_eagle)
+                start_block, end_block, num_needed, self.block_size,
+                self.cache_hit_alignment_tokens, retention_interval, boundaries, self.use_eagle)
         return pure.sliding_window_reachable_mask(
-            start_block, end_block, num_needed, self.scheduler_block_size // self.block_size,
-            self.use_eagle)
+            start_block, end_block, num_needed,
+            self.cache_hit_alignment_tokens // self.block_size, self.use_eagle)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the window of the next token."""
@@ -512,12 +594,28 @@ class MambaManager(SingleTypeKVCacheManager):
             kv_cache_spec.block_size, alignment_tokens)
         return hit_blocks(block_hashes, max(num_blocks - 1, 0), num_blocks, group_ids, pool)
 
+    @classmethod
+    def find_fine_grained_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                              group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                              drop_eagle_block: bool, hash_block_size: int
+                              ) -> tuple[Hits, int]:
+        """With mamba_fine_grained_hits: the last state cached at any hash boundary within
+        ``max_length``, nulls before its block (``block_hashes`` per hash block)."""
+        for i in reversed(range(min(max_length // hash_block_size, len(block_hashes)))):
+            hits = pool.get_cached_block(block_hashes[i], group_ids)
+            if hits is not None:
+                nulls = [NULL_BLOCK] * (i // (kv_cache_spec.block_size // hash_block_size))
+                return tuple([*nulls, b] for b in hits), (i + 1) * hash_block_size
+        return tuple([] for _ in group_ids), 0
+
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[int], total_computed_tokens: int,
-                                   num_tokens_main_model: int, apply_admission_cap: bool = False
-                                   ) -> int:
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                   num_local_computed_tokens: int = 0) -> int:
         """As the base class, plus speculative blocks. A hit on a state cached this step
-        needs ``num_gpu_blocks + 1`` blocks: more than can be free, so it waits a step."""
+        needs ``num_gpu_blocks + 1`` blocks: more than can be free, so it waits a step.
+        In align mode a state ending inside its block (a hit there, or the request's own
+        prompt-tail entry; ``copies_partial_hits``) needs one block more, its copy."""
         if (len(new_computed_blocks) and self.block_pool.block_hash.get(new_computed_blocks[-1])
                 in self.cached_blocks_this_step):
             return self.block_pool.num_gpu_blocks + 1
@@ -527,7 +625,7 @@ class MambaManager(SingleTypeKVCacheManager):
             num_tokens += self.kv_cache_spec.block_size * self.num_speculative_blocks
             return super().get_num_blocks_to_allocate(
                 request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-                num_tokens_main_model, apply_admission_cap)
+                num_tokens_main_model, apply_admission_cap, num_local_computed_tokens)
         # Align mode ignores lookahead tokens (they would break the alignment).
         num_new = pure.mamba_align_num_new_blocks(
             num_tokens_main_model, self.block_size, self.num_speculative_blocks,
@@ -538,12 +636,22 @@ class MambaManager(SingleTypeKVCacheManager):
             shortfall = (cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
                          - len(new_computed_blocks) - num_held)
             num_new = min(num_new, shortfall)
+        if request_id in self.partial_hit_reqs or self._ends_inside_block(
+                new_computed_blocks, num_local_computed_tokens):
+            num_held = len(self._blocks_of(request_id))
+            shortfall = (cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+                         - len(new_computed_blocks) - num_held)
+            cap = 2 if request_id in self._allocated_block_reqs else 2 + self.num_speculative_blocks
+            num_new = min(max(shortfall, 0) + 1, cap)
         return num_new + self._num_evictable(new_computed_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
                             ) -> list[int]:
         """As the base class plus speculative blocks; in align mode, nulls up to the new
-        state block, last step's speculative blocks moved up, and the blocks after it."""
+        state block, last step's speculative blocks moved up, and the blocks after it.
+        A pending partial state also gets a copy: in place of a new request's hit block,
+        or, for a running request (its own prompt-tail entry), the entry moves onto the
+        copy (hittable from the next step) while the request keeps its block."""
         num_spec = self.num_speculative_blocks
         if self.mamba_cache_mode != "align":
             return super().allocate_new_blocks(
@@ -551,7 +659,8 @@ class MambaManager(SingleTypeKVCacheManager):
         req_blocks = self._blocks_of(request_id)
         num_required = cdiv(num_tokens_main_model, self.block_size) + num_spec
         num_held = len(req_blocks)
-        if num_required <= num_held:
+        partial = self.partial_hit_reqs.pop(request_id, None)
+        if num_required <= num_held and partial is None:
             if self.frees_processed_states:  # 0.33.0: counts as allocated all the same
                 self._allocated_block_reqs.add(request_id)
             return []
@@ -566,12 +675,25 @@ class MambaManager(SingleTypeKVCacheManager):
             for i in range(num_held - num_spec, min(num_held, num_skipped)):
                 req_blocks.append(req_blocks[i])
                 req_blocks[i] = NULL_BLOCK
-        num_new = num_required - len(req_blocks)
+        num_new = max(num_required - len(req_blocks), 0)
         if num_new > (1 if allocated_before else 1 + num_spec):
             raise ValueError(f"request_id={request_id!r} would get {num_new} new Mamba blocks")
-        req_blocks.extend(self.block_pool.get_new_blocks(num_new))
+        returned = req_blocks[num_held:]
+        new_ids = self.block_pool.get_new_blocks(num_new + (partial is not None))
+        if partial is not None:
+            (index, source), copy = partial, new_ids.pop(0)
+            if allocated_before:
+                self.block_pool.move_block_hashes(source, copy)
+                self.pending_copies.append((source, copy))
+                self.block_pool.ref_cnt[source] += 1
+                if (key := self.block_pool.block_hash.get(copy)) is not None:
+                    self.cached_blocks_this_step.add(key)  # filled by this step's copy
+            else:
+                self._copy_hit_block(request_id, index, source, copy)
+                returned.insert(0, copy)
+        req_blocks.extend(new_ids)
         self._allocated_block_reqs.add(request_id)
-        return req_blocks[num_held:]
+        return returned + new_ids
 
     def reachable_block_mask(self, start_block: int, end_block: int,
                              retention_interval: int | None = None,
@@ -581,7 +703,7 @@ class MambaManager(SingleTypeKVCacheManager):
         if retention_interval is None:
             return None
         return pure.mamba_retention_mask(start_block, end_block, self.block_size,
-                                         self.scheduler_block_size, retention_interval,
+                                         self.cache_hit_alignment_tokens, retention_interval,
                                          boundaries)
 
     def cache_blocks(self, request: Request, num_tokens: int,
@@ -594,14 +716,16 @@ class MambaManager(SingleTypeKVCacheManager):
         rid = request.request_id
         num_cached_before = self.num_cached_block.get(rid, 0)
         super().cache_blocks(request, num_tokens, retention_interval, boundaries)
+        num_cached_after = self.num_cached_block.get(rid, 0)
         hbs = self.block_pool.hash_block_size
+        inside = num_tokens % self.block_size != 0  # only with copies_partial_hits
         if (self.caches_prompt_tail_state and self.mamba_cache_mode == "align"
-                and num_tokens > 0 and num_tokens % self.block_size == 0
+                and num_tokens > 0 and (not inside or self.copies_partial_hits)
                 and num_tokens == pure.mamba_prompt_tail_boundary(
                     request.num_prompt_tokens, hbs, self.prompt_tail_drops_eagle,
                     self.block_pool.num_hash_lookahead_tokens)):
             blocks = self._blocks_of(rid)
-            idx = num_tokens // self.block_size - 1
+            idx = cdiv(num_tokens, self.block_size) - 1
             if (idx < len(blocks) and blocks[idx] != NULL_BLOCK
                     and self.block_pool.hash_num_tokens.get(blocks[idx]) != num_tokens):
                 key = self.block_pool.cache_partial_block(
@@ -609,7 +733,9 @@ class MambaManager(SingleTypeKVCacheManager):
                     any_boundary=True)
                 if key is not None:
                     self.cached_blocks_this_step.add(key)
-        num_cached_after = self.num_cached_block.get(rid, 0)
+                if key is not None and inside:  # the next allocation moves it to a copy
+                    self.partial_hit_reqs[rid] = (idx, blocks[idx])
+                    self.num_cached_block[rid] = idx
         if num_cached_after > num_cached_before:
             for block_id in self.req_to_blocks[rid][num_cached_before:num_cached_after]:
                 if (key := self.block_pool.block_hash.get(block_id)) is not None:

@@ -38,25 +38,13 @@ SUBJECT = "kvcache-0.33"
 REFERENCE = "vllm"
 REFERENCE_VERSION = "0.33.0"
 
-#: Layout families of ``kvcache.kit.driver.FAMILIES`` the 0.33.0 profile does not
-#: model yet, with why. Every other family runs (``conformant_families``).
-MAMBA_REASON = (
-    "Mamba 'align' beside attention under 0.33.0: fine-grained (sub-block) hits when "
-    "the Mamba block is larger than the hash block (cache_hit_alignment_tokens = "
-    "hash block, unrounded cacheable tokens, partial-hit CoW copies, Mamba prompt-tail "
-    "partial entries)"
-)
-#: Families with a Mamba group the 0.33.0 profile already conforms on (the
-#: ``mamba_*`` switches of ``kvcache.profile``); configs 0.33.0 cannot build
-#: (a Mamba group caching outside 'align') must be refused by both sides.
-CONFORMANT_MAMBA_FAMILIES = frozenset({"mamba", "full+mamba-all", "full+mamba-none"})
 #: Mamba modes 0.33.0 builds only with caching off.
 CACHING_OFF_MAMBA_KINDS = frozenset({"mamba-all", "mamba-none"})
-NOT_YET_CONFORMANT: dict[str, str] = {
-    name: MAMBA_REASON
-    for name in FAMILIES
-    if ("mamba" in name or name == "eagle-hybrid") and name not in CONFORMANT_MAMBA_FAMILIES
-}
+#: Layout families of ``kvcache.kit.driver.FAMILIES`` the 0.33.0 profile does not
+#: model yet, with why. Every other family runs (``conformant_families``); configs
+#: 0.33.0 cannot build (a Mamba group caching outside 'align') must be refused by
+#: both sides (``both_refuse``).
+NOT_YET_CONFORMANT: dict[str, str] = {}
 # Layouts of spec classes vLLM 0.33.0 no longer has: nothing to conform to there.
 NOT_YET_CONFORMANT.update(
     {

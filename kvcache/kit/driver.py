@@ -654,6 +654,18 @@ class RandomScheduler:
         # vLLM's scheduler splits prefill chunks at block multiples when a Mamba
         # group caches in "align" mode (Scheduler._mamba_block_aligned_split).
         self.mamba_align = any(g.mamba_cache_mode == "align" for g in mamba)
+        # Layouts where vLLM 0.33.0 has fine-grained (sub-block) hits: a Mamba 'align'
+        # block larger than the hash block, every other group full attention, Mamba or
+        # hash-block sized. Its scheduler then also stops a prefill chunk at the
+        # prompt's last reusable hash boundary (the Mamba prompt-tail state) and at the
+        # end of a block a chunk starts inside.
+        hbs = config.hash_block_size
+        self.fine_grained = (
+            config.enable_caching is not False
+            and len(config.groups) > 1
+            and any(g.mamba_cache_mode == "align" and g.block_size > hbs for g in mamba)
+            and all(g.kind in ("full", "mamba") or g.block_size == hbs for g in config.groups)
+        )
         # Draft tokens need a speculative state block each in every Mamba group.
         self.max_draft_tokens = min((g.num_speculative_blocks for g in mamba), default=3)
         self.encoder_decoder = any(g.kind == "cross_attention" for g in config.groups)
@@ -690,9 +702,21 @@ class RandomScheduler:
             last_cache_position = max(last_cache_position - bs, 0)
         after = num_computed + num_new_tokens
         if after < last_cache_position:
-            return num_new_tokens // bs * bs
-        if num_computed < last_cache_position < after:
-            return last_cache_position - num_computed
+            num_new_tokens = num_new_tokens // bs * bs
+        elif num_computed < last_cache_position < after:
+            num_new_tokens = last_cache_position - num_computed
+        if self.fine_grained:
+            hbs = self.config.hash_block_size
+            tail = req.num_prompt_tokens if self.config.use_eagle else req.num_prompt_tokens - 1
+            tail = max(tail, 0) // hbs * hbs - (hbs if self.config.use_eagle else 0)
+            stops = [
+                (num_computed // bs + 1) * bs if num_computed % bs else 0,
+                tail if last_cache_position < tail < req.num_prompt_tokens else 0,
+            ]
+            end = num_computed + num_new_tokens
+            inside = [p for p in stops if num_computed < p < end]
+            if inside:
+                num_new_tokens = min(inside) - num_computed
         return num_new_tokens
 
     # ------------------------------------------------------------ actions

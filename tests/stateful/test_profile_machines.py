@@ -8,11 +8,12 @@ on every layout the hybrid machine draws: full attention, sliding window, chunke
 local, cross attention and Mamba, one to three groups, and (the new-kinds machine)
 MLA variants and one full-attention group under dcp / pcp. (A Mamba group in mode
 'all' or 'none' with caching cannot be built under 0.33.0: both sides refuse it
-alike and the machine draws another layout. Mamba 'align' fine-grained hits,
-prefill checkpoints and CoW copies are modelled by neither side yet,
-``docs/profiles.md``.) The requests' hashes come from kvcache's hasher with the
-profile's hashing switches, and the invariant compares them with the spec's,
-byte for byte.
+alike and the machine draws another layout. Mamba prefill checkpoints are
+modelled by neither side yet, ``docs/profiles.md``; fine-grained hits and their
+copy-on-write copies are, and are held by ``tests/conformance/test_profile_0_33.py``
+and ``tests/test_injected_bugs_fine_grained.py``.) The requests' hashes come from
+kvcache's hasher with the profile's hashing switches, and the invariant compares
+them with the spec's, byte for byte.
 
 A third machine, ``manager-lookahead``, runs the manager machine with 0.33.0's
 lookahead hashing (two tokens) and prefill lookahead (three, fitted to the scheduler
@@ -27,6 +28,7 @@ machine must fail, so each switch tried is one the machines actually reach.
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import pytest
@@ -192,16 +194,14 @@ def test_machine_fails_with_a_switch_flipped_in_spec(
 ) -> None:
     """The 0.33.0 machines have teeth: the spec with one switch at 0.25.1's value
     disagrees with kvcache's 0.33.0 profile within a bounded, seeded run, at the
-    check that compares what the switch changes."""
+    check that compares what the switch changes. The first of ``TEETH_SEEDS`` whose
+    run fails counts: a rule that changes the machine's states moves every seed's
+    search path (fine-grained hits moved seed 0's past the EAGLE case), and one
+    seed's luck is no measure of the teeth."""
     base = {"manager": ManagerMachine, "hybrid": HybridMachine, "new-kinds": NewKindsMachine}[name]
     cls = machine_class(base, flipped=switch)
     assert getattr(spec_profile_with(switch), switch) is False
     assert getattr(vllm_0_33.PROFILE, switch) is True
-
-    @seed(0)
-    def machine() -> ManagerMachine:
-        return cls()
-
     bounded = settings(
         max_examples=300,
         stateful_step_count=100,
@@ -211,9 +211,22 @@ def test_machine_fails_with_a_switch_flipped_in_spec(
         suppress_health_check=list(settings.default.suppress_health_check)
         + list(stateful_health_checks()),
     )
-    with pytest.raises(AssertionError) as failure:
-        run_state_machine_as_test(machine, settings=bounded)
-    assert failure.traceback[-1].name in where, failure.traceback[-1]
+    for run_seed in TEETH_SEEDS:
+
+        @seed(run_seed)
+        def machine() -> ManagerMachine:
+            return cls()
+
+        try:
+            run_state_machine_as_test(machine, settings=bounded)
+        except AssertionError as error:
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            assert frame.name in where, frame
+            return
+    pytest.fail(f"{switch} flipped in the spec: no run of seeds {TEETH_SEEDS} failed")
+
+
+TEETH_SEEDS = (0, 1, 2)
 
 
 def stateful_health_checks() -> tuple[Any, ...]:

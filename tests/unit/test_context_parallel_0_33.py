@@ -199,3 +199,32 @@ def test_kvcache_with_a_geometry_switch_off_is_caught(
     setattr(mutant, switch, False)
     monkeypatch.setattr(v33, "PROFILE", mutant)
     assert mismatches(family, 12) > 0, f"{switch} off in kvcache was not caught"
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_dcp_turns_fine_grained_hits_on_at_an_equal_mamba_block(dcp: int) -> None:
+    """full + Mamba 'align' with the Mamba block equal to the hash block: vLLM 0.33.0
+    turns fine-grained hits on under dcp > 1 only (the dcp-scaled full-attention block
+    is then larger than the hash block); a 12-token prefix computed in one chunk is hit
+    to 12 tokens there, inside the second 8-token full-attention block, and not at all
+    without dcp (coarse hits: the Mamba state is kept at 12, not at the scheduler block
+    8). vLLM 0.33.0 gives the same (measured: off / 0 tokens, on / 12 tokens)."""
+    prefix = [i // 4 for i in range(12)]
+    results = []
+    for name, m in managers(("full", "mamba"), "0.33.0", scheduler_block_size=8,
+                            hash_block_size=BS, dcp_world_size=dcp):
+        fine = getattr(m.coordinator, "enable_partial_hash_hits", None)
+        if fine is None:
+            fine = m.coordinator.fine_grained  # the spec's name
+        assert fine is (dcp > 1), name
+        hasher = v33.get_request_block_hasher(BS, K.sha256)
+        owner = K.Request("owner", prefix + [99] * 3, block_hasher=hasher)
+        computed = m.get_computed_blocks(owner)[0]
+        assert m.allocate_slots(owner, 12, 0, computed) is not None
+        owner.num_computed_tokens += 12
+        m.new_step_starts()
+        other = K.Request("other", prefix + [100] * 5, block_hasher=hasher)
+        num_hit = m.get_computed_blocks(other)[1]
+        assert num_hit == (12 if dcp > 1 else 0), (name, num_hit)
+        results.append(num_hit)
+    assert results[0] == results[1]

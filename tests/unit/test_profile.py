@@ -133,9 +133,6 @@ def test_conformance_families_not_yet_passing_are_listed_not_dropped() -> None:
     assert not run & set(NOT_YET_CONFORMANT)
     # The families kvcache's 0.33.0 profile does not model yet (update when they pass).
     assert set(NOT_YET_CONFORMANT) == {
-        "full+mamba-align",
-        "full+swa+mamba", "swa+mamba", "eagle-hybrid", "full+mamba-align-retention",
-        "swa+mamba-retention",
         "tq",  # vLLM 0.33.0 has no TQFullAttentionSpec (ledger tq-spec-removed)
     }
 
