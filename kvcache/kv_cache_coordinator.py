@@ -19,6 +19,7 @@ from kvcache.kv_cache_interface import (
     ContextParallelError,
     KVCacheConfig,
     KVCacheSpec,
+    is_dcp_sharded,
     is_prefix_cacheable,
     is_spec_kind,
 )
@@ -32,7 +33,7 @@ from kvcache.kv_cache_utils import (
 )
 from kvcache.single_type_kv_cache_manager import (
     CrossAttentionManager,
-    MambaManager,
+    FullAttentionManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
@@ -128,10 +129,73 @@ def _finds_fine_grained_hits(manager_cls: type[SingleTypeKVCacheManager]) -> boo
     return manager_cls.supports_fine_grained_hash_lookup
 
 
+def partial_hash_hits_enabled(
+    kv_cache_groups: Sequence[Any],
+    hash_block_size: int,
+    dcp_world_size: int = 1,
+    manager_classes: Sequence[type[SingleTypeKVCacheManager]] | None = None,
+) -> bool:
+    """Whether a layout gets fine-grained (sub-block) prefix hits under vLLM 0.33.0
+    (switch ``mamba_fine_grained_hits``; vLLM 0.33.0's helper of the same name).
+
+    A Mamba 'align' layer's block must be larger than the hash block (under
+    ``dcp_world_size > 1`` at least the hash block: the dcp-scaled attention blocks
+    are larger than it). Given the groups' ``manager_classes``, every other
+    prefix-caching group must also find hits ending inside a block, or be hashed at
+    its own (dcp-scaled) block size; a group outside prefix caching (a ring buffer)
+    takes no part.
+    """
+
+    def layers(spec: Any) -> list[Any]:
+        inner = getattr(spec, "kv_cache_specs", None)
+        return list(inner.values()) if isinstance(inner, dict) else [spec]
+
+    if not any(
+        is_spec_kind(layer, "MambaSpec")
+        and layer.mamba_cache_mode == "align"
+        and (
+            layer.block_size > hash_block_size
+            or (dcp_world_size > 1 and layer.block_size == hash_block_size)
+        )
+        for group in kv_cache_groups
+        for layer in layers(group.kv_cache_spec)
+    ):
+        return False
+    if manager_classes is None:
+        return True
+    for group, manager_cls in zip(kv_cache_groups, manager_classes, strict=True):
+        spec = group.kv_cache_spec
+        block_size = spec.block_size * (dcp_world_size if is_dcp_sharded(spec) else 1)
+        if (
+            is_prefix_cacheable(spec)
+            and not _finds_fine_grained_hits(manager_cls)
+            and block_size != hash_block_size
+        ):
+            return False
+    return True
+
+
 def _is_full(spec: KVCacheSpec) -> bool:
     """Whether ``spec`` is full attention (kvcache's or vLLM's class, or a subclass:
     MLA and the other full-attention variants count, as in vLLM's isinstance test)."""
     return is_spec_kind(spec, "FullAttentionSpec")
+
+
+def group_world_sizes(
+    kv_cache_spec: KVCacheSpec,
+    dcp_world_size: int,
+    pcp_world_size: int,
+    dcp_sharded_geometry: bool,
+) -> tuple[int, int]:
+    """The ``(dcp, pcp)`` world sizes one group's manager takes.
+
+    0.25.1 gives every group both. Under ``dcp_sharded_geometry`` (0.33.0) only a
+    spec whose blocks are sharded over the ranks (``is_dcp_sharded``) takes them;
+    any other group (Mamba, a replicated draft) keeps ``(1, 1)``.
+    """
+    if dcp_sharded_geometry and not is_dcp_sharded(kv_cache_spec):
+        return 1, 1
+    return dcp_world_size, pcp_world_size
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -148,6 +212,11 @@ class KVCacheCoordinator:
         dcp_world_size: Decode context parallel size (each group's block spans
             ``block_size * dcp * pcp`` tokens; one group only under caching).
         pcp_world_size: Prefill context parallel size (likewise).
+        pcp_not_scaled: The ``pcp_not_scaled`` switch (``kvcache.profile``): a block
+            spans ``block_size * dcp`` tokens.
+        dcp_sharded_geometry: The ``dcp_sharded_geometry`` switch: only sharded
+            specs take the world sizes (``group_world_sizes``), and several
+            caching groups accept context parallelism by 0.33.0's rules.
         scheduler_block_size: Scheduling granularity, a multiple of every group's
             block size and of ``hash_block_size``.
         hash_block_size: Granularity of request block hashes.
@@ -172,6 +241,8 @@ class KVCacheCoordinator:
         metrics_collector: Any = None,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
+        pcp_not_scaled: bool = False,
+        dcp_sharded_geometry: bool = False,
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size != 0 or any(
@@ -197,21 +268,24 @@ class KVCacheCoordinator:
         if use_eagle and not self.eagle_group_ids:
             # No group is marked: treat them all as EAGLE groups.
             self.eagle_group_ids = set(range(len(groups)))
+        self.pcp_not_scaled = pcp_not_scaled
+        self.dcp_sharded_geometry = dcp_sharded_geometry
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            get_manager_for_kv_cache_spec(
-                kv_cache_spec=g.kv_cache_spec,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                role=getattr(g, "role", None),  # vLLM 0.33.0's KVCacheGroupSpec.role
-                block_pool=self.block_pool,
-                enable_caching=enable_caching,
-                kv_cache_group_id=i,
-                dcp_world_size=dcp_world_size,
-                pcp_world_size=pcp_world_size,
-                scheduler_block_size=scheduler_block_size,
+            self._build_manager(
+                g.kv_cache_spec,
+                i,
+                max_num_batched_tokens,
+                max_model_len,
+                enable_caching,
+                dcp_world_size,
+                pcp_world_size,
+                scheduler_block_size,
+                getattr(g, "role", None),  # vLLM 0.33.0's KVCacheGroupSpec.role
             )
             for i, g in enumerate(groups)
         )
+        # Each group's block size in tokens (vLLM 0.33.0's name).
+        self.group_block_sizes = tuple(m.block_size for m in self.single_type_managers)
         self.retention_interval = resolve_prefix_cache_retention_interval(
             prefix_cache_retention_interval, scheduler_block_size, kv_cache_config
         )
@@ -236,6 +310,39 @@ class KVCacheCoordinator:
         #: Whether some group frees blocks no future token attends to (else
         #: ``remove_skipped_blocks`` is a no-op a caller may leave out).
         self.skips_tokens = bool(self._skipping_managers)
+
+    def _build_manager(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        kv_cache_group_id: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_caching: bool,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        scheduler_block_size: int,
+        role: Any,
+    ) -> SingleTypeKVCacheManager:
+        """One group's manager, with that group's context-parallel geometry: its world
+        sizes from ``group_world_sizes``; under ``pcp_not_scaled`` the block is
+        ``block_size * dcp`` tokens while the manager still reports its pcp size."""
+        dcp, pcp = group_world_sizes(
+            kv_cache_spec, dcp_world_size, pcp_world_size, self.dcp_sharded_geometry
+        )
+        manager = get_manager_for_kv_cache_spec(
+            kv_cache_spec=kv_cache_spec,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            role=role,
+            block_pool=self.block_pool,
+            enable_caching=enable_caching,
+            kv_cache_group_id=kv_cache_group_id,
+            dcp_world_size=dcp,
+            pcp_world_size=1 if self.pcp_not_scaled else pcp,
+            scheduler_block_size=scheduler_block_size,
+        )
+        manager.pcp_world_size = pcp
+        return manager
 
     def get_num_blocks_to_allocate(
         self,
@@ -439,6 +546,8 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         metrics_collector: Any = None,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
+        pcp_not_scaled: bool = False,
+        dcp_sharded_geometry: bool = False,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -453,6 +562,8 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            pcp_not_scaled=pcp_not_scaled,
+            dcp_sharded_geometry=dcp_sharded_geometry,
         )
         self.num_single_type_manager = len(self.single_type_managers)
 
@@ -486,6 +597,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         metrics_collector: Any = None,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
+        pcp_not_scaled: bool = False,
+        dcp_sharded_geometry: bool = False,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -500,6 +613,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            pcp_not_scaled=pcp_not_scaled,
+            dcp_sharded_geometry=dcp_sharded_geometry,
         )
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
@@ -507,19 +622,35 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 f"{len(kv_cache_config.kv_cache_groups)}"
             )
         self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.dcp_world_size = dcp_world_size
+        manager = self.single_type_managers[0]
+        # The group's own dcp size (under dcp_sharded_geometry 1 for a replicated
+        # spec); the pcp size as given, which the lookup hands to the kind's finder.
+        self.dcp_world_size = manager.dcp_world_size
         self.pcp_world_size = pcp_world_size
-        # A block spans block_size * dcp * pcp tokens (hits, hashes and alignment).
-        self.block_size = self.kv_cache_spec.block_size * dcp_world_size * pcp_world_size
+        # A block spans block_size * dcp * pcp tokens (hits, hashes and alignment);
+        # block_size * dcp under pcp_not_scaled.
+        self.block_size = manager.block_size
         if enable_caching and hash_block_size != self.block_size:
-            raise ValueError(
+            message = (
                 f"hash_block_size={hash_block_size} must equal the block size "
                 f"{self.block_size} of the only KV-cache group (its spec's block size "
                 f"{self.kv_cache_spec.block_size} times dcp_world_size={dcp_world_size} "
-                f"and pcp_world_size={pcp_world_size})"
+                f"and pcp_world_size={pcp_world_size}"
+                + (", which does not scale blocks)" if pcp_not_scaled else ")")
             )
-        self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
-        self._manager_cls = type(self.single_type_managers[0])
+            if pcp_not_scaled or dcp_sharded_geometry:
+                raise AssertionError(message)  # vLLM 0.33.0 asserts
+            raise ValueError(message)
+        manager.use_eagle = 0 in self.eagle_group_ids
+        self._manager_cls = type(manager)
+        # Full attention reads blocks of block_size * dcp * pcp tokens; under
+        # pcp_not_scaled its finder gets pcp 1 (0.33.0's ignores it), the other
+        # kinds' finders still get the pcp size they refuse.
+        self._lookup_pcp_world_size = (
+            1
+            if pcp_not_scaled and issubclass(self._manager_cls, FullAttentionManager)
+            else pcp_world_size
+        )
         self._drop_eagle_block = 0 in self.eagle_group_ids
         self._group_ids = [0]
 
@@ -541,9 +672,40 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             self._drop_eagle_block,  # drop_eagle_block
             self.block_size,  # alignment_tokens
             self.dcp_world_size,  # dcp_world_size
-            self.pcp_world_size,  # pcp_world_size
+            self._lookup_pcp_world_size,  # pcp_world_size
         )
         return hit_blocks, len(hit_blocks[0]) * self.block_size
+
+
+def check_hybrid_context_parallel(
+    kv_cache_config: KVCacheConfig, dcp_world_size: int, pcp_world_size: int
+) -> None:
+    """vLLM 0.33.0's rule for context parallelism beside several prefix-caching
+    groups (``dcp_sharded_geometry``): under dcp every group is full attention or
+    replicated (not dcp-sharded: Mamba, a replicated draft); under pcp every group
+    is full attention or a replicated attention group.
+
+    Raises:
+        AssertionError: naming the first group that breaks it (vLLM asserts).
+    """
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        full = _is_full(spec)
+        replicated = not is_dcp_sharded(spec)
+        if pcp_world_size > 1 and not (
+            full or (replicated and is_spec_kind(spec, "AttentionSpec"))
+        ):
+            raise AssertionError(
+                f"pcp_world_size={pcp_world_size} with several prefix-caching groups: "
+                f"group {i} ({type(spec).__name__}) is neither full attention nor a "
+                "replicated attention group"
+            )
+        if dcp_world_size > 1 and not (full or replicated):
+            raise AssertionError(
+                f"dcp_world_size={dcp_world_size} with several prefix-caching groups: "
+                f"group {i} ({type(spec).__name__}) is neither full attention nor "
+                "replicated (Mamba, a replicated draft)"
+            )
 
 
 class SpecGroup(NamedTuple):
@@ -580,6 +742,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         metrics_collector: Any = None,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
+        pcp_not_scaled: bool = False,
+        dcp_sharded_geometry: bool = False,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -594,19 +758,24 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            pcp_not_scaled=pcp_not_scaled,
+            dcp_sharded_geometry=dcp_sharded_geometry,
         )
-        if dcp_world_size != 1 or pcp_world_size != 1:
+        if dcp_sharded_geometry:
+            check_hybrid_context_parallel(kv_cache_config, dcp_world_size, pcp_world_size)
+        elif dcp_world_size != 1 or pcp_world_size != 1:
             raise ContextParallelError(
                 "several KV-cache groups with prefix caching do not support context "
                 f"parallelism (dcp_world_size={dcp_world_size}, "
                 f"pcp_world_size={pcp_world_size}); vLLM 0.25.1 asserts the same"
             )
+        self.dcp_world_size = dcp_world_size
         self.hash_block_size = hash_block_size
         # Groups outside prefix caching (ring buffers) are scratch: not hashed, so
         # their block size need not be a multiple of the hash block.
         sizes = [
-            g.kv_cache_spec.block_size
-            for g in kv_cache_config.kv_cache_groups
+            m.block_size
+            for g, m in zip(kv_cache_config.kv_cache_groups, self.single_type_managers, strict=True)
             if is_prefix_cacheable(g.kv_cache_spec)
         ]
         if any(size % hash_block_size for size in sizes):
@@ -628,7 +797,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
     def enable_fine_grained_hits(self) -> bool:
         """Turn on sub-block hits where vLLM 0.33.0 does (``mamba_fine_grained_hits``):
-        a Mamba 'align' group's block is larger than the hash block, and every other
+        a Mamba 'align' group's block is larger than the hash block (under
+        ``dcp_world_size > 1`` at least the hash block), and every other
         prefix-caching group is full attention, Mamba, or hashed at its own block size. Hits then
         land on hash-block boundaries (every manager's ``cache_hit_alignment_tokens``)
         and ``cache_blocks`` caches unrounded token counts.
@@ -636,17 +806,15 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         Returns:
             Whether fine-grained hits are on.
         """
-        hbs = self.hash_block_size
-        if not any(
-            isinstance(m, MambaManager) and m.mamba_cache_mode == "align" and m.block_size > hbs
-            for m in self.single_type_managers
-        ) or any(
-            not _finds_fine_grained_hits(type(m))
-            and m.block_size != hbs
-            and is_prefix_cacheable(m.kv_cache_spec)  # a ring buffer takes no part
-            for m in self.single_type_managers
+        managers = self.single_type_managers
+        if not partial_hash_hits_enabled(
+            self.kv_cache_config.kv_cache_groups,
+            self.hash_block_size,
+            self.dcp_world_size,
+            [type(m) for m in managers],
         ):
             return False
+        hbs = self.hash_block_size
         self.enable_partial_hash_hits = True
         for manager in self.single_type_managers:
             manager.cache_hit_alignment_tokens = hbs
@@ -715,10 +883,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             )
             manager.cache_blocks(request, num_tokens, retention_interval, boundaries)
 
-    def _block_hashes_for(self, block_hashes: list[BlockHash], spec: KVCacheSpec) -> BlockHashList:
-        if spec.block_size == self.hash_block_size:
+    def _block_hashes_for(self, block_hashes: list[BlockHash], block_size: int) -> BlockHashList:
+        """The request's hashes viewed at a group's block size (in tokens)."""
+        if block_size == self.hash_block_size:
             return block_hashes
-        return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, spec.block_size)
+        return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, block_size)
 
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
@@ -753,20 +922,24 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         while True:
             curr_hit_length = hit_length
             for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(self.attention_groups):
+                # The group's block in tokens: its spec's, times dcp for a sharded
+                # group under context parallelism (dcp_sharded_geometry).
+                manager = self.single_type_managers[group_ids[0]]
+                block_size = manager.block_size
                 if (
                     _is_full(spec)
                     and hit_blocks_by_group[group_ids[0]] is not None
                 ):
                     if not fine:  # fine: the candidate is within the full hit already
-                        curr_hit_length = curr_hit_length // spec.block_size * spec.block_size
+                        curr_hit_length = curr_hit_length // block_size * block_size
                     continue
                 drop_eagle_block = use_eagle and idx not in eagle_verified
-                sub_block = fine and spec.block_size > hbs and _finds_fine_grained_hits(manager_cls)
+                sub_block = fine and block_size > hbs and _finds_fine_grained_hits(manager_cls)
                 max_length = curr_hit_length
                 if drop_eagle_block and not (
                     self.mamba_no_eagle_margin and is_spec_kind(spec, "MambaSpec")
                 ):  # 0.33.0: no peek past the candidate for Mamba (its finder never drops)
-                    margin = hbs if sub_block else spec.block_size
+                    margin = hbs if sub_block else block_size
                     max_length = min(curr_hit_length + margin, max_cache_hit_length)
                     if self.eagle_peek_to_hashed_length:
                         max_length = min(
@@ -774,26 +947,34 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                             len(block_hashes) * self.hash_block_size,
                         )
                 if sub_block:
+                    # A dcp-sharded full-attention group is searched at its own
+                    # (dcp-scaled) block: its spec with the manager's block size.
+                    lookup_spec = (
+                        spec
+                        if block_size == spec.block_size
+                        else spec.copy_with_new_block_size(block_size)
+                    )
                     hit_blocks, new_hit_length = manager_cls.find_fine_grained_hit(
                         block_hashes,
                         max_length,
                         group_ids,
                         self.block_pool,
-                        spec,
+                        lookup_spec,
                         drop_eagle_block,
                         hbs,
                     )
                 else:
                     hit_blocks = manager_cls.find_longest_cache_hit(  # positional, as above
-                        self._block_hashes_for(block_hashes, spec),  # block_hashes
+                        self._block_hashes_for(block_hashes, block_size),  # block_hashes
                         max_length,  # max_length
                         group_ids,  # kv_cache_group_ids
                         self.block_pool,  # block_pool
                         spec,  # kv_cache_spec
                         drop_eagle_block,  # drop_eagle_block
                         alignment,  # alignment_tokens
+                        manager.dcp_world_size,  # dcp_world_size
                     )
-                    new_hit_length = len(hit_blocks[0]) * spec.block_size
+                    new_hit_length = len(hit_blocks[0]) * block_size
                 if drop_eagle_block:
                     eagle_verified.add(idx)
                 elif new_hit_length < curr_hit_length:
@@ -809,9 +990,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 break
         first = self.attention_groups[0]
         if _is_full(first.spec):
-            num_blocks = hit_length // first.spec.block_size
+            first_block_size = self.single_type_managers[first.group_ids[0]].block_size
+            num_blocks = hit_length // first_block_size
             if fine:  # the hit may end inside the last block
-                num_blocks = cdiv(hit_length, first.spec.block_size)
+                num_blocks = cdiv(hit_length, first_block_size)
             for group_id in first.group_ids:
                 full_blocks = hit_blocks_by_group[group_id]
                 if full_blocks is not None:
@@ -829,9 +1011,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         for group in self.attention_groups:
             if not _is_full(group.spec):
                 continue
-            num_blocks = hit_length // group.spec.block_size
+            group_block_size = self.single_type_managers[group.group_ids[0]].block_size
+            num_blocks = hit_length // group_block_size
             if self.enable_partial_hash_hits:
-                num_blocks = cdiv(hit_length, group.spec.block_size)
+                num_blocks = cdiv(hit_length, group_block_size)
             for group_id in group.group_ids:
                 full_blocks = hit_blocks_by_group[group_id]
                 if full_blocks is not None:
@@ -845,18 +1028,20 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         hit_blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
         hit_lengths = [0] * num_groups
         for spec, group_ids, manager_cls, use_eagle in self.attention_groups:
+            manager = self.single_type_managers[group_ids[0]]
             blocks = manager_cls.find_longest_cache_hit(  # positional, as above
-                self._block_hashes_for(block_hashes, spec),  # block_hashes
+                self._block_hashes_for(block_hashes, manager.block_size),  # block_hashes
                 max_cache_hit_length,  # max_length
                 group_ids,  # kv_cache_group_ids
                 self.block_pool,  # block_pool
                 spec,  # kv_cache_spec
                 use_eagle,  # drop_eagle_block
                 self.scheduler_block_size,  # alignment_tokens
+                manager.dcp_world_size,  # dcp_world_size
             )
             for gid, group_blocks in zip(group_ids, blocks, strict=True):
                 hit_blocks[gid] = group_blocks
-                hit_lengths[gid] = len(blocks[0]) * spec.block_size
+                hit_lengths[gid] = len(blocks[0]) * manager.block_size
         return tuple(hit_blocks), tuple(hit_lengths)
 
 
@@ -874,6 +1059,8 @@ def get_kv_cache_coordinator(
     metrics_collector: Any = None,
     *,
     prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
+    pcp_not_scaled: bool = False,
+    dcp_sharded_geometry: bool = False,
 ) -> KVCacheCoordinator:
     """Pick the coordinator for this config (see the module docstring).
 
@@ -900,6 +1087,8 @@ def get_kv_cache_coordinator(
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            pcp_not_scaled=pcp_not_scaled,
+            dcp_sharded_geometry=dcp_sharded_geometry,
         )
     if len(kv_cache_config.kv_cache_groups) == 1:
         return UnitaryKVCacheCoordinator(
@@ -915,6 +1104,8 @@ def get_kv_cache_coordinator(
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            pcp_not_scaled=pcp_not_scaled,
+            dcp_sharded_geometry=dcp_sharded_geometry,
         )
     return HybridKVCacheCoordinator(
         kv_cache_config,
@@ -929,4 +1120,6 @@ def get_kv_cache_coordinator(
         hash_block_size,
         metrics_collector,
         prefix_cache_retention_interval=prefix_cache_retention_interval,
+        pcp_not_scaled=pcp_not_scaled,
+        dcp_sharded_geometry=dcp_sharded_geometry,
     )

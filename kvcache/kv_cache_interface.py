@@ -1037,6 +1037,23 @@ def needs_kv_cache_zeroing(kv_cache_config: Any) -> bool:
     return len(precisions) > 1
 
 
+def is_dcp_sharded(kv_cache_spec: object) -> bool:
+    """Whether decode context parallelism shards ``kv_cache_spec``'s blocks over the
+    ranks (vLLM 0.33.0's ``dcp_sharded``; the ``dcp_sharded_geometry`` switch).
+
+    A spec that carries the field (vLLM 0.33.0's) says so itself; for specs without
+    it (kvcache's and 0.25.1's) attention specs are sharded and the rest (Mamba) are
+    not, as 0.33.0's defaults. A ``UniformTypeKVCacheSpecs`` follows its layers.
+    """
+    sharded = getattr(kv_cache_spec, "dcp_sharded", None)
+    if isinstance(sharded, bool):
+        return sharded
+    layers = getattr(kv_cache_spec, "kv_cache_specs", None)
+    if isinstance(layers, dict) and layers:
+        return is_dcp_sharded(next(iter(layers.values())))
+    return is_spec_kind(kv_cache_spec, "AttentionSpec")
+
+
 def spec_exact_class_name(kv_cache_spec: object) -> str | None:
     """The class name of ``kv_cache_spec`` if its class itself is one of kvcache's
     or vLLM's spec classes (not a subclass defined elsewhere), else None."""

@@ -201,6 +201,10 @@ class KVCacheManager:
             of every block, so a block spans ``block_size * dcp * pcp`` tokens
             (``scheduler_block_size`` and ``hash_block_size`` are that size).
             With several KV-cache groups only without prefix caching.
+            Under ``Profile("0.33.0")`` the geometry is per group and pcp does not
+            scale blocks (the ``pcp_not_scaled`` and ``dcp_sharded_geometry``
+            switches): a sharded group's block spans ``block_size * dcp`` tokens,
+            a replicated one's (Mamba) ``block_size``.
         pcp_world_size: Prefill context parallel size (likewise).
         metrics_collector: A ``KVCacheMetricsCollector`` (kvcache's or vLLM's) for
             sampled block residency figures, handed to the ``BlockPool``; or None.
@@ -315,6 +319,8 @@ class KVCacheManager:
             hash_block_size=hash_block_size,
             metrics_collector=metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            pcp_not_scaled=self.profile.pcp_not_scaled,
+            dcp_sharded_geometry=self.profile.dcp_sharded_geometry,
         )
         if zero_retention_ignored:
             self.coordinator.retention_interval = 0  # only full / chunked groups: no effect

@@ -254,11 +254,32 @@ SWITCHES: tuple[Switch, ...] = (
         "0.33.0",
     ),
     Switch(
+        "pcp_not_scaled",
+        "pcp-not-scaled",
+        "A block spans block_size * dcp_world_size tokens: prefill context parallelism "
+        "no longer scales it (0.25.1: block_size * dcp * pcp), so a lone group's hash "
+        "block must equal block_size * dcp (AssertionError otherwise) and full-attention "
+        "lookups read blocks of that size.",
+        "0.33.0",
+    ),
+    Switch(
+        "dcp_sharded_geometry",
+        "mamba-not-dcp-sharded",
+        "Context parallelism is per group: only specs marked dcp_sharded (attention "
+        "specs, unless they opt out) take dcp_world_size and pcp_world_size; the others "
+        "(Mamba, replicated drafts) keep blocks of block_size tokens. Several "
+        "prefix-caching groups accept it when every group is full attention or "
+        "replicated (under pcp: full attention or a replicated attention group); "
+        "AssertionError otherwise, as vLLM asserts.",
+        "0.33.0",
+    ),
+    Switch(
         "mamba_fine_grained_hits",
         "mamba-fine-grained-hits",
-        "Beside a Mamba 'align' group whose block is larger than the hash block (every "
-        "other prefix-cacheable group full attention, Mamba, or hashed at its own block "
-        "size), a hybrid lookup's hits land on hash-block boundaries: full attention "
+        "Beside a Mamba 'align' group whose block is larger than the hash block (under "
+        "dcp_world_size > 1 at least the hash block; every other prefix-cacheable group "
+        "full attention, Mamba, or hashed at its own block size), a hybrid lookup's hits "
+        "land on hash-block boundaries (each group searched at its own block): full attention "
         "and Mamba find hits ending inside a block, an EAGLE group drops one hash block, "
         "and the coordinator caches unrounded token counts.",
         "0.33.0",
@@ -342,6 +363,8 @@ class Profile:
     circular_buffer_groups: bool
     lookahead_arguments: bool
     cache_within_hashed_tokens: bool
+    pcp_not_scaled: bool
+    dcp_sharded_geometry: bool
     mamba_fine_grained_hits: bool
     partial_hit_copy_on_write: bool
     event_session_id: bool

@@ -20,10 +20,11 @@ their copy-on-write copies (the ``mamba_*`` and ``partial_hit_copy_on_write``
 switches: a Mamba group caching outside 'align' is refused;
 ``take_kv_cache_block_copies`` hands out the copies); lookahead hashing
 (``num_hash_lookahead_tokens``) and prefill lookahead (``num_prefill_lookahead``:
-re-prefilled tokens are not cached). Not covered yet
-(``NotImplementedError`` naming the argument): the Mamba shared-prefix checkpoint.
-Mamba prefill checkpoints and boundary-state offloads are not modelled: see
-``docs/profiles.md`` and ``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
+re-prefilled tokens are not cached); decode / prefill context parallelism with
+0.33.0's per-group geometry (``pcp_not_scaled``, ``dcp_sharded_geometry``). Not
+covered yet (``NotImplementedError`` naming the argument): the Mamba shared-prefix
+checkpoint. Mamba prefill checkpoints and boundary-state offloads are not modelled:
+see ``docs/profiles.md`` and ``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
 
 For vLLM 0.33.0's module layout the module also has 0.33.0's hashing helpers
 (``generate_block_hash_extra_keys`` tagged, ``resolve_none_hash_seed``,
@@ -43,6 +44,7 @@ from kvcache import block_pool as _block_pool
 from kvcache import kv_cache_utils as _utils
 from kvcache import kv_events as _events
 from kvcache import single_type_kv_cache_manager as _managers
+from kvcache.kv_cache_coordinator import partial_hash_hits_enabled
 from kvcache.kv_cache_interface import (
     CircularBufferSpec,
     KVCacheConfig,
@@ -87,7 +89,9 @@ __all__ = [
     "get_none_hash_seed",
     "get_request_block_hasher",
     "init_none_hash",
+    "partial_hash_hits_enabled",
     "register_kv_cache_spec",
+    "resolve_cache_hit_alignment_tokens",
     "resolve_none_hash_seed",
 ]
 
@@ -253,6 +257,31 @@ def _check_lookahead(name: str, value: Any) -> int:
     if not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     return int(value)
+
+
+def resolve_cache_hit_alignment_tokens(
+    kv_cache_config: KVCacheConfig,
+    vllm_config: Any,
+    scheduler_block_size: int,
+    hash_block_size: int,
+) -> int:
+    """Where prefix hits land for ``kv_cache_config`` (vLLM 0.33.0's helper): the hash
+    block when a hybrid layout with prefix caching gets fine-grained hits
+    (``partial_hash_hits_enabled`` with the manager classes kvcache builds for the
+    groups), else the scheduler block. ``vllm_config`` is read for
+    ``cache_config.enable_prefix_caching`` and
+    ``parallel_config.decode_context_parallel_size``."""
+    groups = kv_cache_config.kv_cache_groups
+    if not vllm_config.cache_config.enable_prefix_caching or len(groups) <= 1:
+        return scheduler_block_size
+    classes = [
+        _managers.get_manager_class_for_kv_cache_spec(g.kv_cache_spec, getattr(g, "role", None))
+        for g in groups
+    ]
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    if partial_hash_hits_enabled(groups, hash_block_size, dcp, classes):
+        return hash_block_size
+    return scheduler_block_size
 
 
 # ---------------------------------------------------------------- block pool and groups

@@ -17,7 +17,7 @@ from spec.single_type_kv_cache_manager import (
     check_no_hits,
     get_manager_for_kv_cache_spec,
 )
-from spec.vocab import KVCacheConfig, KVCacheSpec, Request, cacheable, coarsen, is_a
+from spec.vocab import KVCacheConfig, KVCacheSpec, Request, cacheable, coarsen, is_a, is_dcp_sharded
 
 
 class KVCacheCoordinator:
@@ -29,14 +29,21 @@ class KVCacheCoordinator:
     here explicitly) thins out what sliding-window and Mamba groups cache: None caches
     densely, 0 only at the prompt's replay boundary, a multiple of
     ``scheduler_block_size`` there and at each of its multiples.
+
+    Context parallelism (``dcp_world_size`` * ``pcp_world_size`` ranks) spreads a
+    block's tokens over the ranks, so to a manager a block spans its spec's block size
+    times the group's ``context_parallel``: dcp * pcp in 0.25.1. In 0.33.0 pcp no
+    longer counts (``pcp_not_scaled``) and only sharded specs count at all
+    (``dcp_sharded_geometry``): Mamba and replicated drafts keep their block size.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
                  max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
                  enable_kv_cache_events: bool, scheduler_block_size: int,
                  hash_block_size: int, caching_hash_algo: str = "sha256",
-                 hash_seed: str | None = None, context_parallel: int = 1, *,
-                 prefix_cache_retention_interval: int | None = None) -> None:
+                 hash_seed: str | None = None, dcp_world_size: int = 1,
+                 pcp_world_size: int = 1, *, prefix_cache_retention_interval: int | None = None,
+                 pcp_not_scaled: bool = False, dcp_sharded_geometry: bool = False) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size or any(
                 scheduler_block_size % g.kv_cache_spec.block_size for g in groups):
@@ -52,18 +59,22 @@ class KVCacheCoordinator:
         self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(groups)))
-        # Context parallelism (dcp * pcp ranks) spreads each block's tokens over the ranks:
-        # to the managers a block spans block_size * context_parallel tokens.
-        if context_parallel > 1 and enable_caching and (
+        self.dcp_world_size, self.pcp_world_size = dcp_world_size, pcp_world_size
+        self.geometry_0_33 = pcp_not_scaled or dcp_sharded_geometry
+        scale = dcp_world_size * (1 if pcp_not_scaled else pcp_world_size)
+        context_parallel = [scale if not dcp_sharded_geometry or is_dcp_sharded(g.kv_cache_spec)
+                            else 1 for g in groups]
+        if enable_caching and len(groups) > 1 and dcp_sharded_geometry:
+            self._check_hybrid_context_parallel()
+        elif enable_caching and max(*context_parallel, pcp_world_size) > 1 and (
                 len(groups) > 1 or not is_a(groups[0].kv_cache_spec, "FullAttentionSpec")):
             raise NotImplementedError("context parallelism with prefix caching: one full-"
                                       "attention group only (vLLM asserts for the rest)")
-        self.context_parallel = context_parallel
         self.num_reprefillable_tokens = 0  # 0.33.0's prefill lookahead, set by the manager
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(g.kv_cache_spec, max_num_batched_tokens, max_model_len,
                                           self.block_pool, enable_caching, i, scheduler_block_size,
-                                          context_parallel)
+                                          context_parallel[i])
             for i, g in enumerate(groups))
         self.retention_interval = prefix_cache_retention_interval
         if self.retention_interval is not None:
@@ -76,6 +87,21 @@ class KVCacheCoordinator:
     mamba_no_eagle_margin = False
     fine_grained = False  # mamba_fine_grained_hits in effect (hybrid only)
     retention_replay_boundaries = False
+
+    def _check_hybrid_context_parallel(self) -> None:
+        """0.33.0's rule for several caching groups: under dcp each is full attention or
+        replicated; under pcp each is full attention or a replicated attention group.
+        AssertionError otherwise (vLLM asserts)."""
+        for i, g in enumerate(self.kv_cache_config.kv_cache_groups):
+            full, replicated = is_a(g.kv_cache_spec, "FullAttentionSpec"), not is_dcp_sharded(
+                g.kv_cache_spec)
+            if self.pcp_world_size > 1 and not (
+                    full or (replicated and is_a(g.kv_cache_spec, "AttentionSpec"))):
+                raise AssertionError(f"pcp_world_size={self.pcp_world_size}: group {i} is "
+                                     "neither full attention nor replicated attention")
+            if self.dcp_world_size > 1 and not (full or replicated):
+                raise AssertionError(f"dcp_world_size={self.dcp_world_size}: group {i} is "
+                                     "neither full attention nor replicated")
 
     def _check_retention_interval(self, interval: int) -> None:
         """vLLM's checks: a windowed group to thin out, and a non-negative multiple of
@@ -206,12 +232,13 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     def _init_groups(self) -> None:
         self.kv_cache_spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = self.single_type_managers[0].block_size
-        # The hit search works in blocks of block_size * context_parallel tokens.
-        self.lookup_spec = self.kv_cache_spec if self.context_parallel == 1 else (
-            self.kv_cache_spec.copy_with_new_block_size(self.block_size))
+        # The hit search works in blocks of the manager's block size.
+        self.lookup_spec = self.kv_cache_spec if self.block_size == self.kv_cache_spec.block_size \
+            else self.kv_cache_spec.copy_with_new_block_size(self.block_size)
         if self.enable_caching and self.hash_block_size != self.block_size:
-            raise ValueError(f"hash_block_size={self.hash_block_size} must equal the block "
-                             f"size {self.block_size} of the only group")
+            message = (f"hash_block_size={self.hash_block_size} must equal the block size "
+                       f"{self.block_size} of the only group")
+            raise AssertionError(message) if self.geometry_0_33 else ValueError(message)
         self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
 
     def find_longest_cache_hit(self, block_hashes: list[bytes], max_cache_hit_length: int
@@ -242,7 +269,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         # A ring buffer (vLLM 0.33.0) takes no part in prefix caching: not hashed, never
         # searched (its hit stays empty); it still counts as a distinct spec.
         groups = self.kv_cache_config.kv_cache_groups
-        if any(g.kv_cache_spec.block_size % self.hash_block_size for g in groups
+        if any(m.block_size % self.hash_block_size
+               for g, m in zip(groups, self.single_type_managers, strict=True)
                if cacheable(g.kv_cache_spec)):
             raise ValueError(f"hash_block_size={self.hash_block_size} must divide every block size")
         self.attention_groups: list[SpecGroup] = []
@@ -253,12 +281,14 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 continue
             use_eagle = i in self.eagle_group_ids
             for idx, sg in enumerate(self.attention_groups):
-                if sg.spec == g.kv_cache_spec:
+                if groups[sg.group_ids[0]].kv_cache_spec == g.kv_cache_spec:
                     sg.group_ids.append(i)
                     self.attention_groups[idx] = sg._replace(use_eagle=sg.use_eagle or use_eagle)
                     break
-            else:
-                self.attention_groups.append(SpecGroup(g.kv_cache_spec, [i], type(m), use_eagle))
+            else:  # searched in blocks of the manager's size (the spec's, or its dcp multiple)
+                lookup_spec = g.kv_cache_spec if m.block_size == g.kv_cache_spec.block_size \
+                    else g.kv_cache_spec.copy_with_new_block_size(m.block_size)
+                self.attention_groups.append(SpecGroup(lookup_spec, [i], type(m), use_eagle))
         if len(self.attention_groups) + num_scratch < 2:
             raise ValueError(f"{len(groups)} KV-cache groups need >= 2 distinct specs with caching")
         if not self.attention_groups:
@@ -270,13 +300,15 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
     def enable_fine_grained_hits(self) -> None:
         """mamba_fine_grained_hits: hits end on hash-block boundaries when a Mamba 'align'
-        group's block is larger than the hash block and every other group is full
+        group's block is larger than the hash block (under dcp, at least the hash block:
+        the dcp-scaled attention blocks are larger) and every other group is full
         attention (or a variant), Mamba, or hashed at its own block size (a ring buffer,
         outside prefix caching, takes no part)."""
         hbs = self.hash_block_size
         fine_kinds = (FullAttentionManager, MambaManager)
         if any(isinstance(m, MambaManager) and m.mamba_cache_mode == "align"
-               and m.block_size > hbs for m in self.single_type_managers) and all(
+               and (m.block_size > hbs or (self.dcp_world_size > 1 and m.block_size == hbs))
+               for m in self.single_type_managers) and all(
                 (isinstance(m, fine_kinds) and not isinstance(m, CircularBufferManager))
                 or m.block_size == hbs or not cacheable(m.kv_cache_spec)
                 for m in self.single_type_managers):
@@ -399,8 +431,10 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
                              max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
                              enable_kv_cache_events: bool, scheduler_block_size: int,
                              hash_block_size: int, caching_hash_algo: str = "sha256",
-                             hash_seed: str | None = None, context_parallel: int = 1,
-                             *, prefix_cache_retention_interval: int | None = None
+                             hash_seed: str | None = None, dcp_world_size: int = 1,
+                             pcp_world_size: int = 1, *,
+                             prefix_cache_retention_interval: int | None = None,
+                             pcp_not_scaled: bool = False, dcp_sharded_geometry: bool = False
                              ) -> KVCacheCoordinator:
     """No-prefix-cache when caching is off, else unitary for one group, hybrid for more."""
     cls: type[KVCacheCoordinator] = HybridKVCacheCoordinator
@@ -410,5 +444,6 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
         cls = UnitaryKVCacheCoordinator
     return cls(kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle, enable_caching,
                enable_kv_cache_events, scheduler_block_size, hash_block_size, caching_hash_algo,
-               hash_seed, context_parallel,
-               prefix_cache_retention_interval=prefix_cache_retention_interval)
+               hash_seed, dcp_world_size, pcp_world_size,
+               prefix_cache_retention_interval=prefix_cache_retention_interval,
+               pcp_not_scaled=pcp_not_scaled, dcp_sharded_geometry=dcp_sharded_geometry)

@@ -158,9 +158,11 @@ class KVCacheManager:
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config, max_model_len, self.max_num_batched_tokens, use_eagle,
             enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
-            caching_hash_algo, hash_seed, dcp_world_size * pcp_world_size,
+            caching_hash_algo, hash_seed, dcp_world_size, pcp_world_size,
             prefix_cache_retention_interval=None if ignored_zero
-            else prefix_cache_retention_interval)
+            else prefix_cache_retention_interval,
+            pcp_not_scaled=self.profile.pcp_not_scaled,
+            dcp_sharded_geometry=self.profile.dcp_sharded_geometry)
         if ignored_zero:
             self.coordinator.retention_interval = 0
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)

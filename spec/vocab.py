@@ -308,6 +308,19 @@ def needs_kv_cache_zeroing(kv_cache_config: Any) -> bool:
     return len(precisions) > 1
 
 
+def is_dcp_sharded(kv_cache_spec: Any) -> bool:
+    """Whether decode context parallelism shards the spec's blocks over the ranks: its
+    own ``dcp_sharded`` field (vLLM 0.33.0's specs), else attention specs are and the
+    rest (Mamba) are not; a uniform-type spec follows its first layer."""
+    sharded = getattr(kv_cache_spec, "dcp_sharded", None)
+    if isinstance(sharded, bool):
+        return sharded
+    layers = getattr(kv_cache_spec, "kv_cache_specs", None)
+    if isinstance(layers, dict) and layers:
+        return is_dcp_sharded(next(iter(layers.values())))
+    return is_a(kv_cache_spec, "AttentionSpec")
+
+
 def event_kind(kv_cache_spec: Any) -> str:
     """The kind label of a group's BlockStored events ("unknown" for other specs)."""
     return next((kind for name, kind in EVENT_KINDS if is_a(kv_cache_spec, name)), "unknown")

@@ -40,19 +40,11 @@ REFERENCE_VERSION = "0.33.0"
 
 #: Mamba modes 0.33.0 builds only with caching off.
 CACHING_OFF_MAMBA_KINDS = frozenset({"mamba-all", "mamba-none"})
-CONTEXT_PARALLEL_REASON = (
-    "context parallelism under 0.33.0: a block spans block_size * dcp_world_size tokens "
-    "(pcp no longer counts), and only for dcp_sharded specs (Mamba's is not); ledger "
-    "entries pcp-not-scaled, mamba-not-dcp-sharded"
-)
 #: Layout families of ``kvcache.kit.driver.FAMILIES`` the 0.33.0 profile does not
 #: model yet, with why. Every other family runs (``conformant_families``); configs
 #: 0.33.0 cannot build (a Mamba group caching outside 'align') must be refused by
 #: both sides (``both_refuse``).
 NOT_YET_CONFORMANT: dict[str, str] = {}
-NOT_YET_CONFORMANT.update(
-    {name: CONTEXT_PARALLEL_REASON for name, family in FAMILIES.items() if family.context_parallel}
-)
 # Layouts of spec classes vLLM 0.33.0 no longer has: nothing to conform to there.
 NOT_YET_CONFORMANT.update(
     {
@@ -144,8 +136,10 @@ def run_family(
 def both_refuse(result: SequenceResult, subject: str, reference: str) -> bool:
     """Whether a config the reference cannot build is refused by the subject too.
 
-    A layout vLLM 0.33.0 removed (a Mamba group caching outside 'align') must be
-    refused by kvcache's 0.33.0 profile as well, with the same exception type:
+    A layout vLLM 0.33.0 removed (a Mamba group caching outside 'align'), or a
+    geometry it refuses (one caching group under pcp_world_size > 1 with the hash
+    block of 0.25.1's block_size * dcp * pcp), must be refused by kvcache's 0.33.0
+    profile as well, with the same exception type:
     then the sequence agrees (nothing to run). The subject building it, or
     refusing it with another exception type, is a failure.
     """

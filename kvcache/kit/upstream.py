@@ -196,7 +196,6 @@ FALLBACKS_0_33: dict[str, dict[str, str]] = {
                 "resolve_dcp_kv_block_size",
                 "resolve_dcp_kv_cache_spec",
                 "resolve_kv_cache_block_sizes",
-                "resolve_cache_hit_alignment_tokens",
             )
         },
     },

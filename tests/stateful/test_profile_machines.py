@@ -5,7 +5,8 @@ under the default profile (vLLM 0.25.1). Here the same machines, rules and
 invariants run with ``Profile("0.33.0")`` on both sides (kvcache's drop-in
 ``kvcache.vllm_0_33``, the spec with its own copy of the table, ``spec/profile.py``),
 on every layout the hybrid machine draws: full attention, sliding window, chunked
-local, cross attention and Mamba, one to three groups. (A Mamba group in mode
+local, cross attention and Mamba, one to three groups, and (the new-kinds machine)
+MLA variants and one full-attention group under dcp / pcp. (A Mamba group in mode
 'all' or 'none' with caching cannot be built under 0.33.0: both sides refuse it
 alike and the machine draws another layout. Mamba prefill checkpoints are
 modelled by neither side yet, ``docs/profiles.md``; fine-grained hits and their
@@ -41,6 +42,7 @@ from kvcache import vllm_0_33
 from .runner import run_machine
 from .test_hybrid_machine import HybridMachine
 from .test_manager_machine import ManagerMachine
+from .test_new_kinds_machine import NewKindsMachine
 
 RELEASE = "0.33.0"
 # Of the CI profile's 600 examples: each machine runs this many under the 0.33.0 profile.
@@ -140,6 +142,10 @@ def machine_class(
 MACHINES: dict[str, type[ManagerMachine]] = {
     "manager": machine_class(ManagerMachine),
     "hybrid": machine_class(HybridMachine),
+    # MLA variants, and one full-attention group under dcp / pcp: 0.33.0's geometry
+    # (pcp_not_scaled; the machine's hash block is 0.25.1's block_size * dcp * pcp, so
+    # under pcp with caching both sides refuse the layout and the machine redraws).
+    "new-kinds": machine_class(NewKindsMachine),
     # Lookahead hashing (two tokens) and prefill lookahead (three: two re-prefilled
     # tokens) on the manager machine's full-attention layouts.
     "manager-lookahead": machine_class(
@@ -179,6 +185,8 @@ TEETH = [
     # EAGLE groups without use_eagle: the hits differ, or the tables they leave.
     ("hybrid", "eagle_master_switch", ("get_computed_blocks", "states_agree")),
     ("hybrid", "new_block_ids_zeroing_only", ("states_agree",)),  # new_block_ids, no Mamba
+    # Under pcp with caching the spec builds 0.25.1's geometry, kvcache refuses it.
+    ("new-kinds", "pcp_not_scaled", ("init_managers",)),
 ]
 
 
@@ -192,7 +200,7 @@ def test_machine_fails_with_a_switch_flipped_in_spec(
     run fails counts: a rule that changes the machine's states moves every seed's
     search path (fine-grained hits moved seed 0's past the EAGLE case), and one
     seed's luck is no measure of the teeth."""
-    base = {"manager": ManagerMachine, "hybrid": HybridMachine}[name]
+    base = {"manager": ManagerMachine, "hybrid": HybridMachine, "new-kinds": NewKindsMachine}[name]
     cls = machine_class(base, flipped=switch)
     assert getattr(spec_profile_with(switch), switch) is False
     assert getattr(vllm_0_33.PROFILE, switch) is True

@@ -133,7 +133,6 @@ def test_conformance_families_not_yet_passing_are_listed_not_dropped() -> None:
     assert not run & set(NOT_YET_CONFORMANT)
     # The families kvcache's 0.33.0 profile does not model yet (update when they pass).
     assert set(NOT_YET_CONFORMANT) == {
-        "full-dcp", "hybrid-dcp",
         "tq",  # vLLM 0.33.0 has no TQFullAttentionSpec (ledger tq-spec-removed)
     }
 
