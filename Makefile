@@ -84,7 +84,7 @@ conformance-0.33: $(REF33_STAMP)
 # vLLM 0.33.0's own tests/v1/core (its source distribution, fetched into build/upstream), run
 # on stock vLLM 0.33.0 and with vLLM's core modules served by kvcache's 0.33.0 profile
 # (kvcache.vllm_0_33 first, vLLM's objects); known failures, each with the feature it needs,
-# in kvcache/kit/upstream_data/known_failing-0.33.0.toml. Not in `make verify` (minutes).
+# in kvcache/kit/upstream_data/known_failing-0.33.0.toml. The last `make verify` stage.
 upstream-0.33: $(UPSTREAM33_STAMP)
 	$(REF33_VENV)/bin/python -m kvcache.kit.upstream --version 0.33.0
 
@@ -132,6 +132,8 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py check-0.33 -- env KVCACHE_PURE=1 $(MAKE) --no-print-directory check-0.33
 	@$(PY) scripts/stage.py conformance-0.33 -- env KVCACHE_PURE=1 \
 		$(MAKE) --no-print-directory conformance-0.33
+	@$(PY) scripts/stage.py upstream-0.33 -- env KVCACHE_PURE=1 \
+		$(MAKE) --no-print-directory upstream-0.33
 
 # vLLM 0.25.1's own tests/v1/core, fetched into build/upstream, run unchanged on stock vLLM,
 # with vLLM's core modules served by kvcache (vLLM's objects), and with kvcache's vocabulary too.

@@ -1232,8 +1232,7 @@ class MambaManager(SingleTypeKVCacheManager):
             for idx in range(prev_len - num_spec, prev_len):
                 if idx >= num_skipped_blocks:
                     break
-                req_blocks.append(req_blocks[idx])
-                req_blocks[idx] = self._null_block
+                self._relocate_speculative_block(req_blocks, idx)
         num_new_blocks = max(num_required_blocks - len(req_blocks), 0)
         if partial is None:
             assert num_new_blocks <= (1 if allocated_before else num_spec + 1)
@@ -1260,6 +1259,29 @@ class MambaManager(SingleTypeKVCacheManager):
         self._allocated_block_reqs.add(request_id)
         returned.extend(new_blocks[1:])
         return returned
+
+    def _relocate_speculative_block(self, req_blocks: list[KVCacheBlock], block_idx: int) -> None:
+        """Align mode: move the speculative block at ``block_idx`` to the table's end
+        (it becomes the next step's scratch block) and leave the null block in its place.
+
+        Under ``frees_processed_states`` (0.33.0) the block must be writable by this
+        request alone: not the null block, one reference, no hash.
+
+        Raises:
+            AssertionError: under ``frees_processed_states``, the block at
+                ``block_idx`` is shared, cached or null (vLLM 0.33.0 asserts).
+        """
+        block = req_blocks[block_idx]
+        if self.frees_processed_states and (
+            block.is_null or block.ref_cnt != 1 or block._hash is not None
+        ):
+            raise AssertionError(
+                f"speculative Mamba block {block.block_id} at index {block_idx} must be "
+                f"exclusively owned and unhashed before relocation (ref_cnt={block.ref_cnt}, "
+                f"hashed={block._hash is not None}, null={block.is_null})"
+            )
+        req_blocks.append(block)
+        req_blocks[block_idx] = self._null_block
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         """Forget the request, including align-mode bookkeeping."""

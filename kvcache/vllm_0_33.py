@@ -36,9 +36,11 @@ from typing import Any, NamedTuple
 
 from kvcache import kv_cache_utils as _utils
 from kvcache import kv_events as _events
+from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
     CircularBufferSpec,
     KVCacheConfig,
+    MambaSpec,
     is_prefix_cacheable,
     is_spec_kind,
 )
@@ -54,6 +56,7 @@ from kvcache.metrics import PrefixCacheStats as _PrefixCacheStats
 from kvcache.profile import Profile
 from kvcache.request import Request
 from kvcache.single_type_kv_cache_manager import CircularBufferManager
+from kvcache.single_type_kv_cache_manager import MambaManager as _MambaManager
 
 __all__ = [
     "PROFILE",
@@ -67,6 +70,7 @@ __all__ = [
     "KVCacheManager",
     "KVCacheSpecMetadata",
     "KVCacheSpecRegistry",
+    "MambaManager",
     "PrefixCacheStats",
     "generate_lookahead_block_hash_extra_keys",
     "get_request_block_hasher",
@@ -207,6 +211,77 @@ def _check_lookahead(name: str, value: Any) -> int:
 
 
 # ---------------------------------------------------------------- the manager
+
+
+class MambaManager(_MambaManager):
+    """vLLM 0.33.0's ``MambaManager`` for code that builds one directly (vLLM's own
+    tests do): kvcache's Mamba manager with ``PROFILE``'s Mamba state switches set at
+    construction (a ``KVCacheManager`` sets them on the managers it builds), 0.33.0's
+    ``remove_skipped_blocks(request_id, processed_computed_tokens, ...)`` keyword and
+    ``get_num_blocks_to_allocate`` argument order."""
+
+    def __init__(
+        self,
+        kv_cache_spec: MambaSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        # Explicit arguments: a compiled base class's __init__ mis-reads forwarded **kwargs.
+        super().__init__(
+            kv_cache_spec,
+            block_pool,
+            enable_caching,
+            kv_cache_group_id,
+            scheduler_block_size,
+            dcp_world_size,
+            pcp_world_size,
+            max_admission_blocks_per_request,
+        )
+        self.frees_processed_states = PROFILE.mamba_frees_processed_states
+        self.caps_new_state_blocks = PROFILE.mamba_caps_new_state_blocks
+        self.caches_prompt_tail_state = PROFILE.mamba_prompt_tail_state
+
+    # 0.33.0's positional order on purpose: kvcache's coordinators build the base class,
+    # so only code written against vLLM 0.33.0 calls this override.
+    def get_num_blocks_to_allocate(  # type: ignore[override]
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """The blocks an allocation of ``num_tokens`` needs, in 0.33.0's argument order
+        (``num_local_computed_tokens`` before ``num_tokens_main_model``; see the base
+        class). ``prefill_end`` only decides where prefill checkpoints go, which are
+        not modelled (docs/profiles.md), so it is accepted and does not count."""
+        return super().get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap=apply_admission_cap,
+            num_local_computed_tokens=num_local_computed_tokens,
+        )
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Free the states no later token needs, given the processed computed tokens
+        (0.33.0's name for the count; see the base class)."""
+        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
 
 
 class KVCacheManager(_KVCacheManager):

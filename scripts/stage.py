@@ -3,7 +3,7 @@
 
 Usage: ``scripts/stage.py STAGE -- COMMAND...``, STAGE one of lint, typecheck, tests,
 tests-compiled, upstream, upstream-compiled, proofs, proofs-compiled, check-0.33,
-conformance-0.33.
+conformance-0.33, upstream-0.33.
 
 The command's full output goes to ``build/<stage>.log``; on failure its tail is
 printed above the summary line. The exit status is the command's (pytest's

@@ -179,3 +179,51 @@ def test_mamba_prompt_tail_state_keys_an_evicted_state_again(impl: str) -> None:
         events = m.take_events()
         stored[release] = [type(e).__name__ for e in events]
     assert stored == {"0.25.1": [], "0.33.0": ["BlockStored"]}
+
+
+def test_drop_in_mamba_manager_has_the_0_33_state_switches() -> None:
+    # vLLM 0.33.0's tests build MambaManager directly: the drop-in's class carries the
+    # switches a 0.33.0 KVCacheManager sets on the managers it builds, and takes
+    # remove_skipped_blocks' count by 0.33.0's keyword.
+    from kvcache.block_pool import BlockPool
+
+    pool = BlockPool(8, True, hash_block_size=BS)
+    direct = v33.MambaManager(mamba_spec("align"), pool, True, 0, BS)
+    built = build("kvcache", config(mamba_spec("align")), "0.33.0").coordinator
+    via_manager = built.single_type_managers[0]
+    for name in ("frees_processed_states", "caps_new_state_blocks", "caches_prompt_tail_state"):
+        assert getattr(direct, name) is getattr(via_manager, name) is True, name
+    old, committed, running = pool.get_new_blocks(3)
+    direct.req_to_blocks["r"] = [old, pool.null_block, committed, running]
+    direct.remove_skipped_blocks("r", processed_computed_tokens=12)  # past the null gap
+    assert direct.req_to_blocks["r"] == [pool.null_block, pool.null_block, committed, running]
+    assert old.ref_cnt == 0 and committed.ref_cnt == running.ref_cnt == 1
+    # 0.33.0's order: num_local_computed_tokens, then num_tokens_main_model. A new
+    # 9-token request (speculative blocks 1) needs a state and a draft block; read in
+    # the base class's order the sixth argument would be 0 main-model tokens (1 block).
+    fresh = v33.MambaManager(mamba_spec("align", num_spec=1), pool, True, 0, BS)
+    assert fresh.get_num_blocks_to_allocate("n", 9, [], 0, 0, 9) == 2
+    assert fresh.get_num_blocks_to_allocate("n", 9, [], 0, 0, 9, False, 9) == 2
+    assert super(v33.MambaManager, fresh).get_num_blocks_to_allocate("n", 9, [], 0, 0) == 1
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_speculative_block_relocation_checks_ownership_under_0_33(release: str) -> None:
+    # 0.33.0 asserts a speculative block is writable (one owner, no hash) before it
+    # moves to the table's end; 0.25.1 moves it unchecked.
+    m = build("kvcache", config(mamba_spec("align", num_spec=1)), release)
+    group = m.coordinator.single_type_managers[0]
+    shared = m.block_pool.get_new_blocks(1)[0]
+    m.block_pool.touch((shared,))  # a second reference
+    table = [shared]
+    if release == "0.33.0":
+        with pytest.raises(AssertionError, match=r"exclusively owned.*ref_cnt=2"):
+            group._relocate_speculative_block(table, 0)
+        assert table == [shared]  # left as it was
+    else:
+        group._relocate_speculative_block(table, 0)
+        assert table == [m.block_pool.null_block, shared]
+    own = m.block_pool.get_new_blocks(1)[0]
+    table = [own]
+    group._relocate_speculative_block(table, 0)
+    assert table == [m.block_pool.null_block, own]
