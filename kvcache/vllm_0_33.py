@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from kvcache import kv_cache_utils as _utils
 from kvcache import kv_events as _events
@@ -40,6 +40,7 @@ from kvcache.block_pool import BlockPool
 from kvcache.kv_cache_interface import (
     CircularBufferSpec,
     KVCacheConfig,
+    KVCacheSpec,
     MambaSpec,
     is_prefix_cacheable,
     is_spec_kind,
@@ -51,11 +52,17 @@ from kvcache.kv_cache_spec_registry import (
     KVCacheSpecRegistry,
     register_kv_cache_spec,
 )
-from kvcache.kv_cache_utils import BlockHash, KVCacheBlock
+from kvcache.kv_cache_utils import (
+    BlockHash,
+    BlockHashList,
+    KVCacheBlock,
+    resolve_block_hashes,
+)
 from kvcache.metrics import PrefixCacheStats as _PrefixCacheStats
 from kvcache.profile import Profile
 from kvcache.request import Request
 from kvcache.single_type_kv_cache_manager import CircularBufferManager
+from kvcache.single_type_kv_cache_manager import FullAttentionManager as _FullAttentionManager
 from kvcache.single_type_kv_cache_manager import MambaManager as _MambaManager
 
 __all__ = [
@@ -65,6 +72,7 @@ __all__ = [
     "BlockStored",
     "CircularBufferManager",
     "CircularBufferSpec",
+    "FullAttentionManager",
     "KVCacheBlockCopy",
     "KVCacheBlocks",
     "KVCacheManager",
@@ -282,6 +290,56 @@ class MambaManager(_MambaManager):
         """Free the states no later token needs, given the processed computed tokens
         (0.33.0's name for the count; see the base class)."""
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+
+
+class FullAttentionManager(_FullAttentionManager):
+    """vLLM 0.33.0's ``FullAttentionManager`` for code that calls its finder directly
+    (vLLM's own tests do): ``find_longest_cache_hit`` returns 0.33.0's pair. The
+    managers a ``KVCacheManager`` builds are kvcache's, whose finder keeps 0.25.1's
+    return value (the coordinator reads the length itself)."""
+
+    @classmethod
+    def find_longest_cache_hit(  # type: ignore[override]  # 0.33.0's return value
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """``(hit blocks per group, hit length)``: at the pool's hash-block alignment
+        inside blocks larger than it, kvcache's sub-block finder
+        (``find_fine_grained_hit``); otherwise the whole-block finder on the hashes seen
+        at the block size, its blocks times the block size.
+
+        Raises:
+            NotImplementedError: for context parallelism beside a sub-block alignment.
+        """
+        block_size = kv_cache_spec.block_size
+        if alignment_tokens < block_size and block_size % alignment_tokens == 0:
+            if (dcp_world_size, pcp_world_size) != (1, 1) or (
+                alignment_tokens != block_pool.hash_block_size
+            ):
+                raise NotImplementedError(
+                    f"find_longest_cache_hit(alignment_tokens={alignment_tokens}) with "
+                    f"dcp_world_size={dcp_world_size}, pcp_world_size={pcp_world_size}, "
+                    f"hash_block_size={block_pool.hash_block_size}: not modelled"
+                )
+            return cls.find_fine_grained_hit(
+                cast(Sequence[BlockHash], block_hashes), max_length, kv_cache_group_ids,
+                block_pool, kv_cache_spec, drop_eagle_block, alignment_tokens,
+            )
+        scaled = block_size * dcp_world_size * pcp_world_size
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, scaled)
+        blocks = super().find_longest_cache_hit(
+            hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+            drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size,
+        )
+        return blocks, len(blocks[0]) * scaled
 
 
 class KVCacheManager(_KVCacheManager):
