@@ -41,6 +41,7 @@ from kvcache.kv_events import (
 )
 
 if TYPE_CHECKING:
+    from kvcache.profile import Profile
     from kvcache.request import Request
 
 
@@ -272,6 +273,15 @@ class BlockPool:
         # Tokens after each block its hash covers (vLLM 0.33.0's lookahead hashing; 0
         # in 0.25.1), set by the KVCacheManager: events report them and key the window.
         self.num_hash_lookahead_tokens = 0
+        # The event_session_id switch (kvcache.profile): BlockStored events are vLLM
+        # 0.33.0's (kvcache.vllm_0_33.BlockStored) and carry the request's session_id.
+        self.event_session_id = False
+
+    def apply_profile(self, profile: Profile) -> None:
+        """Take the release switches the pool reads (``mm_keys_by_window``,
+        ``event_session_id``) from ``profile`` (``kvcache.profile``)."""
+        self.mm_keys_by_window = profile.mm_keys_by_window
+        self.event_session_id = profile.event_session_id
 
     # ------------------------------------------------------------ lookups
 
@@ -423,6 +433,7 @@ class BlockPool:
                 extra_keys=extra_keys_list or None,
                 group_idx=group_id,
                 lookahead_token_ids=lookahead_ids,
+                session_id=getattr(request, "session_id", None),
             )
         )
 
@@ -437,9 +448,31 @@ class BlockPool:
         extra_keys: list[tuple[Any, ...] | None] | None,
         group_idx: int,
         lookahead_token_ids: list[list[int]],
+        session_id: str | None = None,
     ) -> BlockStored:
         """A ``BlockStored``; with lookahead hashing on, one that also lists each
-        block's lookahead tokens (``LookaheadBlockStored``)."""
+        block's lookahead tokens (``LookaheadBlockStored``); with ``event_session_id``,
+        vLLM 0.33.0's class (``kvcache.vllm_0_33.BlockStored``) carrying the
+        request's ``session_id`` (and the lookahead tokens, if any)."""
+        if self.event_session_id:
+            # NOTE: imported here, not at the top: the drop-in module imports this one.
+            from kvcache.vllm_0_33 import BlockStored as BlockStored033
+
+            return BlockStored033(
+                block_hashes=block_hashes,
+                parent_block_hash=parent_block_hash,
+                token_ids=token_ids,
+                block_size=block_size,
+                lora_id=lora_id,
+                medium=MEDIUM_GPU,
+                lora_name=lora_name,
+                extra_keys=extra_keys,
+                group_idx=group_idx,
+                session_id=session_id,
+                lookahead_token_ids=(
+                    lookahead_token_ids if self.num_hash_lookahead_tokens else None
+                ),
+            )
         if self.num_hash_lookahead_tokens:
             return LookaheadBlockStored(
                 block_hashes=block_hashes,
@@ -463,6 +496,63 @@ class BlockPool:
             lora_name=lora_name,
             extra_keys=extra_keys,
             group_idx=group_idx,
+        )
+
+    def emit_cached_block_events(
+        self,
+        request: Request,
+        num_cached_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        """Queue one ``BlockStored`` for the request's first ``num_cached_blocks``
+        blocks of ``block_size`` tokens, which are already cached (vLLM 0.33.0's
+        "full" KV-event report mode tells subscribers of prefix hits too). Changes
+        no block; nothing without events or hits.
+
+        Raises:
+            ValueError: ``num_cached_blocks`` is negative or past the request's hashes.
+        """
+        if not self.enable_kv_cache_events or num_cached_blocks == 0:
+            return
+        block_hashes: BlockHashList = request.block_hashes
+        if block_size != self.hash_block_size:
+            block_hashes = BlockHashListWithBlockSize(
+                request.block_hashes, self.hash_block_size, block_size
+            )
+        if not 0 < num_cached_blocks <= len(block_hashes):
+            raise ValueError(
+                f"num_cached_blocks={num_cached_blocks}: request {request.request_id!r} "
+                f"has {len(block_hashes)} block hashes of {block_size} tokens"
+            )
+        lookahead = self.num_hash_lookahead_tokens
+        extra_keys_list: list[tuple[Any, ...] | None] = []
+        lookahead_ids: list[list[int]] = []
+        mm_idx = 0
+        for i in range(num_cached_blocks):
+            start, end = i * block_size, (i + 1) * block_size
+            if lookahead:
+                extra_keys, mm_idx = lookahead_extra_keys(request, start, end, lookahead, mm_idx)
+                lookahead_ids.append(list(request.all_token_ids[end : end + lookahead]))
+            else:
+                extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
+            extra_keys_list.append(extra_keys)
+        lora = request.lora_request
+        self.kv_event_queue.append(
+            self._block_stored(
+                block_hashes=[
+                    maybe_convert_block_hash(block_hashes[i]) for i in range(num_cached_blocks)
+                ],
+                parent_block_hash=None,  # hits start at the first block
+                token_ids=list(request.all_token_ids[: num_cached_blocks * block_size]),
+                block_size=block_size,
+                lora_id=lora.adapter_id if lora else None,
+                lora_name=lora.lora_name if lora else None,
+                extra_keys=extra_keys_list,
+                group_idx=kv_cache_group_id,
+                lookahead_token_ids=lookahead_ids,
+                session_id=getattr(request, "session_id", None),
+            )
         )
 
     def cache_partial_block(
@@ -605,6 +695,7 @@ class BlockPool:
                     lookahead_token_ids=[
                         list(request.all_token_ids[num_tokens : num_tokens + lookahead])
                     ],
+                    session_id=getattr(request, "session_id", None),
                 )
             )
         return key

@@ -28,6 +28,7 @@ from kvcache.kv_cache_utils import (
     BlockHashList,
     BlockHashListWithBlockSize,
     KVCacheBlock,
+    trim_null_head,
 )
 from kvcache.single_type_kv_cache_manager import (
     CrossAttentionManager,
@@ -272,8 +273,11 @@ class KVCacheCoordinator:
         new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> None:
-        """Add a new request's hits to every group, then allocate external blocks.
+        """Add a new request's hits to every group, then allocate external blocks
+        (not reported for zeroing in ``skip_zeroing_group_ids``: an async load
+        writes them).
 
         Two phases, as vLLM: every group touches its hits before any group takes
         blocks for external tokens, so one group cannot evict another's hits.
@@ -292,9 +296,12 @@ class KVCacheCoordinator:
                 num_external_computed_tokens,
             )
         if num_external_computed_tokens > 0:
-            for manager in managers:
+            for i, manager in enumerate(managers):
                 manager.allocate_external_computed_blocks(
-                    request_id, num_local_computed_tokens, num_external_computed_tokens
+                    request_id,
+                    num_local_computed_tokens,
+                    num_external_computed_tokens,
+                    i not in skip_zeroing_group_ids,
                 )
 
     def allocate_new_blocks(
@@ -368,6 +375,21 @@ class KVCacheCoordinator:
         """Free, in every group, blocks no future token attends to."""
         for manager in self._skipping_managers:
             manager.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
+
+    def emit_cached_block_events(
+        self, request: Request, computed_blocks: Sequence[Sequence[KVCacheBlock]]
+    ) -> None:
+        """Queue a ``BlockStored`` for each group's hit blocks (the ``full_report_mode``
+        switch: vLLM 0.33.0's "full" KV-event report mode), at the group spec's
+        block size; groups without hits queue none."""
+        for group_id, group_blocks in enumerate(computed_blocks):
+            if group_blocks:
+                self.block_pool.emit_cached_block_events(
+                    request,
+                    len(group_blocks),
+                    self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.block_size,
+                    group_id,
+                )
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         """The request's block list in every group ([] when it has none)."""
@@ -517,14 +539,6 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             pcp_world_size=self.pcp_world_size,
         )
         return hit_blocks, len(hit_blocks[0]) * self.block_size
-
-
-def trim_null_head(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-    """``blocks`` without its leading null blocks (``blocks`` itself when none)."""
-    start = 0
-    while start < len(blocks) and blocks[start].is_null:
-        start += 1
-    return blocks[start:] if start else blocks
 
 
 class SpecGroup(NamedTuple):

@@ -1008,6 +1008,35 @@ def is_spec_kind(kv_cache_spec: object, *class_names: str) -> bool:
     return any(name in names for name in class_names)
 
 
+def records_blocks_for_zeroing(kv_cache_spec: object) -> bool:
+    """Whether a group of this spec reports its new blocks for zeroing when the KV
+    cache needs zeroing (vLLM 0.33.0): attention kinds, but a circular buffer."""
+    return is_spec_kind(kv_cache_spec, "AttentionSpec") and not is_spec_kind(
+        kv_cache_spec, "CircularBufferSpec"
+    )
+
+
+def needs_kv_cache_zeroing(kv_cache_config: Any) -> bool:
+    """Whether vLLM 0.33.0 zeroes newly allocated blocks for this config: it has a
+    Mamba layer (its state is read before it is written), or the attention layers
+    outside host-resident groups use more than one precision (``dtype``,
+    ``kv_quant_mode``), so a block reused across groups could decode stale bytes.
+    (vLLM 0.33.0's ``KVCacheConfig.needs_kv_cache_zeroing``; 0.25.1's property, which
+    ``KVCacheConfig`` here keeps, counts Mamba only.)"""
+    precisions: set[tuple[Any, Any]] = set()
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        layer_specs = getattr(spec, "kv_cache_specs", None)
+        for layer_spec in layer_specs.values() if isinstance(layer_specs, dict) else (spec,):
+            if is_spec_kind(layer_spec, "MambaSpec"):
+                return True
+            if is_spec_kind(layer_spec, "AttentionSpec") and not getattr(
+                group, "host_resident", False
+            ):
+                precisions.add((layer_spec.dtype, getattr(layer_spec, "kv_quant_mode", 0)))
+    return len(precisions) > 1
+
+
 def spec_exact_class_name(kv_cache_spec: object) -> str | None:
     """The class name of ``kv_cache_spec`` if its class itself is one of kvcache's
     or vLLM's spec classes (not a subclass defined elsewhere), else None."""

@@ -24,6 +24,8 @@ from kvcache.kv_cache_interface import (
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
     is_spec_kind,
+    needs_kv_cache_zeroing,
+    records_blocks_for_zeroing,
 )
 from kvcache.kv_cache_math import admits, cdiv
 from kvcache.kv_cache_utils import KVCacheBlock, check_num_hash_lookahead_tokens
@@ -149,6 +151,20 @@ class KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in range(len(self.blocks))))
 
 
+def _refuse_lookahead(hash_lookahead: int, prefill_lookahead: int, profile: Profile) -> None:
+    """Refuse lookahead arguments a release without them never takes (switch
+    ``lookahead_arguments``): vLLM 0.25.1's manager has no such parameters."""
+    for name, value in (
+        ("num_hash_lookahead_tokens", hash_lookahead),
+        ("num_prefill_lookahead", prefill_lookahead),
+    ):
+        if value:
+            raise ValueError(
+                f"{name}={value}: lookahead is vLLM 0.33.0's; profile {profile.release} "
+                "has no such argument (use Profile('0.33.0') or kvcache.vllm_0_33)"
+            )
+
+
 def _refuse_circular_buffer_groups(kv_cache_config: KVCacheConfig, profile: Profile) -> None:
     """Refuse a ring-buffer group under a profile without ``circular_buffer_groups``
     (vLLM 0.25.1 has no ``CircularBufferSpec``, so no manager for one).
@@ -247,6 +263,8 @@ class KVCacheManager:
                 f"num_prefill_lookahead must be a non-negative int, got {num_prefill_lookahead!r}"
             )
         self.num_prefill_lookahead = num_prefill_lookahead
+        if not self.profile.lookahead_arguments:
+            _refuse_lookahead(self.num_hash_lookahead_tokens, num_prefill_lookahead, self.profile)
         if (
             num_prefill_lookahead > scheduler_block_size
             and enable_caching
@@ -315,6 +333,10 @@ class KVCacheManager:
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
         self._owners: dict[str, Request] = {}
+        # Groups whose external-token blocks an async load writes, so they are not
+        # reported for zeroing: vLLM 0.33.0's allocate_slots(skip_zeroing_group_ids=),
+        # set by the drop-in (kvcache.vllm_0_33) for one call.
+        self.skip_zeroing_group_ids: tuple[int, ...] = ()
         self.stats_at_admission = self.profile.stats_at_admission
         self._apply_profile()
         self.block_pool.num_hash_lookahead_tokens = self.num_hash_lookahead_tokens
@@ -530,6 +552,7 @@ class KVCacheManager:
                 new_computed_blocks=new_computed_block_list,
                 num_local_computed_tokens=num_local_computed_tokens,
                 num_external_computed_tokens=num_external_computed_tokens,
+                skip_zeroing_group_ids=self.skip_zeroing_group_ids,
             )
         new_blocks = coordinator.allocate_new_blocks(
             request.request_id, num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens
@@ -564,7 +587,7 @@ class KVCacheManager:
         if profile.shared_prefix_junctions:
             for manager in coordinator.single_type_managers:
                 manager.keeps_shared_prefix_junction = True
-        coordinator.block_pool.mm_keys_by_window = profile.mm_keys_by_window
+        coordinator.block_pool.apply_profile(profile)
         for manager in coordinator.single_type_managers:
             manager.caches_within_hashed_tokens = profile.cache_within_hashed_tokens
         if profile.partial_prompt_tail_entries:
@@ -573,12 +596,16 @@ class KVCacheManager:
                     manager.caches_partial_prompt_tail = True
         if profile.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
             coordinator.clear_eagle_groups()
-        if profile.new_block_ids_zeroing_only and not any(
-            is_spec_kind(g.kv_cache_spec, "MambaSpec")
-            for g in self.kv_cache_config.kv_cache_groups
-        ):
+        zeroing = needs_kv_cache_zeroing(self.kv_cache_config)
+        if profile.new_block_ids_zeroing_only and not zeroing:
             for manager in coordinator.single_type_managers:
                 manager.stop_tracking_new_block_ids()
+        if profile.zero_every_attention_group and zeroing:
+            for manager in coordinator.single_type_managers:
+                if records_blocks_for_zeroing(manager.kv_cache_spec):
+                    manager._tracks_new_block_ids = True
+        for manager in coordinator.single_type_managers:
+            manager.external_blocks_floor_zero = profile.external_blocks_floor_zero
         self._apply_mamba_profile(profile)
         if profile.partial_hit_copy_on_write:
             for manager in coordinator.single_type_managers:
@@ -595,15 +622,6 @@ class KVCacheManager:
                 under ``mamba_align_only`` (vLLM 0.33.0 asserts there too).
         """
         managers = self.coordinator.single_type_managers
-        if profile.zero_every_attention_group and any(
-            isinstance(m, MambaManager) for m in managers
-        ):
-            for manager in managers:
-                spec = manager.kv_cache_spec
-                if is_spec_kind(spec, "AttentionSpec") and not is_spec_kind(
-                    spec, "CircularBufferSpec"
-                ):
-                    manager._tracks_new_block_ids = True
         for manager in managers:
             if not isinstance(manager, MambaManager):
                 continue

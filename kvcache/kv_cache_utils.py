@@ -129,29 +129,58 @@ NONE_HASH: HashValue = BlockHash(b"")
 set by ``init_none_hash``."""
 
 
-def init_none_hash(
+def resolve_none_hash_seed(
     hash_fn: Callable[[Any], HashValue], fixed_default_seed: bool = False
-) -> None:
-    """Seed the chain: ``NONE_HASH = hash_fn(PYTHONHASHSEED)``, or 32 random bytes
-    when the variable is unset (then hashes differ between processes, as in vLLM).
+) -> str | None:
+    """The seed ``init_none_hash`` derives ``NONE_HASH`` from: ``PYTHONHASHSEED`` when
+    set; otherwise None (0.25.1: ``NONE_HASH`` is then 32 random bytes, no seed).
 
     ``fixed_default_seed`` (the ``none_hash_fixed_seed`` switch of vLLM 0.33.0's
     profile): with the variable unset, the cryptographic hashes (sha256,
-    sha256_cbor) seed from ``DEFAULT_NONE_HASH_SEED`` instead, so their hashes
-    agree across processes; the xxhash ones stay random.
+    sha256_cbor) get ``DEFAULT_NONE_HASH_SEED``, so their hashes agree across
+    processes, and the xxhash ones a fresh random hex seed on every call.
     """
-    global NONE_HASH
     seed = os.getenv("PYTHONHASHSEED")
     if seed is None and fixed_default_seed:
-        cryptographic = hash_fn not in (xxhash, xxhash_cbor)
-        seed = DEFAULT_NONE_HASH_SEED if cryptographic else os.urandom(32).hex()
+        seed = os.urandom(32).hex() if _is_xxhash(hash_fn) else DEFAULT_NONE_HASH_SEED
+    return seed
+
+
+def _is_xxhash(hash_fn: Callable[[Any], HashValue]) -> bool:
+    """Whether ``hash_fn`` is one of the non-cryptographic xxhash functions:
+    kvcache's, or vLLM's of the same name (``vllm.utils.hashing``)."""
+    if hash_fn is xxhash or hash_fn is xxhash_cbor:
+        return True
+    return getattr(hash_fn, "__module__", None) == "vllm.utils.hashing" and getattr(
+        hash_fn, "__name__", None
+    ) in ("xxhash", "xxhash_cbor")
+
+
+def init_none_hash(
+    hash_fn: Callable[[Any], HashValue], fixed_default_seed: bool = False
+) -> None:
+    """Seed the chain: ``NONE_HASH = hash_fn(seed)`` for the seed
+    ``resolve_none_hash_seed`` gives, or 32 random bytes when it gives none (then
+    hashes differ between processes, as in vLLM). The seed used is kept for
+    ``none_hash_seed``.
+    """
+    global NONE_HASH, _none_hash_seed
+    seed = resolve_none_hash_seed(hash_fn, fixed_default_seed)
+    _none_hash_seed = seed
     NONE_HASH = BlockHash(os.urandom(32)) if seed is None else hash_fn(seed)
+
+
+def none_hash_seed() -> str | None:
+    """The seed the last ``init_none_hash`` derived ``NONE_HASH`` from (None: random
+    bytes, or ``init_none_hash`` has not run since this module was loaded)."""
+    return _none_hash_seed
 
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 """The seed of ``NONE_HASH`` for a cryptographic hash without PYTHONHASHSEED
 (vLLM 0.33.0; ``init_none_hash(..., fixed_default_seed=True)``)."""
 
+_none_hash_seed: str | None = None
 
 init_none_hash(sha256)
 
@@ -445,6 +474,43 @@ def tag_extra_keys(request: Request, start: int, keys: tuple[Any, ...]) -> tuple
     if has_embeds:
         tagged.append(("prompt_embeds", keys[-1]))
     return tuple(tagged)
+
+
+def to_event_extra_keys(
+    extra_keys: Iterable[tuple[Any, ...] | None] | None,
+) -> list[tuple[Any, ...] | None] | None:
+    """Tagged per-block extra keys (``tag_extra_keys``) as KV events publish them,
+    untagged: the LoRA name, ``(identifier, offset)`` pairs, the salt and the digest
+    bare, in the same order (vLLM 0.33.0 tags the hash keys, not its events).
+
+    Returns:
+        One entry per block (None stays None), or None for no entries at all.
+    """
+    if not extra_keys:
+        return None
+    untagged: list[tuple[Any, ...] | None] = []
+    for keys in extra_keys:
+        if keys is None:
+            untagged.append(None)
+            continue
+        untagged.append(tuple(key[1:] if key[0] == "mm" else key[1] for key in keys))
+    return untagged or None
+
+
+def null_head_len(blocks: Sequence[KVCacheBlock]) -> int:
+    """How many null blocks ``blocks`` starts with (a window's skipped prefix)."""
+    count = 0
+    for block in blocks:
+        if not block.is_null:
+            break
+        count += 1
+    return count
+
+
+def trim_null_head(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+    """``blocks`` without its leading null blocks (``blocks`` itself when none)."""
+    start = null_head_len(blocks)
+    return blocks[start:] if start else blocks
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

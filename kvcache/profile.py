@@ -237,6 +237,15 @@ SWITCHES: tuple[Switch, ...] = (
         "0.33.0",
     ),
     Switch(
+        "lookahead_arguments",
+        "lookahead-arguments-added",
+        "The manager takes num_hash_lookahead_tokens and num_prefill_lookahead (vLLM "
+        "0.33.0's lookahead hashing and prefill lookahead, for EAGLE / MTP drafters); "
+        "vLLM 0.25.1 has neither argument, so a non-zero value under 0.25.1 is refused "
+        "(ValueError naming the argument).",
+        "0.33.0",
+    ),
+    Switch(
         "cache_within_hashed_tokens",
         "",
         "A group caches only the full blocks the request has hashes for (with lookahead "
@@ -262,6 +271,29 @@ SWITCHES: tuple[Switch, ...] = (
         "new_block_ids, both blocks kept for take_kv_cache_block_copies). An 'align' "
         "Mamba group keys its state at the prompt's last reusable hash boundary inside "
         "a block too, and moves that entry to a fresh copy when the request goes on.",
+        "0.33.0",
+    ),
+    Switch(
+        "event_session_id",
+        "",
+        "BlockStored events carry the request's session_id (vLLM 0.33.0's Request "
+        "field; None for a request without one), full and partial entries alike.",
+        "0.33.0",
+    ),
+    Switch(
+        "full_report_mode",
+        "",
+        "A lookup for a request whose kv_cache_report_mode is 'full' queues, with "
+        "events on, one BlockStored per group for the blocks it hit (the pool's "
+        "emit_cached_block_events); 0.25.1 reports only newly cached blocks.",
+        "0.33.0",
+    ),
+    Switch(
+        "external_blocks_floor_zero",
+        "",
+        "allocate_external_computed_blocks takes no block when the request already "
+        "holds as many as the computed tokens need (e.g. after a speculative "
+        "over-allocation); 0.25.1 asks the pool for the negative count.",
         "0.33.0",
     ),
 )
@@ -308,9 +340,13 @@ class Profile:
     retention_zero_without_window: bool
     shared_prefix_junctions: bool
     circular_buffer_groups: bool
+    lookahead_arguments: bool
     cache_within_hashed_tokens: bool
     mamba_fine_grained_hits: bool
     partial_hit_copy_on_write: bool
+    event_session_id: bool
+    full_report_mode: bool
+    external_blocks_floor_zero: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:

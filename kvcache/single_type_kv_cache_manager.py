@@ -29,6 +29,7 @@ from kvcache.kv_cache_interface import (
     SlidingWindowSpec,
     check_world_size,
     is_spec_kind,
+    records_blocks_for_zeroing,
     spec_exact_class_name,
 )
 from kvcache.kv_cache_math import cdiv  # imported, not aliased: a native call when compiled
@@ -183,6 +184,8 @@ class SingleTypeKVCacheManager:
         self.keeps_shared_prefix_junction = False
         # The cache_within_hashed_tokens switch (kvcache.profile).
         self.caches_within_hashed_tokens = False
+        # The external_blocks_floor_zero switch (kvcache.profile).
+        self.external_blocks_floor_zero = False
 
     # ------------------------------------------------------------ sizing
 
@@ -289,9 +292,16 @@ class SingleTypeKVCacheManager:
         request_id: str,
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
     ) -> None:
         """Allocate blocks for tokens a KV connector computed (after every group
-        touched its hits, so this cannot evict another group's hits)."""
+        touched its hits, so this cannot evict another group's hits).
+
+        ``record_for_zeroing`` False (vLLM 0.33.0's ``skip_zeroing_group_ids``): an
+        async load writes the new blocks, so they are not reported for zeroing.
+        With ``external_blocks_floor_zero`` a request already holding the blocks
+        the computed tokens need (a speculative over-allocation) takes none.
+        """
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_tokens = self.get_num_skipped_tokens(num_total)
         if num_skipped_tokens > 0:
@@ -301,11 +311,12 @@ class SingleTypeKVCacheManager:
         if num_external_computed_tokens <= 0:
             return
         req_blocks = self.req_to_blocks[request_id]
-        new_blocks = self.block_pool.get_new_blocks(
-            cdiv(num_total, self.block_size) - len(req_blocks)
-        )
+        num_new_blocks = cdiv(num_total, self.block_size) - len(req_blocks)
+        if self.external_blocks_floor_zero and num_new_blocks < 0:
+            num_new_blocks = 0
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
-        if self._tracks_new_block_ids:
+        if self._tracks_new_block_ids and record_for_zeroing:
             self.new_block_ids.extend(b.block_id for b in new_blocks)
 
     def allocate_new_blocks(
@@ -353,6 +364,19 @@ class SingleTypeKVCacheManager:
         """Return and clear the (source, copy) block pairs queued since the last call."""
         pending, self._pending_cow_copies = self._pending_cow_copies, []
         return pending
+
+    @property
+    def records_new_block_ids(self) -> bool:
+        """Whether this group reports its newly allocated block ids (for zeroing)."""
+        return self._tracks_new_block_ids
+
+    def set_needs_kv_cache_zeroing(self, needs_kv_cache_zeroing: bool) -> None:
+        """vLLM 0.33.0's rule for which groups report new block ids: with zeroing,
+        every attention kind but a circular buffer; without it, none
+        (``records_blocks_for_zeroing``)."""
+        self._tracks_new_block_ids = needs_kv_cache_zeroing and records_blocks_for_zeroing(
+            self.kv_cache_spec
+        )
 
     def stop_tracking_new_block_ids(self) -> None:
         """Record no new block ids from now on (the ``new_block_ids_zeroing_only``
@@ -1378,6 +1402,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         request_id: str,
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
     ) -> None:
         """Connectors do not load cross-attention KV; nothing to allocate."""
         return
@@ -1757,9 +1782,11 @@ def register_all_kvcache_specs(vllm_config: object = None) -> None:
     layer-grouping helpers (which consult that registry) work beside kvcache. A class
     vLLM already registered keeps its registration. Without vLLM this does nothing.
     """
+    # NOTE: vLLM's registry is imported under another name: in the compiled build a
+    # function's import of a name the module also imports rebinds the module's global.
     try:
         from vllm.v1 import kv_cache_interface as vllm_specs
-        from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+        from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry as VllmSpecRegistry
     except ImportError:
         return
     for spec_name, manager_cls, base_name in _VLLM_REGISTRATIONS:
@@ -1768,6 +1795,6 @@ def register_all_kvcache_specs(vllm_config: object = None) -> None:
         if spec_cls is None or base_cls is None:
             continue
         try:
-            KVCacheSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=base_cls)
+            VllmSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=base_cls)
         except AssertionError:
             continue  # registered before with vLLM's own manager

@@ -21,10 +21,15 @@ switches: a Mamba group caching outside 'align' is refused;
 ``take_kv_cache_block_copies`` hands out the copies); lookahead hashing
 (``num_hash_lookahead_tokens``) and prefill lookahead (``num_prefill_lookahead``:
 re-prefilled tokens are not cached). Not covered yet
-(``NotImplementedError`` naming the argument): the Mamba shared-prefix checkpoint,
-and asking to skip zeroing for a layout that zeroes (Mamba). Mamba prefill
-checkpoints and boundary-state offloads are not modelled: see ``docs/profiles.md``
-and ``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
+(``NotImplementedError`` naming the argument): the Mamba shared-prefix checkpoint.
+Mamba prefill checkpoints and boundary-state offloads are not modelled: see
+``docs/profiles.md`` and ``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
+
+For vLLM 0.33.0's module layout the module also has 0.33.0's hashing helpers
+(``generate_block_hash_extra_keys`` tagged, ``resolve_none_hash_seed``,
+``get_none_hash_seed``), and for pools and groups built on their own (outside a
+manager) ``BlockPool`` and the single-type managers with 0.33.0's signatures and
+the profile's pool and group switches (``_SingleTypeApi``).
 """
 
 from __future__ import annotations
@@ -32,16 +37,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
+from kvcache import block_pool as _block_pool
 from kvcache import kv_cache_utils as _utils
 from kvcache import kv_events as _events
-from kvcache.block_pool import BlockPool
+from kvcache import single_type_kv_cache_manager as _managers
 from kvcache.kv_cache_interface import (
     CircularBufferSpec,
     KVCacheConfig,
-    KVCacheSpec,
-    MambaSpec,
     is_prefix_cacheable,
     is_spec_kind,
 )
@@ -52,26 +56,22 @@ from kvcache.kv_cache_spec_registry import (
     KVCacheSpecRegistry,
     register_kv_cache_spec,
 )
-from kvcache.kv_cache_utils import (
-    BlockHash,
-    BlockHashList,
-    KVCacheBlock,
-    resolve_block_hashes,
-)
+from kvcache.kv_cache_utils import BlockHash, KVCacheBlock
 from kvcache.metrics import PrefixCacheStats as _PrefixCacheStats
 from kvcache.profile import Profile
 from kvcache.request import Request
 from kvcache.single_type_kv_cache_manager import CircularBufferManager
-from kvcache.single_type_kv_cache_manager import FullAttentionManager as _FullAttentionManager
-from kvcache.single_type_kv_cache_manager import MambaManager as _MambaManager
 
 __all__ = [
     "PROFILE",
     "AllBlocksCleared",
+    "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "ChunkedLocalAttentionManager",
     "CircularBufferManager",
     "CircularBufferSpec",
+    "CrossAttentionManager",
     "FullAttentionManager",
     "KVCacheBlockCopy",
     "KVCacheBlocks",
@@ -80,10 +80,15 @@ __all__ = [
     "KVCacheSpecRegistry",
     "MambaManager",
     "PrefixCacheStats",
+    "RSWAManager",
+    "SlidingWindowManager",
+    "generate_block_hash_extra_keys",
     "generate_lookahead_block_hash_extra_keys",
+    "get_none_hash_seed",
     "get_request_block_hasher",
     "init_none_hash",
     "register_kv_cache_spec",
+    "resolve_none_hash_seed",
 ]
 
 PROFILE = Profile("0.33.0")
@@ -167,6 +172,38 @@ def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     _utils.init_none_hash(hash_fn, fixed_default_seed=PROFILE.none_hash_fixed_seed)
 
 
+def resolve_none_hash_seed(hash_fn: Callable[[Any], bytes]) -> str:
+    """The seed 0.33.0 derives ``NONE_HASH`` from (``none_hash_fixed_seed``):
+    PYTHONHASHSEED when set, else the fixed seed for sha256 / sha256_cbor and a
+    fresh random hex seed for the xxhash functions."""
+    seed = _utils.resolve_none_hash_seed(hash_fn, fixed_default_seed=PROFILE.none_hash_fixed_seed)
+    if seed is None:  # only without the switch, which this profile has on
+        raise RuntimeError("the 0.33.0 profile resolves a NONE_HASH seed in every case")
+    return seed
+
+
+def get_none_hash_seed() -> str:
+    """The seed the last ``init_none_hash`` used (what peers sharing a cache must
+    agree on); ``DEFAULT_NONE_HASH_SEED`` before any ``init_none_hash`` ran."""
+    seed = _utils.none_hash_seed()
+    return _utils.DEFAULT_NONE_HASH_SEED if seed is None else seed
+
+
+def generate_block_hash_extra_keys(
+    request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+) -> tuple[tuple[Any, ...] | None, int]:
+    """One block's extra hash keys as 0.33.0's hasher uses them: tagged with their
+    source (``tagged_extra_keys``: ``("lora", name, path)``, ``("mm", identifier,
+    offset)``, ``("cache_salt", salt)``, ``("prompt_embeds", digest)``), and the
+    next multimodal index. ``to_event_extra_keys`` gives the untagged event form."""
+    keys, next_mm_idx = _utils.generate_block_hash_extra_keys(
+        request, start_token_idx, end_token_idx, start_mm_idx
+    )
+    if keys is not None and PROFILE.tagged_extra_keys:
+        keys = _utils.tag_extra_keys(request, start_token_idx, keys)
+    return keys, next_mm_idx
+
+
 def get_request_block_hasher(
     hash_block_size: int,
     caching_hash_fn: Callable[[Any], bytes],
@@ -218,28 +255,71 @@ def _check_lookahead(name: str, value: Any) -> int:
     return int(value)
 
 
-# ---------------------------------------------------------------- the manager
+# ---------------------------------------------------------------- block pool and groups
 
 
-class MambaManager(_MambaManager):
-    """vLLM 0.33.0's ``MambaManager`` for code that builds one directly (vLLM's own
-    tests do): kvcache's Mamba manager with ``PROFILE``'s Mamba state switches set at
-    construction (a ``KVCacheManager`` sets them on the managers it builds), 0.33.0's
-    ``remove_skipped_blocks(request_id, processed_computed_tokens, ...)`` keyword and
-    ``get_num_blocks_to_allocate`` argument order."""
+class BlockPool(_block_pool.BlockPool):
+    """vLLM 0.33.0's ``BlockPool`` constructor over kvcache's pool, with the 0.33.0
+    profile's pool switches (``mm_keys_by_window``, ``event_session_id``): what a
+    pool built on its own, outside a manager, gets.
+
+    Args:
+        num_hash_lookahead_tokens: Tokens after each block its hash covers (events
+            list them); a bool counts as 0 / 1, as in vLLM.
+        medium: Must be ``"GPU"`` (kvcache's pool has no other tier).
+
+    The other arguments are ``kvcache.BlockPool``'s.
+
+    Raises:
+        ValueError: for a negative ``num_hash_lookahead_tokens``.
+        NotImplementedError: for another medium.
+    """
 
     def __init__(
         self,
-        kv_cache_spec: MambaSpec,
-        block_pool: BlockPool,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: Any = None,
+        num_hash_lookahead_tokens: int = 0,
+        medium: str = _events.MEDIUM_GPU,
+    ) -> None:
+        lookahead = _check_lookahead("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
+        if medium != _events.MEDIUM_GPU:
+            raise NotImplementedError(
+                f"medium={medium!r}: kvcache's pool models the {_events.MEDIUM_GPU!r} tier only"
+            )
+        super().__init__(
+            num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events,
+            metrics_collector,
+        )  # fmt: skip
+        self.apply_profile(PROFILE)
+        self.num_hash_lookahead_tokens = lookahead
+
+
+class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
+    """vLLM 0.33.0's single-type manager signatures over kvcache's managers (a mixin
+    in front of each manager class below): the constructor's
+    ``needs_kv_cache_zeroing``, ``get_num_blocks_to_allocate``'s
+    ``num_local_computed_tokens`` and ``prefill_end``, and the 0.33.0 profile's
+    group switches (``external_blocks_floor_zero``)."""
+
+    # Kinds whose 0.33.0 hits may end inside a block (fine-grained hits).
+    _fine_grained_kind = False
+
+    def __init__(
+        self,
+        kv_cache_spec: Any,
+        block_pool: _block_pool.BlockPool,
         enable_caching: bool,
         kv_cache_group_id: int,
         scheduler_block_size: int,
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
+        needs_kv_cache_zeroing: bool = False,
         max_admission_blocks_per_request: int | None = None,
     ) -> None:
-        # Explicit arguments: a compiled base class's __init__ mis-reads forwarded **kwargs.
         super().__init__(
             kv_cache_spec,
             block_pool,
@@ -250,12 +330,9 @@ class MambaManager(_MambaManager):
             pcp_world_size,
             max_admission_blocks_per_request,
         )
-        self.frees_processed_states = PROFILE.mamba_frees_processed_states
-        self.caps_new_state_blocks = PROFILE.mamba_caps_new_state_blocks
-        self.caches_prompt_tail_state = PROFILE.mamba_prompt_tail_state
+        self.set_needs_kv_cache_zeroing(needs_kv_cache_zeroing)
+        self.external_blocks_floor_zero = PROFILE.external_blocks_floor_zero
 
-    # 0.33.0's positional order on purpose: kvcache's coordinators build the base class,
-    # so only code written against vLLM 0.33.0 calls this override.
     def get_num_blocks_to_allocate(  # type: ignore[override]
         self,
         request_id: str,
@@ -267,19 +344,81 @@ class MambaManager(_MambaManager):
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
     ) -> int:
-        """The blocks an allocation of ``num_tokens`` needs, in 0.33.0's argument order
-        (``num_local_computed_tokens`` before ``num_tokens_main_model``; see the base
-        class). ``prefill_end`` only decides where prefill checkpoints go, which are
-        not modelled (docs/profiles.md), so it is accepted and does not count."""
+        """kvcache's count, with 0.33.0's argument order: ``num_local_computed_tokens``
+        (the local hit's tokens: a hit ending inside a block counts its copy-on-write
+        block) and ``prefill_end`` (where a Mamba prefill checkpoint would go;
+        checkpoints are not modelled, so unused)."""
         return super().get_num_blocks_to_allocate(
             request_id,
             num_tokens,
             new_computed_blocks,
             total_computed_tokens,
             num_tokens_main_model,
-            apply_admission_cap=apply_admission_cap,
+            apply_admission_cap,
             num_local_computed_tokens=num_local_computed_tokens,
         )
+
+
+    @classmethod
+    def find_longest_cache_hit(  # type: ignore[override]
+        cls,
+        block_hashes: Any,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: _block_pool.BlockPool,
+        kv_cache_spec: Any,
+        drop_eagle_block: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """kvcache's hit search with 0.33.0's arguments and result: ``block_hashes``
+        may be at the pool's hash block size (viewed here at the group's block
+        size, as 0.33.0's managers view them), and the result is ``(blocks per
+        group, hit tokens)``; the hit covers whole blocks, except at the pool's hash
+        block alignment inside a larger block of a kind that 0.33.0 lets hit inside
+        a block (full attention, Mamba): there kvcache's ``find_fine_grained_hit``.
+
+        Raises:
+            NotImplementedError: for another alignment below the block size of such
+                a kind, or one under context parallelism.
+        """
+        hash_block_size = block_pool.hash_block_size
+        block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
+        if block_size != hash_block_size and not isinstance(
+            block_hashes, _utils.BlockHashListWithBlockSize
+        ):
+            if cls._fine_grained_kind and alignment_tokens < block_size:
+                if (dcp_world_size, pcp_world_size) != (1, 1) or (
+                    alignment_tokens != hash_block_size or block_size % alignment_tokens
+                ):
+                    raise NotImplementedError(
+                        f"alignment_tokens={alignment_tokens} below the block size "
+                        f"{block_size} with dcp_world_size={dcp_world_size}, "
+                        f"pcp_world_size={pcp_world_size}, hash_block_size="
+                        f"{hash_block_size}: not modelled by kvcache's 0.33.0 profile"
+                    )
+                # A fine-grained hit (mamba_fine_grained_hits): kvcache's sub-block
+                # finder, which returns 0.33.0's pair itself.
+                return cls.find_fine_grained_hit(
+                    block_hashes, max_length, kv_cache_group_ids, block_pool,
+                    kv_cache_spec, drop_eagle_block, alignment_tokens,
+                )
+            block_hashes = _utils.BlockHashListWithBlockSize(
+                block_hashes, hash_block_size, block_size
+            )
+        blocks = super().find_longest_cache_hit(
+            block_hashes,
+            max_length,
+            kv_cache_group_ids,
+            block_pool,
+            kv_cache_spec,
+            drop_eagle_block,
+            alignment_tokens,
+            dcp_world_size,
+            pcp_world_size,
+        )
+        return blocks, len(blocks[0]) * block_size if blocks else 0
 
     def remove_skipped_blocks(
         self,
@@ -287,59 +426,77 @@ class MambaManager(_MambaManager):
         processed_computed_tokens: int,
         num_prompt_tokens: int | None = None,
     ) -> None:
-        """Free the states no later token needs, given the processed computed tokens
-        (0.33.0's name for the count; see the base class)."""
+        """Free the blocks no later token needs, given the processed computed tokens
+        (0.33.0's name for the count; see kvcache's manager)."""
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
 
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's blocks to free, without the null blocks in front of them
+        (``pop_drops_null_head``; inside a manager the coordinator drops them)."""
+        blocks = super().pop_blocks_for_free(request_id)
+        return _utils.trim_null_head(blocks) if PROFILE.pop_drops_null_head else blocks
 
-class FullAttentionManager(_FullAttentionManager):
-    """vLLM 0.33.0's ``FullAttentionManager`` for code that calls its finder directly
-    (vLLM's own tests do): ``find_longest_cache_hit`` returns 0.33.0's pair. The
-    managers a ``KVCacheManager`` builds are kvcache's, whose finder keeps 0.25.1's
-    return value (the coordinator reads the length itself)."""
 
-    @classmethod
-    def find_longest_cache_hit(  # type: ignore[override]  # 0.33.0's return value
-        cls,
-        block_hashes: BlockHashList,
-        max_length: int,
-        kv_cache_group_ids: list[int],
-        block_pool: BlockPool,
-        kv_cache_spec: KVCacheSpec,
-        drop_eagle_block: bool,
-        alignment_tokens: int,
+class FullAttentionManager(_SingleTypeApi, _managers.FullAttentionManager):  # type: ignore[misc]
+    """vLLM 0.33.0's ``FullAttentionManager`` signatures (``_SingleTypeApi``)."""
+
+    _fine_grained_kind = True
+
+
+class SlidingWindowManager(_SingleTypeApi, _managers.SlidingWindowManager):  # type: ignore[misc]
+    """vLLM 0.33.0's ``SlidingWindowManager`` signatures (``_SingleTypeApi``)."""
+
+
+class ChunkedLocalAttentionManager(_SingleTypeApi, _managers.ChunkedLocalAttentionManager):  # type: ignore[misc]
+    """vLLM 0.33.0's ``ChunkedLocalAttentionManager`` signatures (``_SingleTypeApi``)."""
+
+
+class MambaManager(_SingleTypeApi, _managers.MambaManager):  # type: ignore[misc]
+    """vLLM 0.33.0's ``MambaManager`` for code that builds one directly (vLLM's own
+    tests do): 0.33.0's signatures (``_SingleTypeApi``) and ``PROFILE``'s Mamba state
+    switches set at construction (a ``KVCacheManager`` sets them on the managers it
+    builds)."""
+
+    _fine_grained_kind = True
+
+    def __init__(
+        self,
+        kv_cache_spec: Any,
+        block_pool: _block_pool.BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        scheduler_block_size: int,
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """``(hit blocks per group, hit length)``: at the pool's hash-block alignment
-        inside blocks larger than it, kvcache's sub-block finder
-        (``find_fine_grained_hit``); otherwise the whole-block finder on the hashes seen
-        at the block size, its blocks times the block size.
-
-        Raises:
-            NotImplementedError: for context parallelism beside a sub-block alignment.
-        """
-        block_size = kv_cache_spec.block_size
-        if alignment_tokens < block_size and block_size % alignment_tokens == 0:
-            if (dcp_world_size, pcp_world_size) != (1, 1) or (
-                alignment_tokens != block_pool.hash_block_size
-            ):
-                raise NotImplementedError(
-                    f"find_longest_cache_hit(alignment_tokens={alignment_tokens}) with "
-                    f"dcp_world_size={dcp_world_size}, pcp_world_size={pcp_world_size}, "
-                    f"hash_block_size={block_pool.hash_block_size}: not modelled"
-                )
-            return cls.find_fine_grained_hit(
-                cast(Sequence[BlockHash], block_hashes), max_length, kv_cache_group_ids,
-                block_pool, kv_cache_spec, drop_eagle_block, alignment_tokens,
-            )
-        scaled = block_size * dcp_world_size * pcp_world_size
-        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, scaled)
-        blocks = super().find_longest_cache_hit(
-            hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
-            drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size,
+        needs_kv_cache_zeroing: bool = False,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        # Explicit arguments: a compiled base class's __init__ mis-reads forwarded **kwargs.
+        super().__init__(
+            kv_cache_spec,
+            block_pool,
+            enable_caching,
+            kv_cache_group_id,
+            scheduler_block_size,
+            dcp_world_size,
+            pcp_world_size,
+            needs_kv_cache_zeroing,
+            max_admission_blocks_per_request,
         )
-        return blocks, len(blocks[0]) * scaled
+        self.frees_processed_states = PROFILE.mamba_frees_processed_states
+        self.caps_new_state_blocks = PROFILE.mamba_caps_new_state_blocks
+        self.caches_prompt_tail_state = PROFILE.mamba_prompt_tail_state
+
+
+class CrossAttentionManager(_SingleTypeApi, _managers.CrossAttentionManager):  # type: ignore[misc]
+    """vLLM 0.33.0's ``CrossAttentionManager`` signatures (``_SingleTypeApi``)."""
+
+
+class RSWAManager(_SingleTypeApi, _managers.RSWAManager):  # type: ignore[misc]
+    """vLLM 0.33.0's ``RSWAManager`` signatures (``_SingleTypeApi``)."""
+
+
+# ---------------------------------------------------------------- the manager
 
 
 class KVCacheManager(_KVCacheManager):
@@ -469,6 +626,13 @@ class KVCacheManager(_KVCacheManager):
         tail sparse retention then keeps.
         """
         blocks, num_hit_tokens = super().get_computed_blocks(request, max_cache_hit_length)
+        if (
+            num_hit_tokens > 0
+            and self.profile.full_report_mode
+            and self.enable_kv_cache_events
+            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
+        ):
+            self.coordinator.emit_cached_block_events(request, blocks.blocks)
         if not self.profile.shared_prefix_junctions or not self.prefix_cache_lookup_enabled(
             request
         ):
@@ -514,42 +678,42 @@ class KVCacheManager(_KVCacheManager):
     ) -> KVCacheBlocks | None:
         """``kvcache.KVCacheManager.allocate_slots`` with 0.33.0's rules (the profile)
         and argument ``skip_zeroing_group_ids``: groups an async load writes, whose
-        new blocks must not be zeroed. No group of a covered layout zeroes, so it
-        only is validated.
+        new blocks for external tokens are not reported for zeroing.
 
         Raises:
             ValueError: for a ``skip_zeroing_group_ids`` entry that names no group.
-            NotImplementedError: for a non-empty ``skip_zeroing_group_ids`` where
-                groups record blocks for zeroing (Mamba layouts).
         """
         if skip_zeroing_group_ids:
             self._check_skip_zeroing(skip_zeroing_group_ids)
-        return super().allocate_slots(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-            has_scheduled_reqs,
-        )
+        self.skip_zeroing_group_ids = tuple(skip_zeroing_group_ids)
+        try:
+            return super().allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                delay_cache_blocks,
+                num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
+        finally:
+            self.skip_zeroing_group_ids = ()
 
     def _check_skip_zeroing(self, group_ids: Sequence[int]) -> None:
         for group_id in group_ids:
-            if not isinstance(group_id, int) or not 0 <= group_id < self.num_kv_cache_groups:
+            if (
+                not isinstance(group_id, int)
+                or isinstance(group_id, bool)
+                or not 0 <= group_id < self.num_kv_cache_groups
+            ):
                 raise ValueError(
                     f"skip_zeroing_group_ids: {group_id!r} is no group id "
                     f"(there are {self.num_kv_cache_groups})"
                 )
-        if any(m._tracks_new_block_ids for m in self.coordinator.single_type_managers):
-            raise NotImplementedError(
-                f"skip_zeroing_group_ids={tuple(group_ids)!r}: this layout records blocks "
-                "for zeroing, which kvcache's 0.33.0 profile does not model yet"
-            )
 
     def remove_skipped_blocks(
         self,
@@ -619,20 +783,22 @@ class KVCacheManager(_KVCacheManager):
         return self.create_kv_cache_blocks(tuple(truncated))
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        """Record the request's blocks from ``start_token`` on for zeroing again, in the
-        groups that record new blocks (none in the covered layouts).
+        """Report the request's blocks from ``start_token`` on for zeroing again (e.g.
+        blocks a failed async load left unwritten), in the groups that report new
+        blocks (``needs_kv_cache_zeroing``).
 
         Raises:
-            ValueError: if ``start_token`` is not a multiple of such a group's block size.
+            ValueError: if ``start_token`` is not a multiple of such a group's block
+                size (zeroing a block's valid prefix would lose it).
         """
-        for manager in self.coordinator.single_type_managers:
-            if not manager._tracks_new_block_ids:
-                continue
+        managers = [m for m in self.coordinator.single_type_managers if m.records_new_block_ids]
+        for manager in managers:
             if start_token % manager.block_size:
                 raise ValueError(
                     f"start_token={start_token} is not a multiple of group "
                     f"{manager.kv_cache_group_id}'s block size {manager.block_size}"
                 )
+        for manager in managers:
             held = manager.req_to_blocks.get(request_id, [])
             start = start_token // manager.block_size
             manager.new_block_ids.extend(b.block_id for b in held[start:])

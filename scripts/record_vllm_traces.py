@@ -343,6 +343,71 @@ def scenario_mamba_eagle_flag_early_free() -> tuple[ManagerConfig, list[Call]]:
     return config, calls
 
 
+def scenario_prompt_tail_entry_resurrected() -> tuple[ManagerConfig, list[Call]]:
+    """Full attention (bs 8) beside a sliding window (bs 4, hash block 4): a 7-token
+    prompt (its last hash boundary, 4 tokens, inside the first full block) and one
+    output token fill that block; evict_blocks drops its entries while the request
+    holds it, then one more token. vLLM 0.33.0 keys the evicted block again under the
+    prompt-tail hash; 0.25.1 leaves it unhashed (ledger:
+    bug-prompt-tail-entry-resurrected, a bug introduced in 0.33.0)."""
+    groups = (
+        GroupConfig("full", 8),
+        GroupConfig("sliding_window", 4, sliding_window=5, num_kv_heads=2),
+    )
+    config = ManagerConfig(num_blocks=8, groups=groups, max_model_len=64)
+    calls: list[Call] = [
+        ("add_request", {"request_id": "a", "prompt_token_ids": [2, 2, 1, 2, 2, 2, 2],
+                         "max_tokens": 6}),
+        *admit("a", 7, 0),
+        ("append_output_token_ids", {"request_id": "a", "token_ids": [1]}),
+        ("allocate_slots", {"request_id": "a", "num_new_tokens": 1}),
+        running("a", 8),
+        ("evict_blocks", {"block_ids": [1]}),
+        ("allocate_slots", {"request_id": "a", "num_new_tokens": 1}),
+        ("take_events", {}),
+    ]  # fmt: skip
+    return config, calls
+
+
+def scenario_swa_mamba_eagle_long_hit() -> tuple[ManagerConfig, list[Call]]:
+    """Sliding window (bs 1, window 11) and align-mode Mamba (bs 1), use_eagle on: a
+    6-token prompt computed 5 then 6 tokens, then the same prompt again. vLLM 0.25.1's
+    lookup drops the window group's EAGLE block (4 blocks) but lets Mamba, which never
+    drops, grow the hit back to 5 tokens: a 5-token hit with 4 window blocks (ledger:
+    bug-mamba-eagle-long-hit, fixed in 0.33.0, which returns 5 window blocks)."""
+    groups = (
+        GroupConfig("sliding_window", 1, sliding_window=11),
+        GroupConfig("mamba", 1, mamba_cache_mode="align", num_kv_heads=2),
+    )
+    config = ManagerConfig(num_blocks=16, groups=groups, max_model_len=16, use_eagle=True)
+    prompt = [0, 1, 1, 1, 1, 2]
+    calls: list[Call] = [
+        ("add_request", {"request_id": "a", "prompt_token_ids": prompt, "max_tokens": 4}),
+        *admit("a", 5, 0),
+        ("allocate_slots", {"request_id": "a", "num_new_tokens": 1}),
+        ("add_request", {"request_id": "b", "prompt_token_ids": prompt, "max_tokens": 4}),
+        ("get_computed_blocks", {"request_id": "b"}),
+    ]
+    return config, calls
+
+
+def scenario_tq_full_prefix_hit() -> tuple[ManagerConfig, list[Call]]:
+    """One TurboQuant full-attention group (TQFullAttentionSpec, bs 4, managed as full
+    attention): a 9-token prompt computed, freed, and looked up again (a two-block
+    hit). vLLM 0.33.0 has no TQFullAttentionSpec, so the manager cannot be built there
+    (ledger: tq-spec-removed)."""
+    config = ManagerConfig(num_blocks=10, groups=(GroupConfig("tq_full", 4),), max_model_len=32)
+    prompt = [1, 2, 0, 0, 2, 1, 1, 2, 0]
+    calls: list[Call] = [
+        ("add_request", {"request_id": "a", "prompt_token_ids": prompt, "max_tokens": 2}),
+        *admit("a", 9, 0),
+        ("free", {"request_id": "a"}),
+        ("add_request", {"request_id": "b", "prompt_token_ids": prompt, "max_tokens": 2}),
+        ("get_computed_blocks", {"request_id": "b"}),
+    ]
+    return config, calls
+
+
 SCENARIOS = {
     "prefix_hits_and_eviction": scenario_prefix_hits_and_eviction,
     "preempt_and_resume": scenario_preempt_and_resume,
@@ -352,6 +417,9 @@ SCENARIOS = {
     "retention_eagle_resend": scenario_retention_eagle_resend,
     "mamba_prompt_boundary_rekey": scenario_mamba_prompt_boundary_rekey,
     "mamba_eagle_flag_early_free": scenario_mamba_eagle_flag_early_free,
+    "prompt_tail_entry_resurrected": scenario_prompt_tail_entry_resurrected,
+    "swa_mamba_eagle_long_hit": scenario_swa_mamba_eagle_long_hit,
+    "tq_full_prefix_hit": scenario_tq_full_prefix_hit,
 }
 
 # Known vLLM 0.25.1 bugs the scenarios record: record index -> ledger ids, written
@@ -362,6 +430,7 @@ KNOWN_BUGS: dict[str, dict[int, list[str]]] = {
     "three_full_groups_trim": {5: ["bug-three-full-groups-trim"]},
     "retention_eagle_resend": {2: ["bug-retention-eagle-replay-boundary"]},
     "mamba_eagle_flag_early_free": {8: ["mamba-freed-on-processed-tokens"]},
+    "swa_mamba_eagle_long_hit": {6: ["bug-mamba-eagle-long-hit"]},
 }
 
 

@@ -51,6 +51,7 @@ class BlockPool:
     # 0.33.0's lookahead hashing: tokens after each block its hash covers (set by the
     # KVCacheManager; 0 in 0.25.1).
     num_hash_lookahead_tokens = 0
+    event_session_id = False
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
@@ -143,7 +144,7 @@ class BlockPool:
         lora = request.lora_request
         self.kv_event_queue.append(self._block_stored(
             [list(request.all_token_ids[(i + 1) * block_size:(i + 1) * block_size + la])
-             for i in stored],
+             for i in stored], request,
             block_hashes=new_hashes,
             parent_block_hash=(None if num_cached_blocks == 0
                                else external_hash(hashes[num_cached_blocks - 1])),
@@ -153,12 +154,38 @@ class BlockPool:
             medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
             extra_keys=extra_keys or None, group_idx=kv_cache_group_id))
 
-    def _block_stored(self, lookahead_token_ids: list[list[int]], **fields: Any) -> Any:
+    def _block_stored(self, lookahead_token_ids: list[list[int]], request: Request,
+                      **fields: Any) -> Any:
         """A BlockStored; under lookahead hashing 0.33.0's, which also lists the tokens
-        after each block that its hash covers."""
-        if self.num_hash_lookahead_tokens:
-            return BlockStored033(**fields, lookahead_token_ids=lookahead_token_ids)
+        after each block that its hash covers; under event_session_id 0.33.0's, with
+        the request's ``session_id``."""
+        if self.num_hash_lookahead_tokens or self.event_session_id:
+            return BlockStored033(
+                **fields,
+                lookahead_token_ids=lookahead_token_ids if self.num_hash_lookahead_tokens else None,
+                session_id=getattr(request, "session_id", None) if self.event_session_id else None)
         return BlockStored(**fields)
+
+    def emit_cached_block_events(self, request: Request, num_cached_blocks: int,
+                                 block_size: int, kv_cache_group_id: int) -> None:
+        """full_report_mode: queue one BlockStored for the request's first
+        ``num_cached_blocks`` blocks, which are cached already (nothing changes; nothing
+        without events or hits)."""
+        if not self.enable_kv_cache_events or num_cached_blocks == 0:
+            return
+        hashes, la = self.block_hashes(request, block_size), self.num_hash_lookahead_tokens
+        lora = request.lora_request
+        self.kv_event_queue.append(self._block_stored(
+            [list(request.all_token_ids[(i + 1) * block_size:(i + 1) * block_size + la])
+             for i in range(num_cached_blocks)], request,
+            block_hashes=[external_hash(h) for h in hashes[:num_cached_blocks]],
+            parent_block_hash=None,
+            token_ids=list(request.all_token_ids[:num_cached_blocks * block_size]),
+            block_size=block_size, lora_id=lora.adapter_id if lora else None,
+            medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
+            extra_keys=[block_extra_keys(request, i * block_size, (i + 1) * block_size + la)
+                        for i in range(num_cached_blocks)],
+            group_idx=kv_cache_group_id))
 
     def cache_partial_block(self, request: Request, block: int, num_tokens: int,
                             kv_cache_group_id: int, block_size: int,
@@ -193,7 +220,7 @@ class BlockPool:
                 first_mm = 0
             lora, la = request.lora_request, self.num_hash_lookahead_tokens
             self.kv_event_queue.append(self._block_stored(
-                [list(request.all_token_ids[num_tokens:num_tokens + la])],
+                [list(request.all_token_ids[num_tokens:num_tokens + la])], request,
                 block_hashes=[external_hash(hashes[n - 1])],
                 parent_block_hash=external_hash(hashes[n - 2]) if n > 1 else None,
                 token_ids=list(request.all_token_ids[start:num_tokens]),

@@ -27,6 +27,7 @@ from spec.vocab import (
     event_kind,
     event_sliding_window,
     is_a,
+    needs_kv_cache_zeroing,
     none_hash,
 )
 
@@ -121,6 +122,11 @@ class KVCacheManager:
                             ("num_prefill_lookahead", num_prefill_lookahead)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        for name, value in (("num_hash_lookahead_tokens", num_hash_lookahead_tokens),
+                            ("num_prefill_lookahead", num_prefill_lookahead)):
+            if value and not self.profile.lookahead_arguments:
+                raise ValueError(f"{name}={value}: lookahead is vLLM 0.33.0's; profile "
+                                 f"{self.profile.release} has no such argument")
         if isinstance(num_prefill_lookahead, bool):
             raise ValueError(f"num_prefill_lookahead must be a non-negative int, got "
                              f"{num_prefill_lookahead!r}")
@@ -177,6 +183,7 @@ class KVCacheManager:
         p, coordinator, pool = self.profile, self.coordinator, self.block_pool
         pool.tagged_extra_keys = p.tagged_extra_keys
         pool.mm_keys_by_window = p.mm_keys_by_window
+        pool.event_session_id = p.event_session_id
         if p.none_hash_fixed_seed and hash_seed is None and os.getenv("PYTHONHASHSEED") is None:
             pool.none_hash = none_hash(pool.hash_fn, None, fixed_default_seed=True)
         coordinator.trim_every_full_group = p.trim_every_full_group
@@ -186,10 +193,10 @@ class KVCacheManager:
         if p.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
             coordinator.eagle_group_ids = set()  # without use_eagle no group drops a block
             coordinator._init_groups()
-        groups = self.kv_cache_config.kv_cache_groups
-        zeroing = any(is_a(g.kv_cache_spec, "MambaSpec") for g in groups)
+        zeroing = needs_kv_cache_zeroing(self.kv_cache_config)
         for m in coordinator.single_type_managers:
             m.records_new_block_ids = not (p.new_block_ids_zeroing_only and not zeroing)
+            m.external_blocks_floor_zero = p.external_blocks_floor_zero
             # Full attention's subclasses too (R-SWA, sink): vLLM 0.33.0's inherit it.
             m.caches_partial_prompt_tail = (p.partial_prompt_tail_entries
                                             and isinstance(m, FullAttentionManager))
@@ -243,6 +250,14 @@ class KVCacheManager:
         if self.prefix_cache_stats is not None and not self.profile.stats_at_admission:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens,
                                            request.num_preemptions > 0)
+        if (self.profile.full_report_mode and num_hit_tokens > 0
+                and getattr(request, "kv_cache_report_mode", "incremental") == "full"):
+            for group_id, group_hits in enumerate(hits):  # tell subscribers of the hits too
+                if group_hits:
+                    self.block_pool.emit_cached_block_events(
+                        request, len(group_hits),
+                        self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.block_size,
+                        group_id)
         return self.create_kv_cache_blocks(hits), num_hit_tokens
 
     def shared_prefix_boundary(self, request: Request, num_hit_tokens: int) -> int:

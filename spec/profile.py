@@ -19,7 +19,9 @@ SWITCHES = (
     "mamba_frees_processed_states", "zero_every_attention_group", "mamba_no_eagle_margin",
     "mamba_prompt_tail_state", "retention_replay_boundaries", "retention_zero_without_window",
     "shared_prefix_junctions", "mamba_caps_new_state_blocks", "circular_buffer_groups",
-    "cache_within_hashed_tokens", "mamba_fine_grained_hits", "partial_hit_copy_on_write",
+    "lookahead_arguments", "cache_within_hashed_tokens", "mamba_fine_grained_hits",
+    "partial_hit_copy_on_write", "event_session_id", "full_report_mode",
+    "external_blocks_floor_zero",
 )  # fmt: skip
 """Every switch, in kvcache's order."""
 

@@ -70,6 +70,7 @@ class SingleTypeKVCacheManager:
     zeroes_any_attention_kind = False  # zero_every_attention_group, beside Mamba
     copies_partial_hits = False  # partial_hit_copy_on_write
     keeps_shared_prefix_junction = False  # shared_prefix_junctions
+    external_blocks_floor_zero = False
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
@@ -164,7 +165,10 @@ class SingleTypeKVCacheManager:
                                                num_external_computed_tokens)
         if num_external_computed_tokens > 0:
             req_blocks = self._blocks_of(request_id)
-            self._append_new(req_blocks, cdiv(num_total, self.block_size) - len(req_blocks))
+            num_new = cdiv(num_total, self.block_size) - len(req_blocks)
+            if self.external_blocks_floor_zero:  # it may hold more already (draft slots)
+                num_new = max(num_new, 0)
+            self._append_new(req_blocks, num_new)
 
     def _append_new(self, req_blocks: list[int], num_blocks: int) -> list[int]:
         """Append ``num_blocks`` fresh blocks; full attention and MLA (exact classes,

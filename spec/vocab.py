@@ -294,6 +294,20 @@ EVENT_KINDS = [  # subclasses first, as in vLLM
     ("CrossAttentionSpec", "cross_attention")]
 
 
+def needs_kv_cache_zeroing(kv_cache_config: Any) -> bool:
+    """Whether 0.33.0 zeroes new blocks (the zeroing switches): a Mamba layer, or attention
+    layers of more than one precision (dtype, kv_quant_mode) outside host-resident groups."""
+    precisions = set()
+    for group in kv_cache_config.kv_cache_groups:
+        layers = getattr(group.kv_cache_spec, "kv_cache_specs", None)
+        for spec in layers.values() if isinstance(layers, dict) else [group.kv_cache_spec]:
+            if is_a(spec, "MambaSpec"):
+                return True
+            if is_a(spec, "AttentionSpec") and not getattr(group, "host_resident", False):
+                precisions.add((spec.dtype, getattr(spec, "kv_quant_mode", 0)))
+    return len(precisions) > 1
+
+
 def event_kind(kv_cache_spec: Any) -> str:
     """The kind label of a group's BlockStored events ("unknown" for other specs)."""
     return next((kind for name, kind in EVENT_KINDS if is_a(kv_cache_spec, name)), "unknown")

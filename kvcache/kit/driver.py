@@ -1207,8 +1207,14 @@ def run_sequence(
 
 
 def cannot_build_entry(config: ManagerConfig, exc: CannotBuild, *impls: str | None) -> str | None:
-    """The ledger entry that explains why a vLLM release cannot build ``config``."""
-    if exc.impl != "vllm":
+    """The ledger entry that explains why one side cannot build ``config``: the
+    installed vLLM of a later release line (a layout it dropped), or, beside it, the
+    side that behaves like 0.25.1 (``impls``: a layout the later release added)."""
+    if exc.impl == "vllm":
+        refused_by = "new"
+    elif "vllm" in impls:
+        refused_by = "old"
+    else:
         return None
     from kvcache.kit.sides import resolve_adapter
 
@@ -1216,7 +1222,7 @@ def cannot_build_entry(config: ManagerConfig, exc: CannotBuild, *impls: str | No
     line = release_line_of(version)
     if line == REFERENCE_LINE:
         return None
-    return Judge(config, line, old_is_expected=True).cannot_build(exc.reason)
+    return Judge(config, line, old_is_expected=True).cannot_build(exc.reason, refused_by)
 
 
 # ---------------------------------------------------------------- replay and shrinking

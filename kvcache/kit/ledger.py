@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.kit.config import ManagerConfig
+from kvcache.kit.config import GroupConfig, ManagerConfig
 from kvcache.kit.trace import results_equal, state_diff
 
 LEDGER_PATH = Path(__file__).with_name("ledger.toml")
@@ -141,6 +141,7 @@ class Context:
     collision: bool = False
     hash_hex_len: int = 0
     evicted: set[int] = field(default_factory=set)  # block ids an evict_blocks call named
+    hashes: dict[str, list[str]] = field(default_factory=dict)  # request -> old side's hashes
 
     @property
     def has_mamba(self) -> bool:
@@ -184,9 +185,46 @@ class Rule:
         the normalised states) is this entry's."""
         return False
 
+    #: Whose construction failure ``cannot_build`` explains: ``"new"`` (the later
+    #: release refuses a layout 0.25.1 builds) or ``"old"`` (the 0.25.1 side refuses
+    #: a layout the later release adds).
+    refused_by = "new"
+
     def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
-        """Whether a construction failure is this entry's."""
+        """Whether a construction failure (of the ``refused_by`` side) is this entry's."""
         return False
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    """What the rules read of a ``BlockStored`` event: its group (``group_idx``,
+    known to be one of the config's groups), its ``block_size`` and ``block_hashes``
+    (``None`` where the field is missing or not an int / a list)."""
+
+    group_idx: int
+    group: GroupConfig
+    block_size: int | None
+    block_hashes: list[Any] | None
+
+
+def _stored_event(event: Any, groups: Sequence[GroupConfig]) -> StoredEvent | None:
+    """``event`` read as a ``BlockStored`` event of one of ``groups``; ``None`` for
+    another type, a malformed event or a ``group_idx`` out of range."""
+    if not isinstance(event, dict) or event.get("type") != "BlockStored":
+        return None
+    fields = event.get("fields", {})
+    if not isinstance(fields, dict):
+        return None
+    group = fields.get("group_idx")
+    if not isinstance(group, int) or not 0 <= group < len(groups):
+        return None
+    size, hashes = fields.get("block_size"), fields.get("block_hashes")
+    return StoredEvent(
+        group_idx=group,
+        group=groups[group],
+        block_size=size if isinstance(size, int) else None,
+        block_hashes=hashes if isinstance(hashes, list) else None,
+    )
 
 
 def _ok(outcome: Outcome) -> Any:
@@ -412,8 +450,25 @@ class CannotBuildCircularAdded(Rule):
     """0.25.1 has no ``CircularBufferSpec``: a layout with a ring-buffer group cannot be
     built there (vLLM 0.25.1 lacks the class; kvcache's 0.25.1 profile refuses it)."""
 
+    refused_by = "old"
+
     def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
         return any(g.kind == "circular" for g in config.groups) and "CircularBufferSpec" in reason
+
+
+class CannotBuildLookaheadAdded(Rule):
+    """0.25.1's manager has no lookahead arguments: a configuration with
+    ``num_hash_lookahead_tokens`` or ``num_prefill_lookahead`` cannot be built there
+    (vLLM 0.25.1 raises TypeError on the unknown keyword; kvcache's 0.25.1 profile
+    refuses the value, naming the argument)."""
+
+    refused_by = "old"
+
+    def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
+        return any(
+            getattr(config, name) and name in reason
+            for name in ("num_hash_lookahead_tokens", "num_prefill_lookahead")
+        )
 
 
 class SubBlockEntries(Rule):
@@ -436,16 +491,11 @@ class SubBlockEntries(Rule):
         groups = ctx.config.groups
 
         def partial(event: Any) -> bool:
-            if not isinstance(event, dict) or event.get("type") != "BlockStored":
-                return False
-            fields = event.get("fields", {})
-            group = fields.get("group_idx")
-            size = fields.get("block_size")
+            stored = _stored_event(event, groups)
             return (
-                isinstance(group, int)
-                and 0 <= group < len(groups)
-                and isinstance(size, int)
-                and size < groups[group].block_size
+                stored is not None
+                and stored.block_size is not None
+                and stored.block_size < stored.group.block_size
             )
 
         kept = [event for event in n if not partial(event)]
@@ -454,18 +504,28 @@ class SubBlockEntries(Rule):
     def state(
         self, ctx: Context, old: dict[str, Any], new: dict[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """An empty map (``{}``) counts as one without entries. A full-attention block
+        the old side counts as cached but holds unhashed (an evicted block) is no
+        block "not hashed yet": a new-side entry on it is kept for the other rules."""
         if not self.applies(ctx):
             return old, new
         out = dict(new)
-        o, n = old.get("cached"), new.get("cached")
-        if isinstance(o, dict) and isinstance(n, dict) and "dict" in o and "dict" in n:
-            old_keys = {json.dumps(k, sort_keys=True) for k, _ in o["dict"]}
-            kept = [kv for kv in n["dict"] if json.dumps(kv[0], sort_keys=True) in old_keys]
-            out["cached"] = {"dict": kept}
-        oh, nh = old.get("block_hash"), new.get("block_hash")
-        if isinstance(oh, dict) and isinstance(nh, dict) and "dict" in oh and "dict" in nh:
-            hashed = {json.dumps(b) for b, _ in oh["dict"]}
-            out["block_hash"] = {"dict": [kv for kv in nh["dict"] if json.dumps(kv[0]) in hashed]}
+        stale = {json.dumps(b) for b in _cached_unhashed_full_blocks(ctx, old)}
+        o, n = _entries(old.get("cached")), _entries(new.get("cached"))
+        if o is not None and n is not None and n:
+            old_keys = {json.dumps(k, sort_keys=True) for k, _ in o}
+            kept = [
+                kv
+                for kv in n
+                if json.dumps(kv[0], sort_keys=True) in old_keys
+                or any(json.dumps(b) in stale for b in kv[1] or [])
+            ]
+            out["cached"] = _as_map(kept, old.get("cached"))
+        oh, nh = _entries(old.get("block_hash")), _entries(new.get("block_hash"))
+        if oh is not None and nh is not None and nh:
+            hashed = {json.dumps(b) for b, _ in oh} | stale
+            kept = [kv for kv in nh if json.dumps(kv[0]) in hashed]
+            out["block_hash"] = _as_map(kept, old.get("block_hash"))
         return (old, new) if out == new else (old, out)
 
     def recognise(
@@ -521,6 +581,41 @@ class SubBlockEntries(Rule):
         )
 
 
+def _entries(value: Any) -> list[Any] | None:
+    """The pairs of a canonical map (``{"dict": [[k, v], ...]}``; ``{}`` is empty),
+    ``None`` for anything else."""
+    if value == {}:
+        return []
+    pairs = value.get("dict") if isinstance(value, dict) else None
+    return pairs if isinstance(pairs, list) else None
+
+
+def _as_map(pairs: list[Any], like: Any) -> dict[str, Any]:
+    """``pairs`` as a canonical map, empty written as ``like`` writes it."""
+    return {"dict": pairs} if pairs or like != {} else {}
+
+
+def _cached_unhashed_full_blocks(ctx: Context, state: Mapping[str, Any]) -> set[Any]:
+    """Blocks a request holds in a full-attention group below its cached-block count
+    that carry no hash in ``state`` (full attention hashes every block it caches, so
+    such a block lost its hash: ``evict_blocks``)."""
+    tables, counts = state.get("req_to_blocks"), state.get("num_cached_block")
+    hashed = {json.dumps(b) for b, _ in _entries(state.get("block_hash")) or []}
+    if not isinstance(tables, list) or not isinstance(counts, list):
+        return set()
+    out: set[Any] = set()
+    for gid, (per_request, cached) in enumerate(zip(tables, counts, strict=False)):
+        if gid >= len(ctx.config.groups) or ctx.config.groups[gid].kind != "full":
+            continue
+        if not isinstance(per_request, dict) or not isinstance(cached, dict):
+            continue
+        for rid, blocks in per_request.items():
+            for block in blocks[: int(cached.get(rid, 0))]:
+                if block != 0 and json.dumps(block) not in hashed:
+                    out.add(block)
+    return out
+
+
 def _hit_tokens(outcome: Outcome) -> int | None:
     value = _ok(outcome)
     if isinstance(value, dict) and "num_computed_tokens" in value:
@@ -528,10 +623,16 @@ def _hit_tokens(outcome: Outcome) -> int | None:
     return None
 
 
+#: Group kinds whose hit blocks must cover the hit (Mamba's hold one state).
+_COVERING_KINDS = ("full", "sliding_window")
+
+
 class ShorterHitMambaEagle(Rule):
     """With Mamba and EAGLE: the new side's hit is shorter, or the old side's hit is
-    longer than its own full-attention blocks cover (the bug's signature) while the
-    new side's blocks cover its hit."""
+    longer than its own full-attention or sliding-window blocks cover (the bug's
+    signature: Mamba, which never drops the EAGLE block, grew the candidate back past
+    what an attention group kept after its drop) while the new side's blocks of those
+    groups cover its hit."""
 
     def recognise(
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
@@ -545,15 +646,15 @@ class ShorterHitMambaEagle(Rule):
             return True
         groups = ctx.config.groups
 
-        def full_covers(outcome: Outcome, hit: int) -> bool:
+        def covers(outcome: Outcome, hit: int) -> bool:
             blocks = _hit_blocks(outcome)
             return blocks is not None and all(
                 len(b) * g.block_size >= hit
                 for b, g in zip(blocks, groups, strict=False)
-                if g.kind == "full"
+                if g.kind in _COVERING_KINDS
             )
 
-        return not full_covers(old, o) and full_covers(new, n)
+        return not covers(old, o) and covers(new, n)
 
 
 class MmOutputBlockHash(Rule):
@@ -1027,18 +1128,13 @@ class MambaPromptBoundaryRekey(Rule):
         groups = ctx.config.groups
 
         def rekey(event: Any) -> bool:
-            if not isinstance(event, dict) or event.get("type") != "BlockStored":
-                return False
-            fields = event.get("fields", {})
-            group = fields.get("group_idx")
-            hashes = fields.get("block_hashes")
+            stored = _stored_event(event, groups)
             return (
-                isinstance(group, int)
-                and 0 <= group < len(groups)
-                and groups[group].kind == "mamba"
-                and groups[group].mamba_cache_mode == "align"
-                and isinstance(hashes, list)
-                and len(hashes) == 1
+                stored is not None
+                and stored.group.kind == "mamba"
+                and stored.group.mamba_cache_mode == "align"
+                and stored.block_hashes is not None
+                and len(stored.block_hashes) == 1
             )
 
         def same(a: Any, b: Any) -> bool:  # b may carry fields a lacks (event-new-fields)
@@ -1054,6 +1150,87 @@ class MambaPromptBoundaryRekey(Rule):
             elif not rekey(event):
                 return False
         return i == len(o)
+
+
+def _prompt_tail_keys(ctx: Context, rid: str, gid: int) -> dict[int, str]:
+    """Where 0.33.0's full-attention group ``gid`` registers request ``rid``'s prompt
+    tail (the prompt's last hash boundary inside a block): block index -> pool key
+    (the old side's hash there plus the group-id suffix). Empty when the boundary
+    ends a block or is unknown."""
+    request, hashes = ctx.requests.get(rid), ctx.hashes.get(rid)
+    if request is None or not hashes:
+        return {}
+    prompt = request.get("prompt_token_ids") or request.get("prompt_embeds") or ()
+    hash_block = ctx.config.hash_block_size
+    block_size = ctx.config.groups[gid].block_size
+    limits = {len(prompt) - 1, *((len(prompt),) if ctx.config.use_eagle else ())}
+    keys: dict[int, str] = {}
+    for limit in limits:
+        boundary = min(limit // hash_block, len(hashes)) * hash_block
+        if boundary > 0 and boundary % block_size:
+            keys[boundary // block_size] = hashes[boundary // hash_block - 1] + f"{gid:08x}"
+    return keys
+
+
+class PromptTailEntryResurrected(Rule):
+    """0.33.0's full-attention manager re-registers the prompt-tail partial entry on
+    every caching step unless the block is keyed there already, so an entry that
+    ``evict_blocks`` dropped comes back at the request's next allocation.
+    Recognised where the new side only has extra entries, each on a block an
+    earlier ``evict_blocks`` named, held by a request in a full-attention group
+    whose blocks span several hash blocks, at the index of that request's prompt
+    tail, keyed by the prompt-tail hash with that group's id, on a block 0.25.1
+    counts as cached already."""
+
+    def recognise_state(
+        self,
+        ctx: Context,
+        op: str,
+        diff_keys: Sequence[str],
+        old: Mapping[str, Any],
+        new: Mapping[str, Any],
+    ) -> bool:
+        if op not in ("allocate_slots", "cache_blocks") or not diff_keys or not ctx.evicted:
+            return False
+        if not set(diff_keys) <= {"block_hash", "cached"}:
+            return False
+        hash_block = ctx.config.hash_block_size
+        tail_groups = {
+            i
+            for i, g in enumerate(ctx.config.groups)
+            if g.kind == "full" and g.block_size > hash_block
+        }
+        if not tail_groups:
+            return False
+        held = _held_by_group(old, tail_groups) & _held_by_group(new, tail_groups) & ctx.evicted
+        moved = _hash_presence_only(old, new, held, direction="new")
+        if not moved:
+            return False
+        expected: dict[int, set[str]] = {}  # block -> the keys a prompt tail puts there
+        tables, counts = new.get("req_to_blocks"), old.get("num_cached_block")
+        if not isinstance(tables, list) or not isinstance(counts, list):
+            return False
+        for gid in tail_groups:
+            per_request = tables[gid] if gid < len(tables) else None
+            cached = counts[gid] if gid < len(counts) else None
+            if not isinstance(per_request, dict) or not isinstance(cached, dict):
+                continue
+            for rid, blocks in per_request.items():
+                for index, key in _prompt_tail_keys(ctx, str(rid), gid).items():
+                    if index < len(blocks) and int(cached.get(rid, 0)) > index:
+                        expected.setdefault(blocks[index], set()).add(key)
+        new_hashes = _pairs(new, "block_hash")
+        for block in moved:
+            value = new_hashes.get(json.dumps(block))
+            if not isinstance(value, dict) or value.get("bytes") not in expected.get(block, ()):
+                return False
+        old_cached = _pairs(old, "cached")
+        for key, blocks in _pairs(new, "cached").items():
+            extra = set(blocks or []) - set(old_cached.get(key) or [])
+            hex_key = json.loads(key).get("bytes")
+            if any(hex_key not in expected.get(b, ()) for b in extra):
+                return False
+        return True
 
 
 class RetentionEagleBoundaries(Rule):
@@ -1172,6 +1349,7 @@ class Observed(Rule):
 RULES: dict[str, Callable[[], Rule]] = {
     "observed": Observed,
     "mamba_prompt_boundary_rekey": MambaPromptBoundaryRekey,
+    "prompt_tail_entry_resurrected": PromptTailEntryResurrected,
     "retention_eagle_boundaries": RetentionEagleLater,
     "adapter": Rule,
     "prefix_stats_counts": PrefixStatsCounts,
@@ -1184,6 +1362,7 @@ RULES: dict[str, Callable[[], Rule]] = {
     "cannot_build_mamba_all": CannotBuildMambaAll,
     "cannot_build_tq_removed": CannotBuildTqRemoved,
     "cannot_build_circular_added": CannotBuildCircularAdded,
+    "cannot_build_lookahead_added": CannotBuildLookaheadAdded,
     "sub_block_entries": SubBlockEntries,
     "shorter_hit_mamba_eagle": ShorterHitMambaEagle,
     "mm_output_block_hash": MmOutputBlockHash,
@@ -1246,6 +1425,11 @@ class Judge:
         if op == "evict_blocks":
             self.ctx.evicted.update(int(b) for b in args.get("block_ids") or ())
         old, new = self._orient(expected, actual)
+        if op in ("add_request", "append_output_token_ids") and isinstance(_ok(old), list):
+            known = self.ctx.hashes.setdefault(str(args.get("request_id")), [])
+            if op == "add_request":
+                known.clear()
+            known.extend(h["bytes"] for h in _ok(old) if isinstance(h, dict) and "bytes" in h)
         for _, rule in self.rules:
             if isinstance(rule, HashRenaming):
                 rule.learn(self.ctx, op, args, old, new)
@@ -1324,10 +1508,14 @@ class Judge:
                 return Judgement(False, (cached_by[0], freed_by[0])), diff
         return Judgement(False, self.observed(f"{op}/state:" + ",".join(keys))), diff
 
-    def cannot_build(self, reason: str) -> str | None:
-        """The entry that explains a construction failure, if one does."""
+    def cannot_build(self, reason: str, refused_by: str = "new") -> str | None:
+        """The entry that explains a construction failure, if one does: of the new
+        side (``refused_by="new"``, the later release) or of the old one (``"old"``,
+        the side that behaves like 0.25.1)."""
+        if refused_by not in ("new", "old"):
+            raise ValueError(f"refused_by={refused_by!r}; expected 'new' or 'old'")
         for entry, rule in self.rules:
-            if rule.cannot_build(self.ctx.config, reason):
+            if rule.refused_by == refused_by and rule.cannot_build(self.ctx.config, reason):
                 return entry.id
         return None
 

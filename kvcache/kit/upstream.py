@@ -168,10 +168,12 @@ FALLBACKS: dict[str, dict[str, str]] = {
 
 
 # vLLM 0.33.0: the drop-in module kvcache.vllm_0_33 (the manager built with Profile("0.33.0"),
-# 0.33.0's hasher and NONE_HASH seed rule) serves the manager's and the hashing module's
-# names first; the rest is kvcache's shared modules, as for 0.25.1.
+# 0.33.0's hasher, NONE_HASH seed rule, block pool and single-type manager signatures) serves
+# the manager's, the hashing module's, the pool's and the managers' names first; the rest is
+# kvcache's shared modules, as for 0.25.1.
 CORE_SWAPS_0_33: dict[str, tuple[str, ...]] = {
-    name: (("kvcache.vllm_0_33", module) if name.endswith(("kv_cache_manager", "kv_cache_utils"))
+    name: (("kvcache.vllm_0_33", module) if name.endswith(
+               ("kv_cache_manager", "kv_cache_utils", "block_pool", "single_type_kv_cache_manager"))
            else (module,))
     for name, module in CORE_SWAPS.items()
 }  # fmt: skip
@@ -208,12 +210,6 @@ NOT_MODELLED_0_33: dict[str, dict[str, str]] = {
         },
     },
     "vllm.v1.core.kv_cache_utils": {
-        "null_head_len": _NOT_MODELLED_0_33 + "the null-head helpers (pop_drops_null_head is "
-        "modelled inside the manager, not as vLLM's helper functions)",
-        "trim_null_head": _NOT_MODELLED_0_33 + "the null-head helpers",
-        "to_event_extra_keys": _NOT_MODELLED_0_33 + "vLLM 0.33.0's event-key helper (kvcache "
-        "untags the keys inside its block pool)",
-        "get_none_hash_seed": _NOT_MODELLED_0_33 + "the NONE_HASH seed as a function of its own",
         "eagle_proof_margin": _NOT_MODELLED_0_33 + "the EAGLE margin rules beside Mamba",
     },
     "vllm.v1.core.kv_cache_coordinator": {

@@ -427,3 +427,178 @@ def test_the_stored_early_free_trace_marks_the_fixed_bug_at_the_third_allocation
     # 0.25.1 keeps the first state block and caches the EAGLE look-ahead block too.
     assert last["state"]["req_to_blocks"][1]["a"][0] != 0
     assert last["state"]["num_cached_block"][1]["a"] == 3
+
+
+def test_a_sliding_window_hit_mamba_outgrew_is_the_mamba_eagle_bug() -> None:
+    swa_mamba = (
+        GroupConfig("sliding_window", 1, sliding_window=11),
+        GroupConfig("mamba", 1, mamba_cache_mode="align", num_kv_heads=2),
+    )
+    judge = _judge(swa_mamba, use_eagle=True)
+    args = {"request_id": "r"}
+    # 0.25.1: the window group kept 4 blocks after its EAGLE drop, Mamba grew the hit to 5.
+    short_window = _hit([[1, 2, 3, 4], [0, 0, 0, 0, 7]], 5)
+    covered = _hit([[1, 2, 3, 4, 6], [0, 0, 0, 0, 7]], 5)
+    verdict = judge.outcome("get_computed_blocks", args, short_window, covered, _equal)
+    assert verdict.known == ("bug-mamba-eagle-long-hit",)
+    # The other way round is not the fixed bug.
+    verdict = judge.outcome("get_computed_blocks", args, covered, short_window, _equal)
+    assert "bug-mamba-eagle-long-hit" not in verdict.known
+    # A Mamba list shorter than the hit is not what the bug leaves short (its state is one block).
+    short_state = _hit([[1, 2, 3, 4, 6], [0, 0, 0, 7]], 5)
+    verdict = judge.outcome("get_computed_blocks", args, short_state, covered, _equal)
+    assert "bug-mamba-eagle-long-hit" not in verdict.known
+    # Covered on both sides, other blocks: not this entry.
+    other = _hit([[1, 2, 3, 4, 5], [0, 0, 0, 0, 7]], 5)
+    verdict = judge.outcome("get_computed_blocks", args, other, covered, _equal)
+    assert "bug-mamba-eagle-long-hit" not in verdict.known
+    # Without EAGLE the window group drops nothing: not this entry.
+    verdict = _judge(swa_mamba).outcome("get_computed_blocks", args, short_window, covered, _equal)
+    assert "bug-mamba-eagle-long-hit" not in verdict.known
+
+
+def _tail_judge(full_block: int = 8, evict: bool = True) -> Judge:
+    """Full attention (``full_block``) beside a window of 4-token blocks (hash block 4),
+    a 7-token prompt whose tail boundary (4 tokens) lies inside the first full block,
+    that block (4) held by the request and named by ``evict_blocks`` when ``evict``."""
+    groups = (
+        GroupConfig("full", full_block),
+        GroupConfig("sliding_window", 4, sliding_window=5, num_kv_heads=2),
+    )
+    judge = _judge(groups)
+    request = {"request_id": "r3", "prompt_token_ids": [2, 2, 1, 2, 2, 2, 2], "max_tokens": 6}
+    hashes = {"ok": [{"bytes": "aa" * 4}]}
+    judge.observe("add_request", request, hashes, hashes)
+    judge.observe(
+        "append_output_token_ids", {"request_id": "r3", "token_ids": 1},
+        {"ok": [{"bytes": "bb" * 4}]}, {"ok": [{"bytes": "bb" * 4}]},
+    )  # fmt: skip
+    if evict:
+        judge.observe("evict_blocks", {"block_ids": [4, 5]}, {"ok": None}, {"ok": None})
+    return judge
+
+
+def _keyed(key: str | None, cached_count: int = 1) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "block_hash": {},
+        "cached": {},
+        "num_cached_block": [{"r3": cached_count}, {"r3": 2}],
+        "req_to_blocks": [{"r3": [4, 2]}, {"r3": [0, 5, 6]}],
+    }
+    if key is not None:
+        state["block_hash"] = {"dict": [[4, {"bytes": key}]]}
+        state["cached"] = {"dict": [[{"bytes": key}, [4]]]}
+    return state
+
+
+def test_an_evicted_block_keyed_again_by_the_prompt_tail_is_the_resurrection_bug() -> None:
+    entry = "bug-prompt-tail-entry-resurrected"
+    tail_key = "aa" * 4 + "00000000"  # the 4-token boundary's hash, group 0
+    verdict, _ = _tail_judge().state("allocate_slots", _keyed(None), _keyed(tail_key))
+    assert verdict.known == (entry,)
+    # Another hash (the full block's own), another group's suffix: not the prompt tail.
+    for key in ("bb" * 4 + "00000000", "aa" * 4 + "00000001"):
+        verdict, _ = _tail_judge().state("allocate_slots", _keyed(None), _keyed(key))
+        assert entry not in verdict.known
+    # 0.33.0 dropping a key 0.25.1 keeps is the other direction.
+    verdict, _ = _tail_judge().state("allocate_slots", _keyed(tail_key), _keyed(None))
+    assert entry not in verdict.known
+    # Without an evict_blocks, or a block 0.25.1 has not cached yet: something else.
+    verdict, _ = _tail_judge(evict=False).state("allocate_slots", _keyed(None), _keyed(tail_key))
+    assert entry not in verdict.known
+    verdict, _ = _tail_judge().state("allocate_slots", _keyed(None, 0), _keyed(tail_key, 0))
+    assert entry not in verdict.known
+    # A full block of one hash block has no tail inside it.
+    verdict, _ = _tail_judge(full_block=4).state("allocate_slots", _keyed(None), _keyed(tail_key))
+    assert entry not in verdict.known
+
+
+def test_sub_block_entries_drop_a_tail_not_cached_yet_but_not_one_on_an_evicted_block() -> None:
+    tail_key = "aa" * 4 + "00000000"
+    # A prompt tail in a block 0.25.1 has not cached yet: normalised, even with no old entries.
+    verdict, diff = _tail_judge().state("allocate_slots", _keyed(None, 0), _keyed(tail_key, 0))
+    assert verdict.ok and "sub-block-prefix-entries" in verdict.known and diff == []
+    # Beside entries both sides have, the key put back on the evicted block is not swallowed.
+    other = [[9, {"bytes": "cc" * 4 + "00000001"}]]
+
+    def with_other(state: dict[str, Any]) -> dict[str, Any]:
+        hashes = _entries_of(state, "block_hash") + other
+        cached = [*_entries_of(state, "cached"), [other[0][1], [9]]]
+        return {**state, "block_hash": {"dict": hashes}, "cached": {"dict": cached}}
+
+    verdict, _ = _tail_judge().state(
+        "allocate_slots", with_other(_keyed(None)), with_other(_keyed(tail_key))
+    )
+    assert verdict.known == ("bug-prompt-tail-entry-resurrected",)
+
+
+def _entries_of(state: dict[str, Any], key: str) -> list[Any]:
+    return list(state[key].get("dict", []))
+
+
+def test_the_stored_swa_mamba_trace_marks_the_short_window_hit() -> None:
+    records = [json.loads(line) for line in (DATA / "swa_mamba_eagle_long_hit.jsonl").open()]
+    marked = [r for r in records if r.get("known")]
+    assert [r["known"] for r in marked] == [["bug-mamba-eagle-long-hit"]]
+    hit = marked[0]["ok"]
+    assert hit["num_computed_tokens"] == 5 and len(hit["block_ids"]["tuple"][0]) == 4
+
+
+def test_the_stored_resurrection_trace_leaves_the_evicted_block_unhashed_on_0_25_1() -> None:
+    records = [json.loads(line) for line in (DATA / "prompt_tail_entry_resurrected.jsonl").open()]
+    assert not any(r.get("known") for r in records)  # 0.25.1 is right here: no known bug
+    evict = next(i for i, r in enumerate(records) if r.get("op") == "evict_blocks")
+    after = records[evict + 1]
+    assert after["op"] == "allocate_slots"
+    (block,) = records[evict]["args"]["block_ids"]
+    assert after["state"]["req_to_blocks"][0]["a"][0] == block
+    assert after["state"]["num_cached_block"][0]["a"] == 1
+    assert block not in [b for b, _ in after["state"]["block_hash"].get("dict", [])]
+
+
+def test_a_block_stored_event_is_read_once_for_every_rule() -> None:
+    from kvcache.kit.ledger import _stored_event
+
+    groups = (GroupConfig("full", 4), GroupConfig("mamba", 2, mamba_cache_mode="align"))
+    fields = {"group_idx": 1, "block_size": 2, "block_hashes": [7]}
+    stored = _stored_event({"type": "BlockStored", "fields": fields}, groups)
+    assert stored is not None and stored.group is groups[1]
+    assert (stored.group_idx, stored.block_size, stored.block_hashes) == (1, 2, [7])
+    loose = _stored_event(
+        {"type": "BlockStored", "fields": {"group_idx": 0, "block_size": "2"}}, groups
+    )
+    assert loose is not None and loose.block_size is None and loose.block_hashes is None
+    for event in (
+        {"type": "BlockRemoved", "fields": fields},
+        {"type": "BlockStored", "fields": {**fields, "group_idx": 2}},
+        {"type": "BlockStored", "fields": {**fields, "group_idx": -1}},
+        {"type": "BlockStored", "fields": [1]},
+        "BlockStored",
+    ):
+        assert _stored_event(event, groups) is None, event
+
+
+def test_a_construction_failure_is_explained_only_for_the_side_that_refuses() -> None:
+    ring = (GroupConfig("full", 4), GroupConfig("circular", 4, num_kv_heads=2))
+    reason = "kv_cache_spec of type CircularBufferSpec (group 1) is not supported"
+    # The 0.25.1 side refuses a ring group 0.33.0 adds; 0.33.0 itself refusing one is news.
+    assert _judge(ring).cannot_build(reason, refused_by="old") == "circular-buffer-kind"
+    assert _judge(ring).cannot_build(reason) is None
+    tq = (GroupConfig("tq_full", 4),)
+    tq_reason = "module 'vllm.v1.kv_cache_interface' has no attribute 'TQFullAttentionSpec'"
+    assert _judge(tq).cannot_build(tq_reason) == "tq-spec-removed"
+    assert _judge(tq).cannot_build(tq_reason, refused_by="old") is None
+    with pytest.raises(ValueError, match="refused_by='both'"):
+        _judge(tq).cannot_build(tq_reason, refused_by="both")
+
+
+def test_lookahead_arguments_explain_only_an_old_side_refusing_them() -> None:
+    groups = (GroupConfig("full", 4),)
+    reason = "__init__() got an unexpected keyword argument 'num_hash_lookahead_tokens'"
+    entry = "lookahead-arguments-added"
+    assert _judge(groups, num_hash_lookahead_tokens=2).cannot_build(reason, "old") == entry
+    # 0.33.0 refusing it, a configuration without lookahead, or another reason: news.
+    assert _judge(groups, num_hash_lookahead_tokens=2).cannot_build(reason) is None
+    assert _judge(groups).cannot_build(reason, refused_by="old") is None
+    assert _judge(groups, num_prefill_lookahead=2).cannot_build(reason, "old") is None
+    assert _judge(groups, num_hash_lookahead_tokens=1).cannot_build("no blocks", "old") is None

@@ -142,6 +142,16 @@ def test_a_bool_lookahead_counts_as_one_and_bad_counts_are_refused() -> None:
             build("spec", full_config(), num_hash_lookahead_tokens=bad)
 
 
+@pytest.mark.parametrize("argument", ["num_hash_lookahead_tokens", "num_prefill_lookahead"])
+def test_0_25_1_profile_refuses_lookahead_arguments(argument: str) -> None:
+    # vLLM 0.25.1's manager has no such argument (switch lookahead_arguments).
+    for make in (lambda **kw: KVCacheManager(full_config(), 64, BS, BS, **kw),
+                 lambda **kw: spec.KVCacheManager(full_config(), 64, BS, BS, **kw)):
+        with pytest.raises(ValueError, match=f"{argument}=2: lookahead is vLLM 0.33.0's"):
+            make(**{argument: 2})
+        assert make(**{argument: 0}) is not None
+
+
 def test_0_25_1_manager_hashes_and_reports_without_lookahead() -> None:
     m = KVCacheManager(full_config(), 64, BS, BS, enable_kv_cache_events=True)
     assert m.num_hash_lookahead_tokens == 0 and m.block_pool.num_hash_lookahead_tokens == 0
