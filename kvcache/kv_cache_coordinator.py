@@ -233,6 +233,9 @@ class KVCacheCoordinator:
         self._skipping_managers = tuple(
             m for m in self.single_type_managers if not m.never_skips_tokens
         )
+        #: Whether some group frees blocks no future token attends to (else
+        #: ``remove_skipped_blocks`` is a no-op a caller may leave out).
+        self.skips_tokens = bool(self._skipping_managers)
 
     def get_num_blocks_to_allocate(
         self,
@@ -312,16 +315,16 @@ class KVCacheCoordinator:
         num_encoder_tokens: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
         """Give the request ``num_tokens`` slots in every group; return new blocks."""
-        new_blocks = []
-        for i, manager in enumerate(self.single_type_managers):
-            new_blocks.append(
-                manager.allocate_new_blocks(
-                    request_id,
-                    num_encoder_tokens if self._is_cross[i] else num_tokens,
-                    num_tokens_main_model,
-                )
+        # One generator over the managers' tuple: compiled, it fills a tuple of
+        # that length directly (no list to build, convert and drop).
+        return tuple(
+            manager.allocate_new_blocks(
+                request_id,
+                num_encoder_tokens if isinstance(manager, CrossAttentionManager) else num_tokens,
+                num_tokens_main_model,
             )
-        return tuple(new_blocks)
+            for manager in self.single_type_managers
+        )
 
     def replay_boundaries(self, num_prompt_tokens: int) -> tuple[int, ...]:
         """Token positions where a replay of a ``num_prompt_tokens`` prompt resumes,
@@ -527,16 +530,18 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The single group's longest hit, aligned to its block size."""
+        # Positional: a call through a class object is a Python-level call, and
+        # keyword arguments cost a parse per call on the compiled build.
         hit_blocks = self._manager_cls.find_longest_cache_hit(
-            block_hashes=block_hashes,
-            max_length=max_cache_hit_length,
-            kv_cache_group_ids=self._group_ids,
-            block_pool=self.block_pool,
-            kv_cache_spec=self.kv_cache_spec,
-            drop_eagle_block=self._drop_eagle_block,
-            alignment_tokens=self.block_size,
-            dcp_world_size=self.dcp_world_size,
-            pcp_world_size=self.pcp_world_size,
+            block_hashes,  # block_hashes
+            max_cache_hit_length,  # max_length
+            self._group_ids,  # kv_cache_group_ids
+            self.block_pool,  # block_pool
+            self.kv_cache_spec,  # kv_cache_spec
+            self._drop_eagle_block,  # drop_eagle_block
+            self.block_size,  # alignment_tokens
+            self.dcp_world_size,  # dcp_world_size
+            self.pcp_world_size,  # pcp_world_size
         )
         return hit_blocks, len(hit_blocks[0]) * self.block_size
 
@@ -779,14 +784,14 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                         hbs,
                     )
                 else:
-                    hit_blocks = manager_cls.find_longest_cache_hit(
-                        block_hashes=self._block_hashes_for(block_hashes, spec),
-                        max_length=max_length,
-                        kv_cache_group_ids=group_ids,
-                        block_pool=self.block_pool,
-                        kv_cache_spec=spec,
-                        drop_eagle_block=drop_eagle_block,
-                        alignment_tokens=alignment,
+                    hit_blocks = manager_cls.find_longest_cache_hit(  # positional, as above
+                        self._block_hashes_for(block_hashes, spec),  # block_hashes
+                        max_length,  # max_length
+                        group_ids,  # kv_cache_group_ids
+                        self.block_pool,  # block_pool
+                        spec,  # kv_cache_spec
+                        drop_eagle_block,  # drop_eagle_block
+                        alignment,  # alignment_tokens
                     )
                     new_hit_length = len(hit_blocks[0]) * spec.block_size
                 if drop_eagle_block:
@@ -840,14 +845,14 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         hit_blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
         hit_lengths = [0] * num_groups
         for spec, group_ids, manager_cls, use_eagle in self.attention_groups:
-            blocks = manager_cls.find_longest_cache_hit(
-                block_hashes=self._block_hashes_for(block_hashes, spec),
-                max_length=max_cache_hit_length,
-                kv_cache_group_ids=group_ids,
-                block_pool=self.block_pool,
-                kv_cache_spec=spec,
-                drop_eagle_block=use_eagle,
-                alignment_tokens=self.scheduler_block_size,
+            blocks = manager_cls.find_longest_cache_hit(  # positional, as above
+                self._block_hashes_for(block_hashes, spec),  # block_hashes
+                max_cache_hit_length,  # max_length
+                group_ids,  # kv_cache_group_ids
+                self.block_pool,  # block_pool
+                spec,  # kv_cache_spec
+                use_eagle,  # drop_eagle_block
+                self.scheduler_block_size,  # alignment_tokens
             )
             for gid, group_blocks in zip(group_ids, blocks, strict=True):
                 hit_blocks[gid] = group_blocks

@@ -437,6 +437,10 @@ class KVCacheManager:
                 ``max_model_len``, or ``new_computed_blocks`` has the wrong
                 number of groups. Nothing changes then.
         """
+        # NOTE: the request is an interpreted object (kvcache's or vLLM's Request),
+        # each attribute read a dictionary lookup: every field is read once.
+        request_id = request.request_id
+        num_computed_tokens = request.num_computed_tokens
         if (
             num_new_tokens == 0
             and num_external_computed_tokens == 0
@@ -444,7 +448,7 @@ class KVCacheManager:
         ):
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no external "
-                f"computed tokens (request {request.request_id!r})"
+                f"computed tokens (request {request_id!r})"
             )
         # NOTE: one combined test keeps validation off the hot path's cost; the
         # helper builds the message only when something is wrong.
@@ -455,7 +459,7 @@ class KVCacheManager:
             or num_external_computed_tokens < 0
             or num_encoder_tokens < 0
             or reserved_blocks < 0
-            or request.num_computed_tokens
+            or num_computed_tokens
             + num_new_computed_tokens
             + num_external_computed_tokens
             + num_new_tokens
@@ -479,14 +483,14 @@ class KVCacheManager:
             )
         # One Request object per id until it is freed: a second object with a live
         # id would silently share the first one's block table.
-        owner = self._owners.get(request.request_id)
+        owner = self._owners.get(request_id)
         if owner is not request:
             if owner is not None:
                 raise ValueError(
-                    f"request_id {request.request_id!r} is already held by another Request "
+                    f"request_id {request_id!r} is already held by another Request "
                     "object (duplicate request id); free the first one before reusing its id"
                 )
-            self._owners[request.request_id] = request
+            self._owners[request_id] = request
         if new_computed_blocks is not None:
             new_computed_block_list = new_computed_blocks.blocks
         else:
@@ -494,17 +498,17 @@ class KVCacheManager:
         coordinator = self.coordinator
         free_queue = self.block_pool.free_block_queue
 
-        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_local_computed_tokens = num_computed_tokens + num_new_computed_tokens
         total_computed_tokens = min(
             num_local_computed_tokens + num_external_computed_tokens, self.max_model_len
         )
-        watermark_blocks = (
-            self.watermark_blocks if has_scheduled_reqs and request.status in _WATERMARKED else 0
-        )
+        watermark_blocks = self.watermark_blocks
+        if watermark_blocks and not (has_scheduled_reqs and request.status in _WATERMARKED):
+            watermark_blocks = 0
         if full_sequence_must_fit:
             full_num_tokens = min(request.num_tokens, self.max_model_len)
             num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-                request_id=request.request_id,
+                request_id=request_id,
                 num_tokens=full_num_tokens,
                 new_computed_blocks=new_computed_block_list,
                 num_encoder_tokens=num_encoder_tokens,
@@ -520,15 +524,16 @@ class KVCacheManager:
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
         # Freeing out-of-window blocks first means fewer cached blocks get evicted;
         # it happens even if the allocation then fails.
-        coordinator.remove_skipped_blocks(
-            request.request_id,
-            self._processed_tokens(request, total_computed_tokens)
-            if self.free_on_processed_tokens
-            else total_computed_tokens,
-            request.num_prompt_tokens,
-        )
+        if coordinator.skips_tokens:
+            coordinator.remove_skipped_blocks(
+                request_id,
+                self._processed_tokens(request, total_computed_tokens)
+                if self.free_on_processed_tokens
+                else total_computed_tokens,
+                request.num_prompt_tokens,
+            )
         num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
-            request_id=request.request_id,
+            request_id=request_id,
             num_tokens=num_tokens_need_slot,
             new_computed_blocks=new_computed_block_list,
             num_encoder_tokens=num_encoder_tokens,
@@ -548,14 +553,14 @@ class KVCacheManager:
             or num_external_computed_tokens > 0
         ):
             coordinator.allocate_new_computed_blocks(
-                request_id=request.request_id,
+                request_id=request_id,
                 new_computed_blocks=new_computed_block_list,
                 num_local_computed_tokens=num_local_computed_tokens,
                 num_external_computed_tokens=num_external_computed_tokens,
                 skip_zeroing_group_ids=self.skip_zeroing_group_ids,
             )
         new_blocks = coordinator.allocate_new_blocks(
-            request.request_id, num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens
+            request_id, num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens
         )
         if self.enable_caching and not delay_cache_blocks:
             # Only committed tokens are cached: draft tokens past num_tokens may be rejected.
@@ -754,7 +759,10 @@ class KVCacheManager:
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group lists; all empty -> the shared empty instance."""
-        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+        for group in blocks:  # a loop, not any(): no call through the builtins
+            if group:
+                return KVCacheBlocks(blocks)
+        return self.empty_kv_cache_blocks
 
     def take_new_block_ids(self) -> list[int]:
         """Return and clear ids newly allocated to full-attention groups (to zero them)."""

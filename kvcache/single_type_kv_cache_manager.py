@@ -8,9 +8,7 @@ it and register in ``get_manager_for_kv_cache_spec``.
 
 from __future__ import annotations
 
-import functools
 import itertools
-import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -44,9 +42,6 @@ from kvcache.kv_cache_utils import (
 
 if TYPE_CHECKING:
     from kvcache.request import Request
-
-
-_is_not_none = functools.partial(operator.is_not, None)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -221,11 +216,12 @@ class SingleTypeKVCacheManager:
             self.block_size,
             self._max_admission_blocks_per_request if apply_admission_cap else None,
         )
-        num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
+        req_blocks = self.req_to_blocks.get(request_id)
+        num_req_blocks = 0 if req_blocks is None else len(req_blocks)
         if request_id in self.num_cached_block:
             # A running request has no new hits; it may even hold more blocks than
             # needed (rejected draft tokens).
-            if new_computed_blocks:
+            if len(new_computed_blocks):
                 raise ValueError(f"request {request_id!r} is running: it cannot take prefix hits")
             return kv_cache_math.num_new_blocks(num_required_blocks, num_req_blocks, 0, 0, True)
         num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
@@ -590,24 +586,22 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 alignment_tokens,
             )
             return _hit_blocks(block_hashes, 0, num_blocks, kv_cache_group_ids, block_pool)
-        # Common case, run at C speed: the scan of full_attention_hit_num_blocks
-        # through the group's dict, stopping at the first miss (the chain makes
-        # every later hash a miss), then its trim.
+        # One group: the scan of full_attention_hit_num_blocks through the group's
+        # own map (hash -> oldest block), one lookup per block, stopping at the
+        # first miss (the chain makes every later hash a miss), then its trim.
         m = block_pool.get_cached_block_map(kv_cache_group_ids[0])
-        found: list[Any] = list(
-            itertools.takewhile(
-                _is_not_none, map(m.get, itertools.islice(block_hashes, max_num_blocks))
-            )
-        )
+        found: list[KVCacheBlock] = []
+        for block_hash in itertools.islice(block_hashes, max_num_blocks):
+            block = m.get(block_hash)
+            if block is None:
+                break
+            found.append(block)
         if drop_eagle_block or block_size != alignment_tokens:  # else the trim keeps all
             del found[
                 kv_cache_math.trim_full_attention_hit(
                     len(found), drop_eagle_block, block_size, alignment_tokens
                 ) :
             ]
-        if dict in set(map(type, found)):
-            # Some hash maps to several identical blocks: a hit takes the oldest.
-            found = [b if isinstance(b, KVCacheBlock) else next(iter(b.values())) for b in found]
         return (found,)
 
     @classmethod

@@ -8,6 +8,7 @@ the same budget unpatched and must pass. Nothing in kvcache/ or spec/ is edited.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -120,8 +121,10 @@ def hit_keeping_eagle_block(original: Any) -> Any:
     """EAGLE's last hit block is not dropped (the drafter would miss its KV)."""
 
     def find_longest_cache_hit(cls: type, *args: Any, **kwargs: Any) -> Any:
-        kwargs["drop_eagle_block"] = False
-        return original.__func__(cls, *args, **kwargs)
+        # The coordinators pass the arguments positionally: bind them by name.
+        bound = inspect.signature(original.__func__).bind(cls, *args, **kwargs)
+        bound.arguments["drop_eagle_block"] = False
+        return original.__func__(*bound.args, **bound.kwargs)
 
     return classmethod(find_longest_cache_hit)
 

@@ -13,6 +13,7 @@ Nothing in kvcache/ or spec/ is edited.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -47,8 +48,10 @@ def patch_hit_ignoring_context_parallel(mp: pytest.MonkeyPatch) -> None:
     original = FullAttentionManager.find_longest_cache_hit  # bound to the class
 
     def buggy(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        kwargs["dcp_world_size"] = kwargs["pcp_world_size"] = 1
-        return original(*args, **kwargs)
+        # The coordinators pass the arguments positionally: bind them by name.
+        bound = inspect.signature(original).bind(*args, **kwargs)
+        bound.arguments["dcp_world_size"] = bound.arguments["pcp_world_size"] = 1
+        return original(*bound.args, **bound.kwargs)
 
     mp.setattr(FullAttentionManager, "find_longest_cache_hit", classmethod(buggy))
 
