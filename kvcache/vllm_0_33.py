@@ -404,11 +404,13 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
         """kvcache's hit search with 0.33.0's arguments and result: ``block_hashes``
         may be at the pool's hash block size (viewed here at the group's block
         size, as 0.33.0's managers view them), and the result is ``(blocks per
-        group, hit tokens)``; the hit covers whole blocks.
+        group, hit tokens)``; the hit covers whole blocks, except at the pool's hash
+        block alignment inside a larger block of a kind that 0.33.0 lets hit inside
+        a block (full attention, Mamba): there kvcache's ``find_fine_grained_hit``.
 
         Raises:
-            NotImplementedError: for ``alignment_tokens`` below the block size of a
-                kind that 0.33.0 lets hit inside a block (fine-grained hits).
+            NotImplementedError: for another alignment below the block size of such
+                a kind, or one under context parallelism.
         """
         hash_block_size = block_pool.hash_block_size
         block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
@@ -416,9 +418,20 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
             block_hashes, _utils.BlockHashListWithBlockSize
         ):
             if cls._fine_grained_kind and alignment_tokens < block_size:
-                raise NotImplementedError(
-                    f"alignment_tokens={alignment_tokens} below the block size {block_size}: "
-                    "fine-grained hits are not modelled by kvcache's 0.33.0 profile yet"
+                if (dcp_world_size, pcp_world_size) != (1, 1) or (
+                    alignment_tokens != hash_block_size or block_size % alignment_tokens
+                ):
+                    raise NotImplementedError(
+                        f"alignment_tokens={alignment_tokens} below the block size "
+                        f"{block_size} with dcp_world_size={dcp_world_size}, "
+                        f"pcp_world_size={pcp_world_size}, hash_block_size="
+                        f"{hash_block_size}: not modelled by kvcache's 0.33.0 profile"
+                    )
+                # A fine-grained hit (mamba_fine_grained_hits): kvcache's sub-block
+                # finder, which returns 0.33.0's pair itself.
+                return cls.find_fine_grained_hit(
+                    block_hashes, max_length, kv_cache_group_ids, block_pool,
+                    kv_cache_spec, drop_eagle_block, alignment_tokens,
                 )
             block_hashes = _utils.BlockHashListWithBlockSize(
                 block_hashes, hash_block_size, block_size

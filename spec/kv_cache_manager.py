@@ -424,6 +424,14 @@ class KVCacheManager:
         """Drain the ids allocated since the last call, group after group."""
         return [b for m in self.coordinator.single_type_managers for b in m.take_new_block_ids()]
 
+    def take_kv_cache_block_copies(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """Drain the copy-on-write copies queued since the last call, group after group:
+        the (source, copy) id pairs, and the blocks they keep held (source then copy per
+        pair), which the caller frees once the copies have run (0.33.0's scheduler)."""
+        pairs = [p for m in self.coordinator.single_type_managers
+                 for p in m.take_pending_cow_copies()]
+        return pairs, [block for pair in pairs for block in pair]
+
     def new_step_starts(self) -> None:
         """Tell the managers a scheduler step begins."""
         self.coordinator.new_step_starts()

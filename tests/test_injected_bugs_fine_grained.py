@@ -4,7 +4,8 @@
 spec's on the kit's random scheduler sequences, among them the Mamba 'align'
 families where vLLM 0.33.0 turns on fine-grained (sub-block) hits
 (``mamba_fine_grained_hits``) and copies partial hits on write
-(``partial_hit_copy_on_write``). Each test here monkeypatches one kvcache method
+(``partial_hit_copy_on_write``), the driver taking the copies and releasing the
+blocks they retain as 0.33.0's scheduler does. Each test here monkeypatches one kvcache method
 with a small buggy version written here (as ``tests/test_injected_bugs*.py`` do)
 and expects the same comparison to find a sequence that differs; the control runs
 the same seeds unpatched and must agree on every one. Nothing in kvcache/ or spec/
@@ -22,6 +23,7 @@ import kvcache.kv_cache_utils as kcu
 from kvcache import FullAttentionManager, MambaManager, SingleTypeKVCacheManager
 from kvcache.kit.conformance33 import both_refuse, family_seed
 from kvcache.kit.driver import FAMILIES, Stats, run_sequence
+from kvcache.vllm_0_33 import KVCacheManager as DropInManager
 
 pytestmark = pytest.mark.skipif(
     __import__("kvcache").COMPILED, reason="monkeypatching needs the pure-Python classes"
@@ -140,6 +142,24 @@ def tail_state_only_on_block_ends(
 
 ORIGINAL_TAIL = MambaManager._cache_prompt_tail_state
 
+
+def retained_hit_never_released(self: DropInManager) -> tuple[list[Any], list[Any]]:
+    """The copies are handed over, but only the copies' blocks as retained: the
+    shared hit block's extra reference is never released."""
+    copies, retained = ORIGINAL_TAKE(self)
+    return copies, retained[1::2]
+
+
+def retained_released_at_take(self: DropInManager) -> tuple[list[Any], list[Any]]:
+    """The manager drops the retentions itself when the copies are taken, before
+    the step that runs them: nothing is left for the caller to release."""
+    copies, retained = ORIGINAL_TAKE(self)
+    self.block_pool.free_blocks(retained)
+    return copies, []
+
+
+ORIGINAL_TAKE = DropInManager.take_kv_cache_block_copies
+
 BUGS: dict[str, tuple[type, str, Callable[..., Any], bool]] = {
     # name: (class, method, replacement, is a classmethod)
     "full_hit_ignores_sub_block": (
@@ -156,6 +176,12 @@ BUGS: dict[str, tuple[type, str, Callable[..., Any], bool]] = {
     ),
     "tail_state_only_on_block_ends": (
         MambaManager, "_cache_prompt_tail_state", tail_state_only_on_block_ends, False
+    ),
+    "retained_hit_never_released": (
+        DropInManager, "take_kv_cache_block_copies", retained_hit_never_released, False
+    ),
+    "retained_released_at_take": (
+        DropInManager, "take_kv_cache_block_copies", retained_released_at_take, False
     ),
 }
 

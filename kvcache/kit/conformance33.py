@@ -60,6 +60,19 @@ REQUIRED_PATHS = ("allocate_none", "raises:ValueError", "raises:AssertionError",
 REQUIRED_WITH_CACHING = ("prefix_hit", "event:BlockStored", "event:BlockRemoved")
 # ... and in a lookahead family: configs with each lookahead, events listing lookahead tokens.
 REQUIRED_WITH_LOOKAHEAD = ("config:hash_lookahead", "config:prefill_lookahead", "event:lookahead")
+# ... and beside a cached Mamba group with others (fine-grained hits): copy-on-write
+# copies taken and their retained blocks freed (``RandomScheduler.take_copies``).
+REQUIRED_WITH_COPIES = ("cow_copies",)
+
+
+def copies_required(family: Family) -> bool:
+    """Whether ``family`` (as run under 0.33.0) must reach a copy-on-write copy: a
+    cached layout with a Mamba group beside other groups."""
+    return (
+        family.enable_caching is not False
+        and len(family.kinds) > 1
+        and any(kind.startswith("mamba") for kind in family.kinds)
+    )
 
 
 def under_0_33(family: Family) -> Family:
@@ -129,6 +142,8 @@ def run_family(
     required = REQUIRED_PATHS + (REQUIRED_WITH_CACHING if caching else ())
     if family.lookahead:
         required += REQUIRED_WITH_LOOKAHEAD
+    if copies_required(family):
+        required += REQUIRED_WITH_COPIES
     missing = [path for path in required if stats.events[path] == 0]
     return FamilyResult(family, stats, failures, missing)
 

@@ -670,6 +670,23 @@ class RandomScheduler:
         self.max_draft_tokens = min((g.num_speculative_blocks for g in mamba), default=3)
         self.encoder_decoder = any(g.kind == "cross_attention" for g in config.groups)
         self.rswa = any(g.kind == "rswa" for g in config.groups)
+        # vLLM 0.33.0's scheduler drains the copy-on-write copies after each step's
+        # allocations (take_kv_cache_block_copies) and frees the blocks they retain:
+        # at once, or (deferred block freeing: a KV consumer with overlapping
+        # batches) once the step running the copies is processed, which is after the
+        # next step is scheduled. Only when every side is of a line that has copies,
+        # and in layouts that can copy (a cached Mamba 'align' group with blocks
+        # larger than the hash block: elsewhere the take is always empty, and an
+        # unexpected copy shows in the ref counts). Its choices come from the
+        # config, not ``rng``: the sequences' other calls stay as they were.
+        sides = [run.reference] + ([run.subject] if run.subject is not None else [])
+        self.takes_copies = (
+            all(side_line(side) != REFERENCE_LINE for side in sides)
+            and config.enable_caching is not False
+            and any(g.mamba_cache_mode == "align" and g.block_size > hbs for g in mamba)
+        )
+        self.defer_copy_frees = random.Random(f"copies {config!r}").random() < 0.5
+        self.copy_frees: list[int] = []  # deferred: freed at the next step's end
 
     # ------------------------------------------------------------ helpers
 
@@ -931,6 +948,8 @@ class RandomScheduler:
         """
         expected = self.run.call("allocate_slots", request_id=rid, **args)
         if "raises" not in expected:
+            if expected["ok"] is not None:
+                self.take_copies()
             return True, expected["ok"]
         if expected["raises"] != "ValueError":
             raise DriverError(
@@ -1046,6 +1065,27 @@ class RandomScheduler:
             num_computed_tokens=req.num_computed_tokens,
         )
 
+    def take_copies(self, last: bool = False) -> None:
+        """The end of a scheduler step (0.33 line; the driver's steps schedule one
+        request): take the copy-on-write copies and free the blocks they retain, at
+        once, or (``defer_copy_frees``) at the end of the next step, when the step
+        that ran the copies has been processed; ``last``: the final one, all freed."""
+        if not self.takes_copies:
+            return
+        processed, self.copy_frees = self.copy_frees, []
+        handle = self.next_handle
+        result = self.run.ok("take_kv_cache_block_copies", handle=handle)
+        if result["copies"]:  # else the scheduler frees nothing
+            self.next_handle += 1
+            self.run.stats.events["cow_copies"] += len(result["copies"])
+            if self.defer_copy_frees and not last:
+                self.copy_frees.append(handle)
+                self.run.stats.events["cow_frees_deferred"] += 1
+            else:
+                processed.append(handle)
+        for done in processed:
+            self.run.ok("free_blocks", handle=done)
+
     def drain_deferred(self) -> None:
         for _ in range(self.rng.randint(1, len(self.deferred))):
             self.run.ok("free_blocks", handle=self.deferred.pop(0))
@@ -1095,6 +1135,7 @@ class RandomScheduler:
         """Finish everything, then check the pool comes back whole."""
         for rid in sorted(self.live):
             self.finish(rid, "FINISHED_ABORTED")
+        self.take_copies(last=True)
         while self.deferred:
             self.run.ok("free_blocks", handle=self.deferred.pop(0))
         for op in ("take_events", "take_new_block_ids", "make_prefix_cache_stats", "usage"):
@@ -1234,7 +1275,7 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
     allocation since its status last changed; an
     allocation with ``new_computed_blocks="last"`` right after a lookup of that
     request; nothing but the free once a request finished, nothing after the
-    free; ``free_blocks`` only of a popped handle, once. ``admitted[i]``: call
+    free; ``free_blocks`` only of a popped (or taken copies') handle, once. ``admitted[i]``: call
     ``i`` is an allocation that succeeded in the original sequence (default: all).
     """
     status: dict[str, str] = {}
@@ -1249,6 +1290,9 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
             if rid in status:
                 return False
             status[rid], computed[rid] = "WAITING", 0
+            continue
+        if op == "take_kv_cache_block_copies":
+            popped.add(args.get("handle"))
             continue
         if op == "free_blocks":
             if args.get("handle") not in popped:

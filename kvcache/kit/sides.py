@@ -21,7 +21,8 @@ vLLM 0.25.1's method set (``get_computed_blocks``, ``allocate_slots``, ``free``,
 ``remove_skipped_blocks``, ``empty_kv_cache_blocks``, and
 ``block_pool.free_blocks`` / ``block_pool.get_num_free_blocks``). Optional:
 ``abstract_state()`` (docs/contract.md) — with it the whole state is compared
-after every call, without it only results; ``check_invariants()``.
+after every call, without it only results; ``check_invariants()``; on the 0.33
+line ``take_kv_cache_block_copies()`` (the driver drains it as 0.33.0's scheduler).
 
 An **Adapter** subclass is for an implementation with another vocabulary
 (``kvcache.kit.vllm_side.VllmAdapter`` builds vLLM's own config and requests).
@@ -651,6 +652,23 @@ class Side:
         with self.timing:
             self.manager.block_pool.free_blocks(reversed(blocks))
         return None
+
+    def op_take_kv_cache_block_copies(self, args: Mapping[str, Any]) -> Any:
+        """``take_kv_cache_block_copies()`` (0.33 line): the copies as (source, copy) id
+        pairs and the retained blocks' ids. The retained blocks are kept under
+        ``handle`` for ``free_blocks``, which then frees them in the
+        order they came, as 0.33.0's scheduler does (at once, or deferred until the
+        step running the copies is processed)."""
+        with self.timing:
+            copies, retained = self.manager.take_kv_cache_block_copies()
+        pairs = [
+            [int(c.src_block_id), int(c.dst_block_id)] if hasattr(c, "src_block_id")
+            else [int(c[0]), int(c[1])]
+            for c in copies
+        ]
+        retained = list(retained)
+        self.popped[args["handle"]] = retained[::-1]  # free_blocks reverses them back
+        return {"copies": pairs, "retained": [self.block_id(b) for b in retained]}
 
     def op_evict_blocks(self, args: Mapping[str, Any]) -> Any:
         block_ids = set(args["block_ids"])

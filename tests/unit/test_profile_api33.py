@@ -292,8 +292,13 @@ def test_standalone_groups_take_0_33_arguments() -> None:
     found, n = v33.SlidingWindowManager.find_longest_cache_hit(
         hashes, 8, [0], pool, swa_spec(), False, 2)
     assert n == 8 and len(found[0]) == 2
-    with pytest.raises(NotImplementedError, match="fine-grained"):
+    # Full attention at the hash block's alignment: the fine-grained finder's pair
+    # (tests/unit/test_drop_in_full_attention_finder.py); refused under dcp.
+    found, n = v33.FullAttentionManager.find_longest_cache_hit(
+        hashes, 8, [0], pool, full_spec(), False, 2)
+    assert n == 8 and len(found[0]) == 2
+    with pytest.raises(NotImplementedError, match="dcp_world_size=2"):
         v33.FullAttentionManager.find_longest_cache_hit(hashes, 8, [0], pool, full_spec(),
-                                                        False, 2)
+                                                        False, 2, dcp_world_size=2)
     with pytest.raises(NotImplementedError, match="medium='CPU'"):
         v33.BlockPool(4, True, BS, medium="CPU")
