@@ -58,7 +58,11 @@ def test_release_0_33_selection_and_swaps() -> None:
     assert release.core_swaps["vllm.v1.core.kv_cache_manager"] == (
         "kvcache.vllm_0_33", "kvcache.kv_cache_manager",
     )  # fmt: skip
-    assert release.core_swaps["vllm.v1.core.block_pool"] == ("kvcache.block_pool",)
+    for module in ("block_pool", "single_type_kv_cache_manager", "kv_cache_utils"):
+        # The drop-in's 0.33.0 signatures (BlockPool, the single-type managers) first.
+        assert release.core_swaps[f"vllm.v1.core.{module}"] == (
+            "kvcache.vllm_0_33", f"kvcache.{module}",
+        )  # fmt: skip
     assert set(release.core_swaps) == set(upstream.CORE_SWAPS)
     utils_fallbacks = release.fallbacks["vllm.v1.core.kv_cache_utils"]
     for name in utils_fallbacks:
