@@ -40,10 +40,11 @@ def hash_without_parent(hash_function: Callable[[Any], bytes], parent_block_hash
 def window_count_always_capped(self: SlidingWindowManager, request_id: str, num_tokens: int,
                                new_computed_blocks: Sequence[Any], total_computed_tokens: int,
                                num_tokens_main_model: int,
-                               apply_admission_cap: bool = False) -> int:
+                               apply_admission_cap: bool = False,
+                               num_local_computed_tokens: int = 0) -> int:
     """The window's admission cap applied to every count, not only the admission gate's."""
     return _count(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-                  num_tokens_main_model, True)
+                  num_tokens_main_model, True, num_local_computed_tokens)
 
 
 def hybrid_program(name: str) -> BaseException | None:

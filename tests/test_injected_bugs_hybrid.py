@@ -53,6 +53,7 @@ def interleaved_computed_blocks(
     new_computed_blocks: tuple[Sequence[Any], ...],
     num_local_computed_tokens: int,
     num_external_computed_tokens: int,
+    skip_zeroing_group_ids: Sequence[int] = (),
 ) -> None:
     """Touches hits and allocates external blocks group by group, so one group's
     external allocation can evict another group's hits not yet touched."""
@@ -68,7 +69,10 @@ def interleaved_computed_blocks(
         )
         if num_external_computed_tokens > 0:
             manager.allocate_external_computed_blocks(
-                request_id, num_local_computed_tokens, num_external_computed_tokens
+                request_id,
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+                i not in skip_zeroing_group_ids,
             )
 
 
