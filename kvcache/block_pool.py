@@ -9,7 +9,7 @@ the blocks, as in vLLM (``FreeKVCacheBlockQueue``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mypy_extensions import mypyc_attr
@@ -240,6 +240,14 @@ class BlockPool:
             anything with ``on_block_allocated`` / ``on_block_accessed`` /
             ``on_block_evicted`` / ``reset``), told of allocations, hits and
             evictions exactly where vLLM 0.25.1 tells it; None for none.
+        medium: The storage tier its events name (vLLM 0.33.0's argument; ``"GPU"``,
+            or ``"CPU"`` for a HiSparse host pool).
+
+    vLLM 0.33.0's HiSparse additions (used only by HiSparse layouts): ``unpin_blocks``
+    (a reference dropped while the block stays readable until the pool reuses it,
+    with a watcher told then), ``share_event_queue`` (a host pool queueing its events
+    into the device pool's queue) and ``free_blocks`` accepting a sharing pool's
+    blocks (they go back to their own pool).
     """
 
     def __init__(
@@ -249,6 +257,7 @@ class BlockPool:
         hash_block_size: int,
         enable_kv_cache_events: bool = False,
         metrics_collector: Any = None,
+        medium: str = MEDIUM_GPU,
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
@@ -276,6 +285,14 @@ class BlockPool:
         # The event_session_id switch (kvcache.profile): BlockStored events are vLLM
         # 0.33.0's (kvcache.vllm_0_33.BlockStored) and carry the request's session_id.
         self.event_session_id = False
+        self.medium = medium
+        # HiSparse (vLLM 0.33.0): block id -> what to tell when the pool hands out
+        # that block again (blocks released with unpin_blocks), ...
+        self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
+        # ... whether another pool queues its events into this pool's queue (then
+        # take_events drains the queue in place), and those pools.
+        self._queue_shared = False
+        self._sharing_pools: list[BlockPool] = []
 
     def apply_profile(self, profile: Profile) -> None:
         """Take the release switches the pool reads (``mm_keys_by_window``,
@@ -464,7 +481,7 @@ class BlockPool:
                 token_ids=token_ids,
                 block_size=block_size,
                 lora_id=lora_id,
-                medium=MEDIUM_GPU,
+                medium=self.medium,
                 lora_name=lora_name,
                 extra_keys=extra_keys,
                 group_idx=group_idx,
@@ -480,7 +497,7 @@ class BlockPool:
                 token_ids=token_ids,
                 block_size=block_size,
                 lora_id=lora_id,
-                medium=MEDIUM_GPU,
+                medium=self.medium,
                 lora_name=lora_name,
                 extra_keys=extra_keys,
                 group_idx=group_idx,
@@ -492,7 +509,7 @@ class BlockPool:
             token_ids=token_ids,
             block_size=block_size,
             lora_id=lora_id,
-            medium=MEDIUM_GPU,
+            medium=self.medium,
             lora_name=lora_name,
             extra_keys=extra_keys,
             group_idx=group_idx,
@@ -751,6 +768,8 @@ class BlockPool:
         if not 0 <= num_blocks <= self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks = self.free_block_queue.popleft_n(num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
         collector = self.metrics_collector
         if collector is not None:
             # vLLM's order: with caching, each reused block is reported evicted
@@ -779,6 +798,48 @@ class BlockPool:
                 block.ref_cnt = 1
         return blocks
 
+    def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Tell the watcher of each unpinned block among ``blocks`` that its contents
+        are gone (once: the watcher is dropped)."""
+        for block in blocks:
+            watcher = self._reuse_watchers.pop(block.block_id, None)
+            if watcher is not None:
+                watcher(block)
+
+    def unpin_blocks(
+        self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]
+    ) -> None:
+        """Drop one reference from each block while its contents stay readable
+        (vLLM 0.33.0, HiSparse): a block reaching 0 joins the back of the free
+        queue (last to be reused, hashed or not) and counts as free; ``on_reuse(block)``
+        is called when ``get_new_blocks`` hands it out or the prefix cache is reset.
+
+        Raises:
+            ValueError: for the null block or a block no one holds (nothing changes).
+        """
+        blocks = list(blocks)
+        for block in blocks:
+            if block.is_null or block.ref_cnt <= 0:
+                raise ValueError(
+                    f"unpin_blocks: block {block.block_id} (ref_cnt={block.ref_cnt}) is "
+                    "the null block or not held"
+                )
+        released = []
+        for block in blocks:
+            block.ref_cnt -= 1
+            self._reuse_watchers[block.block_id] = on_reuse
+            if block.ref_cnt == 0:
+                released.append(block)
+        self.free_block_queue.append_n(released)
+
+    def share_event_queue(self, owner: BlockPool) -> None:
+        """Queue this pool's events into ``owner``'s queue from now on (a HiSparse
+        host pool and the device pool: one ``take_events`` drains both), and let
+        ``owner.free_blocks`` take this pool's blocks back to this pool."""
+        self.kv_event_queue = owner.kv_event_queue
+        self._queue_shared = owner._queue_shared = True
+        owner._sharing_pools.append(self)
+
     def _evict(self, block: KVCacheBlock) -> bool:
         """Drop ``block``'s hash (and any secondary partial-block keys) from the
         prefix cache, one ``BlockRemoved`` per key; True if any key was mapped."""
@@ -793,7 +854,7 @@ class BlockPool:
             self.kv_event_queue.append(
                 BlockRemoved(
                     block_hashes=[maybe_convert_block_hash(h)],
-                    medium=MEDIUM_GPU,
+                    medium=self.medium,
                     group_idx=group_id,
                 )
             )
@@ -806,7 +867,7 @@ class BlockPool:
                     self.kv_event_queue.append(
                         BlockRemoved(
                             block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
-                            medium=MEDIUM_GPU,
+                            medium=self.medium,
                             group_idx=get_group_id(key),
                         )
                     )
@@ -849,6 +910,9 @@ class BlockPool:
         for block in blocks:
             block_id = block.block_id
             if not (0 <= block_id < self.num_gpu_blocks and pool_blocks[block_id] is block):
+                if self._sharing_pools:  # a HiSparse host pool's block: freed there
+                    self._free_foreign_blocks(blocks)
+                    return
                 raise ValueError(
                     f"ordered_blocks holds {block!r}, which is not a block of this pool"
                 )
@@ -861,6 +925,30 @@ class BlockPool:
                     f"{block.ref_cnt} times (double free)"
                 )
         self.release_blocks(blocks)
+
+    def _free_foreign_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """``free_blocks`` of a list mixing this pool's blocks and those of pools that
+        share its event queue (vLLM 0.33.0 frees each block into its own pool): each
+        pool frees its own, in the given order.
+
+        Raises:
+            ValueError: if a block belongs to none of them (nothing is freed then).
+        """
+        pools: list[BlockPool] = [self, *self._sharing_pools]
+        parts: list[list[KVCacheBlock]] = [[] for _ in pools]
+        for block in blocks:
+            for i, pool in enumerate(pools):
+                block_id = block.block_id
+                if 0 <= block_id < pool.num_gpu_blocks and pool.blocks[block_id] is block:
+                    parts[i].append(block)
+                    break
+            else:
+                raise ValueError(
+                    f"ordered_blocks holds {block!r}, which is not a block of this pool"
+                )
+        for pool, part in zip(pools, parts, strict=True):
+            if part:
+                pool.free_blocks(part)
 
     def release_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """``free_blocks`` without the argument checks, for the managers' own
@@ -907,6 +995,8 @@ class BlockPool:
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block.clear()
+        if self._reuse_watchers:  # unpinned contents are dropped with the cache
+            self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
         for block in self.blocks:
             block.reset_hash()
         if self.metrics_collector is not None:
@@ -932,7 +1022,11 @@ class BlockPool:
         """Return and clear the queued events ([] when events are off)."""
         if not self.enable_kv_cache_events:
             return []
-        events, self.kv_event_queue = self.kv_event_queue, []
+        if self._queue_shared:  # the queue object is shared: drain it in place
+            events = list(self.kv_event_queue)
+            self.kv_event_queue.clear()
+        else:
+            events, self.kv_event_queue = self.kv_event_queue, []
         return emitted(events)  # vLLM's classes after kv_events.set_event_classes("vllm")
 
     def check_invariants(self) -> None:

@@ -354,11 +354,16 @@ class KVCacheCoordinator:
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
         num_local_computed_tokens: int = 0,
+        prefill_end: int = 0,
     ) -> int:
         """Blocks all groups together need from the pool for ``num_tokens`` slots
         (cross-attention groups: for ``num_encoder_tokens``, allocated once).
         ``num_local_computed_tokens`` (computed plus hit tokens) tells the managers
-        whether a hit ends inside a block (``partial_hit_copy_on_write``)."""
+        whether a hit ends inside a block (``partial_hit_copy_on_write``), and a
+        HiSparse hot group whether the request resumes a host prefix.
+        ``prefill_end`` is vLLM 0.33.0's argument (where a Mamba prefill checkpoint
+        would go; its scheduler passes it): accepted, unused (checkpoints are not
+        modelled)."""
         total = 0
         for i, manager in enumerate(self.single_type_managers):
             if self._is_cross[i]:
@@ -494,12 +499,22 @@ class KVCacheCoordinator:
         block size; groups without hits queue none."""
         for group_id, group_blocks in enumerate(computed_blocks):
             if group_blocks:
-                self.block_pool.emit_cached_block_events(
+                self.single_type_managers[group_id].block_pool.emit_cached_block_events(
                     request,
                     len(group_blocks),
                     self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.block_size,
                     group_id,
                 )
+
+    def reset_prefix_cache(self) -> bool:
+        """Reset the prefix cache of every pool the groups use (the shared pool; a
+        HiSparse source's host pool too): True if every reset succeeded."""
+        pools: list[BlockPool] = [self.block_pool]
+        for manager in self.single_type_managers:
+            if manager.block_pool is not self.block_pool and manager.block_pool not in pools:
+                pools.append(manager.block_pool)
+        results = [pool.reset_prefix_cache() for pool in pools]
+        return all(results)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         """The request's block list in every group ([] when it has none)."""
@@ -837,7 +852,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             manager_cls = type(self.single_type_managers[i])
             use_eagle = i in self.eagle_group_ids
             for idx, group in enumerate(self.attention_groups):
-                if group.spec == g.kv_cache_spec:
+                # Same spec and manager class (a group role, such as the HiSparse
+                # source, may give equal specs different managers and pools).
+                if group.spec == g.kv_cache_spec and group.manager_cls is manager_cls:
                     group.group_ids.append(i)
                     if use_eagle and not group.use_eagle:
                         self.attention_groups[idx] = group._replace(use_eagle=True)
@@ -958,7 +975,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                         block_hashes,
                         max_length,
                         group_ids,
-                        self.block_pool,
+                        manager.block_pool,
                         lookup_spec,
                         drop_eagle_block,
                         hbs,
@@ -968,7 +985,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                         self._block_hashes_for(block_hashes, block_size),  # block_hashes
                         max_length,  # max_length
                         group_ids,  # kv_cache_group_ids
-                        self.block_pool,  # block_pool
+                        manager.block_pool,  # block_pool (a HiSparse source's: the host's)
                         spec,  # kv_cache_spec
                         drop_eagle_block,  # drop_eagle_block
                         alignment,  # alignment_tokens
@@ -989,7 +1006,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if is_simple_hybrid:
                 break
         first = self.attention_groups[0]
-        if _is_full(first.spec):
+        first_manager = self.single_type_managers[first.group_ids[0]]
+        if _is_full(first.spec) and not first_manager.retains_longer_hit:
             first_block_size = self.single_type_managers[first.group_ids[0]].block_size
             num_blocks = hit_length // first_block_size
             if fine:  # the hit may end inside the last block
@@ -1009,7 +1027,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         """Cut every full-attention group's hits to ``hit_length`` tokens
         (``trim_every_full_group``; 0.25.1 trims the first kind's groups only)."""
         for group in self.attention_groups:
-            if not _is_full(group.spec):
+            manager = self.single_type_managers[group.group_ids[0]]
+            if not _is_full(group.spec) or manager.retains_longer_hit:
                 continue
             group_block_size = self.single_type_managers[group.group_ids[0]].block_size
             num_blocks = hit_length // group_block_size
@@ -1033,7 +1052,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 self._block_hashes_for(block_hashes, manager.block_size),  # block_hashes
                 max_cache_hit_length,  # max_length
                 group_ids,  # kv_cache_group_ids
-                self.block_pool,  # block_pool
+                manager.block_pool,  # block_pool
                 spec,  # kv_cache_spec
                 use_eagle,  # drop_eagle_block
                 self.scheduler_block_size,  # alignment_tokens

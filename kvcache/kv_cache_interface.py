@@ -550,6 +550,117 @@ class CircularBufferSpec(AttentionSpec):
         return all(is_spec_kind(spec, "CircularBufferSpec") for spec in kv_cache_specs.values())
 
 
+# ---------------------------------------------------------------- HiSparse (vLLM 0.33.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiSparseResidentSpec(KVCacheSpec):
+    """vLLM 0.33.0's GPU-resident pages of a HiSparse model (``HiSparseResidentSpec``):
+    a device copy of some pages of a sequence whose KV lives in host memory (the
+    HiSparse source group). Not prefix-cacheable (the host source caches); a page is
+    ``page_size`` bytes; a request holds at most its admission window of pages
+    (``max_admission_blocks_per_request``). Under the 0.25.1 profile
+    (``hisparse_groups`` off) a manager with such a group cannot be built.
+    """
+
+    page_size: int
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, Any]) -> bool:
+        """Whether every spec is a ``HiSparseResidentSpec`` (their group can hold them all)."""
+        return all(is_spec_kind(spec, "HiSparseResidentSpec") for spec in kv_cache_specs.values())
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """False: the host source group owns prefix caching."""
+        return False
+
+    @property
+    def page_size_bytes(self) -> int:
+        """``page_size``: the spec states its page directly."""
+        return self.page_size
+
+    def max_admission_blocks_per_request(
+        self, max_num_batched_tokens: int, max_model_len: int
+    ) -> int:
+        """Pages one request may hold at admission: its tokens in flight
+        (``min(max_num_batched_tokens, max_model_len)``; vLLM 0.33.0 names the first
+        argument ``max_in_flight_tokens``) in blocks; older pages move to the host."""
+        return kv_cache_math.cdiv(min(max_num_batched_tokens, max_model_len), self.block_size)
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """The admission window's pages (``vllm_config.max_in_flight_tokens``, or the
+        scheduler's batched-token budget, and the model length)."""
+        in_flight = getattr(vllm_config, "max_in_flight_tokens", None)
+        if in_flight is None:
+            in_flight = vllm_config.scheduler_config.max_num_batched_tokens
+        max_len = vllm_config.model_config.max_model_len
+        return self.max_admission_blocks_per_request(in_flight, max_len) * self.page_size
+
+    @property
+    def has_layer_views(self) -> bool:
+        """False: the worker lays the pages out itself."""
+        return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiSparseHotSpec(KVCacheSpec):
+    """vLLM 0.33.0's hot region of a HiSparse model (``HiSparseHotSpec``): a fixed
+    ``blocks_per_request`` blocks a request takes once it must read history that
+    only the host holds. Not prefix-cacheable, no slot mapping, pages of
+    ``page_size`` bytes. Refused under the 0.25.1 profile like the resident spec.
+    """
+
+    page_size: int
+    blocks_per_request: int
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, Any]) -> bool:
+        """Whether every spec is a ``HiSparseHotSpec`` (their group can hold them all)."""
+        return all(is_spec_kind(spec, "HiSparseHotSpec") for spec in kv_cache_specs.values())
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """False: the region is per-request scratch."""
+        return False
+
+    @property
+    def page_size_bytes(self) -> int:
+        """``page_size``: the spec states its page directly."""
+        return self.page_size
+
+    @property
+    def block_table_token_alignment(self) -> int | None:
+        """None: the region's blocks cover no fixed token range."""
+        return None
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        """False: the worker addresses the region itself."""
+        return False
+
+    @property
+    def has_layer_views(self) -> bool:
+        """False: the worker lays the region out itself."""
+        return False
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        """The region: ``blocks_per_request`` pages."""
+        del vllm_config
+        return self.blocks_per_request * self.page_size
+
+    def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
+        """``blocks_per_request``, whatever the length."""
+        del vllm_config, max_len
+        return self.blocks_per_request
+
+
+HISPARSE_SPEC_KINDS = ("HiSparseResidentSpec", "HiSparseHotSpec")
+"""The spec class names of vLLM 0.33.0's HiSparse groups (``hisparse_groups``)."""
+
+HISPARSE_SOURCE_ROLE = "hisparse_source"
+"""vLLM 0.33.0's ``KVCacheGroupRole.HISPARSE_SOURCE``: the group whose KV lives in
+host memory (``HiSparseSourceManager``)."""
+
+
 def is_prefix_cacheable(kv_cache_spec: object) -> bool:
     """Whether a group of ``kv_cache_spec`` takes part in prefix caching (vLLM 0.33.0's
     ``prefix_cacheable``; specs without the property, such as 0.25.1's, do)."""

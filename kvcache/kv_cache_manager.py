@@ -20,6 +20,8 @@ from kvcache.kv_cache_coordinator import (
     resolve_prefix_cache_retention_interval,
 )
 from kvcache.kv_cache_interface import (
+    HISPARSE_SOURCE_ROLE,
+    HISPARSE_SPEC_KINDS,
     KVCacheConfig,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
@@ -181,6 +183,27 @@ def _refuse_circular_buffer_groups(kv_cache_config: KVCacheConfig, profile: Prof
             )
 
 
+def _refuse_hisparse_groups(kv_cache_config: KVCacheConfig, profile: Profile) -> None:
+    """Refuse a HiSparse group under a profile without ``hisparse_groups`` (vLLM
+    0.25.1 has no HiSparse specs, roles or managers).
+
+    Raises:
+        NotImplementedError: naming the group, its spec class or role, and the profile.
+    """
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        role = getattr(group, "role", None)
+        if is_spec_kind(group.kv_cache_spec, *HISPARSE_SPEC_KINDS):
+            what = f"kv_cache_spec of type {type(group.kv_cache_spec).__name__}"
+        elif getattr(role, "value", role) == HISPARSE_SOURCE_ROLE:
+            what = f"role {HISPARSE_SOURCE_ROLE!r}"
+        else:
+            continue
+        raise NotImplementedError(
+            f"{what} (group {group_id}) is not supported under {profile!r}: HiSparse "
+            "is a vLLM 0.33.0 layout (kvcache.vllm_0_33)"
+        )
+
+
 # Subclassing KVCacheManager is the documented way to plug in a variant (README,
 # "Check your own implementation"): allowed on the compiled build too.
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -257,6 +280,8 @@ class KVCacheManager:
         self.profile = resolve_profile(profile)
         if not self.profile.circular_buffer_groups:
             _refuse_circular_buffer_groups(kv_cache_config, self.profile)
+        if not self.profile.hisparse_groups:
+            _refuse_hisparse_groups(kv_cache_config, self.profile)
         self.num_hash_lookahead_tokens = check_num_hash_lookahead_tokens(num_hash_lookahead_tokens)
         if (
             not isinstance(num_prefill_lookahead, int)
@@ -326,6 +351,12 @@ class KVCacheManager:
             self.coordinator.retention_interval = 0  # only full / chunked groups: no effect
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
+        # Groups keeping a longer hit than the hybrid one (vLLM 0.33.0's name: the
+        # HiSparse source); allocate_slots cuts theirs to the hits it adopts.
+        self.retained_hit_group_ids = tuple(
+            m.kv_cache_group_id for m in self.coordinator.single_type_managers
+            if m.retains_longer_hit
+        )
         self.kv_cache_config = kv_cache_config
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.kv_cache_event_metadata = tuple(
@@ -499,6 +530,14 @@ class KVCacheManager:
             self._owners[request_id] = request
         if new_computed_blocks is not None:
             new_computed_block_list = new_computed_blocks.blocks
+            if (
+                self.retained_hit_group_ids
+                and new_computed_block_list is not self.empty_kv_cache_blocks.blocks
+            ):
+                new_computed_block_list = self._cut_retained_hits(
+                    new_computed_block_list,
+                    num_new_computed_tokens + num_external_computed_tokens,
+                )
         else:
             new_computed_block_list = self.empty_kv_cache_blocks.blocks
         coordinator = self.coordinator
@@ -574,6 +613,18 @@ class KVCacheManager:
                 request, min(total_computed_tokens + num_new_tokens, request.num_tokens)
             )
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _cut_retained_hits(
+        self, blocks: tuple[Sequence[KVCacheBlock], ...], num_reused_tokens: int
+    ) -> tuple[Sequence[KVCacheBlock], ...]:
+        """``blocks`` with each retained-hit group's hits cut to the blocks that the
+        ``num_reused_tokens`` (new local hits plus external tokens) reach into."""
+        groups = list(blocks)
+        managers = self.coordinator.single_type_managers
+        for group_id in self.retained_hit_group_ids:
+            num_blocks = cdiv(num_reused_tokens, managers[group_id].block_size)
+            groups[group_id] = groups[group_id][:num_blocks]
+        return tuple(groups)
 
     def _processed_tokens(self, request: Request, total_computed_tokens: int) -> int:
         """Computed tokens whose forward pass is done (``free_on_processed_tokens``):
@@ -694,7 +745,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing changes) while blocks are in use."""
-        if not self.block_pool.reset_prefix_cache():
+        if not self.coordinator.reset_prefix_cache():
             return False
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True

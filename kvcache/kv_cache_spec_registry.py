@@ -5,7 +5,7 @@ class maps to a manager class and to the base class its layers group with
 (``uniform_type_base_spec``); a lookup walks the spec's MRO to the nearest
 registered class; 0.33.0 adds *role* managers, which take precedence for a group
 whose ``KVCacheGroupSpec.role`` is registered (vLLM registers one, for HiSparse
-source groups, whose manager kvcache does not model).
+source groups; kvcache has it built in: ``HiSparseSourceManager``).
 
 kvcache knows its built-in kinds by class name (kvcache's and vLLM's spec
 classes alike: ``single_type_kv_cache_manager.get_manager_class_for_kv_cache_spec``),
@@ -57,6 +57,8 @@ _BUILTIN_BASES: Mapping[str, str] = {
     "SlidingWindowSpec": "SlidingWindowSpec",
     "SlidingWindowMLASpec": "SlidingWindowMLASpec",
     "CircularBufferSpec": "CircularBufferSpec",
+    "HiSparseResidentSpec": "HiSparseResidentSpec",
+    "HiSparseHotSpec": "HiSparseHotSpec",
     "MambaSpec": "MambaSpec",
     "ChunkedLocalAttentionSpec": "ChunkedLocalAttentionSpec",
     "CrossAttentionSpec": "CrossAttentionSpec",

@@ -28,6 +28,8 @@ from typing import Any
 from kvcache.kv_cache_utils import ExternalBlockHash
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+"""The host tier (vLLM 0.33.0's HiSparse host pool)."""
 
 
 @dataclass

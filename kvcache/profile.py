@@ -316,6 +316,16 @@ SWITCHES: tuple[Switch, ...] = (
         "holds as many as the computed tokens need (e.g. after a speculative "
         "over-allocation); 0.25.1 asks the pool for the negative count.",
         "0.33.0",
+    ),    Switch(
+        "hisparse_groups",
+        "",
+        "HiSparse layouts (vLLM 0.33.0): a group with role 'hisparse_source' gets "
+        "HiSparseSourceManager (full attention over a private host pool, its hit kept "
+        "longer than the hybrid hit), HiSparseResidentSpec / HiSparseHotSpec groups get "
+        "HiSparseResidentManager / HiSparseHotManager; 0.25.1 has none of these names, "
+        "so a manager with such a group cannot be built (NotImplementedError naming "
+        "the class).",
+        "0.33.0",
     ),
 )
 """Every switch, in the order of the ledger's entries."""
@@ -370,6 +380,7 @@ class Profile:
     event_session_id: bool
     full_report_mode: bool
     external_blocks_floor_zero: bool
+    hisparse_groups: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:

@@ -95,6 +95,8 @@ __all__ = [
     "resolve_none_hash_seed",
 ]
 
+_MEDIUM_CPU = _events.MEDIUM_CPU
+
 PROFILE = Profile("0.33.0")
 """The profile every manager of this module is built with."""
 
@@ -295,13 +297,14 @@ class BlockPool(_block_pool.BlockPool):
     Args:
         num_hash_lookahead_tokens: Tokens after each block its hash covers (events
             list them); a bool counts as 0 / 1, as in vLLM.
-        medium: Must be ``"GPU"`` (kvcache's pool has no other tier).
+        medium: The tier its events name: ``"GPU"``, or ``"CPU"`` (a HiSparse host
+            pool).
 
     The other arguments are ``kvcache.BlockPool``'s.
 
     Raises:
         ValueError: for a negative ``num_hash_lookahead_tokens``.
-        NotImplementedError: for another medium.
+        ValueError: for another medium.
     """
 
     def __init__(
@@ -315,13 +318,14 @@ class BlockPool(_block_pool.BlockPool):
         medium: str = _events.MEDIUM_GPU,
     ) -> None:
         lookahead = _check_lookahead("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
-        if medium != _events.MEDIUM_GPU:
-            raise NotImplementedError(
-                f"medium={medium!r}: kvcache's pool models the {_events.MEDIUM_GPU!r} tier only"
+        if medium not in (_events.MEDIUM_GPU, _MEDIUM_CPU):
+            raise ValueError(
+                f"medium={medium!r}: kvcache's pool models the {_events.MEDIUM_GPU!r} and "
+                f"{_MEDIUM_CPU!r} tiers"
             )
         super().__init__(
             num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events,
-            metrics_collector,
+            metrics_collector, medium,
         )  # fmt: skip
         self.apply_profile(PROFILE)
         self.num_hash_lookahead_tokens = lookahead

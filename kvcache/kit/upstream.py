@@ -202,12 +202,6 @@ FALLBACKS_0_33: dict[str, dict[str, str]] = {
 }
 _NOT_MODELLED_0_33 = "not modelled by kvcache's 0.33.0 profile: "
 NOT_MODELLED_0_33: dict[str, dict[str, str]] = {
-    "vllm.v1.core.single_type_kv_cache_manager": {
-        **{
-            name: _NOT_MODELLED_0_33 + "the HiSparse managers"
-            for name in ("HiSparseHotManager", "HiSparseResidentManager", "HiSparseSourceManager")
-        },
-    },
     "vllm.v1.core.kv_cache_utils": {
         "eagle_proof_margin": _NOT_MODELLED_0_33 + "the EAGLE margin rules beside Mamba",
     },

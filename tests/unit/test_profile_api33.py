@@ -300,5 +300,6 @@ def test_standalone_groups_take_0_33_arguments() -> None:
     with pytest.raises(NotImplementedError, match="dcp_world_size=2"):
         v33.FullAttentionManager.find_longest_cache_hit(hashes, 8, [0], pool, full_spec(),
                                                         False, 2, dcp_world_size=2)
-    with pytest.raises(NotImplementedError, match="medium='CPU'"):
-        v33.BlockPool(4, True, BS, medium="CPU")
+    with pytest.raises(ValueError, match="medium='NVMe'"):
+        v33.BlockPool(4, True, BS, medium="NVMe")
+    assert v33.BlockPool(4, True, BS, medium="CPU").medium == "CPU"
