@@ -304,6 +304,9 @@ class KVCacheCoordinator:
         self._is_cross = tuple(
             isinstance(m, CrossAttentionManager) for m in self.single_type_managers
         )
+        self._in_0_33_order = tuple(
+            m.counts_in_0_33_order for m in self.single_type_managers
+        )
         self._skipping_managers = tuple(
             m for m in self.single_type_managers if not m.never_skips_tokens
         )
@@ -370,6 +373,20 @@ class KVCacheCoordinator:
                 total += manager.get_num_blocks_to_allocate(
                     request_id, num_encoder_tokens, (), 0, num_encoder_tokens, apply_admission_cap
                 )
+            elif self._in_0_33_order[i]:  # a HiSparse kind: vLLM 0.33.0's order
+                # NOTE: a Python-level call (getattr): a native call would pass the
+                # arguments by the compiled base class's order.
+                count = getattr(manager, "get_num_blocks_to_allocate")  # noqa: B009
+                counted: int = count(
+                    request_id,
+                    num_tokens,
+                    new_computed_blocks[i],
+                    total_computed_tokens,
+                    num_local_computed_tokens,
+                    num_tokens_main_model,
+                    apply_admission_cap,
+                )
+                total += counted
             else:
                 total += manager.get_num_blocks_to_allocate(
                     request_id,

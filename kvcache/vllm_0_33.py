@@ -13,7 +13,9 @@ stats with the new fields).
 
 Covered: layouts of full attention, sliding window and chunked local attention
 (one group or several), with or without caching and EAGLE; ring buffers
-(``CircularBufferSpec`` / ``CircularBufferManager``); managers chosen through the
+(``CircularBufferSpec`` / ``CircularBufferManager``); HiSparse layouts (the source,
+resident and hot managers of ``kvcache.single_type_kv_cache_manager``, driven by
+vLLM's own ``HiSparseCoordinator``: see docs/profiles.md); managers chosen through the
 spec registry (``KVCacheSpecRegistry``: registered spec classes, group roles); Mamba
 alone, and Mamba beside attention, with 0.33.0's fine-grained (sub-block) hits and
 their copy-on-write copies (the ``mamba_*`` and ``partial_hit_copy_on_write``
@@ -44,6 +46,7 @@ from kvcache import block_pool as _block_pool
 from kvcache import kv_cache_utils as _utils
 from kvcache import kv_events as _events
 from kvcache import single_type_kv_cache_manager as _managers
+from kvcache.hisparse import HiSparseHotManager, HiSparseResidentManager, HiSparseSourceManager
 from kvcache.kv_cache_coordinator import partial_hash_hits_enabled
 from kvcache.kv_cache_interface import (
     CircularBufferSpec,
@@ -75,6 +78,9 @@ __all__ = [
     "CircularBufferSpec",
     "CrossAttentionManager",
     "FullAttentionManager",
+    "HiSparseHotManager",
+    "HiSparseResidentManager",
+    "HiSparseSourceManager",
     "KVCacheBlockCopy",
     "KVCacheBlocks",
     "KVCacheManager",

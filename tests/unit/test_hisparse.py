@@ -25,14 +25,10 @@ from kvcache import (
     sha256,
 )
 from kvcache.block_pool import BlockPool
+from kvcache.hisparse import HiSparseHotManager, HiSparseResidentManager, HiSparseSourceManager
 from kvcache.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec
 from kvcache.kv_events import BlockStored
-from kvcache.single_type_kv_cache_manager import (
-    FullAttentionManager,
-    HiSparseHotManager,
-    HiSparseResidentManager,
-    HiSparseSourceManager,
-)
+from kvcache.single_type_kv_cache_manager import FullAttentionManager
 
 BS = 4
 
@@ -185,17 +181,17 @@ def test_resident_admission_counts_pages_past_the_host_prefix_and_the_import_tai
     resident = m.coordinator.single_type_managers[2]
     assert isinstance(resident, HiSparseResidentManager)
     # No import: pages for 10 tokens (3) past a 5-token host prefix (2 pages).
-    assert resident.get_num_blocks_to_allocate("a", 10, (), 5, 10, False, 5) == 1
-    assert resident.get_num_blocks_to_allocate("a", 64, (), 0, 64, True, 0) == 16
+    assert resident.get_num_blocks_to_allocate("a", 10, (), 5, 5, 10, False) == 1
+    assert resident.get_num_blocks_to_allocate("a", 64, (), 0, 0, 64, True) == 16
     # An import of 8 external tokens after 4 local: pages 0-2 host-only, page 2 needs a
     # writable block, and one more page for tokens up to 16.
-    assert resident.get_num_blocks_to_allocate("a", 16, (), 12, 16, False, 4) == 1 + 1
+    assert resident.get_num_blocks_to_allocate("a", 16, (), 12, 4, 16, False) == 1 + 1
     resident.allocate_external_computed_blocks("a", 4, 8)
     row = resident.get_residency_row("a")
     assert [b.is_null for b in row] == [True, True, False]
-    assert resident.get_num_blocks_to_allocate("a", 16, (), 12, 16, False, 4) == 1  # tail held
+    assert resident.get_num_blocks_to_allocate("a", 16, (), 12, 4, 16, False) == 1  # tail held
     with pytest.raises(ValueError, match="takes no hits"):
-        resident.get_num_blocks_to_allocate("a", 16, [row[2]], 12, 16, False, 4)
+        resident.get_num_blocks_to_allocate("a", 16, [row[2]], 12, 4, 16, False)
 
 
 def test_resident_pages_overlay_the_append_only_table() -> None:
@@ -228,14 +224,14 @@ def test_the_hot_region_is_taken_only_to_read_host_history() -> None:
     stand_in = bound(m)
     hot = m.coordinator.single_type_managers[3]
     assert isinstance(hot, HiSparseHotManager)
-    assert hot.get_num_blocks_to_allocate("cold", 8, (), 0, 8, False, 0) == 0
-    assert hot.get_num_blocks_to_allocate("imp", 8, (), 8, 8, False, 4) == 2  # an import
-    assert hot.get_num_blocks_to_allocate("hit", 8, (), 4, 8, False, 4) == 2  # host prefix
+    assert hot.get_num_blocks_to_allocate("cold", 8, (), 0, 0, 8, False) == 0
+    assert hot.get_num_blocks_to_allocate("imp", 8, (), 8, 4, 8, False) == 2  # an import
+    assert hot.get_num_blocks_to_allocate("hit", 8, (), 4, 4, 8, False) == 2  # host prefix
     assert hot.allocate_new_blocks("cold", 8, 8) == [] and hot.num_cached_block["cold"] == 0
     # Running now: a local count no longer asks for the region, require_hot does.
-    assert hot.get_num_blocks_to_allocate("cold", 8, (), 4, 8, False, 4) == 0
+    assert hot.get_num_blocks_to_allocate("cold", 8, (), 4, 4, 8, False) == 0
     hot.require_hot("cold")
-    assert hot.get_num_blocks_to_allocate("cold", 12, (), 4, 12, False, 4) == 2
+    assert hot.get_num_blocks_to_allocate("cold", 12, (), 4, 4, 12, False) == 2
     assert len(hot.allocate_new_blocks("cold", 12, 12)) == 2 and hot.has_hot("cold")
     assert hot.allocate_new_blocks("cold", 64, 64) == []  # a fixed region
     hot.add_local_computed_blocks("hit", (), 4, 0)
@@ -252,12 +248,24 @@ def test_the_source_admits_by_host_capacity_and_announces_imports() -> None:
     stand_in = bound(m, host_blocks=4)  # 3 usable host blocks
     source = m.coordinator.single_type_managers[0]
     assert isinstance(source, HiSparseSourceManager)
-    assert source.get_num_blocks_to_allocate("a", 3 * BS, (), 0, 3 * BS) == 0
-    assert source.get_num_blocks_to_allocate("a", 4 * BS, (), 0, 4 * BS) == 16 + 1
+    assert source.get_num_blocks_to_allocate("a", 3 * BS, (), 0, 0, 3 * BS) == 0
+    assert source.get_num_blocks_to_allocate("a", 4 * BS, (), 0, 0, 4 * BS) == 16 + 1
     source.allocate_external_computed_blocks("a", 0, 2 * BS)
     assert stand_in.calls[-1] == ("record_pending_host_import", "a", 2 * BS)
     assert len(source.req_to_blocks["a"]) == 2 and source.take_new_block_ids() == []
     assert source.take_pending_cow_copies() == [] and source.take_host_cow_copies() == []
+
+
+def test_the_source_counts_a_partial_hit_copy_against_the_host_pool() -> None:
+    m = manager()
+    bound(m, host_blocks=3)  # 2 usable host blocks
+    source = m.coordinator.single_type_managers[0]
+    assert isinstance(source, HiSparseSourceManager)
+    hit = source.block_pool.get_new_blocks(1)[0]  # held: touching it costs nothing
+    # vLLM 0.33.0's order: total, then local computed tokens, then main-model tokens.
+    assert source.get_num_blocks_to_allocate("w", 2 * BS, [hit], 2 * BS, BS, 2 * BS) == 0
+    # A hit ending inside its block needs a copy: 2 blocks for 1 free host block.
+    assert source.get_num_blocks_to_allocate("w", 2 * BS, [hit], 2 * BS, BS - 1, 2 * BS) == 17
 
 
 def test_the_source_keeps_its_longer_hit_until_allocate_slots_cuts_it() -> None:
