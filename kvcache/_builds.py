@@ -46,7 +46,9 @@ The vocabulary (``kv_cache_interface``, ``request``, ``kv_events``, ``metrics``)
 stays interpreted on purpose: compiled code checks an argument's type at the call
 only when the annotation names a *compiled* class, so with the vocabulary
 interpreted, vLLM's own ``KVCacheConfig``, specs, ``Request`` and events pass
-through the compiled managers as they do through the pure ones (drop-in)."""
+through the compiled managers as they do through the pure ones (drop-in). So does
+``hisparse`` (vLLM 0.33.0's HiSparse managers, whose argument order differs from the
+compiled base class's: see its docstring)."""
 
 PURE_ENV = "KVCACHE_PURE"
 """Set to 1 to import the pure-Python sources even where a compiled build exists."""

@@ -14,7 +14,7 @@ stats with the new fields).
 Covered: layouts of full attention, sliding window and chunked local attention
 (one group or several), with or without caching and EAGLE; ring buffers
 (``CircularBufferSpec`` / ``CircularBufferManager``); HiSparse layouts (the source,
-resident and hot managers of ``kvcache.single_type_kv_cache_manager``, driven by
+resident and hot managers of ``kvcache.hisparse``, driven by
 vLLM's own ``HiSparseCoordinator``: see docs/profiles.md); managers chosen through the
 spec registry (``KVCacheSpecRegistry``: registered spec classes, group roles); Mamba
 alone, and Mamba beside attention, with 0.33.0's fine-grained (sub-block) hits and
