@@ -33,7 +33,7 @@ from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
 from kvcache.profile import Profile, resolve_profile
 from kvcache.request import Request, RequestStatus
-from kvcache.single_type_kv_cache_manager import FullAttentionManager, MambaManager
+from kvcache.single_type_kv_cache_manager import MambaManager
 
 logger = logging.getLogger(__name__)
 
@@ -595,16 +595,9 @@ class KVCacheManager:
         coordinator.eagle_peek_to_hashed_length = profile.eagle_peek_to_hashed_length
         coordinator.mamba_no_eagle_margin = profile.mamba_no_eagle_margin
         coordinator.retention_replay_boundaries = profile.retention_replay_boundaries
-        if profile.shared_prefix_junctions:
-            for manager in coordinator.single_type_managers:
-                manager.keeps_shared_prefix_junction = True
         coordinator.block_pool.apply_profile(profile)
         for manager in coordinator.single_type_managers:
-            manager.caches_within_hashed_tokens = profile.cache_within_hashed_tokens
-        if profile.partial_prompt_tail_entries:
-            for manager in coordinator.single_type_managers:
-                if isinstance(manager, FullAttentionManager):
-                    manager.caches_partial_prompt_tail = True
+            manager.apply_profile(profile)
         if profile.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
             coordinator.clear_eagle_groups()
         zeroing = needs_kv_cache_zeroing(self.kv_cache_config)
@@ -615,18 +608,15 @@ class KVCacheManager:
             for manager in coordinator.single_type_managers:
                 if records_blocks_for_zeroing(manager.kv_cache_spec):
                     manager._tracks_new_block_ids = True
-        for manager in coordinator.single_type_managers:
-            manager.external_blocks_floor_zero = profile.external_blocks_floor_zero
         self._apply_mamba_profile(profile)
-        if profile.partial_hit_copy_on_write:
-            for manager in coordinator.single_type_managers:
-                manager.copies_partial_hits = True
         if profile.mamba_fine_grained_hits and isinstance(coordinator, HybridKVCacheCoordinator):
             coordinator.enable_fine_grained_hits()
 
     def _apply_mamba_profile(self, profile: Profile) -> None:
         """The Mamba switches: refuse a Mamba group that caches outside 'align'
-        (``mamba_align_only``), and set the state-freeing rules on each Mamba manager.
+        (``mamba_align_only``), and set each Mamba manager's prompt-tail EAGLE drop
+        (``mamba_prompt_tail_state`` with ``use_eagle``; the managers' own switches
+        come from their ``apply_profile``).
 
         Raises:
             AssertionError: a Mamba group in mode 'all' or 'none' with caching on
@@ -643,9 +633,6 @@ class KVCacheManager:
                         f"mamba_cache_mode={mode!r} with prefix caching on: under "
                         f"{profile!r} Mamba groups cache only in 'align' mode"
                     )
-            manager.frees_processed_states = profile.mamba_frees_processed_states
-            manager.caps_new_state_blocks = profile.mamba_caps_new_state_blocks
-            manager.caches_prompt_tail_state = profile.mamba_prompt_tail_state
             manager.prompt_tail_drops_eagle = profile.mamba_prompt_tail_state and self.use_eagle
 
     def _reject_allocate_args(self, request: Request, **counts: int) -> None:

@@ -41,6 +41,7 @@ from kvcache.kv_cache_utils import (
 )
 
 if TYPE_CHECKING:
+    from kvcache.profile import Profile
     from kvcache.request import Request
 
 
@@ -181,6 +182,18 @@ class SingleTypeKVCacheManager:
         self.caches_within_hashed_tokens = False
         # The external_blocks_floor_zero switch (kvcache.profile).
         self.external_blocks_floor_zero = False
+
+    def apply_profile(self, profile: Profile) -> None:
+        """Take the release switches this manager reads from ``profile``
+        (``kvcache.profile``): ``cache_within_hashed_tokens``,
+        ``external_blocks_floor_zero``, ``partial_hit_copy_on_write`` and
+        ``shared_prefix_junctions``. Kinds with switches of their own override this
+        and call the base class first. ``KVCacheManager`` calls it on every manager
+        it builds; the 0.33 drop-in's managers call it at construction."""
+        self.caches_within_hashed_tokens = profile.cache_within_hashed_tokens
+        self.external_blocks_floor_zero = profile.external_blocks_floor_zero
+        self.copies_partial_hits = profile.partial_hit_copy_on_write
+        self.keeps_shared_prefix_junction = profile.shared_prefix_junctions
 
     # ------------------------------------------------------------ sizing
 
@@ -559,6 +572,11 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     hit is the longest run of cached leading blocks."""
 
     supports_fine_grained_hash_lookup: ClassVar[bool] = True
+
+    def apply_profile(self, profile: Profile) -> None:
+        """The base class's switches, and ``partial_prompt_tail_entries``."""
+        SingleTypeKVCacheManager.apply_profile(self, profile)
+        self.caches_partial_prompt_tail = profile.partial_prompt_tail_entries
 
     @classmethod
     def find_longest_cache_hit(
@@ -977,7 +995,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
         self.last_state_block_idx: dict[str, int] = {}
         self._allocated_block_reqs: set[str] = set()
-        # Release switches (kvcache.profile), set by KVCacheManager._apply_profile.
+        # Release switches (kvcache.profile), set by apply_profile.
         self.frees_processed_states = False
         self.caps_new_state_blocks = False
         self.caches_prompt_tail_state = False
@@ -985,6 +1003,16 @@ class MambaManager(SingleTypeKVCacheManager):
         # Align mode under frees_processed_states: per request, the block index
         # below which every skipped state has been retired (freed or null).
         self._num_retired_blocks: dict[str, int] = {}
+
+    def apply_profile(self, profile: Profile) -> None:
+        """The base class's switches, and the Mamba state switches
+        (``mamba_frees_processed_states``, ``mamba_caps_new_state_blocks``,
+        ``mamba_prompt_tail_state``). ``prompt_tail_drops_eagle`` depends on the
+        manager's EAGLE setting and is set by ``KVCacheManager``."""
+        SingleTypeKVCacheManager.apply_profile(self, profile)
+        self.frees_processed_states = profile.mamba_frees_processed_states
+        self.caps_new_state_blocks = profile.mamba_caps_new_state_blocks
+        self.caches_prompt_tail_state = profile.mamba_prompt_tail_state
 
     @classmethod
     def find_longest_cache_hit(

@@ -332,7 +332,7 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
     in front of each manager class below): the constructor's
     ``needs_kv_cache_zeroing``, ``get_num_blocks_to_allocate``'s
     ``num_local_computed_tokens`` and ``prefill_end``, and the 0.33.0 profile's
-    group switches (``external_blocks_floor_zero``)."""
+    per-manager switches (the manager's ``apply_profile``)."""
 
     # Kinds whose 0.33.0 hits may end inside a block (fine-grained hits).
     _fine_grained_kind = False
@@ -360,7 +360,7 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
             max_admission_blocks_per_request,
         )
         self.set_needs_kv_cache_zeroing(needs_kv_cache_zeroing)
-        self.external_blocks_floor_zero = PROFILE.external_blocks_floor_zero
+        self.apply_profile(PROFILE)
 
     def get_num_blocks_to_allocate(  # type: ignore[override]
         self,
@@ -482,39 +482,10 @@ class ChunkedLocalAttentionManager(_SingleTypeApi, _managers.ChunkedLocalAttenti
 
 class MambaManager(_SingleTypeApi, _managers.MambaManager):  # type: ignore[misc]
     """vLLM 0.33.0's ``MambaManager`` for code that builds one directly (vLLM's own
-    tests do): 0.33.0's signatures (``_SingleTypeApi``) and ``PROFILE``'s Mamba state
-    switches set at construction (a ``KVCacheManager`` sets them on the managers it
-    builds)."""
+    tests do): 0.33.0's signatures (``_SingleTypeApi``, which applies ``PROFILE``'s
+    switches, the Mamba state switches included)."""
 
     _fine_grained_kind = True
-
-    def __init__(
-        self,
-        kv_cache_spec: Any,
-        block_pool: _block_pool.BlockPool,
-        enable_caching: bool,
-        kv_cache_group_id: int,
-        scheduler_block_size: int,
-        dcp_world_size: int = 1,
-        pcp_world_size: int = 1,
-        needs_kv_cache_zeroing: bool = False,
-        max_admission_blocks_per_request: int | None = None,
-    ) -> None:
-        # Explicit arguments: a compiled base class's __init__ mis-reads forwarded **kwargs.
-        super().__init__(
-            kv_cache_spec,
-            block_pool,
-            enable_caching,
-            kv_cache_group_id,
-            scheduler_block_size,
-            dcp_world_size,
-            pcp_world_size,
-            needs_kv_cache_zeroing,
-            max_admission_blocks_per_request,
-        )
-        self.frees_processed_states = PROFILE.mamba_frees_processed_states
-        self.caps_new_state_blocks = PROFILE.mamba_caps_new_state_blocks
-        self.caches_prompt_tail_state = PROFILE.mamba_prompt_tail_state
 
 
 class CrossAttentionManager(_SingleTypeApi, _managers.CrossAttentionManager):  # type: ignore[misc]
