@@ -354,11 +354,17 @@ class KVCacheCoordinator:
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
         num_local_computed_tokens: int = 0,
+        prefill_end: int = 0,
     ) -> int:
         """Blocks all groups together need from the pool for ``num_tokens`` slots
         (cross-attention groups: for ``num_encoder_tokens``, allocated once).
         ``num_local_computed_tokens`` (computed plus hit tokens) tells the managers
-        whether a hit ends inside a block (``partial_hit_copy_on_write``)."""
+        whether a hit ends inside a block (``partial_hit_copy_on_write``).
+        ``prefill_end`` (where the request's prefill ends; 0: anywhere) limits Mamba
+        prefill checkpoints to the chunk reaching it, under latest-only retention
+        (an interval of 0) only: denser retention publishes every chunk's state."""
+        if prefill_end and self.retention_interval != 0:
+            prefill_end = 0
         total = 0
         for i, manager in enumerate(self.single_type_managers):
             if self._is_cross[i]:
@@ -374,6 +380,7 @@ class KVCacheCoordinator:
                     num_tokens_main_model,
                     apply_admission_cap,
                     num_local_computed_tokens,
+                    prefill_end,
                 )
         return total
 

@@ -511,6 +511,11 @@ class KVCacheManager:
         watermark_blocks = self.watermark_blocks
         if watermark_blocks and not (has_scheduled_reqs and request.status in _WATERMARKED):
             watermark_blocks = 0
+        # Where the prefill ends (a resumed request replays its output tokens too):
+        # Mamba prefill checkpoints reserve a block only on the chunk reaching it.
+        prefill_end = 0
+        if self.mamba_prefill_checkpoints:
+            prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if full_sequence_must_fit:
             full_num_tokens = min(request.num_tokens, self.max_model_len)
             num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
@@ -522,6 +527,7 @@ class KVCacheManager:
                 num_tokens_main_model=full_num_tokens,
                 apply_admission_cap=True,
                 num_local_computed_tokens=num_local_computed_tokens,
+                prefill_end=prefill_end,
             )
             if not admits(num_blocks_to_allocate, free_queue.num_free_blocks, 0, watermark_blocks):
                 return None
@@ -546,6 +552,7 @@ class KVCacheManager:
             total_computed_tokens=num_local_computed_tokens + num_external_computed_tokens,
             num_tokens_main_model=num_tokens_main_model,
             num_local_computed_tokens=num_local_computed_tokens,
+            prefill_end=prefill_end,
         )
         num_free = free_queue.num_free_blocks
         if not admits(num_blocks_to_allocate, num_free, reserved_blocks, watermark_blocks):
@@ -589,6 +596,7 @@ class KVCacheManager:
         self.adopt_computed_without_new_tokens = profile.adopt_computed_without_new_tokens
         self.free_on_processed_tokens = profile.free_on_processed_tokens
         self.cascade_always_zero = profile.cascade_always_zero
+        self.mamba_prefill_checkpoints = profile.mamba_prefill_checkpoints
         coordinator = self.coordinator
         coordinator.pop_drops_null_head = profile.pop_drops_null_head
         coordinator.trim_every_full_group = profile.trim_every_full_group
@@ -633,7 +641,7 @@ class KVCacheManager:
                         f"mamba_cache_mode={mode!r} with prefix caching on: under "
                         f"{profile!r} Mamba groups cache only in 'align' mode"
                     )
-            manager.prompt_tail_drops_eagle = profile.mamba_prompt_tail_state and self.use_eagle
+            manager.drop_eagle_checkpoint_block = profile.mamba_prompt_tail_state and self.use_eagle
 
     def _reject_allocate_args(self, request: Request, **counts: int) -> None:
         """Raise the ValueError for bad ``allocate_slots`` counts (see there)."""

@@ -317,6 +317,19 @@ SWITCHES: tuple[Switch, ...] = (
         "over-allocation); 0.25.1 asks the pool for the negative count.",
         "0.33.0",
     ),
+    Switch(
+        "mamba_prefill_checkpoints",
+        "",
+        "An 'align' Mamba group whose spec has num_prefill_checkpoint_blocks > 0 and a "
+        "prefill_checkpoint_alignment reserves a block for the state its backend "
+        "exports inside a prefill chunk (the prompt-tail boundary rule applied to the "
+        "chunk's end; under latest-only retention only on the chunk reaching the "
+        "prefill end) and keys it at that position if a later lookup can reuse it "
+        "(the prompt's checkpoint, a retained block boundary, the request's "
+        "shared-prefix boundary), else drops the column's keys; 0.25.1's MambaSpec "
+        "has neither field.",
+        "0.33.0",
+    ),
 )
 """Every switch, in the order of the ledger's entries."""
 
@@ -370,6 +383,7 @@ class Profile:
     event_session_id: bool
     full_report_mode: bool
     external_blocks_floor_zero: bool
+    mamba_prefill_checkpoints: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:

@@ -375,8 +375,8 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
     ) -> int:
         """kvcache's count, with 0.33.0's argument order: ``num_local_computed_tokens``
         (the local hit's tokens: a hit ending inside a block counts its copy-on-write
-        block) and ``prefill_end`` (where a Mamba prefill checkpoint would go;
-        checkpoints are not modelled, so unused)."""
+        block) and ``prefill_end`` (where the prefill ends: a Mamba prefill
+        checkpoint goes only into the chunk reaching it; 0: any chunk)."""
         return super().get_num_blocks_to_allocate(
             request_id,
             num_tokens,
@@ -385,6 +385,7 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
             num_tokens_main_model,
             apply_admission_cap,
             num_local_computed_tokens=num_local_computed_tokens,
+            prefill_end=prefill_end,
         )
 
 
@@ -817,9 +818,32 @@ class KVCacheManager(_KVCacheManager):
         return copies, [block for pair in pairs for block in pair]
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """Boundary-state hand-offs for a KV connector: none without Mamba 'align'."""
-        return {}
+        """The boundary states recorded since the last call, for a KV connector:
+        ``{request id: [(group id, block id, tokens the state covers), ...]}``. Mamba
+        'align' groups record each state they cache (prefill checkpoints and the
+        prompt's tail included) and the copy that preserves a request's own
+        partial prompt-tail state; other groups record none. The scheduler drains
+        this every step; the blocks are not held for the caller."""
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for manager in self.coordinator.single_type_managers:
+            for request_id, group_id, block, num_tokens in (
+                manager.take_pending_boundary_state_offloads()
+            ):
+                offloads.setdefault(request_id, []).append((group_id, block.block_id, num_tokens))
+        return offloads
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        """A finishing request's partial-tail state offloads: none without Mamba 'align'."""
-        return []
+        """A finishing request's own partial prompt-tail states, for a KV connector to
+        save before the request's blocks are freed: ``(group id, block id, tokens)``
+        per Mamba 'align' group whose tail block no later token was written into
+        (``finalize_partial_tail_offload``), each handed out once."""
+        offloads: list[tuple[int, int, int]] = []
+        in_flight: int = getattr(request, "num_in_flight_tokens", 0) or 0
+        for manager in self.coordinator.single_type_managers:
+            tail = manager.finalize_partial_tail_offload(
+                request.request_id, request.num_computed_tokens, in_flight
+            )
+            if tail is not None:
+                group_id, block, num_tokens = tail
+                offloads.append((group_id, block.block_id, num_tokens))
+        return offloads
