@@ -1036,6 +1036,10 @@ class MambaManager(SingleTypeKVCacheManager):
         # partial prompt-tail state (block, tokens) until a copy or its end hands it on.
         self.offers_boundary_states = False
         self._producer_partial_tail_reqs: dict[str, tuple[KVCacheBlock, int]] = {}
+        # vLLM 0.33.0's enable_mamba_shared_prefix_checkpoint, narrowed by the 0.33
+        # drop-in's manager (EAGLE, fine-grained hits, no re-prefilled tail): also key
+        # the state at the request's shared_prefix_boundary inside its prompt.
+        self.shared_prefix_checkpoint = False
         # Align mode under frees_processed_states: per request, the block index
         # below which every skipped state has been retired (freed or null).
         self._num_retired_blocks: dict[str, int] = {}
@@ -1501,11 +1505,7 @@ class MambaManager(SingleTypeKVCacheManager):
         super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
         after = self.num_cached_block.get(request.request_id, 0)
         if self.caches_prompt_tail_state and self.mamba_cache_mode == "align":
-            checkpoint = self._checkpoints.get(request.request_id) if self._checkpoints else None
-            if checkpoint is not None:
-                key = self._cache_checkpoint_state(request, checkpoint, retention_interval)
-            else:
-                key = self._cache_prompt_tail_state(request, num_tokens)
+            key = self._cache_partial_tail_block(request, num_tokens, retention_interval)
             if key is not None:
                 self.cached_blocks_this_step.add(get_block_hash(key))
         if after <= before:
@@ -1520,6 +1520,20 @@ class MambaManager(SingleTypeKVCacheManager):
                     self._pending_boundary_state_offloads.append(
                         (request.request_id, self.kv_cache_group_id, block, num_state_tokens)
                     )
+
+    def _cache_partial_tail_block(
+        self, request: Request, num_tokens: int, retention_interval: int | None = None
+    ) -> BlockHashWithGroupId | None:
+        """'align' mode's state keyed off the full-block grid (vLLM 0.33.0's name): the
+        prefill checkpoint this step reserved (``_cache_checkpoint_state``), else the
+        prompt-tail state or shared-prefix junction (``_cache_prompt_tail_state``).
+
+        Returns:
+            The pool key of the entry made, or None."""
+        checkpoint = self._checkpoints.get(request.request_id) if self._checkpoints else None
+        if checkpoint is not None:
+            return self._cache_checkpoint_state(request, checkpoint, retention_interval)
+        return self._cache_prompt_tail_state(request, num_tokens)
 
     def _cache_checkpoint_state(
         self, request: Request, checkpoint: tuple[int, int], retention_interval: int | None
@@ -1579,7 +1593,9 @@ class MambaManager(SingleTypeKVCacheManager):
         lookahead tokens its hash covers, when more), or with EAGLE one whole hash
         block less. A boundary inside a block is keyed only under
         ``copies_partial_hits``: the request then counts the block as not cached yet
-        and its next allocation moves the entry to a copy."""
+        and its next allocation moves the entry to a copy. With
+        ``shared_prefix_checkpoint`` the request's shared-prefix junction is keyed
+        the same way (``_is_shared_prefix_junction``)."""
         hash_block_size = self.block_pool.hash_block_size
         if num_tokens <= 0 or num_tokens % hash_block_size:
             return None
@@ -1590,7 +1606,11 @@ class MambaManager(SingleTypeKVCacheManager):
             self.block_pool.num_hash_lookahead_tokens,
         )
         inside = num_tokens % self.block_size != 0
-        if num_tokens != boundary or (inside and not self.copies_partial_hits):
+        if num_tokens != boundary and not (
+            self.shared_prefix_checkpoint and self._is_shared_prefix_junction(request, num_tokens)
+        ):
+            return None
+        if inside and not self.copies_partial_hits:
             return None
         blocks = self.req_to_blocks[request.request_id]
         block_idx = cdiv(num_tokens, self.block_size) - 1
@@ -1608,6 +1628,18 @@ class MambaManager(SingleTypeKVCacheManager):
             if self.offers_boundary_states:
                 self._producer_partial_tail_reqs[request.request_id] = (block, num_tokens)
         return key
+
+    @staticmethod
+    def _is_shared_prefix_junction(request: Request, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` is the request's ``shared_prefix_boundary`` (where a
+        sibling's hit stopped) and inside the prompt chunk being computed: past the
+        computed tokens, at most the prompt (in decode the running state is
+        overwritten in place, so its key would promise a later state)."""
+        junction: int = getattr(request, "shared_prefix_boundary", 0) or 0
+        return (
+            junction == num_tokens
+            and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens
+        )
 
     def finalize_partial_tail_offload(
         self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int

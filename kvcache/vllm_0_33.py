@@ -21,10 +21,12 @@ switches: a Mamba group caching outside 'align' is refused;
 ``take_kv_cache_block_copies`` hands out the copies); lookahead hashing
 (``num_hash_lookahead_tokens``) and prefill lookahead (``num_prefill_lookahead``:
 re-prefilled tokens are not cached); decode / prefill context parallelism with
-0.33.0's per-group geometry (``pcp_not_scaled``, ``dcp_sharded_geometry``). Not
-covered yet (``NotImplementedError`` naming the argument): the Mamba shared-prefix
-checkpoint. Mamba prefill checkpoints and boundary-state offloads are not modelled:
-see ``docs/profiles.md`` and ``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
+0.33.0's per-group geometry (``pcp_not_scaled``, ``dcp_sharded_geometry``); Mamba
+prefill checkpoints, the Mamba shared-prefix checkpoint
+(``enable_mamba_shared_prefix_checkpoint``) and boundary-state offloads to a KV
+connector (``take_boundary_state_offloads``, ``finalize_partial_tail_offloads``),
+under the ``mamba_prefill_checkpoints`` switch. Not covered yet: see
+``docs/profiles.md`` and ``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
 
 For vLLM 0.33.0's module layout the module also has 0.33.0's hashing helpers
 (``generate_block_hash_extra_keys`` tagged, ``resolve_none_hash_seed``,
@@ -511,8 +513,10 @@ class KVCacheManager(_KVCacheManager):
             list them per block (``lookahead_token_ids``). A bool counts as 0 / 1.
         num_prefill_lookahead: A multi-module drafter's prefill lookahead: the last
             ``num_prefill_lookahead - 1`` computed tokens are not cached yet.
-        enable_mamba_shared_prefix_checkpoint: Must be False with a Mamba group
-            (a no-op without one, as in vLLM).
+        enable_mamba_shared_prefix_checkpoint: Also key a Mamba 'align' group's state
+            at a request's shared-prefix boundary inside its prompt, where an EAGLE
+            sibling resumes (``mamba_shared_prefix_checkpoint``: only with EAGLE
+            groups, fine-grained hits and no re-prefilled tail, as in vLLM).
 
     The other arguments are ``kvcache.KVCacheManager``'s.
 
@@ -543,19 +547,9 @@ class KVCacheManager(_KVCacheManager):
             "num_hash_lookahead_tokens", num_hash_lookahead_tokens
         )
         num_prefill_lookahead = _check_lookahead("num_prefill_lookahead", num_prefill_lookahead)
-        if enable_mamba_shared_prefix_checkpoint and any(
-            is_spec_kind(g.kv_cache_spec, "MambaSpec") for g in kv_cache_config.kv_cache_groups
-        ):
-            raise NotImplementedError(
-                "enable_mamba_shared_prefix_checkpoint=True: kvcache's 0.33.0 profile does "
-                "not model Mamba shared-prefix checkpoints yet"
-            )
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.num_prefill_lookahead = num_prefill_lookahead
         self.enable_mamba_shared_prefix_checkpoint = enable_mamba_shared_prefix_checkpoint
-        # 0.33.0's predicate (EAGLE groups, fine-grained hits, no re-prefill tail) needs
-        # Mamba 'align' fine-grained hits, which no covered layout has.
-        self.mamba_shared_prefix_checkpoint = False
         # Groups that keep a longer hit than the common one (none without RSWA retention).
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -583,6 +577,20 @@ class KVCacheManager(_KVCacheManager):
         )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = self._new_stats()
+        coordinator = self.coordinator
+        # 0.33.0 narrows the option to where both the scheduler and the managers can
+        # honour a junction: EAGLE groups, fine-grained hits, no re-prefilled tail
+        # (whose caching lags the chunk end). The scheduler reads the same value.
+        self.mamba_shared_prefix_checkpoint = (
+            enable_mamba_shared_prefix_checkpoint
+            and bool(coordinator.eagle_group_ids)
+            and coordinator.enable_partial_hash_hits
+            and coordinator.num_reprefillable_tokens == 0
+        )
+        if self.mamba_shared_prefix_checkpoint:
+            for manager in coordinator.single_type_managers:
+                if isinstance(manager, _managers.MambaManager):
+                    manager.shared_prefix_checkpoint = True
 
     def _new_stats(self) -> _PrefixCacheStats:
         """Empty stats of the profile's class (``stats_hits_by_source``: 0.33.0's)."""
