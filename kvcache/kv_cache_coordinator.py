@@ -364,9 +364,11 @@ class KVCacheCoordinator:
         ``num_local_computed_tokens`` (computed plus hit tokens) tells the managers
         whether a hit ends inside a block (``partial_hit_copy_on_write``), and a
         HiSparse hot group whether the request resumes a host prefix.
-        ``prefill_end`` is vLLM 0.33.0's argument (where a Mamba prefill checkpoint
-        would go; its scheduler passes it): accepted, unused (checkpoints are not
-        modelled)."""
+        ``prefill_end`` (where the request's prefill ends; 0: anywhere) limits Mamba
+        prefill checkpoints to the chunk reaching it, under latest-only retention
+        (an interval of 0) only: denser retention publishes every chunk's state."""
+        if prefill_end and self.retention_interval != 0:
+            prefill_end = 0
         total = 0
         for i, manager in enumerate(self.single_type_managers):
             if self._is_cross[i]:
@@ -385,6 +387,7 @@ class KVCacheCoordinator:
                     num_local_computed_tokens,
                     num_tokens_main_model,
                     apply_admission_cap,
+                    prefill_end,
                 )
                 total += counted
             else:
@@ -396,6 +399,7 @@ class KVCacheCoordinator:
                     num_tokens_main_model,
                     apply_admission_cap,
                     num_local_computed_tokens,
+                    prefill_end,
                 )
         return total
 

@@ -444,6 +444,14 @@ class MambaSpec(KVCacheSpec):
     block per ``block_size`` tokens, all cacheable) or "align" (only the running
     state plus the block-aligned checkpoint). ``num_speculative_blocks`` extra
     state blocks serve speculative decoding.
+
+    vLLM 0.33.0's prefill checkpoints ('align' mode, the ``mamba_prefill_checkpoints``
+    switch): ``num_prefill_checkpoint_blocks`` (> 0 turns them on) more state blocks
+    a request may hold for a state exported mid-chunk, and
+    ``prefill_checkpoint_alignment`` (tokens; None: the backend exports none), the
+    granularity of the positions a backend can export a state at, counted from
+    the chunk's start. Both are part of the spec's equality (layers with
+    different values do not merge).
     """
 
     shapes: tuple[tuple[int, ...], ...] = ()
@@ -452,6 +460,8 @@ class MambaSpec(KVCacheSpec):
     mamba_type: str = "mamba2"
     mamba_cache_mode: str = "none"
     num_speculative_blocks: int = 0
+    num_prefill_checkpoint_blocks: int = 0
+    prefill_checkpoint_alignment: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -463,6 +473,16 @@ class MambaSpec(KVCacheSpec):
             raise ValueError(
                 "num_speculative_blocks must be a non-negative int, got "
                 f"{self.num_speculative_blocks!r}"
+            )
+        n = self.num_prefill_checkpoint_blocks
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"num_prefill_checkpoint_blocks must be a non-negative int, got {n!r}")
+        alignment = self.prefill_checkpoint_alignment
+        if alignment is not None and (
+            not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
+        ):
+            raise ValueError(
+                f"prefill_checkpoint_alignment must be None or a positive int, got {alignment!r}"
             )
 
     @property
@@ -480,20 +500,27 @@ class MambaSpec(KVCacheSpec):
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         """States one request holds: one per block ("all"), running + checkpoint
-        ("align") or the running one ("none"), plus the speculative ones. The mode
-        read is the cache config's, as vLLM reads it."""
+        and the prefill checkpoint blocks ("align") or the running one ("none"), plus
+        the speculative ones. The mode read is the cache config's, as vLLM reads it."""
         mode = vllm_config.cache_config.mamba_cache_mode
         if mode == "all":
             max_model_len = vllm_config.model_config.max_model_len
             states = kv_cache_math.cdiv(max_model_len, self.block_size)
+        elif mode == "align":
+            states = 2 + self.num_prefill_checkpoint_blocks
         else:
-            states = 2 if mode == "align" else 1
+            states = 1
         return (states + self.num_speculative_blocks) * self.page_size_bytes
 
     def is_uniform_with_collection(self, kv_cache_specs: dict[str, Any]) -> bool:
-        """Mamba layers with the same number of speculative blocks only."""
+        """Mamba layers with the same speculative and prefill checkpoint blocks and
+        checkpoint alignment only."""
         return super().is_uniform_with_collection(kv_cache_specs) and all(
             spec.num_speculative_blocks == self.num_speculative_blocks
+            and getattr(spec, "num_prefill_checkpoint_blocks", 0)
+            == self.num_prefill_checkpoint_blocks
+            and getattr(spec, "prefill_checkpoint_alignment", None)
+            == self.prefill_checkpoint_alignment
             for spec in kv_cache_specs.values()
         )
 

@@ -35,7 +35,7 @@ from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
 from kvcache.profile import Profile, resolve_profile
 from kvcache.request import Request, RequestStatus
-from kvcache.single_type_kv_cache_manager import FullAttentionManager, MambaManager
+from kvcache.single_type_kv_cache_manager import MambaManager
 
 logger = logging.getLogger(__name__)
 
@@ -550,6 +550,11 @@ class KVCacheManager:
         watermark_blocks = self.watermark_blocks
         if watermark_blocks and not (has_scheduled_reqs and request.status in _WATERMARKED):
             watermark_blocks = 0
+        # Where the prefill ends (a resumed request replays its output tokens too):
+        # Mamba prefill checkpoints reserve a block only on the chunk reaching it.
+        prefill_end = 0
+        if self.mamba_prefill_checkpoints:
+            prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if full_sequence_must_fit:
             full_num_tokens = min(request.num_tokens, self.max_model_len)
             num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
@@ -561,6 +566,7 @@ class KVCacheManager:
                 num_tokens_main_model=full_num_tokens,
                 apply_admission_cap=True,
                 num_local_computed_tokens=num_local_computed_tokens,
+                prefill_end=prefill_end,
             )
             if not admits(num_blocks_to_allocate, free_queue.num_free_blocks, 0, watermark_blocks):
                 return None
@@ -585,6 +591,7 @@ class KVCacheManager:
             total_computed_tokens=num_local_computed_tokens + num_external_computed_tokens,
             num_tokens_main_model=num_tokens_main_model,
             num_local_computed_tokens=num_local_computed_tokens,
+            prefill_end=prefill_end,
         )
         num_free = free_queue.num_free_blocks
         if not admits(num_blocks_to_allocate, num_free, reserved_blocks, watermark_blocks):
@@ -640,22 +647,16 @@ class KVCacheManager:
         self.adopt_computed_without_new_tokens = profile.adopt_computed_without_new_tokens
         self.free_on_processed_tokens = profile.free_on_processed_tokens
         self.cascade_always_zero = profile.cascade_always_zero
+        self.mamba_prefill_checkpoints = profile.mamba_prefill_checkpoints
         coordinator = self.coordinator
         coordinator.pop_drops_null_head = profile.pop_drops_null_head
         coordinator.trim_every_full_group = profile.trim_every_full_group
         coordinator.eagle_peek_to_hashed_length = profile.eagle_peek_to_hashed_length
         coordinator.mamba_no_eagle_margin = profile.mamba_no_eagle_margin
         coordinator.retention_replay_boundaries = profile.retention_replay_boundaries
-        if profile.shared_prefix_junctions:
-            for manager in coordinator.single_type_managers:
-                manager.keeps_shared_prefix_junction = True
         coordinator.block_pool.apply_profile(profile)
         for manager in coordinator.single_type_managers:
-            manager.caches_within_hashed_tokens = profile.cache_within_hashed_tokens
-        if profile.partial_prompt_tail_entries:
-            for manager in coordinator.single_type_managers:
-                if isinstance(manager, FullAttentionManager):
-                    manager.caches_partial_prompt_tail = True
+            manager.apply_profile(profile)
         if profile.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
             coordinator.clear_eagle_groups()
         zeroing = needs_kv_cache_zeroing(self.kv_cache_config)
@@ -666,18 +667,15 @@ class KVCacheManager:
             for manager in coordinator.single_type_managers:
                 if records_blocks_for_zeroing(manager.kv_cache_spec):
                     manager._tracks_new_block_ids = True
-        for manager in coordinator.single_type_managers:
-            manager.external_blocks_floor_zero = profile.external_blocks_floor_zero
         self._apply_mamba_profile(profile)
-        if profile.partial_hit_copy_on_write:
-            for manager in coordinator.single_type_managers:
-                manager.copies_partial_hits = True
         if profile.mamba_fine_grained_hits and isinstance(coordinator, HybridKVCacheCoordinator):
             coordinator.enable_fine_grained_hits()
 
     def _apply_mamba_profile(self, profile: Profile) -> None:
         """The Mamba switches: refuse a Mamba group that caches outside 'align'
-        (``mamba_align_only``), and set the state-freeing rules on each Mamba manager.
+        (``mamba_align_only``), and set each Mamba manager's prompt-tail EAGLE drop
+        (``mamba_prompt_tail_state`` with ``use_eagle``; the managers' own switches
+        come from their ``apply_profile``).
 
         Raises:
             AssertionError: a Mamba group in mode 'all' or 'none' with caching on
@@ -694,10 +692,7 @@ class KVCacheManager:
                         f"mamba_cache_mode={mode!r} with prefix caching on: under "
                         f"{profile!r} Mamba groups cache only in 'align' mode"
                     )
-            manager.frees_processed_states = profile.mamba_frees_processed_states
-            manager.caps_new_state_blocks = profile.mamba_caps_new_state_blocks
-            manager.caches_prompt_tail_state = profile.mamba_prompt_tail_state
-            manager.prompt_tail_drops_eagle = profile.mamba_prompt_tail_state and self.use_eagle
+            manager.drop_eagle_checkpoint_block = profile.mamba_prompt_tail_state and self.use_eagle
 
     def _reject_allocate_args(self, request: Request, **counts: int) -> None:
         """Raise the ValueError for bad ``allocate_slots`` counts (see there)."""

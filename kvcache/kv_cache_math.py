@@ -94,6 +94,38 @@ def mamba_prompt_tail_boundary(
     return max(boundary, 0)
 
 
+def mamba_prefill_checkpoint_valid(
+    query_start: int,
+    query_end: int,
+    checkpoint_position: int,
+    hash_block_size: int,
+    mamba_block_size: int,
+    checkpoint_alignment: int | None,
+) -> bool:
+    """Whether a backend can export a Mamba state at ``checkpoint_position`` inside
+    the chunk ``[query_start, query_end)`` (vLLM 0.33.0's prefill checkpoints): the
+    backend has an alignment, the chunk starts on a hash boundary, the state goes
+    to a column (``cdiv(query_end, block) - 2``) past the one holding the chunk's
+    initial state, the position is at least one hash block into the chunk and
+    before its end, and it is a whole number of alignment steps from the start.
+
+    pre: hash_block_size > 0 and mamba_block_size > 0 and query_start >= 0
+    pre: checkpoint_alignment is None or checkpoint_alignment > 0
+    post: not __return__ or query_start < checkpoint_position < query_end
+    """
+    if checkpoint_alignment is None:
+        return False
+    initial_state_col = (query_start - 1) // mamba_block_size
+    checkpoint_col = cdiv(query_end, mamba_block_size) - 2
+    return (
+        query_start % hash_block_size == 0
+        and checkpoint_col > initial_state_col
+        and query_start + hash_block_size <= checkpoint_position
+        and query_start < checkpoint_position < query_end
+        and (checkpoint_position - query_start) % checkpoint_alignment == 0
+    )
+
+
 def sliding_window_admission_blocks(
     sliding_window: int, block_size: int, max_num_batched_tokens: int, max_model_len: int
 ) -> int:

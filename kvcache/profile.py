@@ -316,7 +316,21 @@ SWITCHES: tuple[Switch, ...] = (
         "holds as many as the computed tokens need (e.g. after a speculative "
         "over-allocation); 0.25.1 asks the pool for the negative count.",
         "0.33.0",
-    ),    Switch(
+    ),
+    Switch(
+        "mamba_prefill_checkpoints",
+        "",
+        "An 'align' Mamba group whose spec has num_prefill_checkpoint_blocks > 0 and a "
+        "prefill_checkpoint_alignment reserves a block for the state its backend "
+        "exports inside a prefill chunk (the prompt-tail boundary rule applied to the "
+        "chunk's end; under latest-only retention only on the chunk reaching the "
+        "prefill end) and keys it at that position if a later lookup can reuse it "
+        "(the prompt's checkpoint, a retained block boundary, the request's "
+        "shared-prefix boundary), else drops the column's keys; 0.25.1's MambaSpec "
+        "has neither field.",
+        "0.33.0",
+    ),
+    Switch(
         "hisparse_groups",
         "",
         "HiSparse layouts (vLLM 0.33.0): a group with role 'hisparse_source' gets "
@@ -380,6 +394,7 @@ class Profile:
     event_session_id: bool
     full_report_mode: bool
     external_blocks_floor_zero: bool
+    mamba_prefill_checkpoints: bool
     hisparse_groups: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:

@@ -44,6 +44,7 @@ from kvcache.kv_cache_utils import (
 )
 
 if TYPE_CHECKING:
+    from kvcache.profile import Profile
     from kvcache.request import Request
 
 
@@ -191,6 +192,22 @@ class SingleTypeKVCacheManager:
         self.caches_within_hashed_tokens = False
         # The external_blocks_floor_zero switch (kvcache.profile).
         self.external_blocks_floor_zero = False
+        # Boundary states handed to a KV connector (vLLM 0.33.0): (request id, group
+        # id, block, tokens its state covers), until take_pending_boundary_state_offloads.
+        # Only Mamba 'align' under mamba_prefill_checkpoints records any.
+        self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
+
+    def apply_profile(self, profile: Profile) -> None:
+        """Take the release switches this manager reads from ``profile``
+        (``kvcache.profile``): ``cache_within_hashed_tokens``,
+        ``external_blocks_floor_zero``, ``partial_hit_copy_on_write`` and
+        ``shared_prefix_junctions``. Kinds with switches of their own override this
+        and call the base class first. ``KVCacheManager`` calls it on every manager
+        it builds; the 0.33 drop-in's managers call it at construction."""
+        self.caches_within_hashed_tokens = profile.cache_within_hashed_tokens
+        self.external_blocks_floor_zero = profile.external_blocks_floor_zero
+        self.copies_partial_hits = profile.partial_hit_copy_on_write
+        self.keeps_shared_prefix_junction = profile.shared_prefix_junctions
 
     # ------------------------------------------------------------ sizing
 
@@ -203,6 +220,7 @@ class SingleTypeKVCacheManager:
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
         num_local_computed_tokens: int = 0,
+        prefill_end: int = 0,
     ) -> int:
         """Blocks the pool must supply so the request has ``num_tokens`` slots.
 
@@ -220,6 +238,8 @@ class SingleTypeKVCacheManager:
             num_local_computed_tokens: Computed plus hit tokens (vLLM 0.33.0's argument):
                 under ``copies_partial_hits`` a hit ending inside a block needs one
                 more block, its copy.
+            prefill_end: Where the request's prefill ends (vLLM 0.33.0's argument; 0:
+                anywhere): only Mamba prefill checkpoints read it.
         """
         num_required_blocks = kv_cache_math.num_required_blocks(
             num_tokens,
@@ -370,6 +390,20 @@ class SingleTypeKVCacheManager:
         """Return and clear the (source, copy) block pairs queued since the last call."""
         pending, self._pending_cow_copies = self._pending_cow_copies, []
         return pending
+
+    def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, KVCacheBlock, int]]:
+        """Return and clear the boundary states recorded for a KV connector since the
+        last call: ``(request id, group id, block, tokens its state covers)``. The
+        blocks are not held for the caller: one reading them later must pin them."""
+        pending, self._pending_boundary_state_offloads = self._pending_boundary_state_offloads, []
+        return pending
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, KVCacheBlock, int] | None:
+        """A finishing request's own partial prompt-tail state for a connector, as
+        ``(group id, block, tokens)``; None here (only Mamba 'align' has one)."""
+        return None
 
     @property
     def records_new_block_ids(self) -> bool:
@@ -569,6 +603,11 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     hit is the longest run of cached leading blocks."""
 
     supports_fine_grained_hash_lookup: ClassVar[bool] = True
+
+    def apply_profile(self, profile: Profile) -> None:
+        """The base class's switches, and ``partial_prompt_tail_entries``."""
+        SingleTypeKVCacheManager.apply_profile(self, profile)
+        self.caches_partial_prompt_tail = profile.partial_prompt_tail_entries
 
     @classmethod
     def find_longest_cache_hit(
@@ -987,14 +1026,53 @@ class MambaManager(SingleTypeKVCacheManager):
         self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
         self.last_state_block_idx: dict[str, int] = {}
         self._allocated_block_reqs: set[str] = set()
-        # Release switches (kvcache.profile), set by KVCacheManager._apply_profile.
+        # Release switches (kvcache.profile), set by apply_profile.
         self.frees_processed_states = False
         self.caps_new_state_blocks = False
         self.caches_prompt_tail_state = False
-        self.prompt_tail_drops_eagle = False  # the manager's use_eagle, with the switch
+        # vLLM 0.33.0's name: the prompt-tail state and the prefill checkpoints drop
+        # one hash block, as EAGLE's replay does (the manager's use_eagle, with the
+        # mamba_prompt_tail_state switch; vLLM's own tests set it directly).
+        self.drop_eagle_checkpoint_block = False
+        # The mamba_prefill_checkpoints switch, and whether this group takes
+        # checkpoints (the switch, 'align' mode and checkpoint blocks in the spec).
+        self.makes_prefill_checkpoints = False
+        self.has_prefill_checkpoint_blocks = False
+        # Per request: the prefill checkpoint (token position, block index) the last
+        # sizing reserved, until the next sizing or the request is freed.
+        self._checkpoints: dict[str, tuple[int, int]] = {}
+        # Boundary-state offloads (vLLM 0.33.0, with mamba_prefill_checkpoints): record
+        # each state this group caches for a KV connector, and per request its own
+        # partial prompt-tail state (block, tokens) until a copy or its end hands it on.
+        self.offers_boundary_states = False
+        self._producer_partial_tail_reqs: dict[str, tuple[KVCacheBlock, int]] = {}
+        # vLLM 0.33.0's enable_mamba_shared_prefix_checkpoint, narrowed by the 0.33
+        # drop-in's manager (EAGLE, fine-grained hits, no re-prefilled tail): also key
+        # the state at the request's shared_prefix_boundary inside its prompt.
+        self.shared_prefix_checkpoint = False
         # Align mode under frees_processed_states: per request, the block index
         # below which every skipped state has been retired (freed or null).
         self._num_retired_blocks: dict[str, int] = {}
+
+    def apply_profile(self, profile: Profile) -> None:
+        """The base class's switches, and the Mamba state switches
+        (``mamba_frees_processed_states``, ``mamba_caps_new_state_blocks``,
+        ``mamba_prompt_tail_state``, ``mamba_prefill_checkpoints``).
+        ``drop_eagle_checkpoint_block`` depends on the manager's EAGLE setting and is
+        set by ``KVCacheManager``."""
+        SingleTypeKVCacheManager.apply_profile(self, profile)
+        self.frees_processed_states = profile.mamba_frees_processed_states
+        self.caps_new_state_blocks = profile.mamba_caps_new_state_blocks
+        self.caches_prompt_tail_state = profile.mamba_prompt_tail_state
+        self.makes_prefill_checkpoints = profile.mamba_prefill_checkpoints
+        self.offers_boundary_states = (
+            profile.mamba_prefill_checkpoints and self.mamba_cache_mode == "align"
+        )
+        self.has_prefill_checkpoint_blocks = (
+            profile.mamba_prefill_checkpoints
+            and self.mamba_cache_mode == "align"
+            and getattr(self.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
+        )
 
     @classmethod
     def find_longest_cache_hit(
@@ -1152,13 +1230,20 @@ class MambaManager(SingleTypeKVCacheManager):
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
         num_local_computed_tokens: int = 0,
+        prefill_end: int = 0,
     ) -> int:
         """As the base class, plus speculative blocks; align mode needs at most
         one new state (plus speculative blocks on first prefill), and one more for
         the copy of a state that ends inside its block (``copies_partial_hits``: a
         hit there, or the request's own prompt-tail entry). A hit on a state
         cached this step reports more blocks than the pool has, deferring the
-        request to the next step."""
+        request to the next step.
+
+        With prefill checkpoints (``has_prefill_checkpoint_blocks``) the chunk from
+        ``total_computed_tokens`` to ``num_tokens_main_model`` may also export a state
+        mid-chunk (``_prefill_checkpoint``): one more block is allowed, and outside
+        the admission estimate the checkpoint is recorded for ``allocate_new_blocks``
+        and ``cache_blocks``."""
         if new_computed_blocks:
             last = new_computed_blocks[-1]
             if last._hash is not None and last._hash in self.cached_blocks_this_step:
@@ -1176,6 +1261,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 num_tokens_main_model,
                 apply_admission_cap=apply_admission_cap,
                 num_local_computed_tokens=num_local_computed_tokens,
+                prefill_end=prefill_end,
             )
         # Align mode ignores lookahead slots (draft models have no Mamba layers).
         num_new_blocks = kv_cache_math.mamba_align_num_new_blocks(
@@ -1186,42 +1272,105 @@ class MambaManager(SingleTypeKVCacheManager):
             len(self.req_to_blocks[request_id]),  # may create an entry, as in vLLM
             request_id in self._allocated_block_reqs,
         )
+        checkpoint_block = 0
+        if self.makes_prefill_checkpoints:
+            position = 0
+            if self.has_prefill_checkpoint_blocks:
+                position = self._prefill_checkpoint(
+                    request_id, total_computed_tokens, num_tokens_main_model, prefill_end
+                )
+            checkpoint_block = int(position > 0)
+            if not apply_admission_cap:
+                if position:
+                    column = cdiv(num_tokens_main_model, self.block_size) - 2
+                    self._checkpoints[request_id] = (position, column)
+                elif self._checkpoints:
+                    self._checkpoints.pop(request_id, None)
         if self.caps_new_state_blocks and num_new_blocks > 0:
             num_new_blocks = self._capped_new_state_blocks(
-                request_id, num_tokens_main_model, len(new_computed_blocks)
+                request_id, num_tokens_main_model, len(new_computed_blocks), checkpoint_block
             )
         if self.copies_partial_hits and (
             request_id in self._partial_hit_reqs
             or self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens)
         ):
             num_new_blocks = self._new_state_blocks_with_copy(
-                request_id, num_tokens_main_model, len(new_computed_blocks)
+                request_id, num_tokens_main_model, len(new_computed_blocks), checkpoint_block
             )
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_new_blocks + num_evictable
 
     def _capped_new_state_blocks(
-        self, request_id: str, num_tokens_main_model: int, num_hits: int
+        self, request_id: str, num_tokens_main_model: int, num_hits: int, checkpoint_block: int
     ) -> int:
         """Under ``caps_new_state_blocks`` (0.33.0): align mode's shortfall capped at
-        one state block (plus the speculative blocks on the first allocation),
-        where 0.25.1 reports the cap itself whenever anything is short."""
+        one state block (plus a prefill checkpoint's block, and the speculative
+        blocks on the first allocation), where 0.25.1 reports the cap itself
+        whenever anything is short."""
         num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
         shortfall = num_required - num_hits - len(self.req_to_blocks[request_id])
-        allocated_before = request_id in self._allocated_block_reqs
-        return min(shortfall, 1 if allocated_before else 1 + self.num_speculative_blocks)
+        cap = 1 + checkpoint_block
+        if request_id not in self._allocated_block_reqs:
+            cap += self.num_speculative_blocks
+        return min(shortfall, cap)
 
     def _new_state_blocks_with_copy(
-        self, request_id: str, num_tokens_main_model: int, num_hits: int
+        self, request_id: str, num_tokens_main_model: int, num_hits: int, checkpoint_block: int
     ) -> int:
         """Under ``copies_partial_hits``: align mode's shortfall (at least 0) plus the
-        copy of a state ending inside its block, capped at two blocks (plus the
-        speculative blocks on the first allocation)."""
+        copy of a state ending inside its block, capped at two blocks (plus a
+        prefill checkpoint's block, and the speculative blocks on the first
+        allocation)."""
         num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
         shortfall = num_required - num_hits - len(self.req_to_blocks[request_id])
-        allocated_before = request_id in self._allocated_block_reqs
-        cap = 2 if allocated_before else 2 + self.num_speculative_blocks
+        cap = 2 + checkpoint_block
+        if request_id not in self._allocated_block_reqs:
+            cap += self.num_speculative_blocks
         return min(max(shortfall, 0) + 1, cap)
+
+    def _prefill_checkpoint(
+        self, request_id: str, query_start: int, query_end: int, prefill_end: int
+    ) -> int:
+        """Where the chunk ``[query_start, query_end)`` exports a prefill checkpoint
+        (a token position), or 0 for none (vLLM 0.33.0's rules, read from its
+        worker's export): the prompt-tail boundary rule applied to the chunk's end
+        at the hit alignment; only a chunk reaching ``prefill_end`` (0: any chunk);
+        a position the backend can export there (``mamba_prefill_checkpoint_valid``);
+        and a column (``cdiv(query_end, block) - 2``, the block before the running
+        state) that is past the table, null, or one of the speculative blocks of a
+        request allocated before, so the export overwrites no live state."""
+        if query_end < prefill_end:
+            return 0
+        position = kv_cache_math.mamba_prompt_tail_boundary(
+            query_end,
+            self.cache_hit_alignment_tokens,
+            self.drop_eagle_checkpoint_block,
+            self.block_pool.num_hash_lookahead_tokens,
+        )
+        spec = self.kv_cache_spec
+        if not kv_cache_math.mamba_prefill_checkpoint_valid(
+            query_start,
+            query_end,
+            position,
+            self.block_pool.hash_block_size,
+            self.block_size,
+            getattr(spec, "prefill_checkpoint_alignment", None),
+        ):
+            return 0
+        column = cdiv(query_end, self.block_size) - 2
+        if column < 0:
+            return 0
+        blocks = self.req_to_blocks[request_id]
+        if (
+            column >= len(blocks)
+            or blocks[column].is_null
+            or (
+                request_id in self._allocated_block_reqs
+                and column >= len(blocks) - self.num_speculative_blocks
+            )
+        ):
+            return position
+        return 0
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
@@ -1234,7 +1383,12 @@ class MambaManager(SingleTypeKVCacheManager):
         Under ``copies_partial_hits`` a state ending inside its block also gets a
         fresh copy: a new request's hit block is replaced by it (as the base
         class), while a running request's own prompt-tail entry moves to it (the
-        request keeps writing into its block; the copy is hittable next step)."""
+        request keeps writing into its block; the copy is hittable next step).
+
+        A prefill checkpoint the sizing reserved (``_checkpoints``) keeps its column a
+        real block: the null padding stops one block short of the running state, and
+        no speculative block at or past that column moves; the allocation happens
+        even when the table is long enough."""
         if self.mamba_cache_mode != "align":
             num_tokens += self.block_size * self.num_speculative_blocks
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
@@ -1242,7 +1396,8 @@ class MambaManager(SingleTypeKVCacheManager):
         num_spec = self.num_speculative_blocks
         num_required_blocks = cdiv(num_tokens_main_model, self.block_size) + num_spec
         partial = self._partial_hit_reqs.pop(request_id, None) if self._partial_hit_reqs else None
-        if num_required_blocks <= len(req_blocks) and partial is None:
+        checkpoint_block = int(bool(self._checkpoints) and request_id in self._checkpoints)
+        if num_required_blocks <= len(req_blocks) and partial is None and not checkpoint_block:
             if self.frees_processed_states:  # 0.33.0: allocated, even with nothing new
                 self._allocated_block_reqs.add(request_id)
             return []
@@ -1253,21 +1408,24 @@ class MambaManager(SingleTypeKVCacheManager):
         elif prev_len > 0:
             self.last_state_block_idx[request_id] = prev_len - 1  # the hit state
         num_skipped_blocks = num_required_blocks - num_spec - 1
-        if prev_len < num_skipped_blocks:
-            req_blocks.extend([self._null_block] * (num_skipped_blocks - prev_len))
+        # The checkpoint's column (just below the running state) stays a real block.
+        num_padded = num_skipped_blocks - checkpoint_block
+        if prev_len < num_padded:
+            req_blocks.extend([self._null_block] * (num_padded - prev_len))
         if allocated_before:
             # Reuse last step's speculative blocks instead of allocating new ones.
             for idx in range(prev_len - num_spec, prev_len):
-                if idx >= num_skipped_blocks:
+                if idx >= num_padded:
                     break
                 self._relocate_speculative_block(req_blocks, idx)
         num_new_blocks = max(num_required_blocks - len(req_blocks), 0)
+        max_new_blocks = 1 + checkpoint_block + (0 if allocated_before else num_spec)
         if partial is None:
-            assert num_new_blocks <= (1 if allocated_before else num_spec + 1)
+            assert num_new_blocks <= max_new_blocks
             req_blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
             self._allocated_block_reqs.add(request_id)
             return req_blocks[prev_len:]
-        assert num_new_blocks <= (1 if allocated_before else num_spec + 1)
+        assert num_new_blocks <= max_new_blocks
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks + 1)
         returned = req_blocks[prev_len:]
         block_idx, source = partial
@@ -1277,6 +1435,17 @@ class MambaManager(SingleTypeKVCacheManager):
             self.block_pool.move_block_hashes(source, copy)
             self._pending_cow_copies.append((source, copy))
             source.ref_cnt += 1
+            tail = (
+                self._producer_partial_tail_reqs.pop(request_id, None)
+                if self._producer_partial_tail_reqs
+                else None
+            )
+            if tail is not None:
+                # The request's own prompt-tail state now lives on in the copy.
+                assert tail[0] is source
+                self._pending_boundary_state_offloads.append(
+                    (request_id, self.kv_cache_group_id, copy, tail[1])
+                )
             if copy._hash is not None:
                 # Filled by this step's copy: no hit on it before the next step.
                 self.cached_blocks_this_step.add(copy._hash)
@@ -1316,6 +1485,16 @@ class MambaManager(SingleTypeKVCacheManager):
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self._num_retired_blocks.pop(request_id, None)
+        if self._checkpoints:
+            self._checkpoints.pop(request_id, None)
+        if self._producer_partial_tail_reqs:
+            self._producer_partial_tail_reqs.pop(request_id, None)
+        if self._pending_boundary_state_offloads:
+            # Its blocks go back to the pool: offers of them would name blocks
+            # another request may be handed next.
+            self._pending_boundary_state_offloads = [
+                entry for entry in self._pending_boundary_state_offloads if entry[0] != request_id
+            ]
         return super().pop_blocks_for_free(request_id)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -1329,19 +1508,90 @@ class MambaManager(SingleTypeKVCacheManager):
         retention_interval: int | None = None,
         replay_boundaries: Sequence[int] | None = None,
     ) -> None:
-        """Cache as the base class and remember states cached in this step."""
+        """Cache as the base class and remember states cached in this step; in
+        'align' mode key a reserved prefill checkpoint (``_cache_checkpoint_state``)
+        or else the prompt-tail state."""
         before = self.num_cached_block.get(request.request_id, 0)
         super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
         after = self.num_cached_block.get(request.request_id, 0)
         if self.caches_prompt_tail_state and self.mamba_cache_mode == "align":
-            key = self._cache_prompt_tail_state(request, num_tokens)
+            key = self._cache_partial_tail_block(request, num_tokens, retention_interval)
             if key is not None:
                 self.cached_blocks_this_step.add(get_block_hash(key))
         if after <= before:
             return
+        offers = self.offers_boundary_states
         for block in self.req_to_blocks[request.request_id][before:after]:
             if not block.is_null and block._hash is not None:
                 self.cached_blocks_this_step.add(block._hash)
+                if offers:
+                    num_state_tokens = block._block_hash_num_tokens
+                    assert num_state_tokens is not None
+                    self._pending_boundary_state_offloads.append(
+                        (request.request_id, self.kv_cache_group_id, block, num_state_tokens)
+                    )
+
+    def _cache_partial_tail_block(
+        self, request: Request, num_tokens: int, retention_interval: int | None = None
+    ) -> BlockHashWithGroupId | None:
+        """'align' mode's state keyed off the full-block grid (vLLM 0.33.0's name): the
+        prefill checkpoint this step reserved (``_cache_checkpoint_state``), else the
+        prompt-tail state or shared-prefix junction (``_cache_prompt_tail_state``).
+
+        Returns:
+            The pool key of the entry made, or None."""
+        checkpoint = self._checkpoints.get(request.request_id) if self._checkpoints else None
+        if checkpoint is not None:
+            return self._cache_checkpoint_state(request, checkpoint, retention_interval)
+        return self._cache_prompt_tail_state(request, num_tokens)
+
+    def _cache_checkpoint_state(
+        self, request: Request, checkpoint: tuple[int, int], retention_interval: int | None
+    ) -> BlockHashWithGroupId | None:
+        """Key the block a prefill checkpoint was exported into at the checkpoint's
+        position, replacing whatever keys it had (the full-block hash just given to
+        that column covers a later state than the one written there). Only a
+        checkpoint a later lookup can reuse is kept: the prompt's own (its tail
+        boundary at the hit alignment), one the retention mask keeps (a position on
+        a block boundary), or the request's ``shared_prefix_boundary``; any other
+        is transient (the next chunk overwrites the block), so the block's keys
+        are dropped instead.
+
+        Returns:
+            The pool key, or None when nothing was keyed."""
+        position, column = checkpoint
+        blocks = self.req_to_blocks[request.request_id]
+        assert 0 <= column < len(blocks)
+        block = blocks[column]
+        is_prompt_checkpoint = position == kv_cache_math.mamba_prompt_tail_boundary(
+            request.num_prompt_tokens,
+            self.cache_hit_alignment_tokens,
+            self.drop_eagle_checkpoint_block,
+            self.block_pool.num_hash_lookahead_tokens,
+        )
+        is_retained = False
+        if position % self.block_size == 0:
+            block_idx = position // self.block_size - 1
+            mask = self.reachable_block_mask(
+                block_idx,
+                block_idx + 1,
+                self.cache_hit_alignment_tokens,
+                self.kv_cache_spec,
+                self.drop_eagle_checkpoint_block,
+                retention_interval,
+                reachable_boundaries=(),
+            )
+            is_retained = mask is None or mask[0]
+        junction: int = getattr(request, "shared_prefix_boundary", 0) or 0
+        if not is_prompt_checkpoint and not is_retained and position != junction:
+            self.block_pool._maybe_evict_cached_block(block)
+            return None
+        if block._block_hash_num_tokens == position:
+            return None
+        self.block_pool._evict(block)
+        return self.block_pool.cache_state_entry(
+            request, block, position, self.kv_cache_group_id
+        )
 
     def _cache_prompt_tail_state(
         self, request: Request, num_tokens: int
@@ -1353,18 +1603,24 @@ class MambaManager(SingleTypeKVCacheManager):
         lookahead tokens its hash covers, when more), or with EAGLE one whole hash
         block less. A boundary inside a block is keyed only under
         ``copies_partial_hits``: the request then counts the block as not cached yet
-        and its next allocation moves the entry to a copy."""
+        and its next allocation moves the entry to a copy. With
+        ``shared_prefix_checkpoint`` the request's shared-prefix junction is keyed
+        the same way (``_is_shared_prefix_junction``)."""
         hash_block_size = self.block_pool.hash_block_size
         if num_tokens <= 0 or num_tokens % hash_block_size:
             return None
         boundary = kv_cache_math.mamba_prompt_tail_boundary(
             request.num_prompt_tokens,
             hash_block_size,
-            self.prompt_tail_drops_eagle,
+            self.drop_eagle_checkpoint_block,
             self.block_pool.num_hash_lookahead_tokens,
         )
         inside = num_tokens % self.block_size != 0
-        if num_tokens != boundary or (inside and not self.copies_partial_hits):
+        if num_tokens != boundary and not (
+            self.shared_prefix_checkpoint and self._is_shared_prefix_junction(request, num_tokens)
+        ):
+            return None
+        if inside and not self.copies_partial_hits:
             return None
         blocks = self.req_to_blocks[request.request_id]
         block_idx = cdiv(num_tokens, self.block_size) - 1
@@ -1379,7 +1635,37 @@ class MambaManager(SingleTypeKVCacheManager):
         if key is not None and inside:
             self._partial_hit_reqs[request.request_id] = (block_idx, block)
             self.num_cached_block[request.request_id] = block_idx
+            if self.offers_boundary_states:
+                self._producer_partial_tail_reqs[request.request_id] = (block, num_tokens)
         return key
+
+    @staticmethod
+    def _is_shared_prefix_junction(request: Request, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` is the request's ``shared_prefix_boundary`` (where a
+        sibling's hit stopped) and inside the prompt chunk being computed: past the
+        computed tokens, at most the prompt (in decode the running state is
+        overwritten in place, so its key would promise a later state)."""
+        junction: int = getattr(request, "shared_prefix_boundary", 0) or 0
+        return (
+            junction == num_tokens
+            and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens
+        )
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, KVCacheBlock, int] | None:
+        """A finishing request's own partial prompt-tail state (``offers_boundary_states``):
+        ``(group id, block, tokens)`` when no later token was computed into the block
+        (nothing in flight, computed tokens at the boundary), once; else None."""
+        if not self._producer_partial_tail_reqs:
+            return None
+        tail = self._producer_partial_tail_reqs.pop(request_id, None)
+        if tail is None:
+            return None
+        block, num_tokens = tail
+        if num_in_flight_tokens != 0 or num_computed_tokens != num_tokens:
+            return None
+        return self.kv_cache_group_id, block, num_tokens
 
     def new_step_starts(self) -> None:
         """States cached in the previous step become hittable."""

@@ -23,10 +23,12 @@ switches: a Mamba group caching outside 'align' is refused;
 ``take_kv_cache_block_copies`` hands out the copies); lookahead hashing
 (``num_hash_lookahead_tokens``) and prefill lookahead (``num_prefill_lookahead``:
 re-prefilled tokens are not cached); decode / prefill context parallelism with
-0.33.0's per-group geometry (``pcp_not_scaled``, ``dcp_sharded_geometry``). Not
-covered yet (``NotImplementedError`` naming the argument): the Mamba shared-prefix
-checkpoint. Mamba prefill checkpoints and boundary-state offloads are not modelled:
-see ``docs/profiles.md`` and ``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
+0.33.0's per-group geometry (``pcp_not_scaled``, ``dcp_sharded_geometry``); Mamba
+prefill checkpoints, the Mamba shared-prefix checkpoint
+(``enable_mamba_shared_prefix_checkpoint``) and boundary-state offloads to a KV
+connector (``take_boundary_state_offloads``, ``finalize_partial_tail_offloads``),
+under the ``mamba_prefill_checkpoints`` switch. Not covered yet: see
+``docs/profiles.md`` and ``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
 
 For vLLM 0.33.0's module layout the module also has 0.33.0's hashing helpers
 (``generate_block_hash_extra_keys`` tagged, ``resolve_none_hash_seed``,
@@ -342,7 +344,7 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
     in front of each manager class below): the constructor's
     ``needs_kv_cache_zeroing``, ``get_num_blocks_to_allocate``'s
     ``num_local_computed_tokens`` and ``prefill_end``, and the 0.33.0 profile's
-    group switches (``external_blocks_floor_zero``)."""
+    per-manager switches (the manager's ``apply_profile``)."""
 
     # Kinds whose 0.33.0 hits may end inside a block (fine-grained hits).
     _fine_grained_kind = False
@@ -370,7 +372,7 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
             max_admission_blocks_per_request,
         )
         self.set_needs_kv_cache_zeroing(needs_kv_cache_zeroing)
-        self.external_blocks_floor_zero = PROFILE.external_blocks_floor_zero
+        self.apply_profile(PROFILE)
 
     def get_num_blocks_to_allocate(  # type: ignore[override]
         self,
@@ -385,8 +387,8 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
     ) -> int:
         """kvcache's count, with 0.33.0's argument order: ``num_local_computed_tokens``
         (the local hit's tokens: a hit ending inside a block counts its copy-on-write
-        block) and ``prefill_end`` (where a Mamba prefill checkpoint would go;
-        checkpoints are not modelled, so unused)."""
+        block) and ``prefill_end`` (where the prefill ends: a Mamba prefill
+        checkpoint goes only into the chunk reaching it; 0: any chunk)."""
         return super().get_num_blocks_to_allocate(
             request_id,
             num_tokens,
@@ -395,6 +397,7 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
             num_tokens_main_model,
             apply_admission_cap,
             num_local_computed_tokens=num_local_computed_tokens,
+            prefill_end=prefill_end,
         )
 
 
@@ -492,39 +495,10 @@ class ChunkedLocalAttentionManager(_SingleTypeApi, _managers.ChunkedLocalAttenti
 
 class MambaManager(_SingleTypeApi, _managers.MambaManager):  # type: ignore[misc]
     """vLLM 0.33.0's ``MambaManager`` for code that builds one directly (vLLM's own
-    tests do): 0.33.0's signatures (``_SingleTypeApi``) and ``PROFILE``'s Mamba state
-    switches set at construction (a ``KVCacheManager`` sets them on the managers it
-    builds)."""
+    tests do): 0.33.0's signatures (``_SingleTypeApi``, which applies ``PROFILE``'s
+    switches, the Mamba state switches included)."""
 
     _fine_grained_kind = True
-
-    def __init__(
-        self,
-        kv_cache_spec: Any,
-        block_pool: _block_pool.BlockPool,
-        enable_caching: bool,
-        kv_cache_group_id: int,
-        scheduler_block_size: int,
-        dcp_world_size: int = 1,
-        pcp_world_size: int = 1,
-        needs_kv_cache_zeroing: bool = False,
-        max_admission_blocks_per_request: int | None = None,
-    ) -> None:
-        # Explicit arguments: a compiled base class's __init__ mis-reads forwarded **kwargs.
-        super().__init__(
-            kv_cache_spec,
-            block_pool,
-            enable_caching,
-            kv_cache_group_id,
-            scheduler_block_size,
-            dcp_world_size,
-            pcp_world_size,
-            needs_kv_cache_zeroing,
-            max_admission_blocks_per_request,
-        )
-        self.frees_processed_states = PROFILE.mamba_frees_processed_states
-        self.caps_new_state_blocks = PROFILE.mamba_caps_new_state_blocks
-        self.caches_prompt_tail_state = PROFILE.mamba_prompt_tail_state
 
 
 class CrossAttentionManager(_SingleTypeApi, _managers.CrossAttentionManager):  # type: ignore[misc]
@@ -549,8 +523,10 @@ class KVCacheManager(_KVCacheManager):
             list them per block (``lookahead_token_ids``). A bool counts as 0 / 1.
         num_prefill_lookahead: A multi-module drafter's prefill lookahead: the last
             ``num_prefill_lookahead - 1`` computed tokens are not cached yet.
-        enable_mamba_shared_prefix_checkpoint: Must be False with a Mamba group
-            (a no-op without one, as in vLLM).
+        enable_mamba_shared_prefix_checkpoint: Also key a Mamba 'align' group's state
+            at a request's shared-prefix boundary inside its prompt, where an EAGLE
+            sibling resumes (``mamba_shared_prefix_checkpoint``: only with EAGLE
+            groups, fine-grained hits and no re-prefilled tail, as in vLLM).
 
     The other arguments are ``kvcache.KVCacheManager``'s.
 
@@ -581,19 +557,9 @@ class KVCacheManager(_KVCacheManager):
             "num_hash_lookahead_tokens", num_hash_lookahead_tokens
         )
         num_prefill_lookahead = _check_lookahead("num_prefill_lookahead", num_prefill_lookahead)
-        if enable_mamba_shared_prefix_checkpoint and any(
-            is_spec_kind(g.kv_cache_spec, "MambaSpec") for g in kv_cache_config.kv_cache_groups
-        ):
-            raise NotImplementedError(
-                "enable_mamba_shared_prefix_checkpoint=True: kvcache's 0.33.0 profile does "
-                "not model Mamba shared-prefix checkpoints yet"
-            )
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.num_prefill_lookahead = num_prefill_lookahead
         self.enable_mamba_shared_prefix_checkpoint = enable_mamba_shared_prefix_checkpoint
-        # 0.33.0's predicate (EAGLE groups, fine-grained hits, no re-prefill tail) needs
-        # Mamba 'align' fine-grained hits, which no covered layout has.
-        self.mamba_shared_prefix_checkpoint = False
         # Groups that keep a longer hit than the common one (none without RSWA retention).
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -621,6 +587,20 @@ class KVCacheManager(_KVCacheManager):
         )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = self._new_stats()
+        coordinator = self.coordinator
+        # 0.33.0 narrows the option to where both the scheduler and the managers can
+        # honour a junction: EAGLE groups, fine-grained hits, no re-prefilled tail
+        # (whose caching lags the chunk end). The scheduler reads the same value.
+        self.mamba_shared_prefix_checkpoint = (
+            enable_mamba_shared_prefix_checkpoint
+            and bool(coordinator.eagle_group_ids)
+            and coordinator.enable_partial_hash_hits
+            and coordinator.num_reprefillable_tokens == 0
+        )
+        if self.mamba_shared_prefix_checkpoint:
+            for manager in coordinator.single_type_managers:
+                if isinstance(manager, _managers.MambaManager):
+                    manager.shared_prefix_checkpoint = True
 
     def _new_stats(self) -> _PrefixCacheStats:
         """Empty stats of the profile's class (``stats_hits_by_source``: 0.33.0's)."""
@@ -856,9 +836,32 @@ class KVCacheManager(_KVCacheManager):
         return copies, [block for pair in pairs for block in pair]
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """Boundary-state hand-offs for a KV connector: none without Mamba 'align'."""
-        return {}
+        """The boundary states recorded since the last call, for a KV connector:
+        ``{request id: [(group id, block id, tokens the state covers), ...]}``. Mamba
+        'align' groups record each state they cache (prefill checkpoints and the
+        prompt's tail included) and the copy that preserves a request's own
+        partial prompt-tail state; other groups record none. The scheduler drains
+        this every step; the blocks are not held for the caller."""
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for manager in self.coordinator.single_type_managers:
+            for request_id, group_id, block, num_tokens in (
+                manager.take_pending_boundary_state_offloads()
+            ):
+                offloads.setdefault(request_id, []).append((group_id, block.block_id, num_tokens))
+        return offloads
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        """A finishing request's partial-tail state offloads: none without Mamba 'align'."""
-        return []
+        """A finishing request's own partial prompt-tail states, for a KV connector to
+        save before the request's blocks are freed: ``(group id, block id, tokens)``
+        per Mamba 'align' group whose tail block no later token was written into
+        (``finalize_partial_tail_offload``), each handed out once."""
+        offloads: list[tuple[int, int, int]] = []
+        in_flight: int = getattr(request, "num_in_flight_tokens", 0) or 0
+        for manager in self.coordinator.single_type_managers:
+            tail = manager.finalize_partial_tail_offload(
+                request.request_id, request.num_computed_tokens, in_flight
+            )
+            if tail is not None:
+                group_id, block, num_tokens = tail
+                offloads.append((group_id, block.block_id, num_tokens))
+        return offloads

@@ -21,7 +21,8 @@ SWITCHES = (
     "shared_prefix_junctions", "mamba_caps_new_state_blocks", "circular_buffer_groups",
     "lookahead_arguments", "cache_within_hashed_tokens", "pcp_not_scaled",
     "dcp_sharded_geometry", "mamba_fine_grained_hits", "partial_hit_copy_on_write",
-    "event_session_id", "full_report_mode", "external_blocks_floor_zero", "hisparse_groups",
+    "event_session_id", "full_report_mode", "external_blocks_floor_zero",
+    "mamba_prefill_checkpoints", "hisparse_groups",
 )  # fmt: skip
 """Every switch, in kvcache's order."""
 

@@ -26,7 +26,6 @@ from kvcache import (
     KVCacheGroupSpec,
     KVCacheManager,
     LoRARequest,
-    MambaSpec,
     MultiModalFeatureSpec,
     PlaceholderRange,
     Request,
@@ -154,17 +153,6 @@ def test_drop_in_validates_lookahead_counts(name: str) -> None:
     for bad in (-1, 1.5, "1"):
         with pytest.raises(ValueError, match=name):
             manager(full_config(), "0.33.0", **{name: bad})
-
-
-def test_drop_in_refuses_mamba_shared_prefix_checkpoint_beside_mamba() -> None:
-    config = KVCacheConfig(12, [], [
-        KVCacheGroupSpec(["a"], FullAttentionSpec(
-            block_size=BS, num_kv_heads=1, head_size=8, dtype="float16")),
-        KVCacheGroupSpec(["m"], MambaSpec(block_size=BS, shapes=((2,),), dtypes=("float16",),
-                                          mamba_cache_mode="align")),
-    ])
-    with pytest.raises(NotImplementedError, match="enable_mamba_shared_prefix_checkpoint"):
-        manager(config, "0.33.0", enable_mamba_shared_prefix_checkpoint=True)
 
 
 # ---------------------------------------------------------------- switches at work
