@@ -17,6 +17,10 @@ total, lists the families not yet conformant (``NOT_YET_CONFORMANT``: not run,
 and said so), and exits 1 on any mismatch, writing the first one's shrunk
 counterexample under ``build/conformance-0.33-failures/``.
 
+First the kit's own statement of the fine-grained-hit rule (which the driver and
+the ledger use) is checked against vLLM 0.33.0's decision on random layouts
+(``kvcache.kit.fine_grained_check``; ``--rule-layouts``).
+
 Then vLLM 0.33.0's own ``Scheduler`` runs the streams of
 ``kvcache.kit.scheduler_drive`` with ``kvcache.vllm_0_33.KVCacheManager`` swapped
 in, and must decide every step exactly as on vLLM's own manager (one ``vllm
@@ -221,7 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-scheduler", action="store_true", help="skip vLLM 0.33.0's Scheduler streams"
     )
+    parser.add_argument(
+        "--rule-layouts", type=int, default=400,
+        help="random layouts on which the kit's fine-grained-hit rule is checked (0: skip)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.rule_layouts < 0:
+        parser.error(f"--rule-layouts must not be negative, got {args.rule_layouts}")
     if args.sequences < 1:
         parser.error(f"--sequences must be positive, got {args.sequences}")
 
@@ -239,6 +249,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen = [FAMILIES[n] for n in wanted]
     total = Stats()
     failed: list[str] = []
+    if args.rule_layouts:
+        from kvcache.kit.fine_grained_check import check_rule
+
+        rule = check_rule(args.rule_layouts, args.seed)
+        print(rule.summary(), flush=True)
+        for line in rule.mismatches:
+            print(f"  {line}", flush=True)
+        if rule.mismatches or not rule.enabled:
+            failed.append("fine-grained rule")
     for family in chosen:
         result = run_family(family, family_index(family.name), args.sequences, args.seed)
         total.add(result.stats)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvcache.kit.config import GroupConfig, ManagerConfig
+from kvcache.kit.config import GroupConfig, ManagerConfig, fine_grained_hits
 from kvcache.kit.ledger import REFERENCE_LINE, Judge, release_line_of
 from kvcache.kit.sides import CannotBuild, HarnessError, Side, make_side
 from kvcache.kit.trace import (
@@ -654,18 +654,12 @@ class RandomScheduler:
         # vLLM's scheduler splits prefill chunks at block multiples when a Mamba
         # group caches in "align" mode (Scheduler._mamba_block_aligned_split).
         self.mamba_align = any(g.mamba_cache_mode == "align" for g in mamba)
-        # Layouts where vLLM 0.33.0 has fine-grained (sub-block) hits: a Mamba 'align'
-        # block larger than the hash block, every other group full attention, Mamba or
-        # hash-block sized. Its scheduler then also stops a prefill chunk at the
+        # Layouts where vLLM 0.33.0 has fine-grained (sub-block) hits
+        # (``fine_grained_hits``): its scheduler then also stops a prefill chunk at the
         # prompt's last reusable hash boundary (the Mamba prompt-tail state) and at the
         # end of a block a chunk starts inside.
         hbs = config.hash_block_size
-        self.fine_grained = (
-            config.enable_caching is not False
-            and len(config.groups) > 1
-            and any(g.mamba_cache_mode == "align" and g.block_size > hbs for g in mamba)
-            and all(g.kind in ("full", "mamba") or g.block_size == hbs for g in config.groups)
-        )
+        self.fine_grained = fine_grained_hits(config)
         # Draft tokens need a speculative state block each in every Mamba group.
         self.max_draft_tokens = min((g.num_speculative_blocks for g in mamba), default=3)
         self.encoder_decoder = any(g.kind == "cross_attention" for g in config.groups)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.kit.config import GroupConfig, ManagerConfig
+from kvcache.kit.config import GroupConfig, ManagerConfig, fine_grained_hits
 from kvcache.kit.trace import results_equal, state_diff
 
 LEDGER_PATH = Path(__file__).with_name("ledger.toml")
@@ -885,29 +885,6 @@ class EagleFlagNeedsUseEagle(Rule):
             and set(diff_keys) <= CACHING_STATE
             and _num_cached_not_more(old, new, fewer=True)
         )
-
-
-#: Group kinds whose 0.33.0 manager looks up hits at hash-block granularity.
-FINE_GRAINED_KINDS = ("full", "mamba")
-
-
-def fine_grained_hits(config: ManagerConfig) -> bool:
-    """Whether 0.33.0 enables sub-block ("partial hash") hits for ``config``: an
-    align-mode Mamba group with blocks larger than the hash block, and every other
-    caching group either fine-grained capable or hash-block sized."""
-    if not config.enable_caching:
-        return False
-    hash_block = config.hash_block_size
-    if not any(
-        g.kind == "mamba" and g.mamba_cache_mode == "align" and g.block_size > hash_block
-        for g in config.groups
-    ):
-        return False
-    return all(
-        g.kind in FINE_GRAINED_KINDS or g.block_size == hash_block
-        for g in config.groups
-        if g.kind != "cross_attention"
-    )
 
 
 class MambaFineGrainedHits(Rule):
