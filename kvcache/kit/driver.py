@@ -421,6 +421,11 @@ class Family:
     ``lookahead``: draw vLLM 0.33.0's lookahead hashing (``num_hash_lookahead_tokens``
     0-3) and prefill lookahead (``num_prefill_lookahead`` 0-3, at most the scheduler
     block with an EAGLE group), last; only in families ``since`` 0.33.0.
+    ``cp_geometry``: whose block geometry a one-group context-parallel config gets:
+    "0.25.1" (a block spans ``block_size * dcp * pcp``, the config's own rule) or
+    "0.33.0" (``block_size * dcp``: 0.33.0 refuses the 0.25.1 geometry under
+    ``pcp > 1``), set as the scheduler and hash block; one config in
+    ``1 / CP_GEOMETRY_KEPT`` keeps 0.25.1's, so refusals stay compared too.
     """
 
     name: str
@@ -435,6 +440,7 @@ class Family:
     retention: bool = False
     since: str = "0.25.1"
     lookahead: bool = False
+    cp_geometry: str = "0.25.1"
 
 
 #: Every family the kit knows, by name (fuzz ``--layouts``; the conformance tests).
@@ -503,6 +509,29 @@ FAMILIES: dict[str, Family] = {
         ),
     ]
 }
+
+
+#: Under ``Family.cp_geometry`` "0.33.0", one context-parallel config in this many
+#: keeps 0.25.1's block geometry (chosen from the config, not the draw's ``rng``).
+CP_GEOMETRY_KEPT = 5
+
+
+def release_cp_geometry(config: ManagerConfig, release: str) -> ManagerConfig:
+    """``config`` (one group, context-parallel) with the scheduler and hash block of
+    ``release``'s rule: 0.25.1's ``block_size * dcp * pcp`` (``config`` as it is) or
+    0.33.0's ``block_size * dcp`` (pcp no longer scales a block).
+
+    Raises:
+        ValueError: an unknown ``release``.
+    """
+    if release not in ("0.25.1", "0.33.0"):
+        raise ValueError(f"cp geometry release={release!r}; expected 0.25.1 or 0.33.0")
+    if release == "0.25.1" or len(config.groups) != 1 or config.context_parallel == 1:
+        return config
+    if random.Random(f"cp geometry {config!r}").randrange(CP_GEOMETRY_KEPT) == 0:
+        return config
+    block = config.groups[0].block_size * config.dcp_world_size
+    return replace(config, scheduler_block_size_override=block, hash_block_size_override=block)
 
 
 def random_group(rng: random.Random, token: str, block_size: int, index: int) -> GroupConfig:
@@ -596,6 +625,7 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
     if family.context_parallel:  # drawn last: other families' draws stay as they were
         dcp, pcp = rng.choice(family.context_parallel)
         config = replace(config, dcp_world_size=dcp, pcp_world_size=pcp)
+        config = release_cp_geometry(config, family.cp_geometry)
     if family.retention:  # drawn last: the other families' configs stay as they were
         interval = rng.choice([0, 0, 1, 2, 2, 3, 4]) * config.scheduler_block_size
         config = replace(config, prefix_cache_retention_interval=interval)
