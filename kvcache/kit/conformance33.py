@@ -62,6 +62,9 @@ NOT_YET_CONFORMANT.update(
 # so that a driver bug cannot make the comparison trivial.
 REQUIRED_PATHS = ("allocate_none", "raises:ValueError", "raises:AssertionError", "reset_True")
 REQUIRED_WITH_CACHING = ("prefix_hit", "event:BlockStored", "event:BlockRemoved")
+# ... and with caching, vLLM 0.33.0's request fields (``REQUEST_FIELDS_0_33``): events
+# carrying a session id, and lookups hitting for a request in the "full" report mode.
+REQUIRED_WITH_REQUEST_FIELDS = ("event:session_id", "full_report_hit")
 # ... and in a lookahead family: configs with each lookahead, events listing lookahead tokens.
 REQUIRED_WITH_LOOKAHEAD = ("config:hash_lookahead", "config:prefill_lookahead", "event:lookahead")
 # ... and beside a cached Mamba group with others (fine-grained hits): copy-on-write
@@ -147,7 +150,9 @@ def run_family(
             failures.append(result)
     stats.seconds = time.monotonic() - started
     caching = family.enable_caching is not False and "cross" not in family.kinds
-    required = REQUIRED_PATHS + (REQUIRED_WITH_CACHING if caching else ())
+    required = REQUIRED_PATHS
+    if caching:
+        required += REQUIRED_WITH_CACHING + REQUIRED_WITH_REQUEST_FIELDS
     if family.lookahead:
         required += REQUIRED_WITH_LOOKAHEAD
     if copies_required(family):

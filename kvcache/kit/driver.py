@@ -397,6 +397,8 @@ class Lockstep:
                 events["event:" + event["type"]] += 1
                 if event.get("fields", {}).get("lookahead_token_ids"):
                     events["event:lookahead"] += 1
+                if event.get("fields", {}).get("session_id"):
+                    events["event:session_id"] += 1
 
 
 # ---------------------------------------------------------------- layouts
@@ -643,6 +645,26 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
 
 # ---------------------------------------------------------------- random driver
 
+#: vLLM 0.33.0's request fields the kit draws for sides of that line (its
+#: ``Request(session_id=...)`` and ``SamplingParams.extra_args["kv_cache_report_mode"]``).
+REQUEST_FIELDS_0_33 = ("session_id", "kv_cache_report_mode")
+
+
+def draw_request_fields_0_33(rng: random.Random) -> dict[str, Any]:
+    """A request's vLLM 0.33.0 fields: a session id (two sessions) in about a third
+    of requests, the "full" report mode in about a quarter (and "incremental", the
+    default, spelled out in some)."""
+    fields: dict[str, Any] = {}
+    if rng.random() < 0.35:
+        fields["session_id"] = rng.choice(["session-a", "session-b"])
+    mode = rng.random()
+    if mode < 0.25:
+        fields["kv_cache_report_mode"] = "full"
+    elif mode < 0.35:
+        fields["kv_cache_report_mode"] = "incremental"
+    return fields
+
+
 
 @dataclass
 class Req:
@@ -711,8 +733,25 @@ class RandomScheduler:
         )
         self.defer_copy_frees = random.Random(f"copies {config!r}").random() < 0.5
         self.copy_frees: list[int] = []  # deferred: freed at the next step's end
+        # vLLM 0.33.0's request fields the manager reads (``REQUEST_FIELDS_0_33``): a
+        # ``session_id`` its BlockStored events carry, and ``kv_cache_report_mode``
+        # "full", under which a lookup's hit blocks are reported as stored again. Only
+        # when every side is of a line that has them; drawn from a generator of their
+        # own, so that the sequences' other calls stay as they were.
+        self.request_fields_rng = (
+            random.Random(f"request fields {config!r}")
+            if all(side_line(side) != REFERENCE_LINE for side in sides)
+            else None
+        )
 
     # ------------------------------------------------------------ helpers
+
+    def report_mode(self, request_id: str) -> str:
+        """The request's ``kv_cache_report_mode`` (vLLM 0.33.0's default: incremental)."""
+        for args in reversed(self.added):
+            if args["request_id"] == request_id:
+                return str(args.get("kv_cache_report_mode", "incremental"))
+        return "incremental"
 
     def waiting(self) -> list[str]:
         return [r for r, q in self.live.items() if q.status in ("WAITING", "PREEMPTED")]
@@ -817,6 +856,8 @@ class RandomScheduler:
                 args["prompt_embeds"] = self.random_prompt_embeds(prompt)
                 if rng.random() < 0.3:
                     args["prompt_token_ids"] = None  # the embeddings alone are the prompt
+            if self.request_fields_rng is not None:
+                args.update(draw_request_fields_0_33(self.request_fields_rng))
         self.added.append(args)
         self.all_ids.append(request_id)
         self.run.ok("add_request", **args)
@@ -854,6 +895,8 @@ class RandomScheduler:
             hit = self.run.ok("get_computed_blocks", request_id=rid)
             num_hit_tokens = hit["num_computed_tokens"]
             which = "last"
+            if num_hit_tokens and self.report_mode(rid) == "full":
+                self.run.stats.events["full_report_hit"] += 1
         else:  # after an async KV load: no new lookup
             num_hit_tokens = 0
             which = "empty"
