@@ -82,6 +82,16 @@ def copies_required(family: Family) -> bool:
     )
 
 
+def full_reports(family: Family) -> bool:
+    """Whether ``family``'s configs can draw the "full" report mode
+    (``kvcache.kit.driver.full_report_works``): not where every config has
+    fine-grained hits or dcp > 1 (the Mamba 'align' families beside others, the
+    context-parallel ones)."""
+    return not family.context_parallel and not (
+        "mamba-align" in family.kinds and len(family.kinds) > 1
+    )
+
+
 def under_0_33(family: Family) -> Family:
     """``family`` as the runner drives it: a family whose Mamba mode vLLM 0.33.0
     builds only uncached ('all', 'none') runs with caching off, so that every
@@ -150,9 +160,11 @@ def run_family(
             failures.append(result)
     stats.seconds = time.monotonic() - started
     caching = family.enable_caching is not False and "cross" not in family.kinds
-    required = REQUIRED_PATHS
+    required: tuple[str, ...] = REQUIRED_PATHS
     if caching:
         required += REQUIRED_WITH_CACHING + REQUIRED_WITH_REQUEST_FIELDS
+        if not full_reports(family):
+            required = tuple(p for p in required if p != "full_report_hit")
     if family.lookahead:
         required += REQUIRED_WITH_LOOKAHEAD
     if copies_required(family):

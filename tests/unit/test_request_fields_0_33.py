@@ -63,3 +63,23 @@ def test_the_fields_are_set_on_the_request_and_checked() -> None:
         request_fields_0_33({"kv_cache_report_mode": "partial"})
     with pytest.raises(HarnessError, match="session_id=3"):
         request_fields_0_33({"session_id": 3})
+
+
+def test_no_full_report_mode_where_vllm_0_33_cannot_report() -> None:
+    """vLLM 0.33.0's "full" report mode asserts under dcp > 1 and raises IndexError on
+    a fine-grained hit inside a block: the driver does not draw it there."""
+    import random
+
+    from kvcache.kit.config import GroupConfig, ManagerConfig
+    from kvcache.kit.driver import draw_request_fields_0_33, full_report_works
+
+    full = ManagerConfig.full_attention(8, 2, 16)
+    assert full_report_works(full)
+    assert not full_report_works(ManagerConfig.full_attention(8, 2, 16, dcp_world_size=2))
+    align = GroupConfig("mamba", 4, mamba_cache_mode="align", num_kv_heads=2)
+    assert not full_report_works(ManagerConfig(8, (GroupConfig("full", 2), align), 16))
+    draws = [draw_request_fields_0_33(random.Random(i), False) for i in range(200)]
+    assert all(d.get("kv_cache_report_mode") != "full" for d in draws)
+    assert any("session_id" in d for d in draws)
+    with_full = [draw_request_fields_0_33(random.Random(i)) for i in range(200)]
+    assert [d.get("session_id") for d in draws] == [d.get("session_id") for d in with_full]
