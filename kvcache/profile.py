@@ -133,7 +133,8 @@ SWITCHES: tuple[Switch, ...] = (
         "eagle_peek_to_hashed_length",
         "",
         "A hybrid lookup's EAGLE group peeks one block past the candidate length up "
-        "to the request's hashed tokens (0.25.1: up to max_cache_hit_length).",
+        "to the request's hashed tokens (0.25.1: up to max_cache_hit_length); so does "
+        "the per-group lookup's, Mamba's aside (0.25.1: no peek there).",
         "0.33.0",
     ),
     Switch(

@@ -303,3 +303,44 @@ class ManagerConfig:
             scheduler_block_size_override=workload.scheduler_block_size,
             hash_block_size_override=workload.hash_block_size,
         )
+
+
+#: Group kinds whose vLLM 0.33.0 manager finds hits ending inside one of its blocks
+#: (``supports_fine_grained_hash_lookup``: full attention and its variants, Mamba).
+FINE_GRAINED_KINDS = frozenset({"full", "mla", "rswa", "sink", "tq_full", "hidden_state", "mamba"})
+#: Group kinds outside prefix caching in vLLM 0.33.0 (``prefix_cacheable`` False):
+#: they take no part in whether hits may end inside a block.
+NOT_PREFIX_CACHEABLE_KINDS = frozenset({"circular"})
+
+
+def fine_grained_hits(config: ManagerConfig) -> bool:
+    """Whether vLLM 0.33.0's manager for ``config`` finds sub-block ("partial hash")
+    prefix hits, which end on hash-block boundaries (kvcache's switch
+    ``mamba_fine_grained_hits``).
+
+    The kit's own statement of the rule, kept apart from kvcache's so that the
+    ledger and the driver judge kvcache rather than repeat it: a hybrid manager
+    (caching, several groups) with a Mamba 'align' group whose block is larger than
+    the hash block (under ``dcp_world_size > 1`` at least as large: the attention
+    blocks it is compared with are dcp-scaled), and every other prefix-caching group
+    either of a kind that finds sub-block hits or hashed at its own block size
+    (attention blocks scaled by ``dcp_world_size``, Mamba's not). A ring-buffer
+    group is outside prefix caching and does not count.
+    """
+    if not config.enable_caching or len(config.groups) < 2:
+        return False
+    hash_block = config.hash_block_size
+    dcp = config.dcp_world_size
+    if not any(
+        g.kind == "mamba"
+        and g.mamba_cache_mode == "align"
+        and (g.block_size > hash_block or (dcp > 1 and g.block_size == hash_block))
+        for g in config.groups
+    ):
+        return False
+    for g in config.groups:
+        if g.kind in NOT_PREFIX_CACHEABLE_KINDS or g.kind in FINE_GRAINED_KINDS:
+            continue
+        if g.block_size * dcp != hash_block:  # every kind left is attention: dcp-sharded
+            return False
+    return True

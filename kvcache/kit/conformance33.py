@@ -17,6 +17,10 @@ total, lists the families not yet conformant (``NOT_YET_CONFORMANT``: not run,
 and said so), and exits 1 on any mismatch, writing the first one's shrunk
 counterexample under ``build/conformance-0.33-failures/``.
 
+First the kit's own statement of the fine-grained-hit rule (which the driver and
+the ledger use) is checked against vLLM 0.33.0's decision on random layouts
+(``kvcache.kit.fine_grained_check``; ``--rule-layouts``).
+
 Then vLLM 0.33.0's own ``Scheduler`` runs the streams of
 ``kvcache.kit.scheduler_drive`` with ``kvcache.vllm_0_33.KVCacheManager`` swapped
 in, and must decide every step exactly as on vLLM's own manager (one ``vllm
@@ -58,6 +62,9 @@ NOT_YET_CONFORMANT.update(
 # so that a driver bug cannot make the comparison trivial.
 REQUIRED_PATHS = ("allocate_none", "raises:ValueError", "raises:AssertionError", "reset_True")
 REQUIRED_WITH_CACHING = ("prefix_hit", "event:BlockStored", "event:BlockRemoved")
+# ... and with caching, vLLM 0.33.0's request fields (``REQUEST_FIELDS_0_33``): events
+# carrying a session id, and lookups hitting for a request in the "full" report mode.
+REQUIRED_WITH_REQUEST_FIELDS = ("event:session_id", "full_report_hit")
 # ... and in a lookahead family: configs with each lookahead, events listing lookahead tokens.
 REQUIRED_WITH_LOOKAHEAD = ("config:hash_lookahead", "config:prefill_lookahead", "event:lookahead")
 # ... and beside a cached Mamba group with others (fine-grained hits): copy-on-write
@@ -75,13 +82,27 @@ def copies_required(family: Family) -> bool:
     )
 
 
+def full_reports(family: Family) -> bool:
+    """Whether ``family``'s configs can draw the "full" report mode
+    (``kvcache.kit.driver.full_report_works``): not where every config has
+    fine-grained hits or dcp > 1 (the Mamba 'align' families beside others, the
+    context-parallel ones)."""
+    return not family.context_parallel and not (
+        "mamba-align" in family.kinds and len(family.kinds) > 1
+    )
+
+
 def under_0_33(family: Family) -> Family:
     """``family`` as the runner drives it: a family whose Mamba mode vLLM 0.33.0
     builds only uncached ('all', 'none') runs with caching off, so that every
     sequence runs (the refusal with caching on is checked in the ``mamba`` family,
-    whose random modes include them, and by the unit tests)."""
+    whose random modes include them, and by the unit tests). A context-parallel
+    family gets 0.33.0's block geometry (``Family.cp_geometry``): 0.33.0 refuses
+    0.25.1's under pcp > 1, and most of its sequences would compare refusals only."""
     if CACHING_OFF_MAMBA_KINDS & set(family.kinds):
-        return dataclasses.replace(family, enable_caching=False)
+        family = dataclasses.replace(family, enable_caching=False)
+    if family.context_parallel:
+        family = dataclasses.replace(family, cp_geometry="0.33.0")
     return family
 
 
@@ -139,7 +160,11 @@ def run_family(
             failures.append(result)
     stats.seconds = time.monotonic() - started
     caching = family.enable_caching is not False and "cross" not in family.kinds
-    required = REQUIRED_PATHS + (REQUIRED_WITH_CACHING if caching else ())
+    required: tuple[str, ...] = REQUIRED_PATHS
+    if caching:
+        required += REQUIRED_WITH_CACHING + REQUIRED_WITH_REQUEST_FIELDS
+        if not full_reports(family):
+            required = tuple(p for p in required if p != "full_report_hit")
     if family.lookahead:
         required += REQUIRED_WITH_LOOKAHEAD
     if copies_required(family):
@@ -221,7 +246,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-scheduler", action="store_true", help="skip vLLM 0.33.0's Scheduler streams"
     )
+    parser.add_argument(
+        "--rule-layouts", type=int, default=400,
+        help="random layouts on which the kit's fine-grained-hit rule is checked (0: skip)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.rule_layouts < 0:
+        parser.error(f"--rule-layouts must not be negative, got {args.rule_layouts}")
     if args.sequences < 1:
         parser.error(f"--sequences must be positive, got {args.sequences}")
 
@@ -239,6 +270,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen = [FAMILIES[n] for n in wanted]
     total = Stats()
     failed: list[str] = []
+    if args.rule_layouts:
+        from kvcache.kit.fine_grained_check import check_rule
+
+        rule = check_rule(args.rule_layouts, args.seed)
+        print(rule.summary(), flush=True)
+        for line in rule.mismatches:
+            print(f"  {line}", flush=True)
+        if rule.mismatches or not rule.enabled:
+            failed.append("fine-grained rule")
     for family in chosen:
         result = run_family(family, family_index(family.name), args.sequences, args.seed)
         total.add(result.stats)

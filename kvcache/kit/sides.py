@@ -193,6 +193,33 @@ def prompt_embeds_tensor(rows: Any) -> Any:
     return torch.tensor(rows, dtype=torch.float32)
 
 
+#: ``kv_cache_report_mode`` values of vLLM 0.33.0.
+REPORT_MODES = ("incremental", "full")
+
+
+def request_fields_0_33(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The vLLM 0.33.0 request fields a trace's request record sets (``session_id``,
+    ``kv_cache_report_mode``), checked; empty for a record without them.
+
+    Raises:
+        HarnessError: a field of the wrong type, or an unknown report mode.
+    """
+    fields: dict[str, Any] = {}
+    session = args.get("session_id")
+    if session is not None:
+        if not isinstance(session, str):
+            raise HarnessError(f"session_id={session!r}; expected a str or null")
+        fields["session_id"] = session
+    mode = args.get("kv_cache_report_mode")
+    if mode is not None:
+        if mode not in REPORT_MODES:
+            raise HarnessError(
+                f"kv_cache_report_mode={mode!r}; expected one of {', '.join(REPORT_MODES)}"
+            )
+        fields["kv_cache_report_mode"] = mode
+    return fields
+
+
 def request_token_ids(args: Mapping[str, Any]) -> list[int] | None:
     """A trace request's token ids (None for a prompt given by embeddings alone)."""
     tokens = args.get("prompt_token_ids")
@@ -256,7 +283,7 @@ class Adapter:
         # xxhash) write a repeated *object* as a back-reference: two equal identifiers
         # in one block hash differently as two str objects (as JSON reads a trace)
         # than as one (as the driver makes them), in vLLM as in kvcache.
-        return rq.Request(
+        request = rq.Request(
             request_id=args["request_id"],
             prompt_token_ids=request_token_ids(args),
             prompt_embeds=prompt_embeds_tensor(args.get("prompt_embeds")),
@@ -279,6 +306,11 @@ class Adapter:
             block_hasher=self.block_hasher(config),
             skip_reading_prefix_cache=bool(args.get("skip_reading_prefix_cache", False)),
         )
+        # vLLM 0.33.0's request fields (kvcache's Request, 0.25.1's vocabulary, has no
+        # such parameters; the 0.33.0 profile reads them off the request).
+        for name, value in request_fields_0_33(args).items():
+            setattr(request, name, value)
+        return request
 
     def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
         """The requests' block hasher for ``config``'s hash block size and function."""
