@@ -317,6 +317,14 @@ SWITCHES: tuple[Switch, ...] = (
         "over-allocation); 0.25.1 asks the pool for the negative count.",
         "0.33.0",
     ),
+    Switch(
+        "mamba_prefill_checkpoints",
+        "mamba-prefill-checkpoints",
+        "An 'align' Mamba group with num_prefill_checkpoint_blocks > 0 reserves a block for "
+        "a prefill checkpoint (the state at a reusable position inside a chunk) and keys it "
+        "there; 0.25.1's MambaSpec has no such fields, so it never applies there.",
+        "0.33.0",
+    ),
 )
 """Every switch, in the order of the ledger's entries."""
 
@@ -370,6 +378,7 @@ class Profile:
     event_session_id: bool
     full_report_mode: bool
     external_blocks_floor_zero: bool
+    mamba_prefill_checkpoints: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in RELEASES:

@@ -22,6 +22,7 @@ SWITCHES = (
     "lookahead_arguments", "cache_within_hashed_tokens", "pcp_not_scaled",
     "dcp_sharded_geometry", "mamba_fine_grained_hits", "partial_hit_copy_on_write",
     "event_session_id", "full_report_mode", "external_blocks_floor_zero",
+    "mamba_prefill_checkpoints",
 )  # fmt: skip
 """Every switch, in kvcache's order."""
 

@@ -116,9 +116,10 @@ class FamilyResult:
 
 
 def run_family(
-    family: Family, family_index: int, sequences: int, base_seed: int = 0
+    family: Family, family_index: int, sequences: int, base_seed: int = 0, subject: str = SUBJECT
 ) -> FamilyResult:
-    """Run ``sequences`` random sequences of ``family`` on both sides."""
+    """Run ``sequences`` random sequences of ``family`` on both sides (``subject``:
+    kvcache's 0.33 profile, or ``spec-0.33``, the spec under it)."""
     from kvcache.kit.vllm_side import VllmAdapter
 
     # Both sides play 0.33.0's scheduler: it keeps the lookup's shared-prefix boundary
@@ -130,9 +131,9 @@ def run_family(
     failures = []
     for index in range(sequences):
         result = run_sequence(
-            family_seed(base_seed, family_index, index), family, SUBJECT, REFERENCE, stats
+            family_seed(base_seed, family_index, index), family, subject, REFERENCE, stats
         )
-        if result.cannot_build is not None and both_refuse(result, SUBJECT, REFERENCE):
+        if result.cannot_build is not None and both_refuse(result, subject, REFERENCE):
             stats.events["both_refuse"] += 1
             continue
         if result.mismatch is not None or result.cannot_build is not None:
@@ -171,7 +172,7 @@ def both_refuse(result: SequenceResult, subject: str, reference: str) -> bool:
     return False
 
 
-def describe_failure(result: FamilyResult, failure_dir: Path) -> str:
+def describe_failure(result: FamilyResult, failure_dir: Path, subject: str = SUBJECT) -> str:
     """The first failure of a family, its counterexample written under ``failure_dir``."""
     from kvcache.kit.driver import write_counterexample
 
@@ -179,11 +180,11 @@ def describe_failure(result: FamilyResult, failure_dir: Path) -> str:
     if first.cannot_build is not None:
         return f"seed {first.seed}: {first.cannot_build} (config {first.config})"
     path = failure_dir / f"{first.family}-seed-{first.seed}.jsonl"
-    write_counterexample(first, SUBJECT, REFERENCE, path)
+    write_counterexample(first, subject, REFERENCE, path)
     return (
         f"{len(result.failures)} sequence(s) diverge, first seed {first.seed}, config "
         f"{first.config}:\n{first.mismatch}\nMinimal trace: {path}\n"
-        f"Replay it: python -m kvcache replay {path} --impl {SUBJECT}"
+        f"Replay it: python -m kvcache replay {path} --impl {subject}"
     )
 
 
@@ -219,6 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--failure-dir", default="build/conformance-0.33-failures")
     parser.add_argument(
+        "--subject",
+        default=SUBJECT,
+        choices=(SUBJECT, "spec-0.33"),
+        help="the side checked against vLLM 0.33.0 (spec-0.33: the spec under its profile)",
+    )
+    parser.add_argument(
         "--no-scheduler", action="store_true", help="skip vLLM 0.33.0's Scheduler streams"
     )
     args = parser.parse_args(argv)
@@ -240,12 +247,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = Stats()
     failed: list[str] = []
     for family in chosen:
-        result = run_family(family, family_index(family.name), args.sequences, args.seed)
+        result = run_family(
+            family, family_index(family.name), args.sequences, args.seed, args.subject
+        )
         total.add(result.stats)
         print(f"{result.stats.summary()} in {result.stats.seconds:.1f}s", flush=True)
         if result.failures:
             failed.append(family.name)
-            print(describe_failure(result, Path(args.failure_dir)), flush=True)
+            print(describe_failure(result, Path(args.failure_dir), args.subject), flush=True)
         if result.missing_paths:
             failed.append(family.name)
             print(f"{family.name}: the driver never reached {result.missing_paths}", flush=True)
