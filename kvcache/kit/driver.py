@@ -754,6 +754,7 @@ class RandomScheduler:
         internal = self.internal_checkpoint(req, num_computed, num_computed + num_new_tokens)
         if internal:
             last_cache_position = 0
+            self.run.stats.events["checkpoint_chunk"] += 1
         after = num_computed + num_new_tokens
         if after < last_cache_position:
             num_new_tokens = num_new_tokens // bs * bs
