@@ -320,6 +320,8 @@ class HybridMachine(ManagerMachine):
             total_computed_tokens=computed,
             num_tokens_main_model=main,
         )
+        if self.CHECKPOINTS:  # where the prefill ends, as allocate_slots passes it (0.33.0)
+            arguments["prefill_end"] = max(request.num_prompt_tokens, request.num_tokens - 1)
         spec_num = self.spec.coordinator.get_num_blocks_to_allocate(
             new_computed_blocks=spec_hits.blocks, **arguments
         )
