@@ -454,39 +454,21 @@ class BlockPool:
         block's lookahead tokens (``LookaheadBlockStored``); with ``event_session_id``,
         vLLM 0.33.0's class (``kvcache.vllm_0_33.BlockStored``) carrying the
         request's ``session_id`` (and the lookahead tokens, if any)."""
+        cls: type[BlockStored] = BlockStored
+        extra: dict[str, Any] = {}
         if self.event_session_id:
             # NOTE: imported here, not at the top: the drop-in module imports this one.
             from kvcache.vllm_0_33 import BlockStored as BlockStored033
 
-            return BlockStored033(
-                block_hashes=block_hashes,
-                parent_block_hash=parent_block_hash,
-                token_ids=token_ids,
-                block_size=block_size,
-                lora_id=lora_id,
-                medium=MEDIUM_GPU,
-                lora_name=lora_name,
-                extra_keys=extra_keys,
-                group_idx=group_idx,
-                session_id=session_id,
-                lookahead_token_ids=(
-                    lookahead_token_ids if self.num_hash_lookahead_tokens else None
-                ),
+            cls = BlockStored033
+            extra["session_id"] = session_id
+            extra["lookahead_token_ids"] = (
+                lookahead_token_ids if self.num_hash_lookahead_tokens else None
             )
-        if self.num_hash_lookahead_tokens:
-            return LookaheadBlockStored(
-                block_hashes=block_hashes,
-                parent_block_hash=parent_block_hash,
-                token_ids=token_ids,
-                block_size=block_size,
-                lora_id=lora_id,
-                medium=MEDIUM_GPU,
-                lora_name=lora_name,
-                extra_keys=extra_keys,
-                group_idx=group_idx,
-                lookahead_token_ids=lookahead_token_ids,
-            )
-        return BlockStored(
+        elif self.num_hash_lookahead_tokens:
+            cls = LookaheadBlockStored
+            extra["lookahead_token_ids"] = lookahead_token_ids
+        return cls(
             block_hashes=block_hashes,
             parent_block_hash=parent_block_hash,
             token_ids=token_ids,
@@ -496,6 +478,7 @@ class BlockPool:
             lora_name=lora_name,
             extra_keys=extra_keys,
             group_idx=group_idx,
+            **extra,
         )
 
     def emit_cached_block_events(
