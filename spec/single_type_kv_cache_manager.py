@@ -808,9 +808,10 @@ class MambaManager(SingleTypeKVCacheManager):
                          ) -> bytes | None:
         """Key the request's checkpoint block at the checkpoint's position, dropping the
         block's other keys (its contents are that state now), when a later lookup can
-        use it there: it is the prompt's checkpoint (the position
-        ``checkpoint_position`` gives the whole prompt), a state the retention interval
-        keeps (on a block boundary), or the request's ``shared_prefix_boundary``.
+        use it there: it is the prompt's checkpoint (the whole prompt's reusable
+        boundary, ``pure.mamba_prompt_tail_boundary`` of its length), a state the
+        retention interval keeps (on a block boundary), or the request's
+        ``shared_prefix_boundary``.
         Otherwise unkey the block: the running state overwrites it. The new key, or
         None (unkeyed, or keyed there already)."""
         position, index = self.checkpoints[request.request_id]
