@@ -121,8 +121,14 @@ class KVCacheCoordinator:
                                    new_computed_blocks: tuple[Sequence[int], ...],
                                    num_encoder_tokens: int, total_computed_tokens: int,
                                    num_tokens_main_model: int, apply_admission_cap: bool = False,
-                                   num_local_computed_tokens: int = 0) -> int:
-        """Free blocks needed across all groups (see the managers' method)."""
+                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
+                                   ) -> int:
+        """Free blocks needed across all groups (see the managers' method). Mamba's
+        prefill checkpoints wait for the chunk reaching ``prefill_end`` only when
+        retention keeps just the latest state (interval 0); otherwise any chunk may leave
+        one (``prefill_end`` 0)."""
+        if self.retention_interval != 0:
+            prefill_end = 0
         num_blocks = 0
         for i, m in enumerate(self.single_type_managers):
             if isinstance(m, CrossAttentionManager):
@@ -131,7 +137,8 @@ class KVCacheCoordinator:
             else:
                 num_blocks += m.get_num_blocks_to_allocate(
                     request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
-                    num_tokens_main_model, apply_admission_cap, num_local_computed_tokens)
+                    num_tokens_main_model, apply_admission_cap, num_local_computed_tokens,
+                    prefill_end)
         return num_blocks
 
     def allocate_new_computed_blocks(self, request_id: str,

@@ -409,7 +409,8 @@ class Family:
     """A family of random configs: the group layout and the knobs held fixed.
 
     ``kinds`` are layout tokens: full, swa, chunked, mamba-align, mamba-all,
-    mamba-none, mamba (any mode), cross, rswa (no sink: vLLM 0.25.1 cannot build
+    mamba-none, mamba (any mode), mamba-checkpoint ('align' with vLLM 0.33.0's prefill
+    checkpoint blocks), cross, rswa (no sink: vLLM 0.25.1 cannot build
     a manager with a sink group). ``enable_caching`` / ``watermark``
     None: drawn at random. ``eagle``: probability of ``use_eagle``.
     ``mixed_block_sizes``: groups may have different block sizes.
@@ -509,6 +510,19 @@ FAMILIES: dict[str, Family] = {
                 ("full+chunked-lookahead", ("full", "chunked")),
             )
         ),
+        # vLLM 0.33.0's Mamba prefill checkpoints: an 'align' group with checkpoint
+        # blocks saves the state at a reusable position inside a long prefill chunk
+        # (the scheduler then lets the chunk run past it), under dense, interval and
+        # latest-only retention, with EAGLE often.
+        Family("full+mamba-checkpoint", ("full", "mamba-checkpoint"), eagle=0.3, since="0.33.0"),
+        Family(
+            "full+mamba-checkpoint-retention",
+            ("full", "mamba-checkpoint"),
+            eagle=0.3,
+            retention=True,
+            since="0.33.0",
+        ),
+        Family("mamba-checkpoint", ("mamba-checkpoint",), eagle=0.3, since="0.33.0"),
     ]
 }
 
@@ -545,6 +559,16 @@ def random_group(rng: random.Random, token: str, block_size: int, index: int) ->
     if token == "chunked":
         return GroupConfig(
             "chunked_local", block_size, attention_chunk_size=rng.randint(1, 12), num_kv_heads=heads
+        )
+    if token == "mamba-checkpoint":
+        return GroupConfig(
+            "mamba",
+            block_size,
+            mamba_cache_mode="align",
+            num_speculative_blocks=rng.choice([0, 0, 1, 2]),
+            num_kv_heads=heads,
+            num_prefill_checkpoint_blocks=rng.choice([1, 1, 2]),
+            prefill_checkpoint_alignment=rng.choice([None, 1, 1, 2, 4]),
         )
     if token.startswith("mamba"):
         mode = token.partition("-")[2] or rng.choice(["none", "all", "align", "align"])
@@ -710,11 +734,20 @@ class RandomScheduler:
         self.next_handle = 0
         self.lookahead = 0 if rng.random() < 0.6 else rng.randint(1, 3)
         self.full_sequence_must_fit = rng.random() < 0.3
+        mamba = [g for g in config.groups if g.kind == "mamba"]
+        # vLLM 0.33.0's prefill checkpoints: longer prompts (a checkpoint sits inside a
+        # chunk of at least two blocks), and its scheduler's split (``mamba_split``)
+        # where every Mamba group has checkpoint blocks; the alignment is the first
+        # Mamba group's, as vLLM's scheduler takes it.
+        self.long_prompts = any(g.has_checkpoint_fields for g in mamba)
+        self.checkpoints = bool(mamba) and all(g.num_prefill_checkpoint_blocks > 0 for g in mamba)
+        self.checkpoint_alignment = mamba[0].prefill_checkpoint_alignment if mamba else None
+        self.prompt_blocks = 5 if self.long_prompts else 2  # blocks of a prompt's tail
+        stem_blocks = 6 if self.long_prompts else 3
         self.stems = [
-            [rng.randrange(3) for _ in range(rng.randint(0, 3 * self.block_size + 1))]
+            [rng.randrange(3) for _ in range(rng.randint(0, stem_blocks * self.block_size + 1))]
             for _ in range(3)
         ]
-        mamba = [g for g in config.groups if g.kind == "mamba"]
         # vLLM's scheduler splits prefill chunks at block multiples when a Mamba
         # group caches in "align" mode (Scheduler._mamba_block_aligned_split).
         self.mamba_align = any(g.mamba_cache_mode == "align" for g in mamba)
@@ -793,6 +826,11 @@ class RandomScheduler:
         last_cache_position = req.num_tokens - req.num_tokens % bs
         if self.config.use_eagle:
             last_cache_position = max(last_cache_position - bs, 0)
+        # A chunk whose layer saves the prompt's checkpoint inside it is not cut there.
+        internal = self.internal_checkpoint(req, num_computed, num_computed + num_new_tokens)
+        if internal:
+            last_cache_position = 0
+            self.run.stats.events["checkpoint_chunk"] += 1
         after = num_computed + num_new_tokens
         if after < last_cache_position:
             num_new_tokens = num_new_tokens // bs * bs
@@ -803,14 +841,36 @@ class RandomScheduler:
             tail = req.num_prompt_tokens if self.config.use_eagle else req.num_prompt_tokens - 1
             tail = max(tail, 0) // hbs * hbs - (hbs if self.config.use_eagle else 0)
             stops = [
-                (num_computed // bs + 1) * bs if num_computed % bs else 0,
-                tail if last_cache_position < tail < req.num_prompt_tokens else 0,
+                (num_computed // bs + 1) * bs if num_computed % bs and not internal else 0,
+                tail if last_cache_position < tail < req.num_prompt_tokens and not internal else 0,
             ]
             end = num_computed + num_new_tokens
             inside = [p for p in stops if num_computed < p < end]
             if inside:
                 num_new_tokens = min(inside) - num_computed
         return num_new_tokens
+
+    def internal_checkpoint(self, req: Req, start: int, end: int) -> bool:
+        """vLLM 0.33.0's scheduler: whether the prefill chunk ``[start, end)`` reaching
+        the prefill's end lets the Mamba layers save the prompt's checkpoint inside it
+        (every Mamba group has checkpoint blocks; the position exportable there)."""
+        if not self.checkpoints:
+            return False
+        from spec import pure  # the oracle's arithmetic: the kit imports spec lazily
+
+        prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
+        if end < prefill_end:
+            return False
+        hbs = self.config.hash_block_size
+        position = pure.mamba_prompt_tail_boundary(
+            prefill_end,
+            hbs if self.fine_grained else self.block_size,
+            self.config.use_eagle,
+            self.config.num_hash_lookahead_tokens,
+        )
+        return pure.mamba_checkpoint_exportable(
+            start, end, position, hbs, self.block_size, self.checkpoint_alignment
+        )
 
     # ------------------------------------------------------------ actions
 
@@ -852,7 +912,8 @@ class RandomScheduler:
             args = dict(rng.choice(self.added), request_id=request_id)
         else:
             stem = rng.choice(self.stems)
-            tail = [rng.randrange(3) for _ in range(rng.randint(0, 2 * self.block_size + 1))]
+            tail_len = rng.randint(0, self.prompt_blocks * self.block_size + 1)
+            tail = [rng.randrange(3) for _ in range(tail_len)]
             prompt = (stem + tail)[: self.config.max_model_len - 1] or [rng.randrange(3)]
             args = {"request_id": request_id, "prompt_token_ids": prompt}
             # R-SWA frees its gap only once a decode passes its window: longer decodes.
@@ -978,6 +1039,11 @@ class RandomScheduler:
         num_draft_tokens = 0
         if remaining == 1 and rng.random() < (0.4 if self.lookahead else 0.1):
             num_draft_tokens = min(rng.randint(1, 3), cap - num_new_tokens, self.max_draft_tokens)
+            if self.checkpoints:
+                # vLLM 0.33.0 would reserve a checkpoint inside the draft tokens once
+                # they span a hash block, and then assert keying it past the hashed
+                # tokens: fewer drafts than a hash block.
+                num_draft_tokens = min(num_draft_tokens, self.config.hash_block_size - 1)
             num_draft_tokens = max(num_draft_tokens, 0)
         if num_new_tokens <= 0:
             return

@@ -471,6 +471,20 @@ class CannotBuildLookaheadAdded(Rule):
         )
 
 
+class CannotBuildCheckpointsAdded(Rule):
+    """0.25.1's ``MambaSpec`` has no prefill checkpoint fields: a layout with a Mamba
+    group setting them cannot be built there (vLLM 0.25.1 raises TypeError on the
+    unknown field; kvcache's 0.25.1 profile refuses the value, naming the field)."""
+
+    refused_by = "old"
+
+    def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
+        return any(g.has_checkpoint_fields for g in config.groups) and any(
+            name in reason
+            for name in ("num_prefill_checkpoint_blocks", "prefill_checkpoint_alignment")
+        )
+
+
 class SubBlockEntries(Rule):
     """Where a group's blocks span several hash blocks, drops what only the new side
     has: extra cache entries (keys the old side lacks), the primary hash of a block
@@ -1347,6 +1361,7 @@ RULES: dict[str, Callable[[], Rule]] = {
     "cannot_build_tq_removed": CannotBuildTqRemoved,
     "cannot_build_circular_added": CannotBuildCircularAdded,
     "cannot_build_lookahead_added": CannotBuildLookaheadAdded,
+    "cannot_build_checkpoints_added": CannotBuildCheckpointsAdded,
     "sub_block_entries": SubBlockEntries,
     "shorter_hit_mamba_eagle": ShorterHitMambaEagle,
     "mm_output_block_hash": MmOutputBlockHash,

@@ -8,8 +8,9 @@ on every layout the hybrid machine draws: full attention, sliding window, chunke
 local, cross attention and Mamba, one to three groups, and (the new-kinds machine)
 MLA variants and one full-attention group under dcp / pcp. (A Mamba group in mode
 'all' or 'none' with caching cannot be built under 0.33.0: both sides refuse it
-alike and the machine draws another layout. Mamba prefill checkpoints are
-modelled by neither side yet, ``docs/profiles.md``; fine-grained hits and their
+alike and the machine draws another layout. Mamba prefill checkpoints: the hybrid
+machine draws them on 'align' groups once kvcache's ``MambaSpec`` has the fields (the
+spec models them, ``docs/profiles.md``); fine-grained hits and their
 copy-on-write copies are, and are held by ``tests/conformance/test_profile_0_33.py``
 and ``tests/test_injected_bugs_fine_grained.py``.) The requests' hashes come from
 kvcache's hasher with the profile's hashing switches, and the invariant compares
@@ -28,6 +29,7 @@ machine must fail, so each switch tried is one the machines actually reach.
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from typing import Any
 
@@ -38,6 +40,7 @@ from hypothesis.stateful import run_state_machine_as_test
 import spec
 import spec.profile as spec_profile
 from kvcache import vllm_0_33
+from kvcache.kv_cache_interface import MambaSpec
 
 from .runner import run_machine
 from .test_hybrid_machine import HybridMachine
@@ -45,6 +48,7 @@ from .test_manager_machine import ManagerMachine
 from .test_new_kinds_machine import NewKindsMachine
 
 RELEASE = "0.33.0"
+MAMBA_SPEC_FIELDS = {f.name for f in dataclasses.fields(MambaSpec)}
 # Of the CI profile's 600 examples: each machine runs this many under the 0.33.0 profile.
 CI_EXAMPLES = 40
 
@@ -133,6 +137,9 @@ def machine_class(
             **{k: v for k, v in lookahead.items() if k == "num_hash_lookahead_tokens"},
         },
         "counters": {"steps": 0, "examples": 0},
+        # Mamba prefill checkpoints, where kvcache's MambaSpec can carry them (the spec
+        # models them; kvcache's spec class gains the fields with their model).
+        "CHECKPOINTS": "num_prefill_checkpoint_blocks" in MAMBA_SPEC_FIELDS,
     }
     name = f"{base.__name__}_0_33" + (f"_without_{flipped}" if flipped else "")
     name += "_lookahead" if lookahead else ""
