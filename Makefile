@@ -78,13 +78,8 @@ check-0.33: $(REF33_STAMP)
 # scheduler sequences of the conformance tests, CONFORMANCE33_SEQUENCES per family, for every
 # family kvcache.kit.conformance33 does not list as NOT_YET_CONFORMANT (it prints those).
 CONFORMANCE33_SEQUENCES ?= 100
-# The families kvcache does not model yet but the spec does (conformance33.SPEC_ONLY: Mamba
-# prefill checkpoints) run with the spec's 0.33.0 profile as the subject (about 6 s).
-SPEC_ONLY33 = full+mamba-checkpoint,full+mamba-checkpoint-retention,mamba-checkpoint
 conformance-0.33: $(REF33_STAMP)
 	$(REF33_VENV)/bin/python -m kvcache.kit.conformance33 --sequences $(CONFORMANCE33_SEQUENCES)
-	$(REF33_VENV)/bin/python -m kvcache.kit.conformance33 --subject spec-0.33 --no-scheduler \
-		--families $(SPEC_ONLY33) --sequences $(CONFORMANCE33_SEQUENCES)
 
 # vLLM 0.33.0's own tests/v1/core (its source distribution, fetched into build/upstream), run
 # on stock vLLM 0.33.0 and with vLLM's core modules served by kvcache's 0.33.0 profile

@@ -58,21 +58,6 @@ NOT_YET_CONFORMANT.update(
     }
 )
 
-#: Families the spec conforms in against vLLM 0.33.0 (``--subject spec-0.33``) while
-#: kvcache does not model them yet: vLLM 0.33.0's Mamba prefill checkpoints, which
-#: need the ``MambaSpec`` fields kvcache's spec class lacks (it cannot build them).
-#: Once kvcache models them, delete this set and its entries below.
-SPEC_ONLY = frozenset(
-    {"full+mamba-checkpoint", "full+mamba-checkpoint-retention", "mamba-checkpoint"}
-)
-NOT_YET_CONFORMANT.update(
-    {
-        name: "Mamba prefill checkpoints: kvcache does not model them yet "
-        "(spec-0.33 conforms: --subject spec-0.33)"
-        for name in SPEC_ONLY
-    }
-)
-
 # Paths the driver must reach in every family (as in the 0.25.1 conformance tests),
 # so that a driver bug cannot make the comparison trivial.
 REQUIRED_PATHS = ("allocate_none", "raises:ValueError", "raises:AssertionError", "reset_True")
@@ -125,13 +110,9 @@ def under_0_33(family: Family) -> Family:
 
 
 def conformant_families(subject: str = SUBJECT) -> list[Family]:
-    """The families run: every driver family not in ``NOT_YET_CONFORMANT`` (for the
-    spec, ``spec-0.33``, the ``SPEC_ONLY`` ones too)."""
-    return [
-        under_0_33(f)
-        for name, f in FAMILIES.items()
-        if name not in NOT_YET_CONFORMANT or (subject == "spec-0.33" and name in SPEC_ONLY)
-    ]
+    """The families run (for any ``subject``): every driver family not in
+    ``NOT_YET_CONFORMANT``."""
+    return [under_0_33(f) for name, f in FAMILIES.items() if name not in NOT_YET_CONFORMANT]
 
 
 def family_index(name: str) -> int:

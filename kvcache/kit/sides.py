@@ -38,8 +38,6 @@ tests, a user's own requests) sees no change.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import importlib
 import os
 import sys
@@ -123,32 +121,11 @@ def retention_env(config: ManagerConfig) -> Iterator[None]:
             os.environ[RETENTION_ENV] = old
 
 
-@functools.cache
-def mamba_spec_with_checkpoints(base: type) -> type:
-    """``base`` (a ``MambaSpec`` class without vLLM 0.33.0's prefill checkpoint fields)
-    with them added, still named ``MambaSpec``: the spec sides read layer specs as data,
-    by class name, so they can run checkpoint layouts while kvcache's own ``MambaSpec``
-    lacks the fields (``build_group_spec``'s ``add_checkpoint_fields``)."""
-    made: type = dataclasses.make_dataclass(
-        "MambaSpec",
-        [
-            ("num_prefill_checkpoint_blocks", int, dataclasses.field(default=0)),
-            ("prefill_checkpoint_alignment", "int | None", dataclasses.field(default=None)),
-        ],
-        bases=(base,),
-        frozen=True,
-    )
-    return made
-
-
-def build_group_spec(
-    lib: Any, group: GroupConfig, head_size: int, dtype: Any, add_checkpoint_fields: bool = False
-) -> Any:
+def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -> Any:
     """``group`` as a spec of ``lib`` (``kvcache.kv_cache_interface`` or vLLM's, which
     name their classes alike). A Mamba group's prefill checkpoint fields (vLLM 0.33.0)
     are passed only when set: a ``MambaSpec`` without them (vLLM 0.25.1's) then raises
-    ``TypeError`` naming the field, unless ``add_checkpoint_fields`` (the spec sides)
-    adds them (``mamba_spec_with_checkpoints``)."""
+    ``TypeError`` naming the field."""
     common = {
         "block_size": group.block_size,
         "num_kv_heads": group.num_kv_heads,
@@ -162,17 +139,13 @@ def build_group_spec(
             **common, attention_chunk_size=group.attention_chunk_size
         )
     if group.kind == "mamba":
-        mamba_spec = lib.MambaSpec
         checkpoint_fields = {}
         if group.has_checkpoint_fields:
             checkpoint_fields = {
                 "num_prefill_checkpoint_blocks": group.num_prefill_checkpoint_blocks,
                 "prefill_checkpoint_alignment": group.prefill_checkpoint_alignment,
             }
-            names = {f.name for f in dataclasses.fields(mamba_spec)}
-            if add_checkpoint_fields and "num_prefill_checkpoint_blocks" not in names:
-                mamba_spec = mamba_spec_with_checkpoints(mamba_spec)
-        return mamba_spec(
+        return lib.MambaSpec(
             block_size=group.block_size,
             shapes=((2,),),
             dtypes=(dtype,),
@@ -199,14 +172,12 @@ def build_group_spec(
     return lib.FullAttentionSpec(**common)
 
 
-def build_kv_cache_config(
-    lib: Any, config: ManagerConfig, dtype: Any, add_checkpoint_fields: bool = False
-) -> Any:
+def build_kv_cache_config(lib: Any, config: ManagerConfig, dtype: Any) -> Any:
     """``lib.KVCacheConfig`` for ``config``: one group per ``GroupConfig``."""
     groups = [
         lib.KVCacheGroupSpec(
             [f"layers.{i}"],
-            build_group_spec(lib, group, config.head_size, dtype, add_checkpoint_fields),
+            build_group_spec(lib, group, config.head_size, dtype),
             is_eagle_group=group.is_eagle_group,
         )
         for i, group in enumerate(config.groups)
@@ -379,7 +350,7 @@ class SpecAdapter(Adapter):
 
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(
-            self.kv_cache_interface, config, "float16", add_checkpoint_fields=True
+            self.kv_cache_interface, config, "float16"
         )
         return self.factory(kv_cache_config, **config.manager_kwargs(),
                             caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
@@ -492,7 +463,7 @@ class SpecProfileAdapter(SpecAdapter):
 
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(
-            self.kv_cache_interface, config, "float16", add_checkpoint_fields=True
+            self.kv_cache_interface, config, "float16"
         )
         return self.factory(kv_cache_config, **config.manager_kwargs(),
                             caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,

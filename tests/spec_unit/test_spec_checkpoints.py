@@ -9,12 +9,10 @@ holds the spec to the real vLLM 0.33.0 on the checkpoint families.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
 
-from kvcache.kit.sides import mamba_spec_with_checkpoints
 from kvcache.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -30,12 +28,9 @@ NULL = 0
 
 
 def mamba(blocks: int, alignment: int | None, block_size: int = 4) -> Any:
-    """An 'align' Mamba layer spec with the checkpoint fields (kvcache's class, or the
-    kit's copy of it with the fields while kvcache's has none)."""
-    names = {f.name for f in dataclasses.fields(MambaSpec)}
-    cls = MambaSpec if "num_prefill_checkpoint_blocks" in names else (
-        mamba_spec_with_checkpoints(MambaSpec))
-    return cls(block_size=block_size, shapes=((2,),), dtypes=("float16",),
+    """An 'align' Mamba layer spec with the checkpoint fields (kvcache's class: the
+    spec reads layer specs as data)."""
+    return MambaSpec(block_size=block_size, shapes=((2,),), dtypes=("float16",),
                mamba_cache_mode="align", num_prefill_checkpoint_blocks=blocks,
                prefill_checkpoint_alignment=alignment)
 

@@ -257,13 +257,10 @@ def test_normalisers_explain_api_changes_and_nothing_else() -> None:
 
 
 def test_random_sequences_are_ones_a_scheduler_could_make() -> None:
-    from kvcache.kit.conformance33 import SPEC_ONLY
     from kvcache.kit.driver import FAMILIES, run_sequence, scheduler_could_make
 
     for i, family in enumerate(FAMILIES):
         impl = "kvcache" if FAMILIES[family].since == "0.25.1" else "kvcache-0.33"
-        if family in SPEC_ONLY:  # kvcache cannot build these yet: the spec's 0.33 profile
-            impl = "spec-0.33"
         result = run_sequence(100 + i, family, None, impl)
         assert result.run is not None
         calls = [(r["op"], r["args"]) for r in result.run.records]

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.kit.conformance33 import SPEC_ONLY
 from kvcache.kit.driver import FAMILIES, run_sequence
 
 SEEDS = range(8)
 
 
-# (Not the families kvcache cannot build yet, SPEC_ONLY: vLLM 0.33.0's Mamba prefill
-# checkpoints, which the spec models and conformance33 --subject spec-0.33 checks.)
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in SPEC_ONLY])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_agrees_with_spec(family: str) -> None:
     # A family of a later release's kinds (ring buffers) runs under that profile.
     later = FAMILIES[family].since != "0.25.1"

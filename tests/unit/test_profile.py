@@ -36,7 +36,7 @@ from kvcache import (
     xxhash,
 )
 from kvcache import vllm_0_33 as v33
-from kvcache.kit.conformance33 import NOT_YET_CONFORMANT, SPEC_ONLY, conformant_families
+from kvcache.kit.conformance33 import NOT_YET_CONFORMANT, conformant_families
 from kvcache.kit.driver import FAMILIES
 from kvcache.kit.ledger import load_ledger
 from kvcache.profile import RELEASES, SWITCHES, Profile, resolve_profile
@@ -133,17 +133,8 @@ def test_conformance_families_not_yet_passing_are_listed_not_dropped() -> None:
     # The families kvcache's 0.33.0 profile does not model yet (update when they pass).
     assert set(NOT_YET_CONFORMANT) == {
         "tq",  # vLLM 0.33.0 has no TQFullAttentionSpec (ledger tq-spec-removed)
-        # Mamba prefill checkpoints: the spec conforms (--subject spec-0.33), kvcache not yet.
-        *SPEC_ONLY,
     }
-    spec_run = {f.name for f in conformant_families("spec-0.33")}
-    assert spec_run == run | SPEC_ONLY
-    # make conformance-0.33 runs them with the spec as the subject.
-    from pathlib import Path
-
-    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
-    line = next(x for x in makefile.splitlines() if x.startswith("SPEC_ONLY33 = "))
-    assert set(line.partition("= ")[2].split(",")) == SPEC_ONLY
+    assert {f.name for f in conformant_families("spec-0.33")} == run
 
 
 # ---------------------------------------------------------------- the drop-in constructor
