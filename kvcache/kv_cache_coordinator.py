@@ -1063,25 +1063,58 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit_per_group(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], tuple[int, ...]]:
-        """Each kind's own longest hit, without agreeing on one length."""
+        """Each kind's own longest hit, without agreeing on one length.
+
+        With fine-grained hits (``enable_partial_hash_hits``) a kind's hit ends on a
+        hash-block boundary, inside a block for full attention and Mamba groups with
+        larger blocks, and its length is the hit's, not its blocks'. Under
+        ``eagle_peek_to_hashed_length`` an EAGLE kind other than Mamba first looks one
+        block (fine-grained: one hash block) further, up to the hashed tokens, before
+        its finder drops that block; 0.25.1 looks no further.
+        """
         num_groups = len(self.kv_cache_config.kv_cache_groups)
         hit_blocks: list[list[KVCacheBlock]] = [[] for _ in range(num_groups)]
         hit_lengths = [0] * num_groups
+        fine = self.enable_partial_hash_hits
+        hbs = self.hash_block_size
+        alignment = self._cache_hit_alignment_tokens
         for spec, group_ids, manager_cls, use_eagle in self.attention_groups:
             manager = self.single_type_managers[group_ids[0]]
-            blocks = manager_cls.find_longest_cache_hit(  # positional, as above
-                self._block_hashes_for(block_hashes, manager.block_size),  # block_hashes
-                max_cache_hit_length,  # max_length
-                group_ids,  # kv_cache_group_ids
-                manager.block_pool,  # block_pool
-                spec,  # kv_cache_spec
-                use_eagle,  # drop_eagle_block
-                self.scheduler_block_size,  # alignment_tokens
-                manager.dcp_world_size,  # dcp_world_size
-            )
+            block_size = manager.block_size
+            sub_block = fine and block_size > hbs and _finds_fine_grained_hits(manager_cls)
+            max_length = max_cache_hit_length
+            if (
+                use_eagle
+                and self.eagle_peek_to_hashed_length
+                and not is_spec_kind(spec, "MambaSpec")
+            ):
+                margin = hbs if sub_block else block_size
+                max_length = min(max_length + margin, len(block_hashes) * hbs)
+            if sub_block:
+                lookup_spec = (
+                    spec
+                    if block_size == spec.block_size
+                    else spec.copy_with_new_block_size(block_size)
+                )
+                blocks, group_hit = manager_cls.find_fine_grained_hit(
+                    block_hashes, max_length, group_ids, manager.block_pool, lookup_spec,
+                    use_eagle, hbs,
+                )  # fmt: skip
+            else:
+                blocks = manager_cls.find_longest_cache_hit(  # positional, as above
+                    self._block_hashes_for(block_hashes, block_size),  # block_hashes
+                    max_length,  # max_length
+                    group_ids,  # kv_cache_group_ids
+                    manager.block_pool,  # block_pool
+                    spec,  # kv_cache_spec
+                    use_eagle,  # drop_eagle_block
+                    alignment,  # alignment_tokens
+                    manager.dcp_world_size,  # dcp_world_size
+                )
+                group_hit = len(blocks[0]) * block_size
             for gid, group_blocks in zip(group_ids, blocks, strict=True):
                 hit_blocks[gid] = group_blocks
-                hit_lengths[gid] = len(blocks[0]) * manager.block_size
+                hit_lengths[gid] = group_hit
         return tuple(hit_blocks), tuple(hit_lengths)
 
 

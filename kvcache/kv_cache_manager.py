@@ -204,6 +204,25 @@ def _refuse_hisparse_groups(kv_cache_config: KVCacheConfig, profile: Profile) ->
         )
 
 
+def _refuse_checkpoint_fields(kv_cache_config: KVCacheConfig, profile: Profile) -> None:
+    """Refuse a Mamba spec with prefill checkpoint fields set under a profile without
+    ``mamba_prefill_checkpoints`` (vLLM 0.25.1's ``MambaSpec`` has neither field, so
+    such a layout cannot exist there; ignoring the fields would be a silent guess).
+
+    Raises:
+        ValueError: naming the group, the fields' values and the profile.
+    """
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        blocks = getattr(group.kv_cache_spec, "num_prefill_checkpoint_blocks", 0)
+        alignment = getattr(group.kv_cache_spec, "prefill_checkpoint_alignment", None)
+        if blocks or alignment is not None:
+            raise ValueError(
+                f"num_prefill_checkpoint_blocks={blocks!r}, prefill_checkpoint_alignment="
+                f"{alignment!r} (group {group_id}) are not supported under {profile!r}: "
+                "Mamba prefill checkpoints are vLLM 0.33.0's (kvcache.vllm_0_33)"
+            )
+
+
 # Subclassing KVCacheManager is the documented way to plug in a variant (README,
 # "Check your own implementation"): allowed on the compiled build too.
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -282,6 +301,8 @@ class KVCacheManager:
             _refuse_circular_buffer_groups(kv_cache_config, self.profile)
         if not self.profile.hisparse_groups:
             _refuse_hisparse_groups(kv_cache_config, self.profile)
+        if not self.profile.mamba_prefill_checkpoints:
+            _refuse_checkpoint_fields(kv_cache_config, self.profile)
         self.num_hash_lookahead_tokens = check_num_hash_lookahead_tokens(num_hash_lookahead_tokens)
         if (
             not isinstance(num_prefill_lookahead, int)

@@ -133,7 +133,8 @@ SWITCHES: tuple[Switch, ...] = (
         "eagle_peek_to_hashed_length",
         "",
         "A hybrid lookup's EAGLE group peeks one block past the candidate length up "
-        "to the request's hashed tokens (0.25.1: up to max_cache_hit_length).",
+        "to the request's hashed tokens (0.25.1: up to max_cache_hit_length); so does "
+        "the per-group lookup's, Mamba's aside (0.25.1: no peek there).",
         "0.33.0",
     ),
     Switch(
@@ -319,15 +320,16 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "mamba_prefill_checkpoints",
-        "",
+        "mamba-prefill-checkpoints",
         "An 'align' Mamba group whose spec has num_prefill_checkpoint_blocks > 0 and a "
         "prefill_checkpoint_alignment reserves a block for the state its backend "
         "exports inside a prefill chunk (the prompt-tail boundary rule applied to the "
         "chunk's end; under latest-only retention only on the chunk reaching the "
         "prefill end) and keys it at that position if a later lookup can reuse it "
         "(the prompt's checkpoint, a retained block boundary, the request's "
-        "shared-prefix boundary), else drops the column's keys; 0.25.1's MambaSpec "
-        "has neither field.",
+        "shared-prefix boundary), else drops the column's keys; 'align' groups also "
+        "offer the states they cache to a KV connector (boundary-state offloads). "
+        "0.25.1's MambaSpec has neither field: its profile refuses a spec with one set.",
         "0.33.0",
     ),
     Switch(

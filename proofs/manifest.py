@@ -90,6 +90,7 @@ CONTRACTS: tuple[Contract, ...] = (
     Contract(f"{S}.num_skipped_hits"),
     Contract(f"{S}.mamba_align_num_new_blocks"),
     Contract(f"{S}.mamba_prompt_tail_boundary"),
+    Contract(f"{S}.mamba_checkpoint_exportable"),
     Contract(f"{K}.sliding_window_admission_blocks"),
     Contract(f"{K}.chunked_local_admission_blocks"),
     Contract(f"{K}.sliding_window_final_segment_tail"),

@@ -189,14 +189,16 @@ class BlockPool:
 
     def cache_partial_block(self, request: Request, block: int, num_tokens: int,
                             kv_cache_group_id: int, block_size: int,
-                            any_boundary: bool = False) -> bytes | None:
+                            any_boundary: bool = False, replace: bool = False) -> bytes | None:
         """Make ``block`` reachable from the ``num_tokens``-token prefix ending inside it,
         keyed by the request's chain hash at ``num_tokens`` (a multiple of
         ``hash_block_size``, not of ``block_size``). It is the block's hash if it has none,
         replaces a shorter entry, else is a further key. A new entry queues a BlockStored
         of the last ``hash_block_size`` tokens. None for the null block; ValueError where
         vLLM asserts (sizes off the rules). ``any_boundary``: ``num_tokens`` may also end
-        on a block boundary (a Mamba prompt-tail state, ``mamba_prompt_tail_state``)."""
+        on a block boundary (a Mamba prompt-tail state, ``mamba_prompt_tail_state``).
+        ``replace``: the block holds another state now (a Mamba prefill checkpoint): every
+        key it had is dropped first, and the entry is new even if it had this key."""
         if block == NULL_BLOCK:
             return None
         hbs = self.hash_block_size
@@ -207,7 +209,9 @@ class BlockPool:
             raise ValueError(f"num_tokens={num_tokens}, block_size={block_size}: not a "
                              f"partial-block boundary for hash_block_size={hbs}")
         key = pool_key(hashes[n - 1], kv_cache_group_id)
-        if block in self.cached.get(key, []):
+        if replace:
+            self._maybe_evict_cached_block(block)
+        elif block in self.cached.get(key, []):
             return key
         if block in self.block_hash and self.hash_num_tokens[block] < num_tokens:
             self._maybe_evict_cached_block(block)  # the longer entry replaces the shorter

@@ -121,8 +121,14 @@ class KVCacheCoordinator:
                                    new_computed_blocks: tuple[Sequence[int], ...],
                                    num_encoder_tokens: int, total_computed_tokens: int,
                                    num_tokens_main_model: int, apply_admission_cap: bool = False,
-                                   num_local_computed_tokens: int = 0) -> int:
-        """Free blocks needed across all groups (see the managers' method)."""
+                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
+                                   ) -> int:
+        """Free blocks needed across all groups (see the managers' method). Mamba's
+        prefill checkpoints wait for the chunk reaching ``prefill_end`` only when
+        retention keeps just the latest state (interval 0); otherwise any chunk may leave
+        one (``prefill_end`` 0)."""
+        if self.retention_interval != 0:
+            prefill_end = 0
         num_blocks = 0
         for i, m in enumerate(self.single_type_managers):
             if isinstance(m, CrossAttentionManager):
@@ -131,7 +137,8 @@ class KVCacheCoordinator:
             else:
                 num_blocks += m.get_num_blocks_to_allocate(
                     request_id, num_tokens, new_computed_blocks[i], total_computed_tokens,
-                    num_tokens_main_model, apply_admission_cap, num_local_computed_tokens)
+                    num_tokens_main_model, apply_admission_cap, num_local_computed_tokens,
+                    prefill_end)
         return num_blocks
 
     def allocate_new_computed_blocks(self, request_id: str,
@@ -414,16 +421,33 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit_per_group(self, block_hashes: list[bytes],
                                          max_cache_hit_length: int
                                          ) -> tuple[Hits, tuple[int, ...]]:
-        """Each spec's own longest hit (no common length), with its length per group."""
+        """Each spec's own longest hit (no common length), with its length per group.
+        With fine-grained hits a hit ends on a hash-block boundary (inside a block for
+        full attention and Mamba with larger blocks); under eagle_peek_to_hashed_length
+        an EAGLE spec other than Mamba first looks one block (fine-grained: one hash
+        block) further, up to the hashed tokens (0.25.1: no further)."""
         hit_blocks: list[list[int]] = [[] for _ in self.single_type_managers]
         hit_lengths = [0] * len(self.single_type_managers)
+        hbs = self.hash_block_size
         for spec, group_ids, manager_cls, use_eagle in self.attention_groups:
-            hits = manager_cls.find_longest_cache_hit(
-                self._hashes_for(block_hashes, spec), max_cache_hit_length, group_ids,
-                self.block_pool, spec, use_eagle, self.scheduler_block_size)
+            sub_block = (self.fine_grained and spec.block_size > hbs
+                         and issubclass(manager_cls, (FullAttentionManager, MambaManager)))
+            max_length = max_cache_hit_length
+            if use_eagle and self.eagle_peek_to_hashed_length and not is_a(spec, "MambaSpec"):
+                max_length = min(max_length + (hbs if sub_block else spec.block_size),
+                                 len(block_hashes) * hbs)
+            if sub_block:
+                hits, length = manager_cls.find_fine_grained_hit(
+                    block_hashes, max_length, group_ids, self.block_pool, spec, use_eagle, hbs)
+            else:
+                hits = manager_cls.find_longest_cache_hit(
+                    self._hashes_for(block_hashes, spec), max_length, group_ids,
+                    self.block_pool, spec, use_eagle,
+                    hbs if self.fine_grained else self.scheduler_block_size)
+                length = len(hits[0]) * spec.block_size
             for group_id, blocks in zip(group_ids, hits, strict=True):
                 hit_blocks[group_id] = blocks
-                hit_lengths[group_id] = len(hits[0]) * spec.block_size
+                hit_lengths[group_id] = length
         return tuple(hit_blocks), tuple(hit_lengths)
 
 

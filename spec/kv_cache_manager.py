@@ -116,6 +116,13 @@ class KVCacheManager:
         if rings and not self.profile.circular_buffer_groups:
             raise NotImplementedError("a CircularBufferSpec group (a vLLM 0.33.0 kind) under "
                                       f"profile {self.profile.release}")
+        for g in kv_cache_config.kv_cache_groups:  # 0.33.0's MambaSpec fields
+            blocks = getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0)
+            alignment = getattr(g.kv_cache_spec, "prefill_checkpoint_alignment", None)
+            if (blocks or alignment is not None) and not self.profile.mamba_prefill_checkpoints:
+                raise ValueError(f"num_prefill_checkpoint_blocks={blocks}, prefill_checkpoint_"
+                                 f"alignment={alignment}: Mamba prefill checkpoints are vLLM "
+                                 f"0.33.0's; profile {self.profile.release} has no such fields")
         # 0.33.0's lookahead hashing and prefill lookahead (0: none; a bool hash
         # lookahead counts as 0 / 1, as vLLM does arithmetic with it).
         for name, value in (("num_hash_lookahead_tokens", num_hash_lookahead_tokens),
@@ -217,6 +224,9 @@ class KVCacheManager:
             m.caps_new_state_blocks = p.mamba_caps_new_state_blocks
             m.caches_prompt_tail_state = p.mamba_prompt_tail_state
             m.prompt_tail_drops_eagle = p.mamba_prompt_tail_state and self.use_eagle
+            m.has_checkpoint_blocks = (
+                p.mamba_prefill_checkpoints and m.mamba_cache_mode == "align"
+                and getattr(m.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0)
         for m in coordinator.single_type_managers:
             m.copies_partial_hits = p.partial_hit_copy_on_write
         if p.mamba_fine_grained_hits and isinstance(coordinator, HybridKVCacheCoordinator):
@@ -308,11 +318,14 @@ class KVCacheManager:
         watermark_blocks = 0
         if has_scheduled_reqs and request.status.name in WATERMARKED:
             watermark_blocks = self.watermark_blocks
+        # Where the prefill ends (for Mamba's prefill checkpoints): the prompt, or, for a
+        # resumed request, every token but the last.
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if full_sequence_must_fit:
             num_full = min(request.num_tokens, self.max_model_len)
             num_needed = coordinator.get_num_blocks_to_allocate(
                 rid, num_full, hits, num_encoder_tokens, total_computed, num_full, True,
-                num_local_computed)
+                num_local_computed, prefill_end)
             if not pure.admits(num_needed, self.block_pool.get_num_free_blocks(), 0,
                                watermark_blocks):
                 return None
@@ -326,7 +339,7 @@ class KVCacheManager:
         coordinator.remove_skipped_blocks(rid, processed, request.num_prompt_tokens)
         num_needed = coordinator.get_num_blocks_to_allocate(
             rid, num_tokens_need_slot, hits, num_encoder_tokens, num_computed,
-            num_tokens_main_model, False, num_local_computed)
+            num_tokens_main_model, False, num_local_computed, prefill_end)
         if not pure.admits(num_needed, self.block_pool.get_num_free_blocks(), reserved_blocks,
                            watermark_blocks):
             return None

@@ -119,6 +119,31 @@ def mamba_prompt_tail_boundary(num_prompt_tokens: int, hash_block_size: int, eag
     return max(boundary, 0)
 
 
+def mamba_checkpoint_exportable(start: int, end: int, position: int, hash_block_size: int,
+                                block_size: int, alignment: int | None) -> bool:
+    """Whether a prefill chunk computing tokens ``[start, end)`` can leave the Mamba
+    state after ``position`` tokens in a block of its own (a prefill checkpoint,
+    0.33.0): the layer says how far apart such states may be (``alignment``; None:
+    never); the chunk starts on a hash boundary; the checkpoint's column (the block
+    one before the chunk's last) lies past the column of the state the chunk starts
+    from; the position lies inside the chunk, at least one hash block after its start
+    and a whole number of alignments after it.
+
+    pre: start >= 0 and end >= start and position >= 0
+    pre: hash_block_size > 0 and block_size > 0 and (alignment is None or alignment > 0)
+    post: not __return__ or (start < position < end and alignment is not None)
+    """
+    if alignment is None:
+        return False
+    start_column = (start - 1) // block_size  # -1 for a chunk starting at token 0
+    checkpoint_column = cdiv(end, block_size) - 2
+    return (start % hash_block_size == 0
+            and checkpoint_column > start_column
+            and start + hash_block_size <= position
+            and start < position < end
+            and (position - start) % alignment == 0)
+
+
 def mamba_align_num_new_blocks(num_tokens_main_model: int, block_size: int, num_spec: int,
                                num_hits: int, num_held: int, allocated_before: bool) -> int:
     """Align-mode Mamba: one new state block (plus ``num_spec`` speculative blocks on

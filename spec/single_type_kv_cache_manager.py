@@ -111,10 +111,12 @@ class SingleTypeKVCacheManager:
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[int], total_computed_tokens: int,
                                    num_tokens_main_model: int, apply_admission_cap: bool = False,
-                                   num_local_computed_tokens: int = 0) -> int:
+                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
+                                   ) -> int:
         """Free blocks needed to give the request ``num_tokens`` slots and take its hits
         (one more for the copy of a hit ending inside a block, ``copies_partial_hits``;
-        ``num_local_computed_tokens``: computed plus hit tokens)."""
+        ``num_local_computed_tokens``: computed plus hit tokens; ``prefill_end``: read by
+        Mamba's prefill checkpoints only)."""
         num_required = pure.num_required_blocks(
             num_tokens, self.block_size,
             self.max_admission_blocks_per_request if apply_admission_cap else None)
@@ -399,7 +401,8 @@ class CircularBufferManager(FullAttentionManager):
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[int], total_computed_tokens: int,
                                    num_tokens_main_model: int, apply_admission_cap: bool = False,
-                                   num_local_computed_tokens: int = 0) -> int:
+                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
+                                   ) -> int:
         """1 until the request holds its ring block, then 0."""
         return 0 if self.req_to_blocks.get(request_id) else 1
 
@@ -569,6 +572,12 @@ class MambaManager(SingleTypeKVCacheManager):
     ``_allocated_block_reqs`` the requests given blocks already.
     ``cached_blocks_this_step`` holds pool keys cached this step: their states may not be
     written yet, so a hit on one is refused until ``new_step_starts``.
+
+    Prefill checkpoints (``mamba_prefill_checkpoints``, 0.33.0, align mode, a layer with
+    ``num_prefill_checkpoint_blocks`` > 0): a prefill chunk may also leave the state at a
+    reusable position inside it in a block of its own, the one before the chunk's last
+    block. ``checkpoints[r]`` is r's (position, block index) for the chunk being
+    allocated; ``cache_blocks`` keys that block at the position, or unkeys it.
     """
 
     def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any) -> None:
@@ -584,6 +593,10 @@ class MambaManager(SingleTypeKVCacheManager):
         self.caps_new_state_blocks = False
         self.caches_prompt_tail_state = False
         self.prompt_tail_drops_eagle = False
+        self.has_checkpoint_blocks = False  # mamba_prefill_checkpoints, align, blocks > 0
+        self.checkpoint_alignment: int | None = getattr(
+            kv_cache_spec, "prefill_checkpoint_alignment", None)
+        self.checkpoints: dict[str, tuple[int, int]] = {}
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
@@ -615,11 +628,14 @@ class MambaManager(SingleTypeKVCacheManager):
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[int], total_computed_tokens: int,
                                    num_tokens_main_model: int, apply_admission_cap: bool = False,
-                                   num_local_computed_tokens: int = 0) -> int:
+                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
+                                   ) -> int:
         """As the base class, plus speculative blocks. A hit on a state cached this step
         needs ``num_gpu_blocks + 1`` blocks: more than can be free, so it waits a step.
         In align mode a state ending inside its block (a hit there, or the request's own
-        prompt-tail entry; ``copies_partial_hits``) needs one block more, its copy."""
+        prompt-tail entry; ``copies_partial_hits``) needs one block more, its copy, and so
+        does a prefill checkpoint (``checkpoint_position``), which a call other than the
+        admission estimate (``apply_admission_cap``) records for the allocation."""
         if (len(new_computed_blocks) and self.block_pool.block_hash.get(new_computed_blocks[-1])
                 in self.cached_blocks_this_step):
             return self.block_pool.num_gpu_blocks + 1
@@ -635,19 +651,51 @@ class MambaManager(SingleTypeKVCacheManager):
             num_tokens_main_model, self.block_size, self.num_speculative_blocks,
             len(new_computed_blocks), len(self._blocks_of(request_id)),
             request_id in self._allocated_block_reqs)
+        position = self.checkpoint_position(request_id, total_computed_tokens,
+                                            num_tokens_main_model, prefill_end)
+        checkpoint = 1 if position > 0 else 0
+        if not apply_admission_cap:
+            if checkpoint:
+                index = cdiv(num_tokens_main_model, self.block_size) - 2
+                self.checkpoints[request_id] = (position, index)
+            else:
+                self.checkpoints.pop(request_id, None)
+        num_held = len(self._blocks_of(request_id))
+        shortfall = (cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+                     - len(new_computed_blocks) - num_held)
         if self.caps_new_state_blocks and num_new > 0:  # the shortfall, at most the cap
-            num_held = len(self._blocks_of(request_id))
-            shortfall = (cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
-                         - len(new_computed_blocks) - num_held)
-            num_new = min(num_new, shortfall)
+            num_new = min(num_new + checkpoint, shortfall)
         if request_id in self.partial_hit_reqs or self._ends_inside_block(
                 new_computed_blocks, num_local_computed_tokens):
-            num_held = len(self._blocks_of(request_id))
-            shortfall = (cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
-                         - len(new_computed_blocks) - num_held)
             cap = 2 if request_id in self._allocated_block_reqs else 2 + self.num_speculative_blocks
-            num_new = min(max(shortfall, 0) + 1, cap)
+            num_new = min(max(shortfall, 0) + 1, cap + checkpoint)
         return num_new + self._num_evictable(new_computed_blocks)
+
+    def checkpoint_position(self, request_id: str, start: int, end: int, prefill_end: int
+                            ) -> int:
+        """Where the chunk computing tokens ``[start, end)`` leaves a prefill checkpoint;
+        0 for none. The position is the last reusable hash boundary before the chunk's
+        end (``pure.mamba_prompt_tail_boundary`` of ``end``). There is one only with
+        checkpoint blocks, for a chunk reaching ``prefill_end`` (the coordinator passes
+        0 unless retention keeps only the latest state), at a position the layer can
+        export (``pure.mamba_checkpoint_exportable``), into a column (the block before
+        the chunk's last) that is free for it: not yet in the table, null, or, for a
+        request given blocks already, one of its speculative blocks."""
+        if not self.has_checkpoint_blocks or end < prefill_end:
+            return 0
+        position = pure.mamba_prompt_tail_boundary(
+            end, self.cache_hit_alignment_tokens, self.prompt_tail_drops_eagle,
+            self.block_pool.num_hash_lookahead_tokens)
+        if not pure.mamba_checkpoint_exportable(start, end, position,
+                                                self.block_pool.hash_block_size,
+                                                self.block_size, self.checkpoint_alignment):
+            return 0
+        column = cdiv(end, self.block_size) - 2
+        blocks = self._blocks_of(request_id)
+        free_column = (column >= len(blocks) or blocks[column] == NULL_BLOCK
+                       or (request_id in self._allocated_block_reqs
+                           and column >= len(blocks) - self.num_speculative_blocks))
+        return position if column >= 0 and free_column else 0
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
                             ) -> list[int]:
@@ -655,7 +703,10 @@ class MambaManager(SingleTypeKVCacheManager):
         state block, last step's speculative blocks moved up, and the blocks after it.
         A pending partial state also gets a copy: in place of a new request's hit block,
         or, for a running request (its own prompt-tail entry), the entry moves onto the
-        copy (hittable from the next step) while the request keeps its block."""
+        copy (hittable from the next step) while the request keeps its block. A recorded
+        prefill checkpoint keeps its column (the block before the new state block) a real
+        block: not nulled, no speculative block moved off it, a new block there if
+        needed, even when the table is long enough already."""
         num_spec = self.num_speculative_blocks
         if self.mamba_cache_mode != "align":
             return super().allocate_new_blocks(
@@ -664,7 +715,8 @@ class MambaManager(SingleTypeKVCacheManager):
         num_required = cdiv(num_tokens_main_model, self.block_size) + num_spec
         num_held = len(req_blocks)
         partial = self.partial_hit_reqs.pop(request_id, None)
-        if num_required <= num_held and partial is None:
+        checkpoint = 1 if request_id in self.checkpoints else 0
+        if num_required <= num_held and partial is None and not checkpoint:
             if self.frees_processed_states:  # 0.33.0: counts as allocated all the same
                 self._allocated_block_reqs.add(request_id)
             return []
@@ -674,13 +726,14 @@ class MambaManager(SingleTypeKVCacheManager):
         elif num_held > 0:  # the last block holds the hit's state
             self.last_state_block_idx[request_id] = num_held - 1
         num_skipped = num_required - num_spec - 1
-        req_blocks.extend([NULL_BLOCK] * (num_skipped - num_held))
+        num_nulled = num_skipped - checkpoint  # a checkpoint's column stays a real block
+        req_blocks.extend([NULL_BLOCK] * (num_nulled - num_held))
         if allocated_before:
-            for i in range(num_held - num_spec, min(num_held, num_skipped)):
+            for i in range(num_held - num_spec, min(num_held, num_nulled)):
                 req_blocks.append(req_blocks[i])
                 req_blocks[i] = NULL_BLOCK
         num_new = max(num_required - len(req_blocks), 0)
-        if num_new > (1 if allocated_before else 1 + num_spec):
+        if num_new > (1 if allocated_before else 1 + num_spec) + checkpoint:
             raise ValueError(f"request_id={request_id!r} would get {num_new} new Mamba blocks")
         returned = req_blocks[num_held:]
         new_ids = self.block_pool.get_new_blocks(num_new + (partial is not None))
@@ -716,14 +769,20 @@ class MambaManager(SingleTypeKVCacheManager):
         """As the base class; remember the keys cached in this step. With
         ``caches_prompt_tail_state`` (0.33.0, align) also key the state block at the
         prompt's last reusable hash boundary when caching reaches exactly there and the
-        block is not keyed there already (e.g. after ``evict_blocks``)."""
+        block is not keyed there already (e.g. after ``evict_blocks``); a request with a
+        prefill checkpoint keys (or unkeys) its checkpoint block instead
+        (``cache_checkpoint``)."""
         rid = request.request_id
         num_cached_before = self.num_cached_block.get(rid, 0)
         super().cache_blocks(request, num_tokens, retention_interval, boundaries)
         num_cached_after = self.num_cached_block.get(rid, 0)
         hbs = self.block_pool.hash_block_size
         inside = num_tokens % self.block_size != 0  # only with copies_partial_hits
-        if (self.caches_prompt_tail_state and self.mamba_cache_mode == "align"
+        if self.mamba_cache_mode == "align" and rid in self.checkpoints:
+            key = self.cache_checkpoint(request, retention_interval)
+            if key is not None:
+                self.cached_blocks_this_step.add(key)
+        elif (self.caches_prompt_tail_state and self.mamba_cache_mode == "align"
                 and num_tokens > 0 and (not inside or self.copies_partial_hits)
                 and num_tokens == pure.mamba_prompt_tail_boundary(
                     request.num_prompt_tokens, hbs, self.prompt_tail_drops_eagle,
@@ -745,9 +804,42 @@ class MambaManager(SingleTypeKVCacheManager):
                 if (key := self.block_pool.block_hash.get(block_id)) is not None:
                     self.cached_blocks_this_step.add(key)
 
+    def cache_checkpoint(self, request: Request, retention_interval: int | None
+                         ) -> bytes | None:
+        """Key the request's checkpoint block at the checkpoint's position, dropping the
+        block's other keys (its contents are that state now), when a later lookup can
+        use it there: it is the prompt's checkpoint (the whole prompt's reusable
+        boundary, ``pure.mamba_prompt_tail_boundary`` of its length), a state the
+        retention interval keeps (on a block boundary), or the request's
+        ``shared_prefix_boundary``.
+        Otherwise unkey the block: the running state overwrites it. The new key, or
+        None (unkeyed, or keyed there already)."""
+        position, index = self.checkpoints[request.request_id]
+        blocks = self._blocks_of(request.request_id)
+        assert 0 <= index < len(blocks), (request.request_id, index, len(blocks))
+        block = blocks[index]
+        prompt_checkpoint = position == pure.mamba_prompt_tail_boundary(
+            request.num_prompt_tokens, self.cache_hit_alignment_tokens,
+            self.prompt_tail_drops_eagle, self.block_pool.num_hash_lookahead_tokens)
+        retained = False
+        if position % self.block_size == 0:
+            state = position // self.block_size - 1  # the block whose state ends there
+            mask = self.reachable_block_mask(state, state + 1, retention_interval)
+            retained = mask is None or mask[0]
+        junction = getattr(request, "shared_prefix_boundary", 0)
+        if not prompt_checkpoint and not retained and position != junction:
+            self.block_pool._maybe_evict_cached_block(block)
+            return None
+        if self.block_pool.hash_num_tokens.get(block) == position:
+            return None
+        return self.block_pool.cache_partial_block(
+            request, block, position, self.kv_cache_group_id, self.block_size,
+            any_boundary=True, replace=True)
+
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
         """As the base class; forget the align-mode bookkeeping too."""
         self._allocated_block_reqs.discard(request_id)
+        self.checkpoints.pop(request_id, None)
         self.last_state_block_idx.pop(request_id, None)
         self.num_retired_blocks.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)

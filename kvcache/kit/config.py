@@ -51,6 +51,11 @@ class GroupConfig:
         num_kv_heads: Attention heads; groups with equal specs must differ here.
         rswa_window: Decode window of an rswa (reference sliding-window) group.
         sink_len: Sink tokens of a sink (full attention with sinks) group.
+        num_prefill_checkpoint_blocks: vLLM 0.33.0's ``MambaSpec`` field: state blocks a
+            mamba group may reserve for prefill checkpoints (0: none; 0.25.1 has no
+            such field, so a group with it cannot be built there).
+        prefill_checkpoint_alignment: vLLM 0.33.0's ``MambaSpec`` field: the spacing of
+            the checkpoints the layer can export (None: none).
     """
 
     kind: str
@@ -63,6 +68,8 @@ class GroupConfig:
     num_kv_heads: int = 1
     rswa_window: int | None = None
     sink_len: int | None = None
+    num_prefill_checkpoint_blocks: int = 0
+    prefill_checkpoint_alignment: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -79,6 +86,32 @@ class GroupConfig:
             raise ValueError("a sink group needs sink_len")
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise ValueError(f"mamba_cache_mode={self.mamba_cache_mode!r}")
+        blocks, alignment = self.num_prefill_checkpoint_blocks, self.prefill_checkpoint_alignment
+        if type(blocks) is not int or blocks < 0:
+            raise ValueError(
+                f"num_prefill_checkpoint_blocks={blocks!r}; expected a non-negative int"
+            )
+        if alignment is not None and (type(alignment) is not int or alignment < 1):
+            raise ValueError(
+                f"prefill_checkpoint_alignment={alignment!r}; expected a positive int or None"
+            )
+        if self.has_checkpoint_fields and self.kind != "mamba":
+            raise ValueError(f"a {self.kind} group has no prefill checkpoint fields")
+
+    @property
+    def has_checkpoint_fields(self) -> bool:
+        """Whether 0.33.0's prefill checkpoint fields are set (not at their defaults)."""
+        return (
+            self.num_prefill_checkpoint_blocks != 0 or self.prefill_checkpoint_alignment is not None
+        )
+
+    def record(self) -> dict[str, Any]:
+        """JSON form; the checkpoint fields only when set (older headers lack them)."""
+        record = asdict(self)
+        for name in CHECKPOINT_FIELDS:
+            if record[name] == GROUP_DEFAULTS[name]:
+                del record[name]
+        return record
 
     @property
     def label(self) -> str:
@@ -103,6 +136,10 @@ class GroupConfig:
             return "hidden-state"
         return "full"
 
+
+CHECKPOINT_FIELDS = ("num_prefill_checkpoint_blocks", "prefill_checkpoint_alignment")
+"""vLLM 0.33.0's Mamba prefill checkpoint fields of ``GroupConfig`` (omitted when unset)."""
+GROUP_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(GroupConfig)}
 
 LOOKAHEAD_FIELDS = ("num_hash_lookahead_tokens", "num_prefill_lookahead")
 """vLLM 0.33.0's lookahead arguments of ``ManagerConfig`` (omitted when 0)."""
@@ -236,7 +273,7 @@ class ManagerConfig:
     def to_record(self) -> dict[str, Any]:
         """JSON form (the ``config`` of a trace header)."""
         record = asdict(self)
-        record["groups"] = [asdict(g) for g in self.groups]
+        record["groups"] = [g.record() for g in self.groups]
         for name in ("dcp_world_size", "pcp_world_size"):
             if record[name] == 1:  # the default: headers stay as before context parallelism
                 del record[name]
@@ -303,3 +340,44 @@ class ManagerConfig:
             scheduler_block_size_override=workload.scheduler_block_size,
             hash_block_size_override=workload.hash_block_size,
         )
+
+
+#: Group kinds whose vLLM 0.33.0 manager finds hits ending inside one of its blocks
+#: (``supports_fine_grained_hash_lookup``: full attention and its variants, Mamba).
+FINE_GRAINED_KINDS = frozenset({"full", "mla", "rswa", "sink", "tq_full", "hidden_state", "mamba"})
+#: Group kinds outside prefix caching in vLLM 0.33.0 (``prefix_cacheable`` False):
+#: they take no part in whether hits may end inside a block.
+NOT_PREFIX_CACHEABLE_KINDS = frozenset({"circular"})
+
+
+def fine_grained_hits(config: ManagerConfig) -> bool:
+    """Whether vLLM 0.33.0's manager for ``config`` finds sub-block ("partial hash")
+    prefix hits, which end on hash-block boundaries (kvcache's switch
+    ``mamba_fine_grained_hits``).
+
+    The kit's own statement of the rule, kept apart from kvcache's so that the
+    ledger and the driver judge kvcache rather than repeat it: a hybrid manager
+    (caching, several groups) with a Mamba 'align' group whose block is larger than
+    the hash block (under ``dcp_world_size > 1`` at least as large: the attention
+    blocks it is compared with are dcp-scaled), and every other prefix-caching group
+    either of a kind that finds sub-block hits or hashed at its own block size
+    (attention blocks scaled by ``dcp_world_size``, Mamba's not). A ring-buffer
+    group is outside prefix caching and does not count.
+    """
+    if not config.enable_caching or len(config.groups) < 2:
+        return False
+    hash_block = config.hash_block_size
+    dcp = config.dcp_world_size
+    if not any(
+        g.kind == "mamba"
+        and g.mamba_cache_mode == "align"
+        and (g.block_size > hash_block or (dcp > 1 and g.block_size == hash_block))
+        for g in config.groups
+    ):
+        return False
+    for g in config.groups:
+        if g.kind in NOT_PREFIX_CACHEABLE_KINDS or g.kind in FINE_GRAINED_KINDS:
+            continue
+        if g.block_size * dcp != hash_block:  # every kind left is attention: dcp-sharded
+            return False
+    return True

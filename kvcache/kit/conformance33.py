@@ -17,6 +17,10 @@ total, lists the families not yet conformant (``NOT_YET_CONFORMANT``: not run,
 and said so), and exits 1 on any mismatch, writing the first one's shrunk
 counterexample under ``build/conformance-0.33-failures/``.
 
+First the kit's own statement of the fine-grained-hit rule (which the driver and
+the ledger use) is checked against vLLM 0.33.0's decision on random layouts
+(``kvcache.kit.fine_grained_check``; ``--rule-layouts``).
+
 Then vLLM 0.33.0's own ``Scheduler`` runs the streams of
 ``kvcache.kit.scheduler_drive`` with ``kvcache.vllm_0_33.KVCacheManager`` swapped
 in, and must decide every step exactly as on vLLM's own manager (one ``vllm
@@ -58,11 +62,17 @@ NOT_YET_CONFORMANT.update(
 # so that a driver bug cannot make the comparison trivial.
 REQUIRED_PATHS = ("allocate_none", "raises:ValueError", "raises:AssertionError", "reset_True")
 REQUIRED_WITH_CACHING = ("prefix_hit", "event:BlockStored", "event:BlockRemoved")
+# ... and with caching, vLLM 0.33.0's request fields (``REQUEST_FIELDS_0_33``): events
+# carrying a session id, and lookups hitting for a request in the "full" report mode.
+REQUIRED_WITH_REQUEST_FIELDS = ("event:session_id", "full_report_hit")
 # ... and in a lookahead family: configs with each lookahead, events listing lookahead tokens.
 REQUIRED_WITH_LOOKAHEAD = ("config:hash_lookahead", "config:prefill_lookahead", "event:lookahead")
 # ... and beside a cached Mamba group with others (fine-grained hits): copy-on-write
 # copies taken and their retained blocks freed (``RandomScheduler.take_copies``).
 REQUIRED_WITH_COPIES = ("cow_copies",)
+# ... and with Mamba prefill checkpoints: prefill chunks the scheduler lets run past
+# the prompt's checkpoint, the layer saving it inside (``RandomScheduler.mamba_split``).
+REQUIRED_WITH_CHECKPOINTS = ("checkpoint_chunk",)
 
 
 def copies_required(family: Family) -> bool:
@@ -75,18 +85,33 @@ def copies_required(family: Family) -> bool:
     )
 
 
+def full_reports(family: Family) -> bool:
+    """Whether ``family``'s configs can draw the "full" report mode
+    (``kvcache.kit.driver.full_report_works``): not where every config has
+    fine-grained hits or dcp > 1 (the Mamba 'align' families beside others, the
+    context-parallel ones)."""
+    return not family.context_parallel and not (
+        "mamba-align" in family.kinds and len(family.kinds) > 1
+    )
+
+
 def under_0_33(family: Family) -> Family:
     """``family`` as the runner drives it: a family whose Mamba mode vLLM 0.33.0
     builds only uncached ('all', 'none') runs with caching off, so that every
     sequence runs (the refusal with caching on is checked in the ``mamba`` family,
-    whose random modes include them, and by the unit tests)."""
+    whose random modes include them, and by the unit tests). A context-parallel
+    family gets 0.33.0's block geometry (``Family.cp_geometry``): 0.33.0 refuses
+    0.25.1's under pcp > 1, and most of its sequences would compare refusals only."""
     if CACHING_OFF_MAMBA_KINDS & set(family.kinds):
-        return dataclasses.replace(family, enable_caching=False)
+        family = dataclasses.replace(family, enable_caching=False)
+    if family.context_parallel:
+        family = dataclasses.replace(family, cp_geometry="0.33.0")
     return family
 
 
-def conformant_families() -> list[Family]:
-    """The families run: every driver family not in ``NOT_YET_CONFORMANT``."""
+def conformant_families(subject: str = SUBJECT) -> list[Family]:
+    """The families run (for any ``subject``): every driver family not in
+    ``NOT_YET_CONFORMANT``."""
     return [under_0_33(f) for name, f in FAMILIES.items() if name not in NOT_YET_CONFORMANT]
 
 
@@ -116,9 +141,10 @@ class FamilyResult:
 
 
 def run_family(
-    family: Family, family_index: int, sequences: int, base_seed: int = 0
+    family: Family, family_index: int, sequences: int, base_seed: int = 0, subject: str = SUBJECT
 ) -> FamilyResult:
-    """Run ``sequences`` random sequences of ``family`` on both sides."""
+    """Run ``sequences`` random sequences of ``family`` on both sides (``subject``:
+    kvcache's 0.33 profile, or ``spec-0.33``, the spec under it)."""
     from kvcache.kit.vllm_side import VllmAdapter
 
     # Both sides play 0.33.0's scheduler: it keeps the lookup's shared-prefix boundary
@@ -130,20 +156,26 @@ def run_family(
     failures = []
     for index in range(sequences):
         result = run_sequence(
-            family_seed(base_seed, family_index, index), family, SUBJECT, REFERENCE, stats
+            family_seed(base_seed, family_index, index), family, subject, REFERENCE, stats
         )
-        if result.cannot_build is not None and both_refuse(result, SUBJECT, REFERENCE):
+        if result.cannot_build is not None and both_refuse(result, subject, REFERENCE):
             stats.events["both_refuse"] += 1
             continue
         if result.mismatch is not None or result.cannot_build is not None:
             failures.append(result)
     stats.seconds = time.monotonic() - started
     caching = family.enable_caching is not False and "cross" not in family.kinds
-    required = REQUIRED_PATHS + (REQUIRED_WITH_CACHING if caching else ())
+    required: tuple[str, ...] = REQUIRED_PATHS
+    if caching:
+        required += REQUIRED_WITH_CACHING + REQUIRED_WITH_REQUEST_FIELDS
+        if not full_reports(family):
+            required = tuple(p for p in required if p != "full_report_hit")
     if family.lookahead:
         required += REQUIRED_WITH_LOOKAHEAD
     if copies_required(family):
         required += REQUIRED_WITH_COPIES
+    if "mamba-checkpoint" in family.kinds:
+        required += REQUIRED_WITH_CHECKPOINTS
     missing = [path for path in required if stats.events[path] == 0]
     return FamilyResult(family, stats, failures, missing)
 
@@ -171,7 +203,7 @@ def both_refuse(result: SequenceResult, subject: str, reference: str) -> bool:
     return False
 
 
-def describe_failure(result: FamilyResult, failure_dir: Path) -> str:
+def describe_failure(result: FamilyResult, failure_dir: Path, subject: str = SUBJECT) -> str:
     """The first failure of a family, its counterexample written under ``failure_dir``."""
     from kvcache.kit.driver import write_counterexample
 
@@ -179,11 +211,11 @@ def describe_failure(result: FamilyResult, failure_dir: Path) -> str:
     if first.cannot_build is not None:
         return f"seed {first.seed}: {first.cannot_build} (config {first.config})"
     path = failure_dir / f"{first.family}-seed-{first.seed}.jsonl"
-    write_counterexample(first, SUBJECT, REFERENCE, path)
+    write_counterexample(first, subject, REFERENCE, path)
     return (
         f"{len(result.failures)} sequence(s) diverge, first seed {first.seed}, config "
         f"{first.config}:\n{first.mismatch}\nMinimal trace: {path}\n"
-        f"Replay it: python -m kvcache replay {path} --impl {SUBJECT}"
+        f"Replay it: python -m kvcache replay {path} --impl {subject}"
     )
 
 
@@ -219,9 +251,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--failure-dir", default="build/conformance-0.33-failures")
     parser.add_argument(
+        "--subject",
+        default=SUBJECT,
+        choices=(SUBJECT, "spec-0.33"),
+        help="the side checked against vLLM 0.33.0 (spec-0.33: the spec under its profile)",
+    )
+    parser.add_argument(
         "--no-scheduler", action="store_true", help="skip vLLM 0.33.0's Scheduler streams"
     )
+    parser.add_argument(
+        "--rule-layouts", type=int, default=400,
+        help="random layouts on which the kit's fine-grained-hit rule is checked (0: skip)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.rule_layouts < 0:
+        parser.error(f"--rule-layouts must not be negative, got {args.rule_layouts}")
     if args.sequences < 1:
         parser.error(f"--sequences must be positive, got {args.sequences}")
 
@@ -230,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if vllm.__version__ != REFERENCE_VERSION:
         print(f"conformance-0.33: needs vLLM {REFERENCE_VERSION}, found {vllm.__version__}")
         return 2
-    chosen = conformant_families()
+    chosen = conformant_families(args.subject)
     if args.families:
         wanted = [n.strip() for n in args.families.split(",") if n.strip()]
         unknown = [n for n in wanted if n not in FAMILIES]
@@ -239,13 +283,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen = [FAMILIES[n] for n in wanted]
     total = Stats()
     failed: list[str] = []
+    if args.rule_layouts:
+        from kvcache.kit.fine_grained_check import check_rule
+
+        rule = check_rule(args.rule_layouts, args.seed)
+        print(rule.summary(), flush=True)
+        for line in rule.mismatches:
+            print(f"  {line}", flush=True)
+        if rule.mismatches or not rule.enabled:
+            failed.append("fine-grained rule")
     for family in chosen:
-        result = run_family(family, family_index(family.name), args.sequences, args.seed)
+        result = run_family(
+            family, family_index(family.name), args.sequences, args.seed, args.subject
+        )
         total.add(result.stats)
         print(f"{result.stats.summary()} in {result.stats.seconds:.1f}s", flush=True)
         if result.failures:
             failed.append(family.name)
-            print(describe_failure(result, Path(args.failure_dir)), flush=True)
+            print(describe_failure(result, Path(args.failure_dir), args.subject), flush=True)
         if result.missing_paths:
             failed.append(family.name)
             print(f"{family.name}: the driver never reached {result.missing_paths}", flush=True)

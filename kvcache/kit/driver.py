@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvcache.kit.config import GroupConfig, ManagerConfig
+from kvcache.kit.config import GroupConfig, ManagerConfig, fine_grained_hits
 from kvcache.kit.ledger import REFERENCE_LINE, Judge, release_line_of
 from kvcache.kit.sides import CannotBuild, HarnessError, Side, make_side
 from kvcache.kit.trace import (
@@ -397,6 +397,8 @@ class Lockstep:
                 events["event:" + event["type"]] += 1
                 if event.get("fields", {}).get("lookahead_token_ids"):
                     events["event:lookahead"] += 1
+                if event.get("fields", {}).get("session_id"):
+                    events["event:session_id"] += 1
 
 
 # ---------------------------------------------------------------- layouts
@@ -407,7 +409,8 @@ class Family:
     """A family of random configs: the group layout and the knobs held fixed.
 
     ``kinds`` are layout tokens: full, swa, chunked, mamba-align, mamba-all,
-    mamba-none, mamba (any mode), cross, rswa (no sink: vLLM 0.25.1 cannot build
+    mamba-none, mamba (any mode), mamba-checkpoint ('align' with vLLM 0.33.0's prefill
+    checkpoint blocks), cross, rswa (no sink: vLLM 0.25.1 cannot build
     a manager with a sink group). ``enable_caching`` / ``watermark``
     None: drawn at random. ``eagle``: probability of ``use_eagle``.
     ``mixed_block_sizes``: groups may have different block sizes.
@@ -421,6 +424,11 @@ class Family:
     ``lookahead``: draw vLLM 0.33.0's lookahead hashing (``num_hash_lookahead_tokens``
     0-3) and prefill lookahead (``num_prefill_lookahead`` 0-3, at most the scheduler
     block with an EAGLE group), last; only in families ``since`` 0.33.0.
+    ``cp_geometry``: whose block geometry a one-group context-parallel config gets:
+    "0.25.1" (a block spans ``block_size * dcp * pcp``, the config's own rule) or
+    "0.33.0" (``block_size * dcp``: 0.33.0 refuses the 0.25.1 geometry under
+    ``pcp > 1``), set as the scheduler and hash block; one config in
+    ``1 / CP_GEOMETRY_KEPT`` keeps 0.25.1's, so refusals stay compared too.
     """
 
     name: str
@@ -435,6 +443,7 @@ class Family:
     retention: bool = False
     since: str = "0.25.1"
     lookahead: bool = False
+    cp_geometry: str = "0.25.1"
 
 
 #: Every family the kit knows, by name (fuzz ``--layouts``; the conformance tests).
@@ -501,8 +510,44 @@ FAMILIES: dict[str, Family] = {
                 ("full+chunked-lookahead", ("full", "chunked")),
             )
         ),
+        # vLLM 0.33.0's Mamba prefill checkpoints: an 'align' group with checkpoint
+        # blocks saves the state at a reusable position inside a long prefill chunk
+        # (the scheduler then lets the chunk run past it), under dense, interval and
+        # latest-only retention, with EAGLE often.
+        Family("full+mamba-checkpoint", ("full", "mamba-checkpoint"), eagle=0.3, since="0.33.0"),
+        Family(
+            "full+mamba-checkpoint-retention",
+            ("full", "mamba-checkpoint"),
+            eagle=0.3,
+            retention=True,
+            since="0.33.0",
+        ),
+        Family("mamba-checkpoint", ("mamba-checkpoint",), eagle=0.3, since="0.33.0"),
     ]
 }
+
+
+#: Under ``Family.cp_geometry`` "0.33.0", one context-parallel config in this many
+#: keeps 0.25.1's block geometry (chosen from the config, not the draw's ``rng``).
+CP_GEOMETRY_KEPT = 5
+
+
+def release_cp_geometry(config: ManagerConfig, release: str) -> ManagerConfig:
+    """``config`` (one group, context-parallel) with the scheduler and hash block of
+    ``release``'s rule: 0.25.1's ``block_size * dcp * pcp`` (``config`` as it is) or
+    0.33.0's ``block_size * dcp`` (pcp no longer scales a block).
+
+    Raises:
+        ValueError: an unknown ``release``.
+    """
+    if release not in ("0.25.1", "0.33.0"):
+        raise ValueError(f"cp geometry release={release!r}; expected 0.25.1 or 0.33.0")
+    if release == "0.25.1" or len(config.groups) != 1 or config.context_parallel == 1:
+        return config
+    if random.Random(f"cp geometry {config!r}").randrange(CP_GEOMETRY_KEPT) == 0:
+        return config
+    block = config.groups[0].block_size * config.dcp_world_size
+    return replace(config, scheduler_block_size_override=block, hash_block_size_override=block)
 
 
 def random_group(rng: random.Random, token: str, block_size: int, index: int) -> GroupConfig:
@@ -514,6 +559,16 @@ def random_group(rng: random.Random, token: str, block_size: int, index: int) ->
     if token == "chunked":
         return GroupConfig(
             "chunked_local", block_size, attention_chunk_size=rng.randint(1, 12), num_kv_heads=heads
+        )
+    if token == "mamba-checkpoint":
+        return GroupConfig(
+            "mamba",
+            block_size,
+            mamba_cache_mode="align",
+            num_speculative_blocks=rng.choice([0, 0, 1, 2]),
+            num_kv_heads=heads,
+            num_prefill_checkpoint_blocks=rng.choice([1, 1, 2]),
+            prefill_checkpoint_alignment=rng.choice([None, 1, 1, 2, 4]),
         )
     if token.startswith("mamba"):
         mode = token.partition("-")[2] or rng.choice(["none", "all", "align", "align"])
@@ -596,6 +651,7 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
     if family.context_parallel:  # drawn last: other families' draws stay as they were
         dcp, pcp = rng.choice(family.context_parallel)
         config = replace(config, dcp_world_size=dcp, pcp_world_size=pcp)
+        config = release_cp_geometry(config, family.cp_geometry)
     if family.retention:  # drawn last: the other families' configs stay as they were
         interval = rng.choice([0, 0, 1, 2, 2, 3, 4]) * config.scheduler_block_size
         config = replace(config, prefix_cache_retention_interval=interval)
@@ -612,6 +668,38 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
 
 
 # ---------------------------------------------------------------- random driver
+
+#: vLLM 0.33.0's request fields the kit draws for sides of that line (its
+#: ``Request(session_id=...)`` and ``SamplingParams.extra_args["kv_cache_report_mode"]``).
+REQUEST_FIELDS_0_33 = ("session_id", "kv_cache_report_mode")
+
+
+def full_report_works(config: ManagerConfig) -> bool:
+    """Whether vLLM 0.33.0 can report a lookup's hits in the "full" report mode for
+    ``config``. It cannot (a vLLM bug, kvcache raises ValueError there instead) under
+    ``dcp_world_size > 1``, where the coordinator hands the pool the spec's unscaled
+    block size and the hash view asserts, nor with fine-grained hits, where a hit
+    ending inside a block names one block more than the request has hashes of that
+    size (IndexError)."""
+    return config.dcp_world_size == 1 and not fine_grained_hits(config)
+
+
+def draw_request_fields_0_33(rng: random.Random, full_report: bool = True) -> dict[str, Any]:
+    """A request's vLLM 0.33.0 fields: a session id (two sessions) in about a third
+    of requests, the "full" report mode in about a quarter where ``full_report``
+    (``full_report_works``; the draw is the same either way) and "incremental", the
+    default, spelled out in some."""
+    fields: dict[str, Any] = {}
+    if rng.random() < 0.35:
+        fields["session_id"] = rng.choice(["session-a", "session-b"])
+    mode = rng.random()
+    if mode < 0.25:
+        if full_report:
+            fields["kv_cache_report_mode"] = "full"
+    elif mode < 0.35:
+        fields["kv_cache_report_mode"] = "incremental"
+    return fields
+
 
 
 @dataclass
@@ -646,26 +734,29 @@ class RandomScheduler:
         self.next_handle = 0
         self.lookahead = 0 if rng.random() < 0.6 else rng.randint(1, 3)
         self.full_sequence_must_fit = rng.random() < 0.3
+        mamba = [g for g in config.groups if g.kind == "mamba"]
+        # vLLM 0.33.0's prefill checkpoints: longer prompts (a checkpoint sits inside a
+        # chunk of at least two blocks), and its scheduler's split (``mamba_split``)
+        # where every Mamba group has checkpoint blocks; the alignment is the first
+        # Mamba group's, as vLLM's scheduler takes it.
+        self.long_prompts = any(g.has_checkpoint_fields for g in mamba)
+        self.checkpoints = bool(mamba) and all(g.num_prefill_checkpoint_blocks > 0 for g in mamba)
+        self.checkpoint_alignment = mamba[0].prefill_checkpoint_alignment if mamba else None
+        self.prompt_blocks = 5 if self.long_prompts else 2  # blocks of a prompt's tail
+        stem_blocks = 6 if self.long_prompts else 3
         self.stems = [
-            [rng.randrange(3) for _ in range(rng.randint(0, 3 * self.block_size + 1))]
+            [rng.randrange(3) for _ in range(rng.randint(0, stem_blocks * self.block_size + 1))]
             for _ in range(3)
         ]
-        mamba = [g for g in config.groups if g.kind == "mamba"]
         # vLLM's scheduler splits prefill chunks at block multiples when a Mamba
         # group caches in "align" mode (Scheduler._mamba_block_aligned_split).
         self.mamba_align = any(g.mamba_cache_mode == "align" for g in mamba)
-        # Layouts where vLLM 0.33.0 has fine-grained (sub-block) hits: a Mamba 'align'
-        # block larger than the hash block, every other group full attention, Mamba or
-        # hash-block sized. Its scheduler then also stops a prefill chunk at the
+        # Layouts where vLLM 0.33.0 has fine-grained (sub-block) hits
+        # (``fine_grained_hits``): its scheduler then also stops a prefill chunk at the
         # prompt's last reusable hash boundary (the Mamba prompt-tail state) and at the
         # end of a block a chunk starts inside.
         hbs = config.hash_block_size
-        self.fine_grained = (
-            config.enable_caching is not False
-            and len(config.groups) > 1
-            and any(g.mamba_cache_mode == "align" and g.block_size > hbs for g in mamba)
-            and all(g.kind in ("full", "mamba") or g.block_size == hbs for g in config.groups)
-        )
+        self.fine_grained = fine_grained_hits(config)
         # Draft tokens need a speculative state block each in every Mamba group.
         self.max_draft_tokens = min((g.num_speculative_blocks for g in mamba), default=3)
         self.encoder_decoder = any(g.kind == "cross_attention" for g in config.groups)
@@ -687,8 +778,26 @@ class RandomScheduler:
         )
         self.defer_copy_frees = random.Random(f"copies {config!r}").random() < 0.5
         self.copy_frees: list[int] = []  # deferred: freed at the next step's end
+        # vLLM 0.33.0's request fields the manager reads (``REQUEST_FIELDS_0_33``): a
+        # ``session_id`` its BlockStored events carry, and ``kv_cache_report_mode``
+        # "full", under which a lookup's hit blocks are reported as stored again. Only
+        # when every side is of a line that has them; drawn from a generator of their
+        # own, so that the sequences' other calls stay as they were.
+        self.request_fields_rng = (
+            random.Random(f"request fields {config!r}")
+            if all(side_line(side) != REFERENCE_LINE for side in sides)
+            else None
+        )
+        self.full_report = full_report_works(config)
 
     # ------------------------------------------------------------ helpers
+
+    def report_mode(self, request_id: str) -> str:
+        """The request's ``kv_cache_report_mode`` (vLLM 0.33.0's default: incremental)."""
+        for args in reversed(self.added):
+            if args["request_id"] == request_id:
+                return str(args.get("kv_cache_report_mode", "incremental"))
+        return "incremental"
 
     def waiting(self) -> list[str]:
         return [r for r, q in self.live.items() if q.status in ("WAITING", "PREEMPTED")]
@@ -717,6 +826,11 @@ class RandomScheduler:
         last_cache_position = req.num_tokens - req.num_tokens % bs
         if self.config.use_eagle:
             last_cache_position = max(last_cache_position - bs, 0)
+        # A chunk whose layer saves the prompt's checkpoint inside it is not cut there.
+        internal = self.internal_checkpoint(req, num_computed, num_computed + num_new_tokens)
+        if internal:
+            last_cache_position = 0
+            self.run.stats.events["checkpoint_chunk"] += 1
         after = num_computed + num_new_tokens
         if after < last_cache_position:
             num_new_tokens = num_new_tokens // bs * bs
@@ -727,14 +841,36 @@ class RandomScheduler:
             tail = req.num_prompt_tokens if self.config.use_eagle else req.num_prompt_tokens - 1
             tail = max(tail, 0) // hbs * hbs - (hbs if self.config.use_eagle else 0)
             stops = [
-                (num_computed // bs + 1) * bs if num_computed % bs else 0,
-                tail if last_cache_position < tail < req.num_prompt_tokens else 0,
+                (num_computed // bs + 1) * bs if num_computed % bs and not internal else 0,
+                tail if last_cache_position < tail < req.num_prompt_tokens and not internal else 0,
             ]
             end = num_computed + num_new_tokens
             inside = [p for p in stops if num_computed < p < end]
             if inside:
                 num_new_tokens = min(inside) - num_computed
         return num_new_tokens
+
+    def internal_checkpoint(self, req: Req, start: int, end: int) -> bool:
+        """vLLM 0.33.0's scheduler: whether the prefill chunk ``[start, end)`` reaching
+        the prefill's end lets the Mamba layers save the prompt's checkpoint inside it
+        (every Mamba group has checkpoint blocks; the position exportable there)."""
+        if not self.checkpoints:
+            return False
+        from spec import pure  # the oracle's arithmetic: the kit imports spec lazily
+
+        prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
+        if end < prefill_end:
+            return False
+        hbs = self.config.hash_block_size
+        position = pure.mamba_prompt_tail_boundary(
+            prefill_end,
+            hbs if self.fine_grained else self.block_size,
+            self.config.use_eagle,
+            self.config.num_hash_lookahead_tokens,
+        )
+        return pure.mamba_checkpoint_exportable(
+            start, end, position, hbs, self.block_size, self.checkpoint_alignment
+        )
 
     # ------------------------------------------------------------ actions
 
@@ -776,7 +912,8 @@ class RandomScheduler:
             args = dict(rng.choice(self.added), request_id=request_id)
         else:
             stem = rng.choice(self.stems)
-            tail = [rng.randrange(3) for _ in range(rng.randint(0, 2 * self.block_size + 1))]
+            tail_len = rng.randint(0, self.prompt_blocks * self.block_size + 1)
+            tail = [rng.randrange(3) for _ in range(tail_len)]
             prompt = (stem + tail)[: self.config.max_model_len - 1] or [rng.randrange(3)]
             args = {"request_id": request_id, "prompt_token_ids": prompt}
             # R-SWA frees its gap only once a decode passes its window: longer decodes.
@@ -793,6 +930,10 @@ class RandomScheduler:
                 args["prompt_embeds"] = self.random_prompt_embeds(prompt)
                 if rng.random() < 0.3:
                     args["prompt_token_ids"] = None  # the embeddings alone are the prompt
+            if self.request_fields_rng is not None:
+                args.update(
+                    draw_request_fields_0_33(self.request_fields_rng, self.full_report)
+                )
         self.added.append(args)
         self.all_ids.append(request_id)
         self.run.ok("add_request", **args)
@@ -830,6 +971,8 @@ class RandomScheduler:
             hit = self.run.ok("get_computed_blocks", request_id=rid)
             num_hit_tokens = hit["num_computed_tokens"]
             which = "last"
+            if num_hit_tokens and self.report_mode(rid) == "full":
+                self.run.stats.events["full_report_hit"] += 1
         else:  # after an async KV load: no new lookup
             num_hit_tokens = 0
             which = "empty"
@@ -896,6 +1039,11 @@ class RandomScheduler:
         num_draft_tokens = 0
         if remaining == 1 and rng.random() < (0.4 if self.lookahead else 0.1):
             num_draft_tokens = min(rng.randint(1, 3), cap - num_new_tokens, self.max_draft_tokens)
+            if self.checkpoints:
+                # vLLM 0.33.0 would reserve a checkpoint inside the draft tokens once
+                # they span a hash block, and then assert keying it past the hashed
+                # tokens: fewer drafts than a hash block.
+                num_draft_tokens = min(num_draft_tokens, self.config.hash_block_size - 1)
             num_draft_tokens = max(num_draft_tokens, 0)
         if num_new_tokens <= 0:
             return

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.kit.config import GroupConfig, ManagerConfig
+from kvcache.kit.config import GroupConfig, ManagerConfig, fine_grained_hits
 from kvcache.kit.trace import results_equal, state_diff
 
 LEDGER_PATH = Path(__file__).with_name("ledger.toml")
@@ -471,6 +471,20 @@ class CannotBuildLookaheadAdded(Rule):
         )
 
 
+class CannotBuildCheckpointsAdded(Rule):
+    """0.25.1's ``MambaSpec`` has no prefill checkpoint fields: a layout with a Mamba
+    group setting them cannot be built there (vLLM 0.25.1 raises TypeError on the
+    unknown field; kvcache's 0.25.1 profile refuses the value, naming the field)."""
+
+    refused_by = "old"
+
+    def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
+        return any(g.has_checkpoint_fields for g in config.groups) and any(
+            name in reason
+            for name in ("num_prefill_checkpoint_blocks", "prefill_checkpoint_alignment")
+        )
+
+
 class SubBlockEntries(Rule):
     """Where a group's blocks span several hash blocks, drops what only the new side
     has: extra cache entries (keys the old side lacks), the primary hash of a block
@@ -856,20 +870,18 @@ def _num_cached_not_more(old: Mapping[str, Any], new: Mapping[str, Any], fewer: 
     return True
 
 
-class EagleFlagNeedsUseEagle(Rule):
-    """Groups flagged ``is_eagle_group`` drop the last hit block (and cache one
-    block past the aligned boundary) in 0.25.1 even with ``use_eagle`` off; 0.33.0
-    does either only when ``use_eagle`` is on."""
+class CachingStateRule(Rule):
+    """A rule whose state differences are in what is cached alone (``CACHING_STATE``),
+    wherever its layout condition ``applies``; with ``fewer_cached`` set, only where
+    each request's ``num_cached_block`` on the new side is at most (True) or at least
+    (False) the old side's."""
 
-    @staticmethod
-    def applies(ctx: Context) -> bool:
-        return not ctx.config.use_eagle and any(g.is_eagle_group for g in ctx.config.groups)
+    #: The direction ``num_cached_block`` may differ in; None: either.
+    fewer_cached: bool | None = None
 
-    def recognise(
-        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
-    ) -> bool:
-        o, n = _hit_tokens(old), _hit_tokens(new)
-        return op == "get_computed_blocks" and self.applies(ctx) and o is not None and n is not None
+    def applies(self, ctx: Context) -> bool:
+        """Whether the layout (``ctx.config``) has this entry's behaviour at all."""
+        return False
 
     def recognise_state(
         self,
@@ -883,62 +895,48 @@ class EagleFlagNeedsUseEagle(Rule):
             self.applies(ctx)
             and bool(diff_keys)
             and set(diff_keys) <= CACHING_STATE
-            and _num_cached_not_more(old, new, fewer=True)
+            and (
+                self.fewer_cached is None
+                or _num_cached_not_more(old, new, fewer=self.fewer_cached)
+            )
         )
 
 
-#: Group kinds whose 0.33.0 manager looks up hits at hash-block granularity.
-FINE_GRAINED_KINDS = ("full", "mamba")
+class EagleFlagNeedsUseEagle(CachingStateRule):
+    """Groups flagged ``is_eagle_group`` drop the last hit block (and cache one
+    block past the aligned boundary) in 0.25.1 even with ``use_eagle`` off; 0.33.0
+    does either only when ``use_eagle`` is on, so it caches no more."""
 
+    fewer_cached = True
 
-def fine_grained_hits(config: ManagerConfig) -> bool:
-    """Whether 0.33.0 enables sub-block ("partial hash") hits for ``config``: an
-    align-mode Mamba group with blocks larger than the hash block, and every other
-    caching group either fine-grained capable or hash-block sized."""
-    if not config.enable_caching:
-        return False
-    hash_block = config.hash_block_size
-    if not any(
-        g.kind == "mamba" and g.mamba_cache_mode == "align" and g.block_size > hash_block
-        for g in config.groups
-    ):
-        return False
-    return all(
-        g.kind in FINE_GRAINED_KINDS or g.block_size == hash_block
-        for g in config.groups
-        if g.kind != "cross_attention"
-    )
-
-
-class MambaFineGrainedHits(Rule):
-    """Under ``fine_grained_hits``: 0.33.0 caches every group up to the computed
-    tokens (0.25.1: rounded down to the scheduler block size), registers prompt
-    tails inside Mamba blocks, and hits end on hash-block boundaries."""
+    def applies(self, ctx: Context) -> bool:
+        return not ctx.config.use_eagle and any(g.is_eagle_group for g in ctx.config.groups)
 
     def recognise(
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
     ) -> bool:
-        if not fine_grained_hits(ctx.config):
+        o, n = _hit_tokens(old), _hit_tokens(new)
+        return op == "get_computed_blocks" and self.applies(ctx) and o is not None and n is not None
+
+
+class MambaFineGrainedHits(CachingStateRule):
+    """Under ``fine_grained_hits``: 0.33.0 caches every group up to the computed
+    tokens (0.25.1: rounded down to the scheduler block size), registers prompt
+    tails inside Mamba blocks, and hits end on hash-block boundaries."""
+
+    def applies(self, ctx: Context) -> bool:
+        return fine_grained_hits(ctx.config)
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        if not self.applies(ctx):
             return False
         if op == "get_computed_blocks":
             return _hit_tokens(old) is not None and _hit_tokens(new) is not None
         if op == "allocate_slots":  # other blocks, as other blocks were cached and freed
             return _same_shape(old, new)
         return op == "take_events"
-
-    def recognise_state(
-        self,
-        ctx: Context,
-        op: str,
-        diff_keys: Sequence[str],
-        old: Mapping[str, Any],
-        new: Mapping[str, Any],
-    ) -> bool:
-        return (
-            fine_grained_hits(ctx.config)
-            and bool(diff_keys)
-            and set(diff_keys) <= CACHING_STATE
-        )
 
 
 class MambaPartialTailCopy(Rule):
@@ -1363,6 +1361,7 @@ RULES: dict[str, Callable[[], Rule]] = {
     "cannot_build_tq_removed": CannotBuildTqRemoved,
     "cannot_build_circular_added": CannotBuildCircularAdded,
     "cannot_build_lookahead_added": CannotBuildLookaheadAdded,
+    "cannot_build_checkpoints_added": CannotBuildCheckpointsAdded,
     "sub_block_entries": SubBlockEntries,
     "shorter_hit_mamba_eagle": ShorterHitMambaEagle,
     "mm_output_block_hash": MmOutputBlockHash,

@@ -123,7 +123,9 @@ def retention_env(config: ManagerConfig) -> Iterator[None]:
 
 def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -> Any:
     """``group`` as a spec of ``lib`` (``kvcache.kv_cache_interface`` or vLLM's, which
-    name their classes alike)."""
+    name their classes alike). A Mamba group's prefill checkpoint fields (vLLM 0.33.0)
+    are passed only when set: a ``MambaSpec`` without them (vLLM 0.25.1's) then raises
+    ``TypeError`` naming the field."""
     common = {
         "block_size": group.block_size,
         "num_kv_heads": group.num_kv_heads,
@@ -137,12 +139,19 @@ def build_group_spec(lib: Any, group: GroupConfig, head_size: int, dtype: Any) -
             **common, attention_chunk_size=group.attention_chunk_size
         )
     if group.kind == "mamba":
+        checkpoint_fields = {}
+        if group.has_checkpoint_fields:
+            checkpoint_fields = {
+                "num_prefill_checkpoint_blocks": group.num_prefill_checkpoint_blocks,
+                "prefill_checkpoint_alignment": group.prefill_checkpoint_alignment,
+            }
         return lib.MambaSpec(
             block_size=group.block_size,
             shapes=((2,),),
             dtypes=(dtype,),
             mamba_cache_mode=group.mamba_cache_mode,
             num_speculative_blocks=group.num_speculative_blocks,
+            **checkpoint_fields,
         )
     if group.kind == "cross_attention":
         return lib.CrossAttentionSpec(**common)
@@ -191,6 +200,33 @@ def prompt_embeds_tensor(rows: Any) -> Any:
     except ImportError:
         raise HarnessError("a request with prompt_embeds needs torch installed") from None
     return torch.tensor(rows, dtype=torch.float32)
+
+
+#: ``kv_cache_report_mode`` values of vLLM 0.33.0.
+REPORT_MODES = ("incremental", "full")
+
+
+def request_fields_0_33(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The vLLM 0.33.0 request fields a trace's request record sets (``session_id``,
+    ``kv_cache_report_mode``), checked; empty for a record without them.
+
+    Raises:
+        HarnessError: a field of the wrong type, or an unknown report mode.
+    """
+    fields: dict[str, Any] = {}
+    session = args.get("session_id")
+    if session is not None:
+        if not isinstance(session, str):
+            raise HarnessError(f"session_id={session!r}; expected a str or null")
+        fields["session_id"] = session
+    mode = args.get("kv_cache_report_mode")
+    if mode is not None:
+        if mode not in REPORT_MODES:
+            raise HarnessError(
+                f"kv_cache_report_mode={mode!r}; expected one of {', '.join(REPORT_MODES)}"
+            )
+        fields["kv_cache_report_mode"] = mode
+    return fields
 
 
 def request_token_ids(args: Mapping[str, Any]) -> list[int] | None:
@@ -256,7 +292,7 @@ class Adapter:
         # xxhash) write a repeated *object* as a back-reference: two equal identifiers
         # in one block hash differently as two str objects (as JSON reads a trace)
         # than as one (as the driver makes them), in vLLM as in kvcache.
-        return rq.Request(
+        request = rq.Request(
             request_id=args["request_id"],
             prompt_token_ids=request_token_ids(args),
             prompt_embeds=prompt_embeds_tensor(args.get("prompt_embeds")),
@@ -279,6 +315,11 @@ class Adapter:
             block_hasher=self.block_hasher(config),
             skip_reading_prefix_cache=bool(args.get("skip_reading_prefix_cache", False)),
         )
+        # vLLM 0.33.0's request fields (kvcache's Request, 0.25.1's vocabulary, has no
+        # such parameters; the 0.33.0 profile reads them off the request).
+        for name, value in request_fields_0_33(args).items():
+            setattr(request, name, value)
+        return request
 
     def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
         """The requests' block hasher for ``config``'s hash block size and function."""
@@ -308,7 +349,9 @@ class SpecAdapter(Adapter):
         self.hash_seed = hash_seed
 
     def build_manager(self, config: ManagerConfig) -> Any:
-        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        kv_cache_config = build_kv_cache_config(
+            self.kv_cache_interface, config, "float16"
+        )
         return self.factory(kv_cache_config, **config.manager_kwargs(),
                             caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
                             prefix_cache_retention_interval=config.prefix_cache_retention_interval)
@@ -419,7 +462,9 @@ class SpecProfileAdapter(SpecAdapter):
         self.hash_seed = hash_seed
 
     def build_manager(self, config: ManagerConfig) -> Any:
-        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        kv_cache_config = build_kv_cache_config(
+            self.kv_cache_interface, config, "float16"
+        )
         return self.factory(kv_cache_config, **config.manager_kwargs(),
                             caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
                             prefix_cache_retention_interval=config.prefix_cache_retention_interval,

@@ -19,6 +19,7 @@ Importing this module imports vLLM (and torch): a few seconds.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -44,8 +45,10 @@ from vllm.v1.request import Request, RequestStatus
 from kvcache.kit.config import ManagerConfig
 from kvcache.kit.sides import (
     Adapter,
+    HarnessError,
     build_kv_cache_config,
     prompt_embeds_tensor,
+    request_fields_0_33,
     request_token_ids,
     retention_env,
     with_hash_seed,
@@ -57,6 +60,8 @@ logging.getLogger("vllm").setLevel(logging.ERROR)
 
 VLLM_VERSION: str = vllm.__version__
 REFERENCE_VLLM_VERSION = "0.25.1"
+#: Whether the installed vLLM's ``Request`` takes 0.33.0's request fields.
+REQUEST_TAKES_SESSION_ID = "session_id" in inspect.signature(Request).parameters
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,16 @@ def build_request(
     lookahead = (num_hash_lookahead_tokens,) if num_hash_lookahead_tokens else ()
     lora = args.get("lora")
     skip = bool(args.get("skip_reading_prefix_cache", False))
+    fields = request_fields_0_33(args)
+    extra: dict[str, Any] = {}
+    if fields and not REQUEST_TAKES_SESSION_ID:
+        raise HarnessError(
+            f"vLLM {VLLM_VERSION}'s Request has no {', '.join(sorted(fields))} "
+            "(vLLM 0.33.0's request fields)"
+        )
+    if "session_id" in fields:
+        extra["session_id"] = fields["session_id"]
+    report_mode = fields.get("kv_cache_report_mode")
     return Request(
         request_id=args["request_id"],
         prompt_token_ids=request_token_ids(args),
@@ -160,6 +175,7 @@ def build_request(
         sampling_params=SamplingParams(
             max_tokens=int(args.get("max_tokens") or 16),
             skip_reading_prefix_cache=True if skip else None,
+            extra_args=None if report_mode is None else {"kv_cache_report_mode": report_mode},
         ),
         pooling_params=None,
         arrival_time=0.0,
@@ -177,6 +193,7 @@ def build_request(
         block_hasher=vllm_kv_cache_utils.get_request_block_hasher(
             hash_block_size, hash_fn, *lookahead
         ),
+        **extra,
     )
 
 

@@ -201,16 +201,20 @@ LATER_FAMILIES = [f for f in FAMILIES.values() if f.since != "0.25.1" and not f.
 def test_later_release_layouts_refused_as_vllm_refuses_them(
     vllm_reference: ModuleType, subject_impl: str, family: Family
 ) -> None:
-    """A family of vLLM 0.33.0's kinds (a ring buffer: ``CircularBufferSpec``) cannot
-    be built by vLLM 0.25.1, which has no such spec class; the subject under its 0.25.1
-    profile refuses it too, naming the class (``circular_buffer_groups`` off)."""
+    """A family of vLLM 0.33.0's kinds (a ring buffer: ``CircularBufferSpec``; Mamba
+    prefill checkpoints: ``MambaSpec.num_prefill_checkpoint_blocks``) cannot be built by
+    vLLM 0.25.1, which has no such spec class or field; the subject under its 0.25.1
+    profile refuses it too, naming the class or field (``circular_buffer_groups``,
+    ``mamba_prefill_checkpoints`` off)."""
     import random
 
     from kvcache.kit.driver import random_config
 
+    named = "num_prefill_checkpoint_blocks" if "mamba-checkpoint" in family.kinds else (
+        "CircularBufferSpec")
     for index in range(5):
         config = random_config(random.Random(index), family)
         for impl in ("vllm", subject_impl):
-            with pytest.raises(CannotBuild, match="CircularBufferSpec") as info:
+            with pytest.raises(CannotBuild, match=named) as info:
                 make_side(impl, config)
             assert f"{impl} rejects the config" in info.value.reason

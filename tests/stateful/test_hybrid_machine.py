@@ -110,6 +110,10 @@ class HybridMachine(ManagerMachine):
     #: Draw issue 14's kinds too (MLA variants, context parallelism): off here, so
     #: this machine's examples stay as they were (``test_new_kinds_machine.py``).
     NEW_KINDS: ClassVar[bool] = False
+    #: Draw vLLM 0.33.0's Mamba prefill checkpoint fields on 'align' groups: off here
+    #: (0.25.1 has none), on under the 0.33.0 profile once kvcache's ``MambaSpec`` has
+    #: them (``test_profile_machines.py``).
+    CHECKPOINTS: ClassVar[bool] = False
 
     @initialize(
         # Small pools half the time: eviction (of hits too) needs a pool under pressure.
@@ -158,6 +162,14 @@ class HybridMachine(ManagerMachine):
                 options["num_speculative_blocks"] = data.draw(
                     st.sampled_from([0, 0, 1, 2]), label="spec_blocks"
                 )
+                if self.CHECKPOINTS and options["mamba_cache_mode"] == "align":
+                    blocks = data.draw(st.sampled_from([0, 1, 1, 2]), label="checkpoint_blocks")
+                    if blocks:
+                        options["num_prefill_checkpoint_blocks"] = blocks
+                        options["prefill_checkpoint_alignment"] = data.draw(
+                            st.sampled_from([None, 1, 1, 2]), label="checkpoint_alignment"
+                        )
+                    event("prefill checkpoint blocks", blocks)
             if self.NEW_KINDS and kind in ("full", "swa"):
                 options["mla"] = data.draw(st.booleans(), label="mla")
             layout.append((kind, block_size, options))
@@ -308,6 +320,8 @@ class HybridMachine(ManagerMachine):
             total_computed_tokens=computed,
             num_tokens_main_model=main,
         )
+        if self.CHECKPOINTS:  # where the prefill ends, as allocate_slots passes it (0.33.0)
+            arguments["prefill_end"] = max(request.num_prompt_tokens, request.num_tokens - 1)
         spec_num = self.spec.coordinator.get_num_blocks_to_allocate(
             new_computed_blocks=spec_hits.blocks, **arguments
         )

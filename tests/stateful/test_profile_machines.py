@@ -8,8 +8,9 @@ on every layout the hybrid machine draws: full attention, sliding window, chunke
 local, cross attention and Mamba, one to three groups, and (the new-kinds machine)
 MLA variants and one full-attention group under dcp / pcp. (A Mamba group in mode
 'all' or 'none' with caching cannot be built under 0.33.0: both sides refuse it
-alike and the machine draws another layout. Mamba prefill checkpoints are
-modelled by neither side yet, ``docs/profiles.md``; fine-grained hits and their
+alike and the machine draws another layout. Mamba prefill checkpoints: the hybrid
+machine draws them on 'align' groups once kvcache's ``MambaSpec`` has the fields (the
+spec models them, ``docs/profiles.md``); fine-grained hits and their
 copy-on-write copies are, and are held by ``tests/conformance/test_profile_0_33.py``
 and ``tests/test_injected_bugs_fine_grained.py``.) The requests' hashes come from
 kvcache's hasher with the profile's hashing switches, and the invariant compares
@@ -133,6 +134,8 @@ def machine_class(
             **{k: v for k, v in lookahead.items() if k == "num_hash_lookahead_tokens"},
         },
         "counters": {"steps": 0, "examples": 0},
+        # Mamba prefill checkpoints (vLLM 0.33.0's MambaSpec fields) on 'align' groups.
+        "CHECKPOINTS": True,
     }
     name = f"{base.__name__}_0_33" + (f"_without_{flipped}" if flipped else "")
     name += "_lookahead" if lookahead else ""

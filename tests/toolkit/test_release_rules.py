@@ -592,6 +592,30 @@ def test_a_construction_failure_is_explained_only_for_the_side_that_refuses() ->
         _judge(tq).cannot_build(tq_reason, refused_by="both")
 
 
+def test_checkpoint_fields_explain_only_an_old_side_refusing_them() -> None:
+    mamba = GroupConfig(
+        "mamba", 4, mamba_cache_mode="align", num_prefill_checkpoint_blocks=1,
+        prefill_checkpoint_alignment=2,
+    )  # fmt: skip
+    groups = (GroupConfig("full", 4), mamba)
+    reason = "__init__() got an unexpected keyword argument 'num_prefill_checkpoint_blocks'"
+    entry = "mamba-prefill-checkpoints"
+    assert _judge(groups).cannot_build(reason, refused_by="old") == entry
+    assert _judge(groups).cannot_build(reason) is None  # 0.33.0 refusing them is news
+    plain = (GroupConfig("full", 4), GroupConfig("mamba", 4, mamba_cache_mode="align"))
+    assert _judge(plain).cannot_build(reason, refused_by="old") is None
+    # The fields belong to Mamba groups; the record leaves them out when unset.
+    with pytest.raises(ValueError, match="full group has no prefill checkpoint"):
+        GroupConfig("full", 4, num_prefill_checkpoint_blocks=1)
+    with pytest.raises(ValueError, match="prefill_checkpoint_alignment=0"):
+        GroupConfig("mamba", 4, prefill_checkpoint_alignment=0)
+    config = ManagerConfig(num_blocks=16, groups=groups, max_model_len=32)
+    record = config.to_record()
+    assert "num_prefill_checkpoint_blocks" not in record["groups"][0]
+    assert record["groups"][1]["prefill_checkpoint_alignment"] == 2
+    assert ManagerConfig.from_record(record) == config
+
+
 def test_lookahead_arguments_explain_only_an_old_side_refusing_them() -> None:
     groups = (GroupConfig("full", 4),)
     reason = "__init__() got an unexpected keyword argument 'num_hash_lookahead_tokens'"

@@ -228,3 +228,32 @@ def test_dcp_turns_fine_grained_hits_on_at_an_equal_mamba_block(dcp: int) -> Non
         assert num_hit == (12 if dcp > 1 else 0), (name, num_hit)
         results.append(num_hit)
     assert results[0] == results[1]
+
+
+def test_the_0_33_draw_gives_one_group_context_parallel_configs_0_33_geometry() -> None:
+    """conformance-0.33 draws ``full-dcp`` with 0.33.0's block geometry (block_size *
+    dcp, pcp not scaled), which kvcache's 0.33 profile builds under pcp > 1, keeping
+    0.25.1's (refused) in about one config in five."""
+    import random
+
+    from kvcache.kit.conformance33 import under_0_33
+    from kvcache.kit.driver import CP_GEOMETRY_KEPT, random_config, release_cp_geometry
+    from kvcache.kit.sides import CannotBuild, make_side
+
+    family = under_0_33(FAMILIES["full-dcp"])
+    assert family.cp_geometry == "0.33.0" and FAMILIES["full-dcp"].cp_geometry == "0.25.1"
+    pcp = [c for c in (random_config(random.Random(i), family) for i in range(300))
+           if c.pcp_world_size > 1]  # fmt: skip
+    kept = [c for c in pcp if c.scheduler_block_size_override is None]
+    assert 0 < len(kept) < 2 * len(pcp) / CP_GEOMETRY_KEPT, (len(kept), len(pcp))
+    for c in pcp[:20]:
+        block = c.groups[0].block_size
+        if c in kept:
+            assert c.scheduler_block_size == c.hash_block_size == block * c.context_parallel
+            with pytest.raises(CannotBuild, match="pcp_world_size"):
+                make_side("kvcache-0.33", c)
+        else:
+            assert c.scheduler_block_size == c.hash_block_size == block * c.dcp_world_size
+            make_side("kvcache-0.33", c)  # builds
+    with pytest.raises(ValueError, match=r"release='0\.30\.0'"):
+        release_cp_geometry(pcp[0], "0.30.0")

@@ -8,7 +8,8 @@ caches to a KV connector (``take_boundary_state_offloads``). The chunk tables be
 (block ids, the tokens each block's key covers, the offers, the free blocks) were
 produced by vLLM 0.33.0 itself on the same calls, when these tests were written;
 vLLM 0.33.0's own tests of the feature run in ``make upstream-0.33``.
-Under 0.25.1 the fields change nothing: the tables are those of a spec without them.
+Under 0.25.1 a spec with the fields is refused, naming them (vLLM 0.25.1's ``MambaSpec``
+has neither).
 """
 
 from __future__ import annotations
@@ -131,20 +132,15 @@ def test_checkpoints_follow_vllm_0_33(name: str) -> None:
     assert m.block_pool.get_num_free_blocks() == 63
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_0_25_1_ignores_the_checkpoint_fields(name: str) -> None:
-    """0.25.1 has no checkpoints: a spec with the fields gives the tables of one without."""
-    (block_size, retention, chunks, eagle), _ = CASES[name]
-    tables = []
-    for checkpoint_blocks, alignment in ((1, 16), (0, None)):
-        spec = mamba_spec(checkpoint_blocks, alignment, block_size=block_size,
-                          num_speculative_blocks=int(eagle))
-        m = manager("0.25.1", spec, retention, use_eagle=eagle)
-        tables.append(run_chunks(m, request("0.25.1", sum(chunks)), chunks))
-        mamba = m.coordinator.single_type_managers[1]
-        assert mamba._checkpoints == {} and mamba._pending_boundary_state_offloads == []
-    assert tables[0] == tables[1]
-    assert all(checkpoint is None for checkpoint, *_ in tables[0])
+@pytest.mark.parametrize(("blocks", "alignment"), [(1, 16), (1, None), (0, 16)])
+def test_0_25_1_refuses_the_checkpoint_fields(blocks: int, alignment: int | None) -> None:
+    """0.25.1 has no checkpoints: a spec with either field set cannot be built there,
+    so kvcache's 0.25.1 profile refuses it, naming the fields; without them it builds."""
+    with pytest.raises(ValueError, match="num_prefill_checkpoint_blocks") as info:
+        manager("0.25.1", mamba_spec(blocks, alignment))
+    assert "0.25.1" in str(info.value)
+    mamba = manager("0.25.1", mamba_spec(0, None)).coordinator.single_type_managers[1]
+    assert mamba._checkpoints == {} and not mamba.makes_prefill_checkpoints
 
 
 def test_admission_estimate_counts_the_checkpoint_block() -> None:
@@ -209,7 +205,7 @@ def test_every_manager_switch_comes_from_apply_profile() -> None:
              "has_prefill_checkpoint_blocks", "offers_boundary_states")
     inside = manager("0.33.0", mamba_spec()).coordinator.single_type_managers[1]
     alone = v33.MambaManager(mamba_spec(), v33.BlockPool(8, True, HBS), True, 0, MBS)
-    old = manager("0.25.1", mamba_spec()).coordinator.single_type_managers[1]
+    old = manager("0.25.1", mamba_spec(0, None)).coordinator.single_type_managers[1]
     assert isinstance(inside, MambaManager) and isinstance(alone, SingleTypeKVCacheManager)
     for name in names:
         assert getattr(inside, name) is True and getattr(alone, name) is True, name
