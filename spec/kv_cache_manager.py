@@ -394,7 +394,13 @@ class KVCacheManager:
         self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
 
     def pop_blocks_for_free(self, request: Request) -> list[int]:
-        """Forget the request; the caller frees the returned ids later, in reverse."""
+        """Forget the request; the caller frees the returned ids later, in reverse.
+        NotImplementedError with a HiSparse host pool: its ids overlap the shared
+        pool's (vLLM's blocks carry their pool, ints do not); pop and free each group's
+        blocks through its manager and pool instead."""
+        if len(self.coordinator.pools()) > 1:
+            raise NotImplementedError("pop_blocks_for_free with a HiSparse host pool: pop and "
+                                      "free each group's blocks through its own pool")
         if self.profile.pop_drops_null_head:  # each group's leading null blocks left out
             return [b for m in self.coordinator.single_type_managers
                     for b in drop_null_head(m.pop_blocks_for_free(request.request_id))]
