@@ -551,10 +551,12 @@ class KVCacheManager:
             self._owners[request_id] = request
         if new_computed_blocks is not None:
             new_computed_block_list = new_computed_blocks.blocks
-            if (
-                self.retained_hit_group_ids
-                and new_computed_block_list is not self.empty_kv_cache_blocks.blocks
-            ):
+            if self.retained_hit_group_ids:
+                # NOTE: a new tuple even for the shared empty instance, as in vLLM
+                # 0.33.0: a new request then always adopts (its managers'
+                # add_local_computed_blocks run: a HiSparse hot group without
+                # resident groups asks for its region there, a resident group
+                # commits its 0 host pages).
                 new_computed_block_list = self._cut_retained_hits(
                     new_computed_block_list,
                     num_new_computed_tokens + num_external_computed_tokens,

@@ -9,10 +9,12 @@ layer-spec kinds. It computes every request's block hashes itself and never read
 as data, by attribute (``tests/spec_unit/test_spec_standalone.py`` enforces the
 imports):
 
-- config: ``num_blocks``, ``kv_cache_groups[g].kv_cache_spec`` / ``.is_eagle_group``;
+- config: ``num_blocks``, ``kv_cache_groups[g].kv_cache_spec`` / ``.is_eagle_group`` /
+  ``.role`` (0.33.0, if present: ``"hisparse_source"`` or an enum of that value);
 - layer spec: its class name (and its bases' names: ``vocab.is_a``), ``block_size``,
   ``sliding_window``, ``attention_chunk_size``, ``mamba_cache_mode``,
-  ``num_speculative_blocks``, ``rswa_window``, ``sink_len``, and ``==`` between specs;
+  ``num_speculative_blocks``, ``rswa_window``, ``sink_len``, ``blocks_per_request``,
+  ``prefix_cacheable`` (0.33.0, if present), and ``==`` between specs;
 - request: ``request_id``, ``all_token_ids``, ``num_tokens``, ``num_prompt_tokens``,
   ``num_computed_tokens``, ``num_preemptions``, ``status.name``,
   ``skip_reading_prefix_cache``, ``lora_request.lora_name`` / ``.adapter_id`` (and
@@ -37,6 +39,9 @@ from spec.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
     FullAttentionManager,
+    HiSparseHotManager,
+    HiSparseResidentManager,
+    HiSparseSourceManager,
     MambaManager,
     RSWAManager,
     SingleTypeKVCacheManager,
@@ -47,7 +52,8 @@ from spec.single_type_kv_cache_manager import (
 
 __all__ = [
     "NULL_BLOCK", "BlockPool", "ChunkedLocalAttentionManager", "CrossAttentionManager",
-    "FullAttentionManager", "HybridKVCacheCoordinator", "KVCacheBlocks", "KVCacheCoordinator",
+    "FullAttentionManager", "HiSparseHotManager", "HiSparseResidentManager",
+    "HiSparseSourceManager", "HybridKVCacheCoordinator", "KVCacheBlocks", "KVCacheCoordinator",
     "KVCacheCoordinatorNoPrefixCache", "KVCacheManager", "MambaManager", "RSWAManager",
     "SingleTypeKVCacheManager", "SinkFullAttentionManager", "SlidingWindowManager",
     "UnitaryKVCacheCoordinator", "get_kv_cache_coordinator", "get_manager_for_kv_cache_spec",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from spec.vocab import (
@@ -37,6 +37,9 @@ class BlockPool:
     ``free_blocks`` move its count as vLLM does, but it means nothing.
     ``hash_num_tokens[b]`` is how many prefix tokens a cached block's hash covers;
     ``cached_block_hashes_by_block[b]`` holds the block's further (partial-block) keys.
+    ``reuse_watchers[b]`` (vLLM 0.33.0's ``unpin_blocks``) is told once when block b,
+    released but still read, is handed out again or the cache is reset. ``medium``
+    names the pool's memory in its events (a HiSparse host pool's is ``"CPU"``).
 
     Invariants (``check_invariants``): a block is in ``free_queue`` iff its ref count is
     0 and it is not block 0; the queue has no duplicates; no ref count is negative;
@@ -55,7 +58,8 @@ class BlockPool:
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
-                 caching_hash_algo: str = "sha256", hash_seed: str | None = None) -> None:
+                 caching_hash_algo: str = "sha256", hash_seed: str | None = None,
+                 medium: str = MEDIUM_GPU) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
         if metrics_collector is not None:
@@ -76,6 +80,8 @@ class BlockPool:
         self.cached_block_hashes_by_block: dict[int, set[bytes]] = {}
         self.cached: dict[bytes, list[int]] = {}
         self.kv_event_queue: list[KVCacheEvent] = []
+        self.medium = medium
+        self.reuse_watchers: dict[int, Callable[[int], None]] = {}
 
     def block_hashes(self, request: Request, block_size: int | None = None) -> list[bytes]:
         """The request's block hashes, computed by the spec from its tokens and keys
@@ -151,7 +157,7 @@ class BlockPool:
             token_ids=list(request.all_token_ids[num_cached_blocks * block_size:
                                                  num_full_blocks * block_size]),
             block_size=block_size, lora_id=lora.adapter_id if lora else None,
-            medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
+            medium=self.medium, lora_name=lora.lora_name if lora else None,
             extra_keys=extra_keys or None, group_idx=kv_cache_group_id))
 
     def _block_stored(self, lookahead_token_ids: list[list[int]], request: Request,
@@ -182,7 +188,7 @@ class BlockPool:
             parent_block_hash=None,
             token_ids=list(request.all_token_ids[:num_cached_blocks * block_size]),
             block_size=block_size, lora_id=lora.adapter_id if lora else None,
-            medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
+            medium=self.medium, lora_name=lora.lora_name if lora else None,
             extra_keys=[block_extra_keys(request, i * block_size, (i + 1) * block_size + la)
                         for i in range(num_cached_blocks)],
             group_idx=kv_cache_group_id))
@@ -229,7 +235,7 @@ class BlockPool:
                 parent_block_hash=external_hash(hashes[n - 2]) if n > 1 else None,
                 token_ids=list(request.all_token_ids[start:num_tokens]),
                 block_size=num_tokens - start, lora_id=lora.adapter_id if lora else None,
-                medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
+                medium=self.medium, lora_name=lora.lora_name if lora else None,
                 extra_keys=[block_extra_keys(request, start, num_tokens + la, first_mm)],
                 group_idx=kv_cache_group_id))
         return key
@@ -268,12 +274,41 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         new_ids = self.free_queue[:num_blocks]
         del self.free_queue[:num_blocks]
+        self._tell_watchers(new_ids)
         for block_id in new_ids:
             if self.enable_caching:
                 self._maybe_evict_cached_block(block_id)
             assert self.ref_cnt[block_id] == 0
             self.ref_cnt[block_id] = 1
         return new_ids
+
+    def _tell_watchers(self, block_ids: Iterable[int]) -> None:
+        """Call (and forget) the reuse watcher of each block that has one."""
+        for block_id in list(block_ids):
+            watcher = self.reuse_watchers.pop(block_id, None)
+            if watcher is not None:
+                watcher(block_id)
+
+    def unpin_blocks(self, blocks: Iterable[int], on_reuse: Callable[[int], None]) -> None:
+        """vLLM 0.33.0 (HiSparse): drop one reference per block, which its reader keeps
+        reading until the pool hands it out again; then ``on_reuse(block)`` is called,
+        once. Blocks reaching 0 go to the back of the free queue (hashed or not).
+        ValueError, changing nothing, for the null block or a block not held."""
+        blocks = list(blocks)
+        for block_id in blocks:
+            if block_id == NULL_BLOCK or self.ref_cnt[block_id] <= 0:
+                raise ValueError(f"unpin_blocks: block {block_id} is the null block or not "
+                                 "held")
+        for block_id in blocks:
+            self.ref_cnt[block_id] -= 1
+            self.reuse_watchers[block_id] = on_reuse
+            if self.ref_cnt[block_id] == 0:
+                self.free_queue.append(block_id)
+
+    def share_event_queue(self, owner: BlockPool) -> None:
+        """Queue events into ``owner``'s queue (a HiSparse host pool into the device
+        pool's): one ``take_events`` of either drains both."""
+        self.kv_event_queue = owner.kv_event_queue
 
     def _maybe_evict_cached_block(self, block_id: int) -> bool:
         """Drop every key of the block (its hash first) from the prefix cache, one
@@ -288,7 +323,7 @@ class BlockPool:
                 del self.cached[k]
             if self.enable_kv_cache_events:
                 self.kv_event_queue.append(BlockRemoved(
-                    [external_hash(k[:-4])], MEDIUM_GPU, int.from_bytes(k[-4:], "big")))
+                    [external_hash(k[:-4])], self.medium, int.from_bytes(k[-4:], "big")))
         return True
 
     def touch(self, blocks: Sequence[int]) -> None:
@@ -328,6 +363,7 @@ class BlockPool:
         self.hash_num_tokens.clear()
         self.cached_block_hashes_by_block.clear()
         self.cached.clear()
+        self._tell_watchers(self.reuse_watchers)
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True
@@ -344,7 +380,8 @@ class BlockPool:
 
     def take_events(self) -> list[KVCacheEvent]:
         """Drain the queued events (always [] when events are off)."""
-        events, self.kv_event_queue = self.kv_event_queue, []
+        events = list(self.kv_event_queue)
+        self.kv_event_queue.clear()  # in place: a shared queue stays shared
         return events
 
     def check_invariants(self) -> None:

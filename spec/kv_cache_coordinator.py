@@ -20,6 +20,13 @@ from spec.single_type_kv_cache_manager import (
 from spec.vocab import KVCacheConfig, KVCacheSpec, Request, cacheable, coarsen, is_a, is_dcp_sharded
 
 
+def group_role(group: object) -> str | None:
+    """A group's role (vLLM 0.33.0's ``KVCacheGroupSpec.role``, an enum or its value;
+    None for groups without one)."""
+    role = getattr(group, "role", None)
+    return getattr(role, "value", role)
+
+
 class KVCacheCoordinator:
     """One block pool shared by one manager per KV-cache group.
 
@@ -74,7 +81,7 @@ class KVCacheCoordinator:
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(g.kv_cache_spec, max_num_batched_tokens, max_model_len,
                                           self.block_pool, enable_caching, i, scheduler_block_size,
-                                          context_parallel[i])
+                                          context_parallel[i], group_role(g))
             for i, g in enumerate(groups))
         self.retention_interval = prefix_cache_retention_interval
         if self.retention_interval is not None:
@@ -205,6 +212,19 @@ class KVCacheCoordinator:
         for m in self.single_type_managers:
             m.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
 
+    def pools(self) -> list[BlockPool]:
+        """Every pool the groups use, the shared one first (a HiSparse source's host
+        pool is its own)."""
+        pools = [self.block_pool]
+        for m in self.single_type_managers:
+            if all(m.block_pool is not p for p in pools):
+                pools.append(m.block_pool)
+        return pools
+
+    def reset_prefix_cache(self) -> bool:
+        """Reset every pool's prefix cache (each is tried); True if all succeeded."""
+        return all([pool.reset_prefix_cache() for pool in self.pools()])
+
     def get_blocks(self, request_id: str) -> tuple[list[int], ...]:
         """The request's tables (the live lists, as vLLM returns them); [] when unknown."""
         return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
@@ -288,7 +308,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 continue
             use_eagle = i in self.eagle_group_ids
             for idx, sg in enumerate(self.attention_groups):
-                if groups[sg.group_ids[0]].kv_cache_spec == g.kv_cache_spec:
+                # equal specs of different managers (a HiSparse source and its indexer
+                # group) search different pools: not bundled
+                if groups[sg.group_ids[0]].kv_cache_spec == g.kv_cache_spec and (
+                        sg.manager_cls is type(m)):
                     sg.group_ids.append(i)
                     self.attention_groups[idx] = sg._replace(use_eagle=sg.use_eagle or use_eagle)
                     break
@@ -347,8 +370,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         Full attention is searched once, then only rounded down to its block size; with
         one other spec a single round suffices. An EAGLE spec searches one block further
         and drops it, once per candidate length. Only the first spec's hits are trimmed
-        to the final length, as in vLLM. Sets ``num_uncached_common_prefix_tokens``: how
-        much longer the longest single-spec hit was. With fine-grained hits lengths are
+        to the final length, as in vLLM (0.33.0: every full-attention spec's), but not
+        a group that ``retains_longer_hit`` (the HiSparse source): each spec is searched
+        in its manager's pool. Sets ``num_uncached_common_prefix_tokens``: how much
+        longer the longest single-spec hit was. With fine-grained hits lengths are
         multiples of the hash block: full attention and Mamba with larger blocks find hits
         ending inside a block, and their EAGLE look-ahead is one hash block.
         """
@@ -376,14 +401,15 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     max_length = min(curr_length + margin, max_cache_hit_length
                                      if not self.eagle_peek_to_hashed_length  # 0.33.0
                                      else len(block_hashes) * hbs)
+                pool = self.single_type_managers[group_ids[0]].block_pool
                 if sub_block:
                     hits, new_length = manager_cls.find_fine_grained_hit(
-                        block_hashes, max_length, group_ids, self.block_pool, spec,
+                        block_hashes, max_length, group_ids, pool, spec,
                         drop_eagle_block, hbs)
                 else:
                     hits = manager_cls.find_longest_cache_hit(
                         self._hashes_for(block_hashes, spec), max_length, group_ids,
-                        self.block_pool, spec, drop_eagle_block,
+                        pool, spec, drop_eagle_block,
                         hbs if self.fine_grained else self.scheduler_block_size)
                     new_length = len(hits[0]) * spec.block_size
                 if drop_eagle_block:
@@ -400,13 +426,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if is_simple_hybrid:
                 break
         first = self.attention_groups[0]
-        if is_a(first.spec, "FullAttentionSpec"):
+        if is_a(first.spec, "FullAttentionSpec") and not first.manager_cls.retains_longer_hit:
             for group_id in first.group_ids:
                 if (first_hits := hit_blocks[group_id]) is not None:
                     del first_hits[self._num_hit_blocks(hit_length, first.spec.block_size):]
         if self.trim_every_full_group:  # 0.33.0: every full-attention spec, not the first only
             for sg in self.attention_groups:
-                if is_a(sg.spec, "FullAttentionSpec"):
+                if is_a(sg.spec, "FullAttentionSpec") and not sg.manager_cls.retains_longer_hit:
                     for group_id in sg.group_ids:
                         if (full_hits := hit_blocks[group_id]) is not None:
                             del full_hits[self._num_hit_blocks(hit_length, sg.spec.block_size):]
@@ -436,13 +462,14 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if use_eagle and self.eagle_peek_to_hashed_length and not is_a(spec, "MambaSpec"):
                 max_length = min(max_length + (hbs if sub_block else spec.block_size),
                                  len(block_hashes) * hbs)
+            pool = self.single_type_managers[group_ids[0]].block_pool
             if sub_block:
                 hits, length = manager_cls.find_fine_grained_hit(
-                    block_hashes, max_length, group_ids, self.block_pool, spec, use_eagle, hbs)
+                    block_hashes, max_length, group_ids, pool, spec, use_eagle, hbs)
             else:
                 hits = manager_cls.find_longest_cache_hit(
                     self._hashes_for(block_hashes, spec), max_length, group_ids,
-                    self.block_pool, spec, use_eagle,
+                    pool, spec, use_eagle,
                     hbs if self.fine_grained else self.scheduler_block_size)
                 length = len(hits[0]) * spec.block_size
             for group_id, blocks in zip(group_ids, hits, strict=True):

@@ -11,10 +11,18 @@ from typing import Any, Literal, overload
 
 from spec import pure
 from spec.block_pool import NULL_BLOCK, BlockPool
-from spec.kv_cache_coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
+from spec.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    get_kv_cache_coordinator,
+    group_role,
+)
 from spec.profile import Profile, resolve_profile
 from spec.pure import cdiv
-from spec.single_type_kv_cache_manager import FullAttentionManager, MambaManager
+from spec.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    HiSparseResidentManager,
+    MambaManager,
+)
 from spec.vocab import (
     BlockRemoved033,
     BlockStored,
@@ -116,6 +124,14 @@ class KVCacheManager:
         if rings and not self.profile.circular_buffer_groups:
             raise NotImplementedError("a CircularBufferSpec group (a vLLM 0.33.0 kind) under "
                                       f"profile {self.profile.release}")
+        for i, g in enumerate(kv_cache_config.kv_cache_groups):  # vLLM 0.33.0's HiSparse
+            kind = type(g.kv_cache_spec).__name__
+            what = (f"role {group_role(g)!r}" if group_role(g) == "hisparse_source"
+                    else kind if kind in ("HiSparseResidentSpec", "HiSparseHotSpec") else None)
+            if what and not self.profile.hisparse_groups:
+                raise NotImplementedError(f"{what} (group {i}) is not supported under "
+                                          f"profile {self.profile.release}: HiSparse is "
+                                          "vLLM 0.33.0's")
         for g in kv_cache_config.kv_cache_groups:  # 0.33.0's MambaSpec fields
             blocks = getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0)
             alignment = getattr(g.kv_cache_spec, "prefill_checkpoint_alignment", None)
@@ -174,6 +190,11 @@ class KVCacheManager:
             self.coordinator.retention_interval = 0
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
+        # vLLM 0.33.0: groups whose hits outlive the common hit (the HiSparse source);
+        # allocate_slots keeps of theirs what the new hits and external tokens cover.
+        self.retained_hit_group_ids = tuple(
+            i for i, m in enumerate(self.coordinator.single_type_managers)
+            if m.retains_longer_hit)
         self.kv_cache_config = kv_cache_config
         if not watermark >= 0.0:
             raise ValueError(f"watermark must be non-negative, got {watermark!r}")
@@ -312,6 +333,14 @@ class KVCacheManager:
         rid, coordinator = request.request_id, self.coordinator
         hits = (self.empty_kv_cache_blocks if new_computed_blocks is None
                 else new_computed_blocks).blocks
+        if new_computed_blocks is not None and self.retained_hit_group_ids:
+            # NOTE: as in vLLM, a new tuple even for the empty instance: a new request
+            # then always adopts (its managers' add_local_computed_blocks run).
+            managers, reused = coordinator.single_type_managers, (
+                num_new_computed_tokens + num_external_computed_tokens)
+            hits = tuple(list(h[:cdiv(reused, managers[g].block_size)])
+                         if g in self.retained_hit_group_ids else h
+                         for g, h in enumerate(hits))
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         num_computed = num_local_computed + num_external_computed_tokens
         total_computed = min(num_computed, self.max_model_len)
@@ -365,7 +394,13 @@ class KVCacheManager:
         self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
 
     def pop_blocks_for_free(self, request: Request) -> list[int]:
-        """Forget the request; the caller frees the returned ids later, in reverse."""
+        """Forget the request; the caller frees the returned ids later, in reverse.
+        NotImplementedError with a HiSparse host pool: its ids overlap the shared
+        pool's (vLLM's blocks carry their pool, ints do not); pop and free each group's
+        blocks through its manager and pool instead."""
+        if len(self.coordinator.pools()) > 1:
+            raise NotImplementedError("pop_blocks_for_free with a HiSparse host pool: pop and "
+                                      "free each group's blocks through its own pool")
         if self.profile.pop_drops_null_head:  # each group's leading null blocks left out
             return [b for m in self.coordinator.single_type_managers
                     for b in drop_null_head(m.pop_blocks_for_free(request.request_id))]
@@ -377,7 +412,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; False (no change) while any block is in use."""
-        if not self.block_pool.reset_prefix_cache():
+        if not self.coordinator.reset_prefix_cache():
             return False
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
@@ -466,21 +501,25 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Assert the invariants of the class docstring."""
-        pool = self.block_pool
-        pool.check_invariants()
-        holders: Counter[int] = Counter()
-        group_of: dict[int, int] = {}
-        for g, m in enumerate(self.coordinator.single_type_managers):
-            m.check_invariants()
-            assert all(0 < b < pool.num_gpu_blocks for b in m.new_block_ids)
-            for ids in m.req_to_blocks.values():
-                assert all(0 <= b < pool.num_gpu_blocks for b in ids)
-                for b in ids:
-                    if b != NULL_BLOCK:
-                        assert group_of.setdefault(b, g) == g, f"block {b} held by two groups"
-                        holders[b] += 1
-        for b, count in holders.items():
-            assert pool.ref_cnt[b] >= count, f"block {b}: ref_cnt {pool.ref_cnt[b]} < {count}"
+        for pool in self.coordinator.pools():
+            pool.check_invariants()
+            holders: Counter[int] = Counter()
+            group_of: dict[int, int] = {}
+            for g, m in enumerate(self.coordinator.single_type_managers):
+                if m.block_pool is not pool:
+                    continue
+                m.check_invariants()
+                if isinstance(m, HiSparseResidentManager):
+                    continue  # its table may name blocks reused since (see the class)
+                assert all(0 < b < pool.num_gpu_blocks for b in m.new_block_ids)
+                for ids in m.req_to_blocks.values():
+                    assert all(0 <= b < pool.num_gpu_blocks for b in ids)
+                    for b in ids:
+                        if b != NULL_BLOCK:
+                            assert group_of.setdefault(b, g) == g, f"block {b} in two groups"
+                            holders[b] += 1
+            for b, count in holders.items():
+                assert pool.ref_cnt[b] >= count, f"block {b}: ref_cnt {pool.ref_cnt[b]} < {count}"
 
 
 def drop_null_head(ids: list[int]) -> list[int]:

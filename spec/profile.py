@@ -29,9 +29,8 @@ SWITCHES = (
 ON = {"0.25.1": frozenset[str](), "0.33.0": frozenset(SWITCHES)}
 """The switches each release turns on."""
 
-MODELLED = frozenset(SWITCHES) - {"hisparse_groups"}
-"""The switches the spec's code consults (not ``hisparse_groups``: the spec does not
-model vLLM 0.33.0's HiSparse groups yet, see docs/profiles.md)."""
+MODELLED = frozenset(SWITCHES)
+"""The switches the spec's code consults (all of them)."""
 
 
 class Profile:

@@ -8,7 +8,7 @@ from typing import Any
 from spec import pure
 from spec.block_pool import NULL_BLOCK, BlockPool
 from spec.pure import cdiv
-from spec.vocab import KVCacheSpec, Request, admission_cap
+from spec.vocab import MEDIUM_CPU, KVCacheSpec, Request, admission_cap, cacheable
 
 ZEROED_SPECS = ("FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec",
                 "HiddenStateCacheSpec")
@@ -71,6 +71,9 @@ class SingleTypeKVCacheManager:
     copies_partial_hits = False  # partial_hit_copy_on_write
     keeps_shared_prefix_junction = False  # shared_prefix_junctions
     external_blocks_floor_zero = False
+    # vLLM 0.33.0: a group whose hit outlives the hybrid hit (the HiSparse source):
+    # the coordinator's trims leave it, allocate_slots cuts it to what it adopts.
+    retains_longer_hit = False
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
@@ -915,6 +918,307 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         raise ValueError("cross-attention blocks are never cached")
 
 
+# ---------------------------------------------------------------- HiSparse (vLLM 0.33.0)
+# A HiSparse layout: a source group (full attention, role "hisparse_source") whose
+# blocks live in a host pool of their own (``bind_host_pool``), resident groups (the
+# pages a request reads from the device) and hot groups (a fixed region a request
+# takes to read host-only pages). vLLM's HiSparseCoordinator (outside the core, not
+# modelled) binds itself as each manager's ``coordinator`` and is called back below.
+
+
+def bound_coordinator(manager: SingleTypeKVCacheManager) -> Any:
+    """The manager's HiSparse coordinator; RuntimeError if none is bound yet."""
+    coordinator = getattr(manager, "coordinator", None)
+    if coordinator is None:
+        raise RuntimeError(f"{type(manager).__name__} (group {manager.kv_cache_group_id}) has "
+                           "no HiSparse coordinator bound")
+    return coordinator
+
+
+class HiSparseSourceManager(FullAttentionManager):
+    """The HiSparse source: full attention over a host pool. Admission counts 0 when
+    the host pool can back the pages, else one more than the device pool (admission
+    fails); its caching waits for the coordinator (``publish_blocks``); it records
+    nothing for zeroing; its copy-on-write pairs go to the coordinator."""
+
+    retains_longer_hit = True
+    coordinator: Any = None
+
+    def bind_host_pool(self, num_blocks: int) -> None:
+        """Use a new host pool of ``num_blocks`` blocks (medium CPU, caching as the
+        group, hashing as the device pool, events into the device pool's queue)."""
+        device = self.block_pool
+        host = BlockPool(num_blocks, self.enable_caching and cacheable(self.kv_cache_spec),
+                         device.hash_block_size, device.enable_kv_cache_events,
+                         medium=MEDIUM_CPU)
+        host.hash_fn, host.none_hash = device.hash_fn, device.none_hash
+        for switch in ("tagged_extra_keys", "mm_keys_by_window", "num_hash_lookahead_tokens",
+                       "event_session_id"):
+            setattr(host, switch, getattr(device, switch))
+        host.share_event_queue(device)
+        self.block_pool = host
+
+    def take_new_block_ids(self) -> list[int]:
+        """Nothing: host blocks are never zeroed."""
+        self.new_block_ids = []
+        return []
+
+    def take_pending_cow_copies(self) -> list[tuple[int, int]]:
+        """Nothing: host copies are the coordinator's (``take_host_cow_copies``)."""
+        return []
+
+    def take_host_cow_copies(self) -> list[tuple[int, int]]:
+        """Drain the (source, copy) host block pairs."""
+        return super().take_pending_cow_copies()
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[int], total_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
+                                   ) -> int:
+        """0 if the host pool has the blocks, else the device pool's size + 1."""
+        needed = super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+            num_tokens_main_model, False, num_local_computed_tokens)
+        if needed <= self.block_pool.get_num_free_blocks():
+            return 0
+        return int(bound_coordinator(self).gpu_pool.num_gpu_blocks) + 1
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """Tell the coordinator of the import first, then take its host blocks."""
+        if num_external_computed_tokens <= 0:
+            return
+        bound_coordinator(self).record_pending_host_import(
+            request_id, num_local_computed_tokens + num_external_computed_tokens)
+        super().allocate_external_computed_blocks(request_id, num_local_computed_tokens,
+                                                  num_external_computed_tokens)
+
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
+        """Leave it to the coordinator (``publish_when_ready``)."""
+        bound_coordinator(self).publish_when_ready(request, num_tokens, retention_interval,
+                                                   replay_boundaries=boundaries)
+
+    def publish_blocks(self, request: Request, num_tokens: int,
+                       retention_interval: int | None = None,
+                       replay_boundaries: Sequence[int] | None = None) -> None:
+        """Cache as full attention does (the coordinator, once the host copies last)."""
+        FullAttentionManager.cache_blocks(self, request, num_tokens, retention_interval,
+                                          replay_boundaries)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[int]:
+        """Tell the coordinator (``free``), then forget the request."""
+        bound_coordinator(self).free(request_id)
+        return super().pop_blocks_for_free(request_id)
+
+
+class HiSparseHotManager(SingleTypeKVCacheManager):
+    """A hot group: ``blocks_per_request`` blocks, taken only when the request must
+    read host pages (an import, a new request with a local hit, or ``require_hot``).
+    Never hit, cached or zeroed."""
+
+    coordinator: Any = None
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any) -> None:
+        super().__init__(kv_cache_spec, *args)
+        self.blocks_per_request: int = kv_cache_spec.blocks_per_request
+        if not isinstance(self.blocks_per_request, int) or self.blocks_per_request <= 0:
+            raise ValueError(f"blocks_per_request={self.blocks_per_request!r} must be a "
+                             "positive int")
+        self.hot_required: set[str] = set()
+
+    def require_hot(self, request_id: str) -> None:
+        """The request gets its region at its next allocation."""
+        self.hot_required.add(request_id)
+
+    def has_hot(self, request_id: str) -> bool:
+        """Whether the request holds its whole region."""
+        return len(self.req_to_blocks.get(request_id, [])) == self.blocks_per_request
+
+    def get_num_required_blocks(self, request_id: str) -> int:
+        """The region's blocks the request lacks."""
+        return max(self.blocks_per_request - len(self.req_to_blocks.get(request_id, [])), 0)
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[int], total_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
+                                   ) -> int:
+        """The missing region if the request needs it now, else 0 (a running request
+        needs it only after ``require_hot``)."""
+        check_no_hits(request_id, new_computed_blocks)
+        imports = total_computed_tokens > num_local_computed_tokens
+        new_with_hit = num_local_computed_tokens > 0 and request_id not in self.num_cached_block
+        if imports or new_with_hit or request_id in self.hot_required:
+            return self.get_num_required_blocks(request_id)
+        return 0
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        """Admit the request; a local hit (or no resident group) needs the region."""
+        check_no_hits(request_id, new_computed_blocks)
+        self._blocks_of(request_id)
+        self.num_cached_block[request_id] = 0
+        if num_local_computed_tokens > 0 or not bound_coordinator(self).resident_managers:
+            self.require_hot(request_id)
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """An import is read from the host: the request needs the region."""
+        self.require_hot(request_id)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
+                            ) -> list[int]:
+        """The missing region if required, else nothing; the request is admitted."""
+        req_blocks = self._blocks_of(request_id)
+        self.num_cached_block[request_id] = 0
+        if request_id not in self.hot_required:
+            return []
+        num_new = self.blocks_per_request - len(req_blocks)
+        new_ids = self.block_pool.get_new_blocks(num_new) if num_new > 0 else []
+        req_blocks.extend(new_ids)
+        return new_ids
+
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
+        """Nothing: the source caches."""
+
+    def pop_blocks_for_free(self, request_id: str) -> list[int]:
+        """Forget the request, its region request too."""
+        self.hot_required.discard(request_id)
+        return super().pop_blocks_for_free(request_id)
+
+
+class HiSparseResidentManager(SingleTypeKVCacheManager):
+    """A resident group: per request, the device block each page is read from. The
+    table only grows (a host-only page is the null block); ``residency_changes``
+    (request -> page -> block, NULL_BLOCK for a page dropped) overlays it. Never hit,
+    cached or zeroed. The table may name a block the pool gave to another reader since
+    (a dropped page's), so its invariants are only the base's bookkeeping."""
+
+    coordinator: Any = None
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any) -> None:
+        super().__init__(kv_cache_spec, *args)
+        cap = self.max_admission_blocks_per_request
+        if not isinstance(cap, int) or cap <= 0:
+            raise ValueError(f"max_admission_blocks_per_request={cap!r}: a resident group "
+                             "needs its admission window")
+        self.window: int = cap
+        self.residency_changes: dict[str, dict[int, int]] = {}
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[int], total_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
+                                   ) -> int:
+        """Device pages still needed for ``num_tokens``: with an import, its last page
+        (if not resident) and the pages past it; else the pages past the host prefix
+        and the table (at most the window's under ``apply_admission_cap``)."""
+        check_no_hits(request_id, new_computed_blocks)
+        num_pages = len(self.req_to_blocks.get(request_id, []))
+        needed = cdiv(num_tokens, self.block_size)
+        if total_computed_tokens > num_local_computed_tokens:
+            imported = cdiv(total_computed_tokens, self.block_size)
+            tail = self.get_resident_page(request_id, imported - 1) is None
+            return int(tail) + max(needed - max(imported, num_pages), 0)
+        if apply_admission_cap:
+            needed = min(needed, self.window)
+        return max(needed - max(num_pages, cdiv(num_local_computed_tokens, self.block_size)), 0)
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        """The host prefix hit becomes host-only pages; the coordinator is told."""
+        check_no_hits(request_id, new_computed_blocks)
+        req_blocks = self._blocks_of(request_id)
+        if req_blocks:
+            raise ValueError(f"request_id={request_id!r} already holds pages {req_blocks}")
+        num_pages = cdiv(num_local_computed_tokens, self.block_size)
+        req_blocks.extend([NULL_BLOCK] * num_pages)
+        self.num_cached_block[request_id] = 0
+        bound_coordinator(self).commit_computed_blocks(request_id, num_pages)
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """Imported pages stay host-only but the last, which gets a writable block
+        unless it is resident."""
+        if num_external_computed_tokens <= 0:
+            raise ValueError(f"num_external_computed_tokens={num_external_computed_tokens}: "
+                             "an import needs tokens")
+        req_blocks = self._blocks_of(request_id)
+        last = (num_local_computed_tokens + num_external_computed_tokens - 1) // self.block_size
+        while len(req_blocks) <= last:
+            req_blocks.append(NULL_BLOCK)
+        if self.get_resident_page(request_id, last) is None:
+            req_blocks[last] = self.block_pool.get_new_blocks(1)[0]
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
+                            ) -> list[int]:
+        """A device block per new page up to ``num_tokens``."""
+        req_blocks = self._blocks_of(request_id)
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        new_ids = self.block_pool.get_new_blocks(num_new) if num_new > 0 else []
+        req_blocks.extend(new_ids)
+        return new_ids
+
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None,
+                     boundaries: Sequence[int] | None = None) -> None:
+        """Nothing: the source caches."""
+
+    def pop_blocks_for_free(self, request_id: str) -> list[int]:
+        """Tell the coordinator (``free``), forget the request; its residency row
+        without the leading null blocks."""
+        bound_coordinator(self).free(request_id)
+        row = self.get_residency_row(request_id)
+        self.residency_changes.pop(request_id, None)
+        super().pop_blocks_for_free(request_id)
+        while row and row[0] == NULL_BLOCK:
+            row.pop(0)
+        return row
+
+    def adopt_resident_page(self, request_id: str, page: int, block: int) -> bool:
+        """Read host-only ``page`` from ``block`` from now on; False (no change) past
+        the table or if the page is resident."""
+        if page >= len(self.req_to_blocks.get(request_id, [])):
+            return False
+        if self.get_resident_page(request_id, page) is not None:
+            return False
+        self.residency_changes.setdefault(request_id, {})[page] = block
+        return True
+
+    def drop_resident_page(self, request_id: str, page: int) -> int | None:
+        """Stop reading ``page`` from the device; the block it was read from (None if
+        it was host-only)."""
+        block = self.get_resident_page(request_id, page)
+        if block is not None:
+            self.residency_changes.setdefault(request_id, {})[page] = NULL_BLOCK
+        return block
+
+    def get_resident_page(self, request_id: str, page: int) -> int | None:
+        """The block ``page`` is read from; None if host-only or past the table."""
+        row = self.get_residency_row(request_id)
+        if page >= len(row) or row[page] == NULL_BLOCK:
+            return None
+        return row[page]
+
+    def get_residency_row(self, request_id: str, start: int = 0) -> list[int]:
+        """The pages from ``start``, changes applied (host-only: the null block)."""
+        changes = self.residency_changes.get(request_id, {})
+        table = self.req_to_blocks.get(request_id, [])
+        return [changes.get(page, table[page]) for page in range(start, len(table))]
+
+    def check_invariants(self, nulls_only_leading: bool = True) -> None:
+        """The base's bookkeeping only (see the class docstring)."""
+        assert set(self.num_cached_block) <= set(self.req_to_blocks)
+        assert set(self.residency_changes) <= set(self.req_to_blocks)
+
+
 MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
     "FullAttentionSpec": FullAttentionManager,
     "TQFullAttentionSpec": FullAttentionManager,
@@ -928,17 +1232,27 @@ MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
     "RSWASpec": RSWAManager,
     "SinkFullAttentionSpec": SinkFullAttentionManager,
     "CircularBufferSpec": CircularBufferManager,
+    "HiSparseResidentSpec": HiSparseResidentManager,
+    "HiSparseHotSpec": HiSparseHotManager,
 }
 """The manager of each modelled layer-spec class, by class name (exact class only)."""
+
+ROLE_MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
+    "hisparse_source": HiSparseSourceManager,
+}
+"""vLLM 0.33.0's group roles with a manager of their own (before the spec class)."""
 
 
 def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_tokens: int,
                                   max_model_len: int, block_pool: BlockPool, enable_caching: bool,
                                   kv_cache_group_id: int, scheduler_block_size: int,
-                                  context_parallel: int = 1) -> SingleTypeKVCacheManager:
-    """The manager of the spec's kind; windowed kinds get their admission cap.
-    NotImplementedError for unmodelled spec types and for cross attention with caching."""
-    manager_cls = MANAGER_CLASSES.get(type(kv_cache_spec).__name__)
+                                  context_parallel: int = 1, role: str | None = None
+                                  ) -> SingleTypeKVCacheManager:
+    """The manager of the group's role (vLLM 0.33.0's ``KVCacheGroupSpec.role``), else
+    of the spec's kind; windowed kinds get their admission cap. NotImplementedError for
+    unmodelled spec types and for cross attention with caching."""
+    manager_cls = ROLE_MANAGER_CLASSES.get(role or "") or MANAGER_CLASSES.get(
+        type(kv_cache_spec).__name__)
     if manager_cls is None:
         raise NotImplementedError(f"no spec manager for {type(kv_cache_spec).__name__}")
     if manager_cls is SinkFullAttentionManager:

@@ -193,6 +193,8 @@ def external_hash(block_hash: bytes) -> bytes | int:
 # ---------------------------------------------------------------- events and stats
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+"""A HiSparse host pool's medium (vLLM 0.33.0)."""
 
 
 @dataclass
@@ -346,4 +348,6 @@ def admission_cap(kv_cache_spec: Any, max_num_batched_tokens: int, max_model_len
         num_tokens = min(kv_cache_spec.attention_chunk_size + max_num_batched_tokens,
                          max_model_len)
         return -(num_tokens // -block_size)
+    if is_a(kv_cache_spec, "HiSparseResidentSpec"):  # vLLM 0.33.0: the tokens in flight
+        return -(min(max_num_batched_tokens, max_model_len) // -block_size)
     return None

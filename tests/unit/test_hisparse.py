@@ -301,3 +301,34 @@ def test_0_25_1_refuses_hisparse_layouts() -> None:
         with pytest.raises(NotImplementedError, match=r"HiSparseResidentSpec \(group 0\) is not"):
             KVCacheManager(no_role, max_model_len=16, scheduler_block_size=BS,
                            hash_block_size=BS, profile=profile)
+
+
+def test_a_new_request_without_hits_adopts_its_empty_hits() -> None:
+    """vLLM 0.33.0 cuts the retained hits into a new tuple even for the shared empty
+    lookup result, so a new request always adopts: without resident groups its hot
+    region is required then and allocated with its first slots; a resident group
+    commits its 0 host pages. (kvcache kept the empty instance and skipped both.)"""
+    for caching in (True, False):
+        no_resident = KVCacheConfig(num_blocks=16, kv_cache_groups=[
+            *layout().kv_cache_groups[:2], layout().kv_cache_groups[3]])  # fmt: skip
+        m = KVCacheManager(no_resident, max_model_len=64, scheduler_block_size=BS,
+                           hash_block_size=BS, enable_caching=caching, profile="0.33.0")
+        source, _, hot = m.coordinator.single_type_managers
+        stand_in = StandIn(resident_managers=(), gpu_pool=m.block_pool)
+        source.coordinator = hot.coordinator = stand_in  # type: ignore[attr-defined]
+        assert isinstance(source, HiSparseSourceManager) and isinstance(hot, HiSparseHotManager)
+        source.bind_host_pool(8)
+        r = request("r", 2 * BS)
+        hits, num_hits = m.get_computed_blocks(r)
+        assert num_hits == 0 and hits is m.empty_kv_cache_blocks
+        new = m.allocate_slots(r, 2 * BS, num_hits, hits)
+        assert new is not None and [len(g) for g in new.blocks] == [2, 2, 2]
+        assert hot.has_hot("r")
+        # Running requests pass no hits: nothing more is adopted.
+        assert m.allocate_slots(r, 1) is not None and len(hot.req_to_blocks["r"]) == 2
+    m = manager()
+    stand_in = bound(m)
+    r = request("r", 2 * BS)
+    hits, num_hits = m.get_computed_blocks(r)
+    assert m.allocate_slots(r, 2 * BS, num_hits, hits) is not None
+    assert ("commit_computed_blocks", "r", 0) in stand_in.calls
