@@ -71,3 +71,15 @@ def test_checkpoint_drafts_past_the_hashes_are_drawn_and_agree() -> None:
             bad.append(seed)
     assert not bad, bad
     assert stats.events["checkpoint_in_drafts"] > 0, dict(stats.events)
+
+
+def test_kvcaches_partial_block_error_compares_as_a_value_error() -> None:
+    """kvcache's PartialBlockError (a ValueError and an AssertionError) meets the
+    spec's ValueError as equal and vLLM's assert as the usual allowance."""
+    from kvcache.kit.driver import compare_outcomes
+
+    partial = {"raises": "PartialBlockError", "message": "num_tokens=12 ..."}
+    assert compare_outcomes({"raises": "ValueError"}, partial) == (True, "")
+    assert compare_outcomes({"raises": "AssertionError"}, partial) == (True, "assert->ValueError")
+    assert not compare_outcomes({"raises": "KeyError"}, partial)[0]
+    assert not compare_outcomes({"ok": None}, partial)[0]
