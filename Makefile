@@ -22,7 +22,8 @@ COMPILED_STAMP := kvcache/_compiled.sha256
 # The compiled pass of `make verify`: the same test files, fewer Hypothesis examples.
 # The drop-in checks too: the compiled build is the default one, and vLLM hands it its own objects.
 COMPILED_TESTS := tests/stateful tests/conformance tests/reliability tests/scheduler \
-	tests/unit/test_vllm_objects.py tests/unit/test_prompt_embeds.py tests/unit/test_kv_events_wire.py
+	tests/unit/test_vllm_objects.py tests/unit/test_prompt_embeds.py tests/unit/test_kv_events_wire.py \
+	tests/unit/test_partial_hits_tail.py
 
 LINT_PATHS := spec kvcache tests proofs kernels scripts
 TYPED_PATHS := spec kvcache kernels proofs
@@ -41,7 +42,8 @@ FUZZ_SECONDS ?=
 FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(FUZZ_HOST) \
 	FUZZ_PORT=$(FUZZ_PORT) FUZZ_SECONDS=$(FUZZ_SECONDS)
 
-.PHONY: setup compiled reference reference-0.33 check-0.33 conformance-0.33 upstream-0.33 lint typecheck test conformance \
+.PHONY: setup compiled reference reference-0.33 check-0.33 conformance-0.33 upstream-0.33 \
+	upstream-0.33-compiled conformance-0.33-compiled lint typecheck test conformance \
 	verify upstream proofs traces fuzz fuzz-worker fuzz-dashboard test-kernels bench-kernels \
 	bench mutation clean distclean
 
@@ -84,9 +86,24 @@ conformance-0.33: $(REF33_STAMP)
 # vLLM 0.33.0's own tests/v1/core (its source distribution, fetched into build/upstream), run
 # on stock vLLM 0.33.0 and with vLLM's core modules served by kvcache's 0.33.0 profile
 # (kvcache.vllm_0_33 first, vLLM's objects); known failures, each with the feature it needs,
-# in kvcache/kit/upstream_data/known_failing-0.33.0.toml. The last `make verify` stage.
+# in kvcache/kit/upstream_data/known_failing-0.33.0.toml. Then its compiled pass (below).
 upstream-0.33: $(UPSTREAM33_STAMP)
 	$(REF33_VENV)/bin/python -m kvcache.kit.upstream --version 0.33.0
+
+# Both on the compiled (mypyc) build, the one users import by default: vLLM 0.33.0's own
+# tests (stock vLLM's outcomes reused from the last upstream-0.33 run, when there is one),
+# with the compiled-only ratchet kvcache/kit/upstream_data/known_failing_compiled-0.33.0.toml;
+# and the conformance sequences, the same count as the pure pass: with 50 per family two
+# families miss a path they must reach (swa+mamba's cow_copies, full+swa+mamba's
+# full_report_hit), with 70 none does.
+CONFORMANCE33_COMPILED_SEQUENCES ?= 100
+upstream-0.33-compiled: $(UPSTREAM33_STAMP) $(COMPILED_STAMP)
+	KVCACHE_EXPECT_COMPILED=1 $(REF33_VENV)/bin/python -m kvcache.kit.upstream --version 0.33.0 \
+		--reuse-baseline
+
+conformance-0.33-compiled: $(REF33_STAMP) $(COMPILED_STAMP)
+	KVCACHE_EXPECT_COMPILED=1 $(REF33_VENV)/bin/python -m kvcache.kit.conformance33 \
+		--sequences $(CONFORMANCE33_COMPILED_SEQUENCES)
 
 $(UPSTREAM33_STAMP): | $(REF33_STAMP)
 	@bash scripts/bootstrap.sh upstream-0.33 $@
@@ -134,6 +151,10 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 		$(MAKE) --no-print-directory conformance-0.33
 	@$(PY) scripts/stage.py upstream-0.33 -- env KVCACHE_PURE=1 \
 		$(MAKE) --no-print-directory upstream-0.33
+	@$(PY) scripts/stage.py upstream-0.33-compiled -- \
+		$(MAKE) --no-print-directory upstream-0.33-compiled
+	@$(PY) scripts/stage.py conformance-0.33-compiled -- \
+		$(MAKE) --no-print-directory conformance-0.33-compiled
 
 # vLLM 0.25.1's own tests/v1/core, fetched into build/upstream, run unchanged on stock vLLM,
 # with vLLM's core modules served by kvcache (vLLM's objects), and with kvcache's vocabulary too.

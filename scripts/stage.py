@@ -3,7 +3,7 @@
 
 Usage: ``scripts/stage.py STAGE -- COMMAND...``, STAGE one of lint, typecheck, tests,
 tests-compiled, upstream, upstream-compiled, proofs, proofs-compiled, check-0.33,
-conformance-0.33, upstream-0.33.
+conformance-0.33, upstream-0.33, upstream-0.33-compiled, conformance-0.33-compiled.
 
 The command's full output goes to ``build/<stage>.log``; on failure its tail is
 printed above the summary line. The exit status is the command's (pytest's
@@ -71,8 +71,9 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
         detail = found[-1].removeprefix("upstream: ") if found else f"rc={rc}"
         return f"{stage}: {'ok' if rc == 0 else 'FAILED'} ({detail})"
     if stage.startswith("conformance-"):
-        found = re.findall(rf"^{re.escape(stage)}: \d+ sequences.*$", output, re.MULTILINE)
-        detail = found[-1].removeprefix(f"{stage}: ") if found else f"rc={rc}"
+        label = stage.removesuffix("-compiled")  # the compiled pass prints the same total line
+        found = re.findall(rf"^{re.escape(label)}: \d+ sequences.*$", output, re.MULTILINE)
+        detail = found[-1].removeprefix(f"{label}: ") if found else f"rc={rc}"
         pending = re.findall(r"^not yet conformant \(not run\): (.*)$", output, re.MULTILINE)
         streams = re.findall(r"^vllm scheduler on kvcache \[.*identical$", output, re.MULTILINE)
         if streams:

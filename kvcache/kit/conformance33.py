@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -41,6 +42,8 @@ from pathlib import Path
 from kvcache.kit.driver import FAMILIES, Family, SequenceResult, Stats, run_sequence
 
 SUBJECT = "kvcache-0.33"
+#: Set to 1 (``make conformance-0.33-compiled``): refuse to run on kvcache's pure build.
+EXPECT_COMPILED_ENV = "KVCACHE_EXPECT_COMPILED"
 REFERENCE = "vllm"
 REFERENCE_VERSION = "0.33.0"
 
@@ -277,9 +280,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import vllm
 
+    import kvcache
+
     if vllm.__version__ != REFERENCE_VERSION:
         print(f"conformance-0.33: needs vLLM {REFERENCE_VERSION}, found {vllm.__version__}")
         return 2
+    if os.environ.get(EXPECT_COMPILED_ENV, "0") not in ("", "0") and not kvcache.COMPILED:
+        # make conformance-0.33-compiled: a stale or missing build must not pass as compiled.
+        print(f"conformance-0.33: {EXPECT_COMPILED_ENV}=1 but kvcache's pure build is loaded "
+              "(make compiled)")
+        return 2
+    build = ""
+    if args.subject == SUBJECT:
+        build = f" [{'compiled' if kvcache.COMPILED else 'pure'} build]"
     chosen = conformant_families(args.subject)
     if args.families:
         wanted = [n.strip() for n in args.families.split(",") if n.strip()]
@@ -332,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in run_scheduler_streams():
             failed.append("scheduler")
             print(f"vllm scheduler on kvcache: {line}", flush=True)
-    print(f"{total.summary('conformance-0.33')} in {total.seconds:.0f}s")
+    print(f"{total.summary('conformance-0.33')} in {total.seconds:.0f}s{build}")
     if failed:
         print(f"conformance-0.33: FAILED in {', '.join(sorted(set(failed)))}")
         return 1

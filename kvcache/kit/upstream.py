@@ -309,6 +309,7 @@ RELEASES: dict[str, Release] = {
         fallbacks=FALLBACKS_0_33,
         not_modelled=NOT_MODELLED_0_33,
         known_failing=known_failing_from(DATA / "known_failing-0.33.0.toml"),
+        known_failing_compiled=known_failing_from(DATA / "known_failing_compiled-0.33.0.toml"),
         # Objects mode only: vLLM 0.33.0's tests build 0.33.0's vocabulary (its specs,
         # Request fields, events), which kvcache's shared vocabulary modules are not;
         # the drop-in serves the manager and hashing names.

@@ -119,3 +119,34 @@ def test_judge_objects_only_release() -> None:
         {"t.py::a": "failed", "t.py::known": "passed"})})  # fmt: skip
     assert any("1 tests pass on vLLM but not on kvcache" in p for p in verdict.problems)
     assert any("known-failing tests pass now" in p for p in verdict.problems)
+
+
+def test_release_0_33_compiled_ratchet() -> None:
+    """The compiled-only failures of 0.33.0 are tests of the release's files, not also
+    in the pure ratchet, and each says why compiled classes refuse what the test does."""
+    release = upstream.RELEASES["0.33.0"]
+    pure = {rule.pattern for rule in release.known_failing}
+    assert release.known_failing_compiled  # today: one test patches a manager instance
+    for rule in release.known_failing_compiled:
+        assert rule.pattern.split("::")[0] in release.files, rule.pattern
+        assert rule.pattern not in pure, rule.pattern
+        assert "compiled" in rule.reason and "__dict__" in rule.reason, rule
+
+
+def test_judge_applies_the_compiled_ratchet_on_the_compiled_build_only() -> None:
+    """A compiled-only known failure is accepted when the swapped run was compiled, a
+    new failure on the pure build; on the compiled build it turns stale once it passes."""
+    release = upstream.Release(
+        "9.9.9", files=("t.py",), modes=("vllm", "objects"),
+        known_failing_compiled=(upstream.Excluded("t.py::patch", "compiled: no __dict__"),),
+    )  # fmt: skip
+    vllm = report({"t.py::a": "passed", "t.py::patch": "passed"}, audit={"f": 1})
+    failing = report({"t.py::a": "passed", "t.py::patch": "failed"})
+    compiled = upstream.judge(release, {"vllm": vllm, "objects": failing | {"compiled": True}})
+    assert compiled.problems == [] and compiled.compiled
+    assert "compiled build; 0 excluded, 1 known failing" in compiled.summary()
+    pure = upstream.judge(release, {"vllm": vllm, "objects": failing})
+    assert pure.problems == ["objects: 1 tests pass on vLLM but not on kvcache"]
+    passing = report({"t.py::a": "passed", "t.py::patch": "passed"}) | {"compiled": True}
+    stale = upstream.judge(release, {"vllm": vllm, "objects": passing})
+    assert any("known-failing tests pass now" in p for p in stale.problems)
