@@ -55,8 +55,9 @@ def outcome(side: Side, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
 
 # Where vLLM only asserts, an implementation may validate (docs/divergences.md).
 SUBJECT_FOR_ASSERT = ("ValueError", "NotImplementedError", "ContextParallelError")
-#: kvcache's exceptions that are a ``ValueError`` of the spec's, compared as one
-#: (``PartialBlockError``: a bad partial or state entry, also an ``AssertionError``).
+#: kvcache's exception classes compared as the ``ValueError`` they subclass, which the
+#: spec raises there (``PartialBlockError``: a bad partial or state entry, also an
+#: ``AssertionError``).
 EXCEPTION_ALIASES = {"PartialBlockError": "ValueError"}
 
 
@@ -1056,7 +1057,8 @@ class RandomScheduler:
                 # vLLM 0.33.0 can reserve a checkpoint inside draft tokens that span a
                 # hash block, and then asserts keying it past the hashed tokens
                 # (docs/divergences.md, "vLLM 0.33.0: matched although doubtful"):
-                # mostly fewer drafts than a hash block, rarely that case.
+                # half of such decodes keep their drafts (a few cases per hundred
+                # sequences), the others get fewer than a hash block.
                 drafts_past_hashes = rng.random() < DRAFTS_PAST_HASHES_RATE
                 if not drafts_past_hashes:
                     num_draft_tokens = min(num_draft_tokens, self.config.hash_block_size - 1)
@@ -1110,7 +1112,10 @@ class RandomScheduler:
         beside Mamba and sliding-window groups), so the pool can run dry
         inside ``allocate_slots``: ValueError "Cannot get N free blocks".
         kvcache must do the same; the driver then aborts the request, as an
-        engine would after the error.
+        engine would after the error. With ``may_assert`` (a decode whose drafts
+        span a hash block in a checkpoint layout) the reference may also refuse a
+        checkpoint inside the drafts (``CHECKPOINT_IN_DRAFTS_RAISES``): counted as
+        ``checkpoint_in_drafts``, and the request is aborted the same way.
         """
         expected = self.run.call("allocate_slots", request_id=rid, **args)
         if "raises" not in expected:
