@@ -19,7 +19,9 @@ counterexample under ``build/conformance-0.33-failures/``.
 
 First the kit's own statement of the fine-grained-hit rule (which the driver and
 the ledger use) is checked against vLLM 0.33.0's decision on random layouts
-(``kvcache.kit.fine_grained_check``; ``--rule-layouts``).
+(``kvcache.kit.fine_grained_check``; ``--rule-layouts``), and the examples of
+docs/divergences.md's "vLLM 0.33.0: matched although doubtful" run on both sides
+(``kvcache.kit.doubts33``; ``--no-doubts`` skips them).
 
 Then vLLM 0.33.0's own ``Scheduler`` runs the streams of
 ``kvcache.kit.scheduler_drive`` with ``kvcache.vllm_0_33.KVCacheManager`` swapped
@@ -263,6 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-scheduler", action="store_true", help="skip vLLM 0.33.0's Scheduler streams"
     )
     parser.add_argument(
+        "--no-doubts", action="store_true",
+        help="skip the examples of docs/divergences.md's 0.33.0 doubts (kvcache.kit.doubts33)",
+    )  # fmt: skip
+    parser.add_argument(
         "--rule-layouts", type=int, default=400,
         help="random layouts on which the kit's fine-grained-hit rule is checked (0: skip)",
     )  # fmt: skip
@@ -305,6 +311,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {line}", flush=True)
         if rule.mismatches or not rule.enabled:
             failed.append("fine-grained rule")
+    if not args.no_doubts:
+        from kvcache.kit import doubts33
+
+        wrong = doubts33.check()
+        print(f"doubts33: {len(doubts33.examples()[1])} examples of docs/divergences.md "
+              f"on vLLM {REFERENCE_VERSION} and kvcache: {len(wrong)} claims wrong",
+              flush=True)  # fmt: skip
+        for line in wrong:
+            print(f"  {line}", flush=True)
+        if wrong:
+            failed.append("doubts33")
     for family in chosen:
         result = run_family(
             family, family_index(family.name), args.sequences, args.seed, args.subject
