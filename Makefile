@@ -54,7 +54,9 @@ $(DEV_STAMP): pyproject.toml
 
 compiled: $(COMPILED_STAMP)
 
-$(COMPILED_STAMP): $(CORE_SOURCES) setup.py kvcache/_builds.py | $(DEV_STAMP)
+# Order-only on the reference layer: mypyc type-checks the core, which names torch
+# and msgspec (installed with vLLM 0.25.1), so a fresh `make setup` builds it after them.
+$(COMPILED_STAMP): $(CORE_SOURCES) setup.py kvcache/_builds.py | $(REF_STAMP)
 	@bash scripts/bootstrap.sh compiled $@
 
 reference: $(REF_STAMP)
