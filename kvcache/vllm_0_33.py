@@ -27,8 +27,9 @@ re-prefilled tokens are not cached); decode / prefill context parallelism with
 prefill checkpoints, the Mamba shared-prefix checkpoint
 (``enable_mamba_shared_prefix_checkpoint``) and boundary-state offloads to a KV
 connector (``take_boundary_state_offloads``, ``finalize_partial_tail_offloads``),
-under the ``mamba_prefill_checkpoints`` switch. Not covered yet: see
-``docs/profiles.md`` and ``NOT_YET_CONFORMANT`` in ``kvcache.kit.conformance33``.
+under the ``mamba_prefill_checkpoints`` switch. What is not covered: see
+``docs/profiles.md``; the layouts 0.33.0 cannot build: ``NOT_IN_0_33`` in
+``kvcache.kit.conformance33``.
 
 For vLLM 0.33.0's module layout the module also has 0.33.0's hashing helpers
 (``generate_block_hash_extra_keys`` tagged, ``resolve_none_hash_seed``,

@@ -13,7 +13,7 @@ Run it with vLLM 0.33.0 importable (``.venv-0.33``, ``make reference-0.33``)::
     .venv-0.33/bin/python -m kvcache.kit.conformance33 --sequences 100
 
 It prints one ``conformance: ...`` line per family and a ``conformance-0.33:``
-total, lists the families not yet conformant (``NOT_YET_CONFORMANT``: not run,
+total, lists the families vLLM 0.33.0 cannot build (``NOT_IN_0_33``: not run,
 and said so), and exits 1 on any mismatch, writing the first one's shrunk
 counterexample under ``build/conformance-0.33-failures/``.
 
@@ -49,19 +49,15 @@ REFERENCE_VERSION = "0.33.0"
 
 #: Mamba modes 0.33.0 builds only with caching off.
 CACHING_OFF_MAMBA_KINDS = frozenset({"mamba-all", "mamba-none"})
-#: Layout families of ``kvcache.kit.driver.FAMILIES`` the 0.33.0 profile does not
-#: model yet, with why. Every other family runs (``conformant_families``); configs
-#: 0.33.0 cannot build (a Mamba group caching outside 'align') must be refused by
-#: both sides (``both_refuse``).
-NOT_YET_CONFORMANT: dict[str, str] = {}
-# Layouts of spec classes vLLM 0.33.0 no longer has: nothing to conform to there.
-NOT_YET_CONFORMANT.update(
-    {
-        name: "vLLM 0.33.0 has no TQFullAttentionSpec (a 0.25.1 layout only)"
-        for name, family in FAMILIES.items()
-        if "tq" in family.kinds
-    }
-)
+#: Layout families of ``kvcache.kit.driver.FAMILIES`` vLLM 0.33.0 cannot build (their
+#: spec classes are gone), with why. Every other family runs (``conformant_families``);
+#: configs 0.33.0 cannot build (a Mamba group caching outside 'align') must be refused
+#: by both sides (``both_refuse``).
+NOT_IN_0_33: dict[str, str] = {
+    name: "vLLM 0.33.0 has no TQFullAttentionSpec (a 0.25.1 layout only)"
+    for name, family in FAMILIES.items()
+    if "tq" in family.kinds
+}
 
 # Paths the driver must reach in every family (as in the 0.25.1 conformance tests),
 # so that a driver bug cannot make the comparison trivial.
@@ -116,8 +112,8 @@ def under_0_33(family: Family) -> Family:
 
 def conformant_families(subject: str = SUBJECT) -> list[Family]:
     """The families run (for any ``subject``): every driver family not in
-    ``NOT_YET_CONFORMANT``."""
-    return [under_0_33(f) for name, f in FAMILIES.items() if name not in NOT_YET_CONFORMANT]
+    ``NOT_IN_0_33``."""
+    return [under_0_33(f) for name, f in FAMILIES.items() if name not in NOT_IN_0_33]
 
 
 def family_index(name: str) -> int:
@@ -335,11 +331,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             failed.append(family.name)
             print(f"{family.name}: the driver never reached {result.missing_paths}", flush=True)
     print(
-        "not yet conformant (not run): "
-        + (", ".join(sorted(NOT_YET_CONFORMANT)) or "none")
+        "not in vLLM 0.33.0 (not run): "
+        + (", ".join(sorted(NOT_IN_0_33)) or "none")
     )
-    for reason in sorted(set(NOT_YET_CONFORMANT.values())):
-        names = sorted(n for n, r in NOT_YET_CONFORMANT.items() if r == reason)
+    for reason in sorted(set(NOT_IN_0_33.values())):
+        names = sorted(n for n, r in NOT_IN_0_33.items() if r == reason)
         print(f"  {', '.join(names)}: {reason}")
     if not args.no_scheduler:
         for line in run_scheduler_streams():
