@@ -529,6 +529,10 @@ FAMILIES: dict[str, Family] = {
             since="0.33.0",
         ),
         Family("mamba-checkpoint", ("mamba-checkpoint",), eagle=0.3, since="0.33.0"),
+        # A ring buffer beside Mamba 'align' with fine-grained hits: the partial-hit
+        # rule reads only prefix-cacheable groups' managers, so the ring group is left
+        # out of it (appended last: the other families keep their seeds).
+        Family("full+circular+mamba", ("full", "circular", "mamba-align"), since="0.33.0"),
     ]
 }
 
