@@ -124,14 +124,14 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         "eagle_master_switch",
-        "",
+        "eagle-flag-needs-use-eagle",
         "use_eagle is the master switch: without it, groups marked is_eagle_group "
         "drop no hit block (0.25.1 drops for marked groups whatever use_eagle says).",
         "0.33.0",
     ),
     Switch(
         "eagle_peek_to_hashed_length",
-        "",
+        "eagle-lookahead-whole-prompt",
         "A hybrid lookup's EAGLE group peeks one block past the candidate length up "
         "to the request's hashed tokens (0.25.1: up to max_cache_hit_length); so does "
         "the per-group lookup's, Mamba's aside (0.25.1: no peek there).",
