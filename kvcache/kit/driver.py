@@ -506,7 +506,7 @@ FAMILIES: dict[str, Family] = {
         # Not sliding window or Mamba alone: vLLM 0.33.0's hit search of those kinds
         # reads hashes up to the lookup length, past the fewer hashes lookahead leaves
         # (IndexError, in kvcache too); beside full attention its hit bounds theirs.
-        # Mamba beside attention needs fine-grained hits (not modelled yet).
+        # Mamba beside attention: the last families below.
         *(
             Family(name, kinds, eagle=0.3, since="0.33.0", lookahead=True)
             for name, kinds in (
@@ -533,6 +533,17 @@ FAMILIES: dict[str, Family] = {
         # rule reads only prefix-cacheable groups' managers, so the ring group is left
         # out of it (appended last: the other families keep their seeds).
         Family("full+circular+mamba", ("full", "circular", "mamba-align"), since="0.33.0"),
+        # Lookahead beside Mamba 'align' (fine-grained hits, the prompt-tail state;
+        # with prefill checkpoints too). The hash lookahead stays within the hash
+        # block there: beyond it vLLM 0.33.0 keys an EAGLE request's prompt-tail
+        # state past its hashes and asserts (docs/divergences.md, 0.33.0 doubt 7).
+        *(
+            Family(name, kinds, eagle=0.3, since="0.33.0", lookahead=True)
+            for name, kinds in (
+                ("full+mamba-align-lookahead", ("full", "mamba-align")),
+                ("full+mamba-checkpoint-lookahead", ("full", "mamba-checkpoint")),
+            )
+        ),
     ]
 }
 
@@ -669,9 +680,13 @@ def random_config(rng: random.Random, family: Family) -> ManagerConfig:
         prefill = rng.choice([0, 0, 1, 2, 3])
         if config.enable_caching and config.has_eagle:
             prefill = min(prefill, config.scheduler_block_size)
+        hash_lookahead = rng.choice([0, 1, 1, 2, 3])
+        if any(kind.startswith("mamba") for kind in family.kinds):
+            # vLLM 0.33.0 asserts beyond it (docs/divergences.md, 0.33.0 doubt 7)
+            hash_lookahead = min(hash_lookahead, config.hash_block_size)
         config = replace(
             config,
-            num_hash_lookahead_tokens=rng.choice([0, 1, 1, 2, 3]),
+            num_hash_lookahead_tokens=hash_lookahead,
             num_prefill_lookahead=prefill,
         )
     return config

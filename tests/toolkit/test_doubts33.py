@@ -38,8 +38,9 @@ def test_an_entry_without_its_claim_or_example_is_refused() -> None:
     with pytest.raises(ValueError, match="has no line"):
         doubts33.examples(no_claim)
     section = doubts33.section_text(text)
-    extra = text.replace(section, section + "7. **An entry without an example.**\n")
-    with pytest.raises(ValueError, match="7 entries but 6 examples"):
+    count = len(doubts33.examples(text)[1])
+    extra = text.replace(section, section + f"{count + 1}. **An entry without an example.**\n")
+    with pytest.raises(ValueError, match=f"{count + 1} entries but {count} examples"):
         doubts33.examples(extra)
     with pytest.raises(ValueError, match="has no section"):
         doubts33.examples(text.replace(doubts33.SECTION, "## Renamed"))
