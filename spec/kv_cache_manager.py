@@ -248,6 +248,8 @@ class KVCacheManager:
             m.has_checkpoint_blocks = (
                 p.mamba_prefill_checkpoints and m.mamba_cache_mode == "align"
                 and getattr(m.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0)
+            m.offers_boundary_states = (p.mamba_prefill_checkpoints
+                                        and m.mamba_cache_mode == "align")
         for m in coordinator.single_type_managers:
             m.copies_partial_hits = p.partial_hit_copy_on_write
         if p.mamba_fine_grained_hits and isinstance(coordinator, HybridKVCacheCoordinator):
@@ -479,6 +481,26 @@ class KVCacheManager:
         pairs = [p for m in self.coordinator.single_type_managers
                  for p in m.take_pending_cow_copies()]
         return pairs, [block for pair in pairs for block in pair]
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Drain the Mamba 'align' states offered to a KV connector since the last call
+        (0.33.0, ``mamba_prefill_checkpoints``): per request, (group, block, tokens the
+        state covers), group after group, in the order they were cached."""
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for m in self.coordinator.single_type_managers:
+            if isinstance(m, MambaManager):
+                for rid, group, block, num_tokens in m.take_boundary_state_offers():
+                    offloads.setdefault(rid, []).append((group, block, num_tokens))
+        return offloads
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """A finishing request's own prompt-tail states inside a block that no later
+        token was written into, (group, block, tokens) per Mamba group, each once."""
+        in_flight = getattr(request, "num_in_flight_tokens", 0) or 0
+        tails = [m.finalize_partial_tail(request.request_id, request.num_computed_tokens,
+                                         in_flight)
+                 for m in self.coordinator.single_type_managers if isinstance(m, MambaManager)]
+        return [tail for tail in tails if tail is not None]
 
     def new_step_starts(self) -> None:
         """Tell the managers a scheduler step begins."""

@@ -581,6 +581,14 @@ class MambaManager(SingleTypeKVCacheManager):
     reusable position inside it in a block of its own, the one before the chunk's last
     block. ``checkpoints[r]`` is r's (position, block index) for the chunk being
     allocated; ``cache_blocks`` keys that block at the position, or unkeys it.
+
+    Boundary-state offloads (``offers_boundary_states``: the same switch, align mode):
+    each state block ``cache_blocks`` leaves keyed among the blocks it caches is offered
+    to a KV connector, ``offers`` (request, group, block, tokens its key covers) until
+    ``take_boundary_state_offers``; a request's own prompt-tail state inside a block is
+    remembered in ``producer_tails[r]`` (block, tokens) and offered when it moves to its
+    copy, or at the request's end (``finalize_partial_tail``). Freeing a request drops
+    its offers (its blocks may go to another request).
     """
 
     def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any) -> None:
@@ -600,6 +608,9 @@ class MambaManager(SingleTypeKVCacheManager):
         self.checkpoint_alignment: int | None = getattr(
             kv_cache_spec, "prefill_checkpoint_alignment", None)
         self.checkpoints: dict[str, tuple[int, int]] = {}
+        self.offers_boundary_states = False  # mamba_prefill_checkpoints, align
+        self.offers: list[tuple[str, int, int, int]] = []
+        self.producer_tails: dict[str, tuple[int, int]] = {}
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
@@ -746,6 +757,9 @@ class MambaManager(SingleTypeKVCacheManager):
                 self.block_pool.move_block_hashes(source, copy)
                 self.pending_copies.append((source, copy))
                 self.block_pool.ref_cnt[source] += 1
+                if (tail := self.producer_tails.pop(request_id, None)) is not None:
+                    # the request's own prompt-tail state lives on in the copy
+                    self.offers.append((request_id, self.kv_cache_group_id, copy, tail[1]))
                 if (key := self.block_pool.block_hash.get(copy)) is not None:
                     self.cached_blocks_this_step.add(key)  # filled by this step's copy
             else:
@@ -802,10 +816,30 @@ class MambaManager(SingleTypeKVCacheManager):
                 if key is not None and inside:  # the next allocation moves it to a copy
                     self.partial_hit_reqs[rid] = (idx, blocks[idx])
                     self.num_cached_block[rid] = idx
+                    if self.offers_boundary_states:
+                        self.producer_tails[rid] = (blocks[idx], num_tokens)
         if num_cached_after > num_cached_before:
             for block_id in self.req_to_blocks[rid][num_cached_before:num_cached_after]:
                 if (key := self.block_pool.block_hash.get(block_id)) is not None:
                     self.cached_blocks_this_step.add(key)
+                    if self.offers_boundary_states:
+                        self.offers.append((rid, self.kv_cache_group_id, block_id,
+                                            self.block_pool.hash_num_tokens[block_id]))
+
+    def take_boundary_state_offers(self) -> list[tuple[str, int, int, int]]:
+        """Drain the offered states: (request, group, block, tokens its key covers)."""
+        offers, self.offers = self.offers, []
+        return offers
+
+    def finalize_partial_tail(self, request_id: str, num_computed_tokens: int,
+                              num_in_flight_tokens: int) -> tuple[int, int, int] | None:
+        """A finishing request's own prompt-tail state inside a block, (group, block,
+        tokens), once, if no later token was computed into its block (nothing in
+        flight, the computed tokens at the tail); else None."""
+        tail = self.producer_tails.pop(request_id, None)
+        if tail is None or num_in_flight_tokens != 0 or num_computed_tokens != tail[1]:
+            return None
+        return self.kv_cache_group_id, tail[0], tail[1]
 
     def cache_checkpoint(self, request: Request, retention_interval: int | None
                          ) -> bytes | None:
@@ -845,6 +879,8 @@ class MambaManager(SingleTypeKVCacheManager):
         self.checkpoints.pop(request_id, None)
         self.last_state_block_idx.pop(request_id, None)
         self.num_retired_blocks.pop(request_id, None)
+        self.producer_tails.pop(request_id, None)
+        self.offers = [offer for offer in self.offers if offer[0] != request_id]
         return super().pop_blocks_for_free(request_id)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,

@@ -74,6 +74,9 @@ REQUIRED_WITH_COPIES = ("cow_copies",)
 # ... and with Mamba prefill checkpoints: prefill chunks the scheduler lets run past
 # the prompt's checkpoint, the layer saving it inside (``RandomScheduler.mamba_split``).
 REQUIRED_WITH_CHECKPOINTS = ("checkpoint_chunk",)
+# ... and with a cached Mamba 'align' group: boundary-state offloads offered
+# (``RandomScheduler.take_offloads``: compared, block ids and all, every step).
+REQUIRED_WITH_OFFLOADS = ("boundary_offloads",)
 
 
 def copies_required(family: Family) -> bool:
@@ -177,6 +180,8 @@ def run_family(
         required += REQUIRED_WITH_COPIES
     if "mamba-checkpoint" in family.kinds:
         required += REQUIRED_WITH_CHECKPOINTS
+    if caching and ({"mamba-align", "mamba-checkpoint"} & set(family.kinds)):
+        required += REQUIRED_WITH_OFFLOADS
     missing = [path for path in required if stats.events[path] == 0]
     return FamilyResult(family, stats, failures, missing)
 

@@ -809,6 +809,32 @@ class RandomScheduler:
             and any(g.mamba_cache_mode == "align" and g.block_size > hbs for g in mamba)
         )
         self.defer_copy_frees = random.Random(f"copies {config!r}").random() < 0.5
+        # vLLM 0.33.0's scheduler also drains the boundary-state offloads every step
+        # (take_boundary_state_offloads: the Mamba 'align' states a KV connector may
+        # save, with exact block ids), and with a KV producer asks a finishing
+        # request's own partial prompt-tail state (finalize_partial_tail_offloads)
+        # before freeing it (unsafe, so refused, while tokens are in flight: a
+        # finishing request then sometimes has some, ``num_in_flight_tokens``). Only
+        # when every side is of the 0.33 line and has both (the spec models them;
+        # kvcache's and vLLM's 0.25.1 managers have neither), in cached layouts with a
+        # Mamba 'align' group; the producer's choices come from the config, not
+        # ``rng``: the sequences' other calls stay as they were.
+        self.takes_offloads = (
+            self.mamba_align
+            and config.enable_caching is not False
+            and all(
+                side_line(side) != REFERENCE_LINE
+                and hasattr(side.manager, "take_boundary_state_offloads")
+                and hasattr(side.manager, "finalize_partial_tail_offloads")
+                for side in sides
+            )
+        )
+        self.producer_rng = random.Random(f"producer {config!r}")
+        self.kv_producer = self.producer_rng.random() < 0.5
+        # A step schedules several requests (a preemption among them, a free dropping
+        # a request's offers) before its one drain: the driver's one-request steps
+        # sometimes leave the drain to a later one.
+        self.offload_rng = random.Random(f"offloads {config!r}")
         self.copy_frees: list[int] = []  # deferred: freed at the next step's end
         # vLLM 0.33.0's request fields the manager reads (``REQUEST_FIELDS_0_33``): a
         # ``session_id`` its BlockStored events carry, and ``kv_cache_report_mode``
@@ -1139,6 +1165,7 @@ class RandomScheduler:
         expected = self.run.call("allocate_slots", request_id=rid, **args)
         if "raises" not in expected:
             if expected["ok"] is not None:
+                self.take_offloads(maybe=True)
                 self.take_copies()
             return True, expected["ok"]
         refused = str(expected.get("message", "")).startswith("Cannot get")
@@ -1227,7 +1254,18 @@ class RandomScheduler:
         self.live.pop(rid)
         if rid in self.running:
             self.running.remove(rid)
-        self.run.ok("update_request", request_id=rid, status=status)
+        in_flight = 0
+        if self.takes_offloads and self.kv_producer:
+            in_flight = self.producer_rng.choice([0, 0, 0, 1, 2])
+        if in_flight:
+            self.run.ok(
+                "update_request", request_id=rid, status=status, num_in_flight_tokens=in_flight
+            )
+        else:
+            self.run.ok("update_request", request_id=rid, status=status)
+        if self.takes_offloads and self.kv_producer:
+            tails = self.run.ok("finalize_partial_tail_offloads", request_id=rid)
+            self.run.stats.events["partial_tail_offloads"] += len(tails)
         self.free_request_blocks(rid)
 
     def finish_random(self) -> None:
@@ -1284,6 +1322,14 @@ class RandomScheduler:
         for done in processed:
             self.run.ok("free_blocks", handle=done)
 
+    def take_offloads(self, maybe: bool = False) -> None:
+        """The boundary-state offloads of the step (``takes_offloads``), counted;
+        ``maybe``: one time in four left to a later step (``offload_rng``)."""
+        if not self.takes_offloads or (maybe and self.offload_rng.random() < 0.25):
+            return
+        offloads = self.run.ok("take_boundary_state_offloads")
+        self.run.stats.events["boundary_offloads"] += sum(len(v) for v in offloads.values())
+
     def drain_deferred(self) -> None:
         for _ in range(self.rng.randint(1, len(self.deferred))):
             self.run.ok("free_blocks", handle=self.deferred.pop(0))
@@ -1333,6 +1379,7 @@ class RandomScheduler:
         """Finish everything, then check the pool comes back whole."""
         for rid in sorted(self.live):
             self.finish(rid, "FINISHED_ABORTED")
+        self.take_offloads()
         self.take_copies(last=True)
         while self.deferred:
             self.run.ok("free_blocks", handle=self.deferred.pop(0))
@@ -1472,8 +1519,9 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
     only for a waiting or preempted request with no computed tokens and no
     allocation since its status last changed; an
     allocation with ``new_computed_blocks="last"`` right after a lookup of that
-    request; nothing but the free once a request finished, nothing after the
-    free; ``free_blocks`` only of a popped (or taken copies') handle, once. ``admitted[i]``: call
+    request; nothing but the free (a KV producer's ``finalize_partial_tail_offloads``
+    before it) once a request finished, nothing after the free; ``free_blocks``
+    only of a popped (or taken copies') handle, once. ``admitted[i]``: call
     ``i`` is an allocation that succeeded in the original sequence (default: all).
     """
     status: dict[str, str] = {}
@@ -1491,6 +1539,10 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
             continue
         if op == "take_kv_cache_block_copies":
             popped.add(args.get("handle"))
+            continue
+        if op == "finalize_partial_tail_offloads":  # a finished request, before its free
+            if rid not in status or rid in freed or status[rid] not in FINISHED:
+                return False
             continue
         if op == "free_blocks":
             if args.get("handle") not in popped:

@@ -22,7 +22,9 @@ vLLM 0.25.1's method set (``get_computed_blocks``, ``allocate_slots``, ``free``,
 ``block_pool.free_blocks`` / ``block_pool.get_num_free_blocks``). Optional:
 ``abstract_state()`` (docs/contract.md) — with it the whole state is compared
 after every call, without it only results; ``check_invariants()``; on the 0.33
-line ``take_kv_cache_block_copies()`` (the driver drains it as 0.33.0's scheduler).
+line ``take_kv_cache_block_copies()`` (the driver drains it as 0.33.0's scheduler),
+and ``take_boundary_state_offloads()`` / ``finalize_partial_tail_offloads(request)``
+(compared only when every side has them).
 
 An **Adapter** subclass is for an implementation with another vocabulary
 (``kvcache.kit.vllm_side.VllmAdapter`` builds vLLM's own config and requests).
@@ -616,6 +618,8 @@ class Side:
             request.num_computed_tokens = args["num_computed_tokens"]
         if "num_preemptions" in args:
             request.num_preemptions = args["num_preemptions"]
+        if "num_in_flight_tokens" in args:  # 0.33 line: scheduled, not yet processed
+            request.num_in_flight_tokens = args["num_in_flight_tokens"]
         return None
 
     # ------------------------------------------------------------ manager calls
@@ -714,6 +718,24 @@ class Side:
         retained = list(retained)
         self.popped[args["handle"]] = retained[::-1]  # free_blocks reverses them back
         return {"copies": pairs, "retained": [self.block_id(b) for b in retained]}
+
+    def op_take_boundary_state_offloads(self, args: Mapping[str, Any]) -> Any:
+        """``take_boundary_state_offloads()`` (0.33 line): per request id (sorted), the
+        Mamba 'align' states offered to a KV connector as [group, block id, tokens]."""
+        with self.timing:
+            offloads = self.manager.take_boundary_state_offloads()
+        return {
+            rid: [[int(g), int(b), int(n)] for g, b, n in offloads[rid]]
+            for rid in sorted(offloads)
+        }
+
+    def op_finalize_partial_tail_offloads(self, args: Mapping[str, Any]) -> Any:
+        """``finalize_partial_tail_offloads(request)`` (0.33 line, a KV producer): the
+        finishing request's own partial prompt-tail states as [group, block id, tokens]."""
+        request = self.request(args)
+        with self.timing:
+            tails = self.manager.finalize_partial_tail_offloads(request)
+        return [[int(g), int(b), int(n)] for g, b, n in tails]
 
     def op_evict_blocks(self, args: Mapping[str, Any]) -> Any:
         block_ids = set(args["block_ids"])

@@ -289,6 +289,10 @@ def test_scheduler_rules_refuse_impossible_call_lists() -> None:
     free = ("free", {"request_id": "r"})
     assert scheduler_could_make([add, finish, free])
     assert not scheduler_could_make([add, finish, free, free])
+    tails = ("finalize_partial_tail_offloads", {"request_id": "r"})
+    assert scheduler_could_make([add, finish, tails, free])  # a KV producer's finish
+    assert not scheduler_could_make([add, tails])  # of a request not finished
+    assert not scheduler_could_make([add, finish, free, tails])  # after its free
     assert not scheduler_could_make([add, ("free_blocks", {"handle": 0})])
 
 

@@ -230,3 +230,24 @@ def test_shared_prefix_checkpoint_is_narrowed(use_eagle: bool) -> None:
     off = v33.KVCacheManager(cfg, max_model_len=1024, scheduler_block_size=MBS,
                              hash_block_size=HBS, use_eagle=True)
     assert not off.mamba_shared_prefix_checkpoint
+
+
+@pytest.mark.parametrize(("in_flight", "expected"), [(1, []), (0, [(1, 8, 112)])])
+def test_partial_tail_offload_waits_for_in_flight_tokens(
+        in_flight: int, expected: list[tuple[int, int, int]]) -> None:
+    """A request that finishes right after the chunk ending at its prompt tail inside a
+    block (no checkpoint blocks: the tail is the request's own state) hands that state
+    to a KV producer only if no token is in flight; either way once. As vLLM 0.33.0
+    (the blocks below are its own, on the same calls)."""
+    m = manager("0.33.0", mamba_spec(0, None))
+    r = request("0.33.0", 120)
+    blocks = m.allocate_slots(r, 112)
+    assert blocks is not None and blocks.get_block_ids() == ([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 8])
+    r.num_computed_tokens = 112
+    assert m.take_boundary_state_offloads() == {}  # the tail is not offered before the end
+    m.new_step_starts()
+    r.num_in_flight_tokens = in_flight  # type: ignore[attr-defined]
+    assert m.finalize_partial_tail_offloads(r) == expected
+    assert m.finalize_partial_tail_offloads(r) == []
+    m.free(r)
+    assert m.block_pool.get_num_free_blocks() == 63
