@@ -896,6 +896,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             )
         # Full attention's cheap left-to-right scan bounds the others' searches.
         self.attention_groups.sort(key=lambda g: not _is_full(g.spec))
+        # The dense reference of per-group lookups (vLLM 0.33.0's name): the first
+        # full-attention group, None without one. Its hits are prefix-closed, so a
+        # longer per-group hit elsewhere means its own tail was evicted.
+        first = self.attention_groups[0]
+        self.full_attention_group_id: int | None = (
+            first.group_ids[0] if _is_full(first.spec) else None
+        )
         for group in self.attention_groups:
             if group.use_eagle:
                 for gid in group.group_ids:

@@ -430,14 +430,8 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
-        if max_cache_hit_length is None:
-            max_cache_hit_length = request.num_tokens - 1
-        elif not isinstance(max_cache_hit_length, int) or max_cache_hit_length < 0:
-            raise ValueError(
-                f"max_cache_hit_length must be a non-negative int, got {max_cache_hit_length!r}"
-            )
         computed_blocks, num_new_computed_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, max_cache_hit_length
+            request.block_hashes, self.hit_length_bound(request, max_cache_hit_length)
         )
         if self.prefix_cache_stats is not None and not self.stats_at_admission:
             self.prefix_cache_stats.record(
@@ -446,6 +440,21 @@ class KVCacheManager:
                 preempted=request.num_preemptions > 0,
             )
         return self.create_kv_cache_blocks(computed_blocks), num_new_computed_tokens
+
+    def hit_length_bound(self, request: Request, max_cache_hit_length: int | None) -> int:
+        """The most tokens a lookup of ``request`` may hit: ``max_cache_hit_length``, or
+        ``num_tokens - 1`` without it (the last token is recomputed for its logits).
+
+        Raises:
+            ValueError: for a ``max_cache_hit_length`` that is no non-negative int.
+        """
+        if max_cache_hit_length is None:
+            return request.num_tokens - 1
+        if not isinstance(max_cache_hit_length, int) or max_cache_hit_length < 0:
+            raise ValueError(
+                f"max_cache_hit_length must be a non-negative int, got {max_cache_hit_length!r}"
+            )
+        return max_cache_hit_length
 
     def allocate_slots(
         self,

@@ -27,8 +27,9 @@ re-prefilled tokens are not cached); decode / prefill context parallelism with
 prefill checkpoints, the Mamba shared-prefix checkpoint
 (``enable_mamba_shared_prefix_checkpoint``) and boundary-state offloads to a KV
 connector (``take_boundary_state_offloads``, ``finalize_partial_tail_offloads``),
-under the ``mamba_prefill_checkpoints`` switch. What is not covered: see
-``docs/profiles.md``; the layouts 0.33.0 cannot build: ``NOT_IN_0_33`` in
+under the ``mamba_prefill_checkpoints`` switch; the lookup for a KV connector that
+takes divergent hybrid hits (``get_computed_blocks_for_connector``). What is not
+covered: see ``docs/profiles.md``; the layouts 0.33.0 cannot build: ``NOT_IN_0_33`` in
 ``kvcache.kit.conformance33``.
 
 For vLLM 0.33.0's module layout the module also has 0.33.0's hashing helpers
@@ -50,7 +51,7 @@ from kvcache import kv_cache_utils as _utils
 from kvcache import kv_events as _events
 from kvcache import single_type_kv_cache_manager as _managers
 from kvcache.hisparse import HiSparseHotManager, HiSparseResidentManager, HiSparseSourceManager
-from kvcache.kv_cache_coordinator import partial_hash_hits_enabled
+from kvcache.kv_cache_coordinator import HybridKVCacheCoordinator, partial_hash_hits_enabled
 from kvcache.kv_cache_interface import (
     CircularBufferSpec,
     KVCacheConfig,
@@ -663,21 +664,44 @@ class KVCacheManager(_KVCacheManager):
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """The lookup for a request scheduled with a KV connector: ``get_computed_blocks``'s
-        triple plus ``hit_diverged`` (False: groups diverge only beside Mamba).
+        """The lookup for a request scheduled with a KV connector that takes divergent
+        hybrid hits: ``(blocks, num_local_hit_tokens, shared_prefix_boundary,
+        hit_diverged)``.
+
+        Beside a Mamba group (a hybrid layout with a full-attention group) each kind
+        is looked up on its own (``find_longest_cache_hit_per_group``), without
+        agreeing on one length. If another group hit deeper than the first
+        full-attention group (whose tail was evicted), this is ``get_computed_blocks``
+        with ``hit_diverged`` False. Otherwise the full-attention hit is the local
+        hit, each group's own hit blocks come with it, the boundary is 0, and
+        ``hit_diverged`` says whether some group (a Mamba state evicted, or a group
+        outside prefix caching, which never hits) fell short of it: the connector
+        must then supply the rest, or the caller looks up again with
+        ``get_computed_blocks``. Nothing is recorded (no stats, no "full" report
+        events): the scheduler records the hit it admits. Any other layout: the
+        ``get_computed_blocks`` triple and False; no lookup when caching is off or
+        the request skips reading the cache.
 
         Raises:
-            NotImplementedError: for a layout with a Mamba group (not covered yet).
+            ValueError: for a ``max_cache_hit_length`` that is no non-negative int.
         """
-        if any(
-            is_spec_kind(g.kv_cache_spec, "MambaSpec")
-            for g in self.kv_cache_config.kv_cache_groups
+        coordinator = self.coordinator
+        full_group_id: int | None = getattr(coordinator, "full_attention_group_id", None)
+        if (
+            not self.kv_cache_config.has_mamba_layers
+            or not isinstance(coordinator, HybridKVCacheCoordinator)
+            or full_group_id is None
         ):
-            raise NotImplementedError(
-                "get_computed_blocks_for_connector: Mamba layouts are not covered by "
-                "kvcache's 0.33.0 profile yet"
-            )
-        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+            return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0, False
+        hits, hit_lengths = coordinator.find_longest_cache_hit_per_group(
+            request.block_hashes, self.hit_length_bound(request, max_cache_hit_length)
+        )
+        num_local = hit_lengths[full_group_id]
+        if max(hit_lengths) > num_local:
+            return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        return self.create_kv_cache_blocks(hits), num_local, 0, min(hit_lengths) < num_local
 
     # ------------------------------------------------------------ allocation
 

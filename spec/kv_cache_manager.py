@@ -306,6 +306,34 @@ class KVCacheManager:
         uncached = getattr(self.coordinator, "num_uncached_common_prefix_tokens", 0)
         return num_hit_tokens + uncached if uncached else 0
 
+    def get_computed_blocks_for_connector(self, request: Request
+                                          ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """0.33.0's lookup for a KV connector that takes divergent hybrid hits:
+        (blocks, local hit tokens, shared-prefix boundary, hit_diverged).
+
+        In a hybrid layout with a Mamba group whose first spec is full attention each
+        spec is looked up alone. A group hitting deeper than the first full-attention
+        group means that group lost its tail: then the plain lookup, not diverged.
+        Else the full-attention hit is the local hit, with each group's own hits,
+        boundary 0, diverged when any group hit less (a Mamba state evicted; a ring
+        buffer is never looked up, so always). Any other layout: the plain lookup, not
+        diverged. Records nothing (stats come at admission, no "full" report events)."""
+        coordinator = self.coordinator
+        groups = self.kv_cache_config.kv_cache_groups
+        if isinstance(coordinator, HybridKVCacheCoordinator) and any(
+                is_a(g.kv_cache_spec, "MambaSpec") for g in groups):
+            first = coordinator.attention_groups[0]
+            if is_a(first.spec, "FullAttentionSpec"):
+                if not self.enable_caching or request.skip_reading_prefix_cache:
+                    return self.empty_kv_cache_blocks, 0, 0, False
+                hits, lengths = coordinator.find_longest_cache_hit_per_group(
+                    self.block_pool.block_hashes(request), request.num_tokens - 1)
+                num_local = lengths[first.group_ids[0]]
+                if max(lengths) <= num_local:  # else full attention lost its tail
+                    return self.create_kv_cache_blocks(hits), num_local, 0, min(lengths) < num_local
+        blocks, num_hit_tokens = self.get_computed_blocks(request)
+        return blocks, num_hit_tokens, self.shared_prefix_boundary(request, num_hit_tokens), False
+
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         """stats_at_admission: the scheduler counts an admitted request's lookup here
         (nothing without log_stats, caching, or for a request that skipped the cache)."""

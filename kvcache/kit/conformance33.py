@@ -77,6 +77,33 @@ REQUIRED_WITH_CHECKPOINTS = ("checkpoint_chunk",)
 # ... and with a cached Mamba 'align' group: boundary-state offloads offered
 # (``RandomScheduler.take_offloads``: compared, block ids and all, every step).
 REQUIRED_WITH_OFFLOADS = ("boundary_offloads",)
+# ... and beside a full-attention group and a Mamba 'align' group: connector lookups
+# whose groups' hits diverged (``RandomScheduler.connector_lookup``).
+REQUIRED_WITH_CONNECTOR = ("connector_diverged",)
+#: The lookup of a scheduler whose KV connector takes divergent hybrid hits
+#: (``RandomScheduler.connector_lookup``).
+CONNECTOR_LOOKUP = "get_computed_blocks_for_connector"
+
+
+def connector_summary(stats: Stats) -> str:
+    """How often the connector lookup ran, diverged, and was looked up again."""
+    events = stats.events
+    return (
+        f"{events[CONNECTOR_LOOKUP]} connector lookups, {events['connector_diverged']} "
+        f"diverged ({events['connector_diverged_external']} with external tokens, "
+        f"{events['connector_fallback']} looked up again)"
+    )
+
+
+def diverged_required(family: Family) -> bool:
+    """Whether ``family`` (as run under 0.33.0) must reach a diverged connector lookup
+    (``REQUIRED_WITH_CONNECTOR``): cached, with a full-attention group beside a Mamba
+    group caching in 'align' mode (checkpoints included)."""
+    return (
+        family.enable_caching is not False
+        and "full" in family.kinds
+        and bool({"mamba-align", "mamba-checkpoint"} & set(family.kinds))
+    )
 
 
 def copies_required(family: Family) -> bool:
@@ -182,6 +209,8 @@ def run_family(
         required += REQUIRED_WITH_CHECKPOINTS
     if caching and ({"mamba-align", "mamba-checkpoint"} & set(family.kinds)):
         required += REQUIRED_WITH_OFFLOADS
+    if diverged_required(family):
+        required += REQUIRED_WITH_CONNECTOR
     missing = [path for path in required if stats.events[path] == 0]
     return FamilyResult(family, stats, failures, missing)
 
@@ -329,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         total.add(result.stats)
         print(f"{result.stats.summary()} in {result.stats.seconds:.1f}s", flush=True)
+        if result.stats.events[CONNECTOR_LOOKUP]:
+            print(f"  {connector_summary(result.stats)}", flush=True)
         if result.failures:
             failed.append(family.name)
             print(describe_failure(result, Path(args.failure_dir), args.subject), flush=True)
@@ -347,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             failed.append("scheduler")
             print(f"vllm scheduler on kvcache: {line}", flush=True)
     print(f"{total.summary('conformance-0.33')} in {total.seconds:.0f}s{build}")
+    print(f"conformance-0.33: {connector_summary(total)}")
     if failed:
         print(f"conformance-0.33: FAILED in {', '.join(sorted(set(failed)))}")
         return 1

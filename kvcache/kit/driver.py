@@ -392,8 +392,11 @@ class Lockstep:
             events["raises:" + str(expected["raises"])] += 1
             return
         result = expected["ok"]
-        if op == "get_computed_blocks" and result["num_computed_tokens"] > 0:
-            events["prefix_hit"] += 1
+        if op in LOOKUP_OPS:
+            if result["num_computed_tokens"] > 0:
+                events["prefix_hit"] += 1
+            if result.get("hit_diverged"):
+                events["connector_diverged"] += 1
         elif op == "allocate_slots" and result is None:
             events["allocate_none"] += 1
         elif op == "reset_prefix_cache":
@@ -701,6 +704,13 @@ DRAFTS_PAST_HASHES_RATE = 0.5
 #: What a reference raises there (vLLM's assert, the spec's or kvcache's refusal).
 CHECKPOINT_IN_DRAFTS_RAISES = ("AssertionError", "ValueError", "PartialBlockError")
 
+#: The prefix lookups a scheduler makes for a waiting request: the plain one, and
+#: (0.33 line) the one for a KV connector that takes divergent hybrid hits.
+LOOKUP_OPS = ("get_computed_blocks", "get_computed_blocks_for_connector")
+#: The share of configs (0.33 line) whose scheduler has such a connector
+#: (``RandomScheduler.connector_lookup``).
+CONNECTOR_LOOKUP_RATE = 0.5
+
 #: vLLM 0.33.0's request fields the kit draws for sides of that line (its
 #: ``Request(session_id=...)`` and ``SamplingParams.extra_args["kv_cache_report_mode"]``).
 REQUEST_FIELDS_0_33 = ("session_id", "kv_cache_report_mode")
@@ -847,6 +857,20 @@ class RandomScheduler:
             else None
         )
         self.full_report = full_report_works(config)
+        # vLLM 0.33.0's scheduler with a KV connector that takes divergent hybrid hits
+        # (``supports_divergent_local_hybrid_hits``) looks every request up with
+        # ``get_computed_blocks_for_connector``, and again with ``get_computed_blocks``
+        # when that hit diverged and the connector has no tokens for it. A choice of
+        # the config's (its own generator: the sequences' other calls stay as they
+        # were), only when every side is of a line that has the method.
+        self.connector_lookup = (
+            all(
+                side_line(side) != REFERENCE_LINE
+                and hasattr(side.manager, "get_computed_blocks_for_connector")
+                for side in sides
+            )
+            and random.Random(f"connector lookup {config!r}").random() < CONNECTOR_LOOKUP_RATE
+        )
 
     # ------------------------------------------------------------ helpers
 
@@ -1026,7 +1050,8 @@ class RandomScheduler:
         rid = req.request_id
         hit: dict[str, Any] = {}
         if req.num_computed_tokens == 0:
-            hit = self.run.ok("get_computed_blocks", request_id=rid)
+            lookup = LOOKUP_OPS[1] if self.connector_lookup else LOOKUP_OPS[0]
+            hit = self.run.ok(lookup, request_id=rid)
             num_hit_tokens = hit["num_computed_tokens"]
             which = "last"
             if num_hit_tokens and self.report_mode(rid) == "full":
@@ -1051,6 +1076,15 @@ class RandomScheduler:
         if num_external and self.untrimmed_hit(hit, num_hit_tokens + num_external):
             num_external = 0  # vLLM 0.25.1 would miscount its pool (docs/divergences.md #17)
             load_async = False
+        if hit.get("hit_diverged"):
+            if num_external:
+                self.run.stats.events["connector_diverged_external"] += 1
+            else:
+                # As vLLM 0.33.0's scheduler: no external tokens back the deeper local
+                # hit (a group has no state there), so look up the length all agree on.
+                self.run.stats.events["connector_fallback"] += 1
+                hit = self.run.ok("get_computed_blocks", request_id=rid)
+                num_hit_tokens = hit["num_computed_tokens"]
         total = req.num_computed_tokens + num_hit_tokens + num_external
         num_new_tokens = 0
         if not load_async:
@@ -1516,7 +1550,8 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
     a real scheduler could make.
 
     Checked: calls on a request come after its ``add_request``; a prefix lookup
-    only for a waiting or preempted request with no computed tokens and no
+    (either of ``LOOKUP_OPS``, the connector's fallback after the connector lookup
+    too) only for a waiting or preempted request with no computed tokens and no
     allocation since its status last changed; an
     allocation with ``new_computed_blocks="last"`` right after a lookup of that
     request; nothing but the free (a KV producer's ``finalize_partial_tail_offloads``
@@ -1570,7 +1605,7 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
             looked_up.discard(rid)
         elif finished:
             return False
-        elif op == "get_computed_blocks":
+        elif op in LOOKUP_OPS:
             if status[rid] not in ("WAITING", "PREEMPTED") or computed[rid] != 0:
                 return False
             if rid in allocated:  # admitted: the scheduler's status update comes first

@@ -278,6 +278,21 @@ class Adapter:
         blocks, num_computed_tokens = manager.get_computed_blocks(request)
         return blocks, int(num_computed_tokens)
 
+    def get_computed_blocks_for_connector(
+        self, manager: Any, request: Any
+    ) -> tuple[Any, int, int, bool]:
+        """vLLM 0.33.0's lookup for a KV connector that takes divergent hybrid hits
+        (0.33 line): ``(blocks, num_local_hit_tokens, shared_prefix_boundary,
+        hit_diverged)``; the boundary is kept on the request as by
+        ``get_computed_blocks`` (``keep_boundary``)."""
+        blocks, num_local, boundary, diverged = manager.get_computed_blocks_for_connector(request)
+        self.keep_boundary(request, int(boundary))
+        return blocks, int(num_local), int(boundary), bool(diverged)
+
+    def keep_boundary(self, request: Any, boundary: int) -> None:
+        """Keep a lookup's shared-prefix boundary on the request, as 0.33.0's scheduler."""
+        request.shared_prefix_boundary = boundary
+
     def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
         """The scheduler admitted ``request`` after a lookup that hit ``num_hit_tokens``.
 
@@ -634,6 +649,25 @@ class Side:
         return {
             "block_ids": canon(blocks.get_block_ids()),
             "num_computed_tokens": num_computed_tokens,
+        }
+
+    def op_get_computed_blocks_for_connector(self, args: Mapping[str, Any]) -> Any:
+        """The connector lookup (0.33 line): its blocks, local hit, boundary and
+        ``hit_diverged``; an allocation's ``new_computed_blocks="last"`` takes its
+        blocks."""
+        request = self.request(args)
+        with self.timing:
+            blocks, num_local, boundary, diverged = self.adapter.get_computed_blocks_for_connector(
+                self.manager, request
+            )
+        self.last_computed[args["request_id"]] = blocks
+        self.last_hit_tokens[args["request_id"]] = num_local
+        self.last_raw = (blocks, num_local, boundary, diverged)
+        return {
+            "block_ids": canon(blocks.get_block_ids()),
+            "num_computed_tokens": num_local,
+            "shared_prefix_boundary": boundary,
+            "hit_diverged": diverged,
         }
 
     def op_allocate_slots(self, args: Mapping[str, Any]) -> Any:

@@ -50,6 +50,7 @@ TRACE_VERSION = 2
 #: ``free_blocks`` after ``pop_blocks_for_free``, and scheduler-side request changes.
 CALL_OPS = (
     "get_computed_blocks",
+    "get_computed_blocks_for_connector",
     "allocate_slots",
     "free",
     "pop_blocks_for_free",

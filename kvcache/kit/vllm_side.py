@@ -275,6 +275,10 @@ class VllmAdapter(Adapter):
             request.shared_prefix_boundary = int(result[2])
         return result[0], int(result[1])
 
+    def keep_boundary(self, request: Any, boundary: int) -> None:
+        if self.stores_shared_prefix_boundary:
+            request.shared_prefix_boundary = boundary
+
     def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
         if self.line.stats_at_admission:
             manager.record_prefix_cache_stats(request, num_hit_tokens)

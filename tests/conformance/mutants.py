@@ -78,3 +78,45 @@ class NoJunctionTails(ProfileAdapter):
         for group_manager in manager.coordinator.single_type_managers:
             group_manager.keeps_shared_prefix_junction = False
         return manager
+
+
+class PlainConnectorLookup(ProfileAdapter):
+    """Bug: kvcache's 0.33.0 drop-in whose connector lookup is the plain one beside
+    Mamba too (``get_computed_blocks`` and never diverged), as before the lookup was
+    modelled. Used as ``conformance.mutants:PlainConnectorLookup``."""
+
+    def __init__(self) -> None:
+        super().__init__("kvcache-0.33-plain-connector-lookup", "kvcache.vllm_0_33", "0.33")
+
+    def get_computed_blocks_for_connector(
+        self, manager: Any, request: Any
+    ) -> tuple[Any, int, int, bool]:
+        blocks, num_hit_tokens, boundary = manager.get_computed_blocks(request)
+        request.shared_prefix_boundary = int(boundary)
+        return blocks, int(num_hit_tokens), int(boundary), False
+
+
+class NoConnectorFallback(ProfileAdapter):
+    """Bug: kvcache's 0.33.0 drop-in whose connector lookup keeps the per-group hits
+    when a group hit deeper than full attention (no fall back to
+    ``get_computed_blocks``). Used as ``conformance.mutants:NoConnectorFallback``."""
+
+    def __init__(self) -> None:
+        super().__init__("kvcache-0.33-no-connector-fallback", "kvcache.vllm_0_33", "0.33")
+
+    def get_computed_blocks_for_connector(
+        self, manager: Any, request: Any
+    ) -> tuple[Any, int, int, bool]:
+        full_group_id = getattr(manager.coordinator, "full_attention_group_id", None)
+        if (
+            full_group_id is None
+            or not manager.kv_cache_config.has_mamba_layers
+            or not manager.prefix_cache_lookup_enabled(request)
+        ):
+            return super().get_computed_blocks_for_connector(manager, request)
+        hits, lengths = manager.coordinator.find_longest_cache_hit_per_group(
+            request.block_hashes, request.num_tokens - 1
+        )
+        request.shared_prefix_boundary = 0
+        num_local = lengths[full_group_id]
+        return manager.create_kv_cache_blocks(hits), num_local, 0, min(lengths) < num_local

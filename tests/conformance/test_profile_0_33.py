@@ -17,7 +17,13 @@ from collections.abc import Iterator
 import pytest
 
 import kvcache.kv_cache_utils as kcu
-from kvcache.kit.conformance33 import both_refuse, conformant_families, family_index, family_seed
+from kvcache.kit.conformance33 import (
+    both_refuse,
+    conformant_families,
+    diverged_required,
+    family_index,
+    family_seed,
+)
 from kvcache.kit.driver import FAMILIES, Family, Stats, run_sequence
 
 pytestmark = pytest.mark.conformance
@@ -55,6 +61,8 @@ def test_kvcache_0_33_matches_spec_0_33(family: Family) -> None:
     )
     built = SEQUENCES - stats.events["both_refuse"]  # layouts 0.33.0 removed are not run
     assert built > 0 and stats.events["get_computed_blocks"] > 0 and stats.calls > 50 * built
+    if diverged_required(family):  # the connector lookup's divergent hits, and the fallback
+        assert stats.events["connector_diverged"] > 0 and stats.events["connector_fallback"] > 0
 
 
 # (planted bug, what it gets wrong): each a kvcache-0.33 with one retention rule of
@@ -83,3 +91,28 @@ def test_planted_retention_bug_under_0_33_is_caught(impl: str, switch: str) -> N
         assert result.config.use_eagle, result.config  # the rules differ only with EAGLE
     detail = str(result.mismatch)
     assert "cached" in detail or "block_hash" in detail, detail
+
+
+# (planted bug, the family it shows in): kvcache-0.33 with the connector lookup
+# (``get_computed_blocks_for_connector``) wrong beside Mamba.
+PLANTED_CONNECTOR = [
+    ("conformance.mutants:PlainConnectorLookup", "full+mamba-align"),
+    ("conformance.mutants:NoConnectorFallback", "full+mamba-align"),
+]
+
+
+@pytest.mark.parametrize(("impl", "name"), PLANTED_CONNECTOR, ids=[i for i, _ in PLANTED_CONNECTOR])
+def test_planted_connector_lookup_bug_is_caught(impl: str, name: str) -> None:
+    """Teeth for the connector lookup: the plain lookup in its place (never diverged),
+    or the per-group hits kept where a Mamba group hit deeper than full attention,
+    differ from the spec's 0.33.0 profile at that call (20 and 13 of the first 100
+    sequences here)."""
+    family = FAMILIES[name]
+    index = list(FAMILIES).index(family.name)
+    for i in range(100):
+        result = run_sequence(family_seed(7, index, i), family, impl, "spec-0.33", Stats())
+        if result.mismatch is not None:
+            break
+    else:
+        raise AssertionError(f"{impl} went unnoticed in 100 sequences")
+    assert result.mismatch.op == "get_computed_blocks_for_connector", result.mismatch

@@ -285,6 +285,11 @@ def test_scheduler_rules_refuse_impossible_call_lists() -> None:
     assert not scheduler_could_make([add, alloc])  # "last" without a lookup
     assert not scheduler_could_make([add, look, alloc, look])  # lookup of an admitted request
     assert not scheduler_could_make([add, look, alloc, run, look])  # of a running one
+    # The connector lookup (0.33 line) counts as a lookup; the fallback may follow it.
+    connector = ("get_computed_blocks_for_connector", {"request_id": "r"})
+    assert scheduler_could_make([add, connector, alloc, run])
+    assert scheduler_could_make([add, connector, look, alloc, run])
+    assert not scheduler_could_make([add, look, alloc, run, connector])
     finish = ("update_request", {"request_id": "r", "status": "FINISHED_ABORTED"})
     free = ("free", {"request_id": "r"})
     assert scheduler_could_make([add, finish, free])
