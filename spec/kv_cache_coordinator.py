@@ -151,10 +151,12 @@ class KVCacheCoordinator:
     def allocate_new_computed_blocks(self, request_id: str,
                                      new_computed_blocks: tuple[Sequence[int], ...],
                                      num_local_computed_tokens: int,
-                                     num_external_computed_tokens: int) -> None:
+                                     num_external_computed_tokens: int,
+                                     skip_zeroing_group_ids: Sequence[int] = ()) -> None:
         """Give a new request its hits, then blocks for its external tokens (a no-op for a
         running one). Every group touches its hits before any group allocates, so one
-        group's allocation cannot evict another's hits."""
+        group's allocation cannot evict another's hits. The groups in
+        ``skip_zeroing_group_ids`` report no external-token block for zeroing."""
         if any(request_id in m.num_cached_block for m in self.single_type_managers):
             for blocks in new_computed_blocks:
                 check_no_hits(request_id, blocks)
@@ -163,9 +165,10 @@ class KVCacheCoordinator:
             m.add_local_computed_blocks(request_id, new_computed_blocks[i],
                                         num_local_computed_tokens, num_external_computed_tokens)
         if num_external_computed_tokens > 0:
-            for m in self.single_type_managers:
+            for i, m in enumerate(self.single_type_managers):
                 m.allocate_external_computed_blocks(request_id, num_local_computed_tokens,
-                                                    num_external_computed_tokens)
+                                                    num_external_computed_tokens,
+                                                    i not in skip_zeroing_group_ids)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
                             num_encoder_tokens: int = 0) -> tuple[list[int], ...]:

@@ -348,14 +348,23 @@ class KVCacheManager:
                        num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
                        delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
                        full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
-                       has_scheduled_reqs: bool = True) -> KVCacheBlocks | None:
+                       has_scheduled_reqs: bool = True,
+                       skip_zeroing_group_ids: Sequence[int] = ()) -> KVCacheBlocks | None:
         """Add prefix hits, external tokens and ``num_new_tokens`` (+ lookahead) slots;
         cache the full blocks among the request's known tokens unless ``delay_cache_blocks``.
+        The groups in ``skip_zeroing_group_ids`` (0.33.0: an async load writes them)
+        report no block for the external tokens for zeroing.
 
         Returns the new blocks, or None when the free blocks minus ``reserved_blocks`` cannot
         cover them plus the watermark (out-of-window blocks may be freed all the same).
-        ValueError if there are no new and no external tokens.
+        ValueError if there are no new and no external tokens, or for a skipped group id
+        that names no group.
         """
+        num_groups = len(self.coordinator.single_type_managers)
+        for group_id in skip_zeroing_group_ids:
+            if type(group_id) is not int or not 0 <= group_id < num_groups:
+                raise ValueError(f"skip_zeroing_group_ids: {group_id!r} is no group id "
+                                 f"(there are {num_groups})")
         adopts = num_new_computed_tokens > 0 and self.profile.adopt_computed_without_new_tokens
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and not adopts:
             raise ValueError(
@@ -405,7 +414,8 @@ class KVCacheManager:
         # NOTE: an identity test, as in vLLM: a distinct empty KVCacheBlocks does add.
         if hits is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens > 0:
             coordinator.allocate_new_computed_blocks(rid, hits, num_local_computed,
-                                                     num_external_computed_tokens)
+                                                     num_external_computed_tokens,
+                                                     skip_zeroing_group_ids)
         new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_need_slot,
                                                      num_tokens_main_model, num_encoder_tokens)
         if self.enable_caching and not delay_cache_blocks:
@@ -497,6 +507,19 @@ class KVCacheManager:
     def create_kv_cache_blocks(self, blocks: tuple[list[int], ...]) -> KVCacheBlocks:
         """Wrap per-group ids; the shared empty instance when all groups are empty."""
         return KVCacheBlocks(blocks, self.block_pool) if any(blocks) else self.empty_kv_cache_blocks
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Report the request's blocks from ``start_token`` on for zeroing again, in the
+        groups that report new blocks (0.33.0: blocks a failed async load left
+        unwritten). ValueError unless ``start_token`` is a multiple of each such group's
+        block size (zeroing a block's valid prefix would lose it)."""
+        managers = [m for m in self.coordinator.single_type_managers if m.reports_new_blocks()]
+        for m in managers:
+            if start_token % m.block_size:
+                raise ValueError(f"start_token={start_token} is not a multiple of group "
+                                 f"{m.kv_cache_group_id}'s block size {m.block_size}")
+        for m in managers:
+            m.new_block_ids += m.req_to_blocks.get(request_id, [])[start_token // m.block_size:]
 
     def take_new_block_ids(self) -> list[int]:
         """Drain the ids allocated since the last call, group after group."""

@@ -161,8 +161,10 @@ class SingleTypeKVCacheManager:
             self.num_cached_block[request_id] = index
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int) -> None:
-        """Allocate blocks for the tokens a KV connector computed, unless skipped."""
+                                          num_external_computed_tokens: int,
+                                          record_for_zeroing: bool = True) -> None:
+        """Allocate blocks for the tokens a KV connector computed, unless skipped; an
+        async load that writes them (not ``record_for_zeroing``) needs no zeroing."""
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_tokens = self.get_num_skipped_tokens(num_total)
         if num_skipped_tokens > 0:
@@ -173,16 +175,22 @@ class SingleTypeKVCacheManager:
             num_new = cdiv(num_total, self.block_size) - len(req_blocks)
             if self.external_blocks_floor_zero:  # it may hold more already (draft slots)
                 num_new = max(num_new, 0)
-            self._append_new(req_blocks, num_new)
+            self._append_new(req_blocks, num_new, record_for_zeroing)
 
-    def _append_new(self, req_blocks: list[int], num_blocks: int) -> list[int]:
-        """Append ``num_blocks`` fresh blocks; full attention and MLA (exact classes,
-        as vLLM tests them) record them for zeroing."""
+    def reports_new_blocks(self) -> bool:
+        """Whether this group reports its fresh blocks for zeroing: full attention and
+        MLA (exact classes, as vLLM tests them), or, under ``zero_every_attention_group``
+        beside Mamba, every attention kind; never where the layout needs no zeroing."""
+        return self.records_new_block_ids and (
+            type(self.kv_cache_spec).__name__ in ZEROED_SPECS or self.zeroes_any_attention_kind)
+
+    def _append_new(self, req_blocks: list[int], num_blocks: int,
+                    record_for_zeroing: bool = True) -> list[int]:
+        """Append ``num_blocks`` fresh blocks, reported for zeroing where the group
+        reports them (``reports_new_blocks``) unless an async load writes them."""
         new_ids = self.block_pool.get_new_blocks(num_blocks)
         req_blocks.extend(new_ids)
-        if self.records_new_block_ids and (
-                type(self.kv_cache_spec).__name__ in ZEROED_SPECS
-                or self.zeroes_any_attention_kind):
+        if record_for_zeroing and self.reports_new_blocks():
             self.new_block_ids.extend(new_ids)
         return new_ids
 
@@ -415,7 +423,8 @@ class CircularBufferManager(FullAttentionManager):
         """Nothing: a ring has no hits."""
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int) -> None:
+                                          num_external_computed_tokens: int,
+                                          record_for_zeroing: bool = True) -> None:
         """The ring block, for a request a KV connector loads."""
         self._claim_ring_block(request_id)
 
@@ -944,7 +953,8 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
             raise ValueError(f"new_computed_blocks={list(new_computed_blocks)} for cross attention")
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int) -> None:
+                                          num_external_computed_tokens: int,
+                                          record_for_zeroing: bool = True) -> None:
         """Nothing: a KV connector loads no encoder output."""
 
     def cache_blocks(self, request: Request, num_tokens: int,
@@ -1021,14 +1031,16 @@ class HiSparseSourceManager(FullAttentionManager):
         return int(bound_coordinator(self).gpu_pool.num_gpu_blocks) + 1
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int) -> None:
+                                          num_external_computed_tokens: int,
+                                          record_for_zeroing: bool = True) -> None:
         """Tell the coordinator of the import first, then take its host blocks."""
         if num_external_computed_tokens <= 0:
             return
         bound_coordinator(self).record_pending_host_import(
             request_id, num_local_computed_tokens + num_external_computed_tokens)
         super().allocate_external_computed_blocks(request_id, num_local_computed_tokens,
-                                                  num_external_computed_tokens)
+                                                  num_external_computed_tokens,
+                                                  record_for_zeroing)
 
     def cache_blocks(self, request: Request, num_tokens: int,
                      retention_interval: int | None = None,
@@ -1102,7 +1114,8 @@ class HiSparseHotManager(SingleTypeKVCacheManager):
             self.require_hot(request_id)
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int) -> None:
+                                          num_external_computed_tokens: int,
+                                          record_for_zeroing: bool = True) -> None:
         """An import is read from the host: the request needs the region."""
         self.require_hot(request_id)
 
@@ -1180,7 +1193,8 @@ class HiSparseResidentManager(SingleTypeKVCacheManager):
         bound_coordinator(self).commit_computed_blocks(request_id, num_pages)
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int) -> None:
+                                          num_external_computed_tokens: int,
+                                          record_for_zeroing: bool = True) -> None:
         """Imported pages stay host-only but the last, which gets a writable block
         unless it is resident."""
         if num_external_computed_tokens <= 0:

@@ -871,6 +871,17 @@ class RandomScheduler:
             )
             and random.Random(f"connector lookup {config!r}").random() < CONNECTOR_LOOKUP_RATE
         )
+        # vLLM 0.33.0's zeroing duties with a KV connector: an async load names the
+        # groups it writes (``skip_zeroing_group_ids``: their blocks for the external
+        # tokens are not reported for zeroing), and a failed load reports the
+        # request's blocks past the valid prefix for zeroing again
+        # (``record_blocks_for_zeroing``). Only when every side is of the 0.33 line;
+        # drawn from a generator of their own (the other calls stay as they were).
+        self.zeroing_rng = (
+            random.Random(f"zeroing {config!r}")
+            if all(side_line(side) != REFERENCE_LINE for side in sides)
+            else None
+        )
 
     # ------------------------------------------------------------ helpers
 
@@ -1094,6 +1105,13 @@ class RandomScheduler:
             if num_new_tokens == 0:
                 return  # no block-aligned chunk fits: vLLM leaves it waiting
         has_scheduled = bool(self.running) if rng.random() < 0.85 else rng.random() < 0.5
+        zeroing: dict[str, Any] = {}
+        if load_async and self.zeroing_rng is not None:
+            # the groups the connector's load writes, as vLLM 0.33.0's scheduler asks it
+            skipped = [g for g in range(len(self.config.groups)) if self.zeroing_rng.random() < 0.5]
+            if skipped:
+                zeroing["skip_zeroing_group_ids"] = skipped
+                self.run.stats.events["skip_zeroing"] += 1
         ok, blocks = self.allocate(
             rid,
             num_new_tokens=num_new_tokens,
@@ -1106,6 +1124,7 @@ class RandomScheduler:
             full_sequence_must_fit=self.full_sequence_must_fit != (rng.random() < 0.1),
             reserved_blocks=0 if rng.random() < 0.85 else rng.randint(1, 3),
             has_scheduled_reqs=has_scheduled,
+            **zeroing,
         )
         if not ok or blocks is None:
             return
@@ -1325,6 +1344,16 @@ class RandomScheduler:
                 self.run.ok(
                     "cache_blocks", request_id=rid, num_computed_tokens=req.num_computed_tokens
                 )
+                if self.zeroing_rng is not None and all(
+                    req.num_computed_tokens % g.block_size == 0 for g in self.config.groups
+                ):
+                    # vLLM 0.33.0's scheduler: the blocks past the valid prefix were
+                    # never written, and their zeroing was skipped; zero them now
+                    self.run.ok(
+                        "record_blocks_for_zeroing",
+                        request_id=rid,
+                        start_token=req.num_computed_tokens,
+                    )
             else:
                 self.run.ok("free", request_id=rid)
         req.status = "PREEMPTED" if req.num_preemptions else "WAITING"

@@ -690,6 +690,12 @@ class Side:
         full_sequence_must_fit = args.get("full_sequence_must_fit", False)
         reserved_blocks = args.get("reserved_blocks", 0)
         has_scheduled_reqs = args.get("has_scheduled_reqs", True)
+        # 0.33 line only: the groups an async load writes (not reported for zeroing)
+        zeroing = (
+            {"skip_zeroing_group_ids": tuple(args["skip_zeroing_group_ids"])}
+            if "skip_zeroing_group_ids" in args
+            else {}
+        )
         with self.timing:
             blocks = self.manager.allocate_slots(
                 request,
@@ -703,6 +709,7 @@ class Side:
                 full_sequence_must_fit=full_sequence_must_fit,
                 reserved_blocks=reserved_blocks,
                 has_scheduled_reqs=has_scheduled_reqs,
+                **zeroing,
             )
         self.last_raw = blocks
         if blocks is None:
@@ -786,6 +793,13 @@ class Side:
         with self.timing:
             events = self.manager.take_events()
         return canon(list(events))
+
+    def op_record_blocks_for_zeroing(self, args: Mapping[str, Any]) -> Any:
+        """``record_blocks_for_zeroing(request_id, start_token)`` (0.33 line: after a
+        failed async load); what it reports shows in the next ``take_new_block_ids``."""
+        with self.timing:
+            self.manager.record_blocks_for_zeroing(args["request_id"], args["start_token"])
+        return None
 
     def op_take_new_block_ids(self, args: Mapping[str, Any]) -> Any:
         with self.timing:
