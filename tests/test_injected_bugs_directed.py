@@ -41,10 +41,11 @@ def window_count_always_capped(self: SlidingWindowManager, request_id: str, num_
                                new_computed_blocks: Sequence[Any], total_computed_tokens: int,
                                num_tokens_main_model: int,
                                apply_admission_cap: bool = False,
-                               num_local_computed_tokens: int = 0) -> int:
+                               num_local_computed_tokens: int = 0,
+                               prefill_end: int = 0) -> int:
     """The window's admission cap applied to every count, not only the admission gate's."""
     return _count(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-                  num_tokens_main_model, True, num_local_computed_tokens)
+                  num_tokens_main_model, True, num_local_computed_tokens, prefill_end)
 
 
 def hybrid_program(name: str) -> BaseException | None:

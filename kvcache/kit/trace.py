@@ -71,6 +71,11 @@ CALL_OPS = (
     "remove_skipped_blocks",
     "update_request",
     "append_output_token_ids",
+    # the 0.33 line's scheduler duties
+    "take_kv_cache_block_copies",
+    "take_boundary_state_offloads",
+    "finalize_partial_tail_offloads",
+    "record_blocks_for_zeroing",
 )
 REQUEST_FIELDS = (
     "request_id",
@@ -81,6 +86,9 @@ REQUEST_FIELDS = (
     "mm_features",
     "skip_reading_prefix_cache",
     "prompt_embeds",
+    # the 0.33 line's (``kvcache.kit.driver.REQUEST_FIELDS_0_33``)
+    "session_id",
+    "kv_cache_report_mode",
 )
 
 

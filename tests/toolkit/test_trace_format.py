@@ -11,7 +11,8 @@ import pytest
 from kvcache.kit.cli import main
 from kvcache.kit.config import GroupConfig, ManagerConfig
 from kvcache.kit.record import record_random
-from kvcache.kit.trace import TRACE_VERSION, TraceError, read_trace, write_trace
+from kvcache.kit.sides import Side
+from kvcache.kit.trace import CALL_OPS, TRACE_VERSION, TraceError, read_trace, write_trace
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +114,25 @@ def test_bad_traces_give_clear_errors(
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err, (what, err)
         assert "Traceback" not in err
+
+
+def test_every_op_a_side_answers_can_be_stored() -> None:
+    """A counterexample holds only calls a trace may hold: every ``Side.op_*`` (the
+    request records aside) is in ``CALL_OPS``, and nothing else is."""
+    answered = {name[3:] for name in dir(Side) if name.startswith("op_")}
+    assert answered - {"add_request"} == set(CALL_OPS)
+
+
+def test_a_0_33_sequence_with_the_schedulers_duties_round_trips(tmp_path: Path) -> None:
+    """Sequences of the 0.33 line (copies, offloads, the connector lookup, zeroing)
+    are written and read back whole, and replay identically on kvcache's 0.33 profile."""
+    seen: set[str] = set()
+    for seed in (0, 10):  # between them they reach the four calls below
+        header, records = record_random("full+mamba-checkpoint", seed, "spec-0.33",
+                                        num_steps=(80, 80))
+        seen |= {record["op"] for record in records}
+        path = write_trace(tmp_path / f"t{seed}.jsonl", header, records)
+        assert read_trace(path).records == records
+        assert main(["replay", str(path), "--impl", "kvcache-0.33"]) == 0
+    assert {"take_kv_cache_block_copies", "take_boundary_state_offloads",
+            "finalize_partial_tail_offloads", "get_computed_blocks_for_connector"} <= seen
