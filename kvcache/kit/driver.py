@@ -862,9 +862,13 @@ class RandomScheduler:
         # ``get_computed_blocks_for_connector``, and again with ``get_computed_blocks``
         # when that hit diverged and the connector has no tokens for it. A choice of
         # the config's (its own generator: the sequences' other calls stay as they
-        # were), only when every side is of a line that has the method.
+        # were), only when every side is of a line that has the method. Not with
+        # lookahead hashing: vLLM 0.33.0's config turns it off under a KV connector
+        # (``VllmConfig.num_hash_lookahead_tokens``), and its per-group lookup of a
+        # Mamba group would read past the fewer hashes (IndexError).
         self.connector_lookup = (
-            all(
+            config.num_hash_lookahead_tokens == 0
+            and all(
                 side_line(side) != REFERENCE_LINE
                 and hasattr(side.manager, "get_computed_blocks_for_connector")
                 for side in sides
