@@ -1,11 +1,9 @@
-"""The kit's fine-grained-hit rule (``kvcache.kit.config.fine_grained_hits``), on
-hand-made layouts everywhere and against vLLM 0.33.0's own decision where vLLM
-0.33.0 is installed (``.venv-0.33``; CI runs the same comparison in
-``make conformance-0.33``)."""
+"""The kit's fine-grained-hit rule (``kvcache.kit.config.fine_grained_hits``) on
+hand-made layouts. Against vLLM 0.33.0's own decision it is checked where vLLM 0.33.0
+is installed: ``make conformance-0.33`` runs ``kvcache.kit.fine_grained_check`` first
+(400 random layouts) and fails on any disagreement."""
 
 from __future__ import annotations
-
-import pytest
 
 from kvcache.kit.config import GroupConfig, ManagerConfig, fine_grained_hits
 
@@ -43,14 +41,3 @@ def test_a_ring_buffer_group_takes_no_part_and_attention_blocks_scale_with_dcp()
     # Cross attention caches (prefix_cacheable) and finds no sub-block hits.
     cross = GroupConfig("cross_attention", 4, num_kv_heads=3)
     assert not fine_grained_hits(_config(GroupConfig("full", 2), cross, ALIGN4))
-
-
-def test_the_rule_agrees_with_vllm_0_33() -> None:
-    vllm = pytest.importorskip("vllm")
-    if vllm.__version__ != "0.33.0":
-        pytest.skip(f"needs vLLM 0.33.0 (found {vllm.__version__}); make conformance-0.33 runs it")
-    from kvcache.kit.fine_grained_check import check_rule
-
-    result = check_rule(300, seed=1)
-    assert result.built > 100 and result.enabled > 20, result.summary()
-    assert not result.mismatches, "\n".join(result.mismatches)
