@@ -111,8 +111,7 @@ class HybridMachine(ManagerMachine):
     #: this machine's examples stay as they were (``test_new_kinds_machine.py``).
     NEW_KINDS: ClassVar[bool] = False
     #: Draw vLLM 0.33.0's Mamba prefill checkpoint fields on 'align' groups: off here
-    #: (0.25.1 has none), on under the 0.33.0 profile once kvcache's ``MambaSpec`` has
-    #: them (``test_profile_machines.py``).
+    #: (0.25.1 has none), on under the 0.33.0 profile (``test_profile_machines.py``).
     CHECKPOINTS: ClassVar[bool] = False
 
     @initialize(
