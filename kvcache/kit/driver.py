@@ -547,6 +547,17 @@ FAMILIES: dict[str, Family] = {
                 ("full+mamba-checkpoint-lookahead", ("full", "mamba-checkpoint")),
             )
         ),
+        # Decode context parallelism beside Mamba 'align' with caching (0.33.0's
+        # per-group geometry, ``dcp_sharded_geometry``: fine-grained hits at each group's
+        # dcp-scaled block, the per-group connector lookup); 0.25.1 refuses these.
+        *(
+            Family(name, kinds, enable_caching=True, context_parallel=((2, 1), (4, 1)),
+                   since="0.33.0")
+            for name, kinds in (
+                ("full+mamba-align-dcp", ("full", "mamba-align")),
+                ("full+mamba-checkpoint-dcp", ("full", "mamba-checkpoint")),
+            )
+        ),
     ]
 }
 
@@ -1348,9 +1359,10 @@ class RandomScheduler:
                 self.run.ok(
                     "cache_blocks", request_id=rid, num_computed_tokens=req.num_computed_tokens
                 )
+                cp = self.config.dcp_world_size * self.config.pcp_world_size
                 if self.zeroing_rng is not None and all(
-                    req.num_computed_tokens % g.block_size == 0 for g in self.config.groups
-                ):
+                    req.num_computed_tokens % (g.block_size * cp) == 0 for g in self.config.groups
+                ):  # a multiple of every group's block (under context parallelism too)
                     # vLLM 0.33.0's scheduler: the blocks past the valid prefix were
                     # never written, and their zeroing was skipped; zero them now
                     self.run.ok(
