@@ -385,10 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m kvcache``."""
     parser = argparse.ArgumentParser(
         prog="python -m kvcache",
-        description="kvcache: a verified reference of vLLM 0.25.1's KV-cache manager, and "
-        "a kit to put any KV-cache manager on trial: record traces, replay them, fuzz.",
+        description="kvcache: a verified reference of vLLM's KV-cache manager (0.25.1, the "
+        "default, and 0.33.0: kvcache.vllm_0_33), and a kit to put any KV-cache manager "
+        "on trial: record traces, replay them, fuzz.",
         epilog="Implementations (--impl): kvcache, spec (the oracle), vllm (the installed "
-        "vLLM), a package with a KVCacheManager, or module:factory, where factory has "
+        "vLLM), kvcache-0.33 and spec-0.33 (both under vLLM 0.33.0's profile), a package "
+        "with a KVCacheManager, or module:factory, where factory has "
         "KVCacheManager's constructor signature. Trace format: docs/trace-format.md.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
