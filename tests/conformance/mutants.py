@@ -120,3 +120,29 @@ class NoConnectorFallback(ProfileAdapter):
         request.shared_prefix_boundary = 0
         num_local = lengths[full_group_id]
         return manager.create_kv_cache_blocks(hits), num_local, 0, min(lengths) < num_local
+
+
+class _SkipZeroingIgnored:
+    """A manager that drops ``allocate_slots``' ``skip_zeroing_group_ids`` and passes
+    everything else through (works on the compiled build too)."""
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def allocate_slots(self, *args: Any, skip_zeroing_group_ids: Any = (), **kwargs: Any) -> Any:
+        return self._manager.allocate_slots(*args, **kwargs)
+
+
+class IgnoresSkipZeroing(ProfileAdapter):
+    """Bug: kvcache's 0.33.0 drop-in that reports an async load's blocks for zeroing
+    although the load writes them (``skip_zeroing_group_ids`` ignored). Used as
+    ``conformance.mutants:IgnoresSkipZeroing``."""
+
+    def __init__(self) -> None:
+        super().__init__("kvcache-0.33-ignores-skip-zeroing", "kvcache.vllm_0_33", "0.33")
+
+    def build_manager(self, config: ManagerConfig) -> Any:
+        return _SkipZeroingIgnored(super().build_manager(config))

@@ -116,3 +116,20 @@ def test_planted_connector_lookup_bug_is_caught(impl: str, name: str) -> None:
     else:
         raise AssertionError(f"{impl} went unnoticed in 100 sequences")
     assert result.mismatch.op == "get_computed_blocks_for_connector", result.mismatch
+
+
+def test_planted_zeroing_bug_is_caught() -> None:
+    """Teeth for the zeroing duties the driver draws: a drop-in that reports an async
+    load's blocks for zeroing although the load writes them (``skip_zeroing_group_ids``
+    ignored) differs from the spec's 0.33.0 profile in the blocks it reports."""
+    family = FAMILIES["full+swa+mamba"]
+    index = list(FAMILIES).index(family.name)
+    for i in range(100):
+        result = run_sequence(family_seed(7, index, i), family,
+                              "conformance.mutants:IgnoresSkipZeroing", "spec-0.33", Stats())
+        if result.mismatch is not None:
+            break
+    else:
+        raise AssertionError("skip_zeroing_group_ids ignored went unnoticed in 100 sequences")
+    assert "new_block_ids" in str(result.mismatch) or result.mismatch.op == "take_new_block_ids", (
+        result.mismatch)
