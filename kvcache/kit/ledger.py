@@ -485,6 +485,25 @@ class CannotBuildCheckpointsAdded(Rule):
         )
 
 
+class CannotBuildDcpHybridCachingAdded(Rule):
+    """0.25.1 caches no layout of several groups under decode context parallelism
+    (vLLM 0.25.1 asserts "DCP not support hybrid attn"; kvcache's 0.25.1 profile
+    raises ``ContextParallelError``); 0.33.0 builds it with per-group geometry."""
+
+    refused_by = "old"
+
+    def cannot_build(self, config: ManagerConfig, reason: str) -> bool:
+        return (
+            config.dcp_world_size > 1
+            and config.enable_caching is not False
+            and len(config.groups) > 1
+            and any(
+                words in reason
+                for words in ("DCP not support hybrid", "do not support context parallelism")
+            )
+        )
+
+
 class SubBlockEntries(Rule):
     """Where a group's blocks span several hash blocks, drops what only the new side
     has: extra cache entries (keys the old side lacks), the primary hash of a block
@@ -1362,6 +1381,7 @@ RULES: dict[str, Callable[[], Rule]] = {
     "cannot_build_circular_added": CannotBuildCircularAdded,
     "cannot_build_lookahead_added": CannotBuildLookaheadAdded,
     "cannot_build_checkpoints_added": CannotBuildCheckpointsAdded,
+    "cannot_build_dcp_hybrid_caching_added": CannotBuildDcpHybridCachingAdded,
     "sub_block_entries": SubBlockEntries,
     "shorter_hit_mamba_eagle": ShorterHitMambaEagle,
     "mm_output_block_hash": MmOutputBlockHash,
