@@ -24,7 +24,7 @@ from kvcache.kit.conformance33 import (
     family_index,
     family_seed,
 )
-from kvcache.kit.driver import FAMILIES, Family, Stats, run_sequence
+from kvcache.kit.driver import FAMILIES, Family, SequenceResult, Stats, run_sequence
 
 pytestmark = pytest.mark.conformance
 
@@ -65,6 +65,18 @@ def test_kvcache_0_33_matches_spec_0_33(family: Family) -> None:
         assert stats.events["connector_diverged"] > 0 and stats.events["connector_fallback"] > 0
 
 
+def first_mismatch(impl: str, name: str, what: str) -> SequenceResult:
+    """The first of family ``name``'s first 100 sequences (seed 7) where ``impl``
+    differs from the spec's 0.33.0 profile; fails naming ``what`` if none does."""
+    family = FAMILIES[name]
+    index = list(FAMILIES).index(family.name)
+    for i in range(100):
+        result = run_sequence(family_seed(7, index, i), family, impl, "spec-0.33", Stats())
+        if result.mismatch is not None:
+            return result
+    raise AssertionError(f"{what} went unnoticed in 100 sequences")
+
+
 # (planted bug, what it gets wrong): each a kvcache-0.33 with one retention rule of
 # 0.33.0 turned back (tests/conformance/mutants.py), which spec-0.33 must tell apart.
 PLANTED = [
@@ -79,14 +91,7 @@ def test_planted_retention_bug_under_0_33_is_caught(impl: str, switch: str) -> N
     single replay boundary, or ignoring the request's shared-prefix boundary, differs
     from the spec's 0.33.0 profile in ``full+swa-retention`` (4 and 11 of its first 100
     sequences here, the first at once) at which window blocks are cached."""
-    family = FAMILIES["full+swa-retention"]
-    index = list(FAMILIES).index(family.name)
-    for i in range(100):
-        result = run_sequence(family_seed(7, index, i), family, impl, "spec-0.33", Stats())
-        if result.mismatch is not None:
-            break
-    else:
-        raise AssertionError(f"{switch} turned back went unnoticed in 100 sequences")
+    result = first_mismatch(impl, "full+swa-retention", f"{switch} turned back")
     if switch == "retention_replay_boundaries":
         assert result.config.use_eagle, result.config  # the rules differ only with EAGLE
     detail = str(result.mismatch)
@@ -107,14 +112,7 @@ def test_planted_connector_lookup_bug_is_caught(impl: str, name: str) -> None:
     or the per-group hits kept where a Mamba group hit deeper than full attention,
     differ from the spec's 0.33.0 profile at that call (20 and 13 of the first 100
     sequences here)."""
-    family = FAMILIES[name]
-    index = list(FAMILIES).index(family.name)
-    for i in range(100):
-        result = run_sequence(family_seed(7, index, i), family, impl, "spec-0.33", Stats())
-        if result.mismatch is not None:
-            break
-    else:
-        raise AssertionError(f"{impl} went unnoticed in 100 sequences")
+    result = first_mismatch(impl, name, impl)
     assert result.mismatch.op == "get_computed_blocks_for_connector", result.mismatch
 
 
@@ -122,14 +120,7 @@ def test_planted_zeroing_bug_is_caught() -> None:
     """Teeth for the zeroing duties the driver draws: a drop-in that reports an async
     load's blocks for zeroing although the load writes them (``skip_zeroing_group_ids``
     ignored) differs from the spec's 0.33.0 profile in the blocks it reports."""
-    family = FAMILIES["full+swa+mamba"]
-    index = list(FAMILIES).index(family.name)
-    for i in range(100):
-        result = run_sequence(family_seed(7, index, i), family,
-                              "conformance.mutants:IgnoresSkipZeroing", "spec-0.33", Stats())
-        if result.mismatch is not None:
-            break
-    else:
-        raise AssertionError("skip_zeroing_group_ids ignored went unnoticed in 100 sequences")
+    result = first_mismatch("conformance.mutants:IgnoresSkipZeroing", "full+swa+mamba",
+                            "skip_zeroing_group_ids ignored")
     assert "new_block_ids" in str(result.mismatch) or result.mismatch.op == "take_new_block_ids", (
         result.mismatch)
