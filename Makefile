@@ -25,14 +25,14 @@ COMPILED_TESTS := tests/stateful tests/conformance tests/reliability tests/sched
 	tests/unit/test_vllm_objects.py tests/unit/test_prompt_embeds.py tests/unit/test_kv_events_wire.py \
 	tests/unit/test_partial_hits_tail.py
 
-LINT_PATHS := spec kvcache tests proofs kernels scripts
-TYPED_PATHS := spec kvcache kernels proofs
+LINT_PATHS := spec kvcache tests proofs kernels scripts examples
+TYPED_PATHS := spec kvcache kernels proofs examples
 
 export PYTHONHASHSEED := 0
 export VLLM_LOGGING_LEVEL := ERROR
 export HYPOTHESIS_PROFILE ?= ci
 
-# Fuzzing campaigns (README, "Fuzzing campaigns"): the shared example database,
+# Fuzzing campaigns (docs/kit.md, "Fuzzing campaigns"): the shared example database,
 # HypoFuzz processes per target, the dashboard's address, an optional time limit.
 FUZZ_DB ?= $(CURDIR)/.hypothesis/fuzz-db
 FUZZ_WORKERS ?= 1
@@ -43,7 +43,7 @@ FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(F
 	FUZZ_PORT=$(FUZZ_PORT) FUZZ_SECONDS=$(FUZZ_SECONDS)
 
 .PHONY: setup compiled reference reference-0.33 check-0.33 conformance-0.33 upstream-0.33 \
-	upstream-0.33-compiled conformance-0.33-compiled lint typecheck test conformance \
+	upstream-0.33-compiled conformance-0.33-compiled lint typecheck test conformance wheel-check figures \
 	verify upstream proofs traces fuzz fuzz-worker fuzz-dashboard test-kernels bench-kernels \
 	bench mutation clean distclean
 
@@ -54,9 +54,9 @@ $(DEV_STAMP): pyproject.toml
 
 compiled: $(COMPILED_STAMP)
 
-# Order-only on the reference layer: mypyc type-checks the core, which names torch
-# and msgspec (installed with vLLM 0.25.1), so a fresh `make setup` builds it after them.
-$(COMPILED_STAMP): $(CORE_SOURCES) setup.py kvcache/_builds.py | $(REF_STAMP)
+# Needs only the dev layer (mypy's mypyc): the core type-checks without torch or vLLM,
+# as in `pip wheel .`'s isolated build, so `make setup` stays light (README, Install).
+$(COMPILED_STAMP): $(CORE_SOURCES) setup.py kvcache/_builds.py | $(DEV_STAMP)
 	@bash scripts/bootstrap.sh compiled $@
 
 reference: $(REF_STAMP)
@@ -132,11 +132,12 @@ test: $(REF_STAMP)
 conformance: $(REF_STAMP)
 	KVCACHE_PURE=1 $(PY) -m pytest -q -m conformance tests/conformance
 
-# Tests run twice (README, "Two builds"): everything on the pure-Python sources, then
+# Tests run twice (docs/verification.md, "Two builds"): everything on the pure-Python sources, then
 # the stateful machines, conformance and reliability on the compiled build; the
 # exhaustive kvcache-vs-spec search too, on the compiled build shallower (states pickled).
 PROOFS_COMPILED_SHALLOWER ?= 2
 verify: $(REF_STAMP) $(COMPILED_STAMP)
+	@mkdir -p build && rm -f build/verify-stages.jsonl
 	@$(PY) scripts/stage.py lint -- $(VENV)/bin/ruff check $(LINT_PATHS)
 	@$(PY) scripts/stage.py typecheck -- $(VENV)/bin/mypy --strict $(TYPED_PATHS)
 	@$(PY) scripts/stage.py tests -- env KVCACHE_PURE=1 $(PY) -m pytest -q -p no:cacheprovider
@@ -148,6 +149,7 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py proofs -- env KVCACHE_PURE=1 $(PY) -m proofs.run
 	@$(PY) scripts/stage.py proofs-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
 		$(PY) -m proofs.exhaustive --shallower $(PROOFS_COMPILED_SHALLOWER)
+	@$(PY) scripts/stage.py wheel-check -- $(PY) scripts/wheel_check.py
 	@$(PY) scripts/stage.py check-0.33 -- env KVCACHE_PURE=1 $(MAKE) --no-print-directory check-0.33
 	@$(PY) scripts/stage.py conformance-0.33 -- env KVCACHE_PURE=1 \
 		$(MAKE) --no-print-directory conformance-0.33
@@ -157,6 +159,17 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 		$(MAKE) --no-print-directory upstream-0.33-compiled
 	@$(PY) scripts/stage.py conformance-0.33-compiled -- \
 		$(MAKE) --no-print-directory conformance-0.33-compiled
+	@$(PY) scripts/figures.py verify
+
+# The installed distribution as a user gets it (scripts/wheel_check.py): `pip wheel .`,
+# a fresh venv (build/wheel/venv, with CPU torch and transformers, without triton), only
+# kvcache's own import names, the README example, the `kvcache` command. ~2-3 min.
+wheel-check: $(DEV_STAMP)
+	$(PY) scripts/wheel_check.py
+
+# docs/figures.md from the records `make verify` and `make bench` leave in build/.
+figures: $(DEV_STAMP)
+	$(PY) scripts/figures.py all
 
 # vLLM 0.25.1's own tests/v1/core, fetched into build/upstream, run unchanged on stock vLLM,
 # with vLLM's core modules served by kvcache (vLLM's objects), and with kvcache's vocabulary too.
@@ -196,8 +209,11 @@ bench-kernels: $(REF_STAMP)
 BENCH_TRACES := $(wildcard tests/data/*workload_chat*.jsonl.gz)
 BENCH_TRACE_REQUESTS ?= 100
 bench: $(BENCH_STAMP) $(COMPILED_STAMP)
-	$(PY) -m kvcache bench --scaling --json build/bench.json --plot build/bench.png \
-		--traces $(BENCH_TRACES) --trace-requests $(BENCH_TRACE_REQUESTS)
+	@mkdir -p build
+	bash -o pipefail -c '$(PY) -m kvcache bench --scaling --json build/bench.json \
+		--plot build/bench.png --traces $(BENCH_TRACES) \
+		--trace-requests $(BENCH_TRACE_REQUESTS) | tee build/bench.txt'
+	$(PY) scripts/figures.py bench
 
 # mutmut over kvcache/*.py (not the kit) with the quick test selection of [tool.mutmut]
 # (HYPOTHESIS_PROFILE=mutation): counts and score against docs/mutation.md, which lists the

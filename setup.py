@@ -1,4 +1,4 @@
-"""Optional compiled build of kvcache's core with mypyc (README, "Two builds").
+"""Optional compiled build of kvcache's core with mypyc (docs/verification.md, "Two builds").
 
 ``pip install`` (editable or not) compiles ``kvcache/*.py`` (not the kit, not
 ``__init__``/``__main__``) into C extension modules placed next to the sources,

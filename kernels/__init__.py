@@ -12,8 +12,8 @@ Set ``TRITON_INTERPRET=1`` before importing this package to run on CPU.
 kvcache never imports this package: it needs torch and triton.
 """
 
-from kernels.kv_write import kv_write
-from kernels.paged_attention import paged_attention
-from kernels.slot_mapping import PAD_SLOT_ID, map_to_kernel_blocks, slot_mapping
+from .kv_write import kv_write
+from .paged_attention import paged_attention
+from .slot_mapping import PAD_SLOT_ID, map_to_kernel_blocks, slot_mapping
 
 __all__ = ["PAD_SLOT_ID", "kv_write", "map_to_kernel_blocks", "paged_attention", "slot_mapping"]

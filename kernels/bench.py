@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels.paged_attention import paged_attention
+from .paged_attention import paged_attention
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

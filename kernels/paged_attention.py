@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_block_table
+from .checks import check_block_table
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

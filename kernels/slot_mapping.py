@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_block_table
+from .checks import check_block_table
 
 PAD_SLOT_ID = -1
 

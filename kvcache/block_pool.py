@@ -37,7 +37,7 @@ from kvcache.kv_events import (
     BlockStored,
     KVCacheEvent,
     LookaheadBlockStored,
-    emitted,
+    in_vocabulary,
 )
 
 if TYPE_CHECKING:
@@ -242,6 +242,11 @@ class BlockPool:
             evictions exactly where vLLM 0.25.1 tells it; None for none.
         medium: The storage tier its events name (vLLM 0.33.0's argument; ``"GPU"``,
             or ``"CPU"`` for a HiSparse host pool).
+        vllm_events: Keyword only, not in vLLM's signature: ``take_events`` returns
+            vLLM's event structs (``kv_events.to_vllm``; needs vLLM) instead of
+            kvcache's dataclasses. A manager sets it when it is built from vLLM's
+            objects (``kv_events.built_from_vllm``), so vLLM's publisher can send
+            its events; each pool keeps the vocabulary it was built with.
 
     vLLM 0.33.0's HiSparse additions (used only by HiSparse layouts): ``unpin_blocks``
     (a reference dropped while the block stays readable until the pool reuses it,
@@ -258,6 +263,8 @@ class BlockPool:
         enable_kv_cache_events: bool = False,
         metrics_collector: Any = None,
         medium: str = MEDIUM_GPU,
+        *,
+        vllm_events: bool = False,
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
@@ -275,6 +282,7 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
+        self.vllm_events = vllm_events
         self.kv_event_queue: list[KVCacheEvent] = []
         self.metrics_collector: Any = metrics_collector
         # The mm_keys_by_window switch (kvcache.profile), set by the KVCacheManager.
@@ -1010,7 +1018,7 @@ class BlockPool:
             self.kv_event_queue.clear()
         else:
             events, self.kv_event_queue = self.kv_event_queue, []
-        return emitted(events)  # vLLM's classes after kv_events.set_event_classes("vllm")
+        return in_vocabulary(events, self.vllm_events)
 
     def check_invariants(self) -> None:
         """Assert the class invariants (O(pool size); for tests and self-checks)."""

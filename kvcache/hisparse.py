@@ -101,6 +101,7 @@ class HiSparseSourceManager(FullAttentionManager):
             device_pool.enable_kv_cache_events,
             collector,
             MEDIUM_CPU,
+            vllm_events=device_pool.vllm_events,
         )
         host_pool.mm_keys_by_window = device_pool.mm_keys_by_window
         host_pool.event_session_id = device_pool.event_session_id

@@ -31,6 +31,7 @@ from kvcache.kv_cache_utils import (
     KVCacheBlock,
     trim_null_head,
 )
+from kvcache.kv_events import built_from_vllm
 from kvcache.single_type_kv_cache_manager import (
     CrossAttentionManager,
     FullAttentionManager,
@@ -263,6 +264,7 @@ class KVCacheCoordinator:
             hash_block_size=hash_block_size,
             enable_kv_cache_events=enable_kv_cache_events,
             metrics_collector=metrics_collector,
+            vllm_events=built_from_vllm(kv_cache_config),  # vLLM's config: vLLM's events
         )
         self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:

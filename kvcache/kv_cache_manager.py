@@ -223,7 +223,7 @@ def _refuse_checkpoint_fields(kv_cache_config: KVCacheConfig, profile: Profile) 
             )
 
 
-# Subclassing KVCacheManager is the documented way to plug in a variant (README,
+# Subclassing KVCacheManager is the documented way to plug in a variant (docs/kit.md,
 # "Check your own implementation"): allowed on the compiled build too.
 @mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheManager:
@@ -796,7 +796,7 @@ class KVCacheManager:
         events = self.block_pool.take_events()
         metadata = self.kv_cache_event_metadata
         for any_event in events:
-            # By class name: the pool's events may be vLLM's (kv_events.set_event_classes).
+            # By class name: a pool built from vLLM's objects emits vLLM's events.
             if type(any_event).__name__ != "BlockStored":
                 continue
             event = cast(BlockStored, any_event)

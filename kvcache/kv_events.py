@@ -14,8 +14,11 @@ data_parallel_rank]``, an event the map ``{"type": CLASS_NAME, field: value,
 msgspec, when installed, packs the bytes; otherwise ``packb``, a small
 MessagePack writer of its own, does (the same bytes; a test holds both to it).
 With vLLM installed, ``to_vllm`` / ``from_vllm`` convert to and from vLLM's
-own event classes, and ``set_event_classes("vllm")`` makes ``take_events``
-return vLLM's classes.
+own event classes. Each pool emits one vocabulary, fixed when it is built: a
+manager built from vLLM's objects (``built_from_vllm`` of its ``KVCacheConfig``)
+returns vLLM's structs from ``take_events``, so vLLM's ``ZmqEventPublisher``
+sends batches vLLM's subscribers decode; one built from kvcache's returns these
+dataclasses. Two managers in one process keep their own.
 """
 
 from __future__ import annotations
@@ -251,32 +254,17 @@ def _pack_int(value: int, out: bytearray) -> None:
 
 # ---------------------------------------------------------------- vLLM's classes
 
-_emit_vllm_classes = False
+def built_from_vllm(obj: object) -> bool:
+    """Whether ``obj`` is one of vLLM's own objects (its class lives in the ``vllm``
+    package): a manager built from vLLM's ``KVCacheConfig`` emits vLLM's event
+    classes, so vLLM's publisher and subscribers take its events unchanged."""
+    return type(obj).__module__.partition(".")[0] == "vllm"
 
 
-def set_event_classes(vocabulary: str) -> None:
-    """Which classes ``BlockPool.take_events`` (and so ``KVCacheManager.take_events``)
-    returns, process-wide:
-    ``"kvcache"`` (this module's dataclasses, the default) or ``"vllm"``
-    (vLLM's own msgspec structs, via ``to_vllm``; needs vLLM). For running
-    kvcache under code that checks ``isinstance`` against vLLM's event classes,
-    e.g. vLLM's own tests with vLLM's objects.
-
-    Raises:
-        ValueError: for another vocabulary.
-    """
-    global _emit_vllm_classes
-    if vocabulary not in ("kvcache", "vllm"):
-        raise ValueError(f"vocabulary must be 'kvcache' or 'vllm', got {vocabulary!r}")
-    if vocabulary == "vllm":
-        import vllm.distributed.kv_events  # noqa: F401  (fail here, not at take_events)
-    _emit_vllm_classes = vocabulary == "vllm"
-
-
-def emitted(events: list[KVCacheEvent]) -> list[Any]:
-    """``events`` in the classes ``set_event_classes`` chose (the same list by default)."""
-    return to_vllm(events) if _emit_vllm_classes else events
-
+def in_vocabulary(events: list[KVCacheEvent], vllm_classes: bool) -> list[Any]:
+    """``events`` as vLLM's msgspec structs when ``vllm_classes`` (``to_vllm``), else
+    the same list: each pool emits the vocabulary it was built with."""
+    return to_vllm(events) if vllm_classes else events
 
 
 def to_vllm(value: Any) -> Any:

@@ -310,7 +310,7 @@ class BlockPool(_block_pool.BlockPool):
         medium: The tier its events name: ``"GPU"``, or ``"CPU"`` (a HiSparse host
             pool).
 
-    The other arguments are ``kvcache.BlockPool``'s.
+    The other arguments (``vllm_events`` too) are ``kvcache.BlockPool``'s.
 
     Raises:
         ValueError: for a negative ``num_hash_lookahead_tokens``.
@@ -326,6 +326,8 @@ class BlockPool(_block_pool.BlockPool):
         metrics_collector: Any = None,
         num_hash_lookahead_tokens: int = 0,
         medium: str = _events.MEDIUM_GPU,
+        *,
+        vllm_events: bool = False,
     ) -> None:
         lookahead = _check_lookahead("num_hash_lookahead_tokens", num_hash_lookahead_tokens)
         if medium not in (_events.MEDIUM_GPU, _MEDIUM_CPU):
@@ -335,7 +337,7 @@ class BlockPool(_block_pool.BlockPool):
             )
         super().__init__(
             num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events,
-            metrics_collector, medium,
+            metrics_collector, medium, vllm_events=vllm_events,
         )  # fmt: skip
         self.apply_profile(PROFILE)
         self.num_hash_lookahead_tokens = lookahead

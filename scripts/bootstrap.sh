@@ -48,7 +48,11 @@ step() {  # step DESCRIPTION COMMAND...: run quietly, or fail with the log's tai
         exit 1
     fi
 }
-pip_install() { "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@"; }
+# KVCACHE_BUILD_PURE=1: an editable install of this repo builds no extensions (the
+# `compiled` layer builds them in place, once, with the digest check of setup.py).
+pip_install() {
+    KVCACHE_BUILD_PURE=1 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@"
+}
 
 case $layer in
 dev)

@@ -3,15 +3,18 @@
 
 Usage: ``scripts/stage.py STAGE -- COMMAND...``, STAGE one of lint, typecheck, tests,
 tests-compiled, upstream, upstream-compiled, proofs, proofs-compiled, check-0.33,
-conformance-0.33, upstream-0.33, upstream-0.33-compiled, conformance-0.33-compiled.
+conformance-0.33, upstream-0.33, upstream-0.33-compiled, conformance-0.33-compiled, wheel-check.
 
 The command's full output goes to ``build/<stage>.log``; on failure its tail is
-printed above the summary line. The exit status is the command's (pytest's
+printed above the summary line. The line and the stage's time are appended to
+``build/verify-stages.jsonl``, which ``scripts/figures.py`` renders into
+``docs/figures.md``. The exit status is the command's (pytest's
 "no tests ran", 5, counts as a failure).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -81,6 +84,9 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
         if pending:
             detail += f"; not yet conformant: {pending[-1].strip()}"
         return f"{stage}: {'ok' if rc == 0 else 'FAILED'} ({detail})"
+    if stage == "wheel-check":
+        found = re.findall(r"^wheel-check: .*$", output, re.MULTILINE)
+        return found[-1] if found else f"wheel-check: FAILED (rc={rc})"
     if stage.startswith("check-"):
         found = re.findall(r"^release-check .*$", output, re.MULTILINE)
         detail = found[-1] if found else f"rc={rc}"
@@ -104,7 +110,11 @@ def main() -> int:
     if proc.returncode != 0:
         print("\n".join(proc.stdout.splitlines()[-TAIL_LINES:]))
         print(f"(full output: {log.relative_to(ROOT)})")
-    print(summarise(stage, proc.stdout, proc.returncode, seconds), flush=True)
+    line = summarise(stage, proc.stdout, proc.returncode, seconds)
+    print(line, flush=True)
+    record = {"stage": stage, "line": line, "seconds": round(seconds, 1), "rc": proc.returncode}
+    with (ROOT / "build" / "verify-stages.jsonl").open("a", encoding="utf-8") as records:
+        records.write(json.dumps(record) + "\n")  # scripts/figures.py renders them
     return proc.returncode if proc.returncode != 0 else 0
 
 

@@ -26,16 +26,16 @@ Release differences (vLLM 0.25.1, the default, and 0.33.0) are named switches of
 ``spec/profile.py``, passed as ``KVCacheManager(..., profile="0.33.0")``.
 """
 
-from spec.block_pool import NULL_BLOCK, BlockPool
-from spec.kv_cache_coordinator import (
+from .block_pool import NULL_BLOCK, BlockPool
+from .kv_cache_coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
 )
-from spec.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from spec.single_type_kv_cache_manager import (
+from .kv_cache_manager import KVCacheBlocks, KVCacheManager
+from .single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
     FullAttentionManager,

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from spec.vocab import (
+from .vocab import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,

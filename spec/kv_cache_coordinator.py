@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from spec import pure
-from spec.block_pool import BlockPool
-from spec.single_type_kv_cache_manager import (
+from . import pure
+from .block_pool import BlockPool
+from .single_type_kv_cache_manager import (
     CircularBufferManager,
     CrossAttentionManager,
     FullAttentionManager,
@@ -17,7 +17,7 @@ from spec.single_type_kv_cache_manager import (
     check_no_hits,
     get_manager_for_kv_cache_spec,
 )
-from spec.vocab import KVCacheConfig, KVCacheSpec, Request, cacheable, coarsen, is_a, is_dcp_sharded
+from .vocab import KVCacheConfig, KVCacheSpec, Request, cacheable, coarsen, is_a, is_dcp_sharded
 
 
 def group_role(group: object) -> str | None:

@@ -9,21 +9,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
-from spec import pure
-from spec.block_pool import NULL_BLOCK, BlockPool
-from spec.kv_cache_coordinator import (
+from . import pure
+from .block_pool import NULL_BLOCK, BlockPool
+from .kv_cache_coordinator import (
     HybridKVCacheCoordinator,
     get_kv_cache_coordinator,
     group_role,
 )
-from spec.profile import Profile, resolve_profile
-from spec.pure import cdiv
-from spec.single_type_kv_cache_manager import (
+from .profile import Profile, resolve_profile
+from .pure import cdiv
+from .single_type_kv_cache_manager import (
     FullAttentionManager,
     HiSparseResidentManager,
     MambaManager,
 )
-from spec.vocab import (
+from .vocab import (
     BlockRemoved033,
     BlockStored,
     BlockStored033,

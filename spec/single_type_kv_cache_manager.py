@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from spec import pure
-from spec.block_pool import NULL_BLOCK, BlockPool
-from spec.pure import cdiv
-from spec.vocab import MEDIUM_CPU, KVCacheSpec, Request, admission_cap, cacheable
+from . import pure
+from .block_pool import NULL_BLOCK, BlockPool
+from .pure import cdiv
+from .vocab import MEDIUM_CPU, KVCacheSpec, Request, admission_cap, cacheable
 
 ZEROED_SPECS = ("FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec",
                 "HiddenStateCacheSpec")

@@ -18,7 +18,7 @@ from kvcache.kit.workloads import WORKLOAD_NAMES
 
 IMPL_HELP = (
     "implementation: kvcache, spec (the oracle), vllm (the installed vLLM), a package "
-    "with a KVCacheManager, or module:factory (see README, 'Check your own implementation')"
+    "with a KVCacheManager, or module:factory (see docs/kit.md)"
 )
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvcache.kit.config import GroupConfig, ManagerConfig, fine_grained_hits
 from kvcache.kit.ledger import REFERENCE_LINE, Judge, release_line_of
+from kvcache.kit.oracle import spec_module
 from kvcache.kit.sides import CannotBuild, HarnessError, Side, make_side
 from kvcache.kit.trace import (
     Trace,
@@ -964,7 +965,7 @@ class RandomScheduler:
         (every Mamba group has checkpoint blocks; the position exportable there)."""
         if not self.checkpoints:
             return False
-        from spec import pure  # the oracle's arithmetic: the kit imports spec lazily
+        pure = spec_module("pure")  # the oracle's arithmetic: the kit imports spec lazily
 
         prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
         if end < prefill_end:
@@ -976,9 +977,9 @@ class RandomScheduler:
             self.config.use_eagle,
             self.config.num_hash_lookahead_tokens,
         )
-        return pure.mamba_checkpoint_exportable(
+        return bool(pure.mamba_checkpoint_exportable(
             start, end, position, hbs, self.block_size, self.checkpoint_alignment
-        )
+        ))
 
     # ------------------------------------------------------------ actions
 

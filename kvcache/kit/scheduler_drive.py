@@ -117,8 +117,9 @@ STREAMS = [
 ]
 
 
-def _vllm_config(num_blocks: int) -> Any:
+def _vllm_config(num_blocks: int, events_endpoint: str | None = None) -> Any:
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config.kv_events import KVEventsConfig
 
     model_config = ModelConfig(
         model=str(MODEL_DIR),
@@ -138,8 +139,16 @@ def _vllm_config(num_blocks: int) -> Any:
     )
     cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
     cache_config.num_gpu_blocks = num_blocks
+    events = None
+    if events_endpoint is not None:
+        events = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint, topic="kv"
+        )
     return VllmConfig(
-        model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        kv_events_config=events,
     )
 
 
@@ -162,15 +171,18 @@ def _kv_cache_config(stream: Stream) -> Any:
     return KVCacheConfig(num_blocks=stream.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def build_scheduler(stream: Stream, manager_cls: type | None) -> Any:
+def build_scheduler(
+    stream: Stream, manager_cls: type | None, events_endpoint: str | None = None
+) -> Any:
     """vLLM's ``Scheduler``; with ``manager_cls`` (a kvcache manager class), that
-    manager swapped in, else vLLM's own."""
+    manager swapped in, else vLLM's own. With ``events_endpoint`` (a ZMQ address),
+    KV-cache events are on and vLLM's ``ZmqEventPublisher`` binds there."""
     import vllm.v1.core.sched.scheduler as scheduler_module
     from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.structured_output import StructuredOutputManager
 
-    vllm_config = _vllm_config(stream.num_blocks)
+    vllm_config = _vllm_config(stream.num_blocks, events_endpoint)
     register_all_kvcache_specs(vllm_config)
 
     def make() -> Any:
@@ -377,6 +389,79 @@ def run(stream: Stream, manager_cls: type | None, seed: int) -> Iterator[tuple[A
         yield snapshot(output), engine_snapshot(engine)
         if not pending and not scheduler.has_unfinished_requests():
             break
+
+
+def published_events(
+    stream: Stream, manager_cls: type | None, seed: int, endpoint: str
+) -> list[list[Any]]:
+    """Run ``stream`` on vLLM's Scheduler with KV-cache events published by vLLM's
+    own ``ZmqEventPublisher`` at ``endpoint`` (an ``ipc://`` path or a 127.0.0.1
+    port), and return what a subscriber decodes with vLLM's ``KVEventBatch``
+    decoder: the events of each batch, in order.
+
+    A subscriber joins a PUB socket asynchronously, so empty probe batches are
+    published until one arrives (at most ``PROBES`` tries); the stream's batches
+    then follow, and their sequence numbers must have no gap. Every loop is
+    bounded by a count and the sockets are closed on the way out.
+
+    Raises:
+        SchedulerDiffers: when no probe arrives, a batch is missing, or a payload
+            does not decode (what vLLM's subscribers would see).
+    """
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    scheduler = build_scheduler(stream, manager_cls, endpoint)
+    sub: Any = zmq.Context.instance().socket(zmq.SUB)
+    batches: list[list[Any]] = []
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(endpoint)
+        for _ in range(PROBES):  # the join handshake
+            scheduler.kv_event_publisher.publish(KVEventBatch(ts=0.0, events=[]))
+            if sub.poll(20):
+                break
+        else:
+            raise SchedulerDiffers(f"{stream.name}: no probe batch reached the subscriber")
+        pending = request_stream(stream, seed)
+        for step in range(STEPS):
+            while pending and pending[0][0] <= step:
+                scheduler.add_request(pending.pop(0)[1](hasher))
+            output = scheduler.schedule()
+            scheduler.update_from_output(output, model_output(scheduler, output))
+            if not pending and not scheduler.has_unfinished_requests():
+                break
+        scheduler.shutdown()  # the publisher thread sends what it holds, then stops
+        last_seq = None
+        for _ in range(STEPS * 4 + PROBES):
+            if not sub.poll(1000):
+                break
+            _topic, seq_bytes, payload = sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            if last_seq is not None and seq != last_seq + 1:
+                raise SchedulerDiffers(f"{stream.name}: batch {last_seq + 1} never arrived")
+            last_seq = seq
+            try:
+                batch = decoder.decode(payload)
+            except msgspec.DecodeError as exc:  # ValidationError included
+                raise SchedulerDiffers(
+                    f"{stream.name}: batch {seq} does not decode as vLLM's KVEventBatch: {exc}"
+                ) from exc
+            if batch.events:
+                batches.append(list(batch.events))
+    finally:
+        sub.close(linger=0)
+    return batches
+
+
+PROBES = 250
+"""Empty batches published, at most, before a subscriber is known to have joined."""
 
 
 class SchedulerDiffers(AssertionError):

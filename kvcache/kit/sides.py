@@ -49,6 +49,7 @@ from types import ModuleType
 from typing import Any, cast
 
 from kvcache.kit.config import GroupConfig, ManagerConfig
+from kvcache.kit.oracle import spec_package
 from kvcache.kit.trace import canon, canon_state
 
 BUILTIN_IMPLS = ("kvcache", "spec", "vllm", "kvcache-0.33", "spec-0.33")
@@ -466,8 +467,7 @@ class SpecProfileAdapter(SpecAdapter):
     the independent check of ``ProfileAdapter`` without that vLLM installed."""
 
     def __init__(self, name: str, release: str, release_line: str, module: str) -> None:
-        import spec
-
+        spec = spec_package()
         super().__init__(name, spec.KVCacheManager, _package_version())
         self.release = release
         self.release_line = release_line
@@ -913,8 +913,7 @@ def resolve_adapter(name: str) -> Adapter:
         adapter.kv_cache_utils = pure["kv_cache_utils"]
         return adapter
     if name == "spec":
-        import spec
-
+        spec = spec_package()
         return SpecAdapter("spec", spec.KVCacheManager, _package_version())
     if name == "vllm":
         try:

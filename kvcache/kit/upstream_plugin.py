@@ -235,6 +235,25 @@ def _reload(original: Any) -> Any:
     return reload
 
 
+def _vllm_events_pool_module(modules: list[ModuleType]) -> ModuleType:
+    """An overlay serving ``BlockPool`` under vLLM's module name in ``objects`` mode: a
+    pool a test builds on its own, from plain numbers, emits vLLM's event structs, as
+    the pool of the module it imported (vLLM's) does. Pools that managers build come
+    from kvcache's own module and choose by their config (``built_from_vllm``)."""
+    base = modules[0].BlockPool
+
+    class BlockPool(base):  # type: ignore[misc, valid-type]
+        __doc__ = base.__doc__
+
+        def __init__(self, *args: Any, vllm_events: bool = True, **kwargs: Any) -> None:
+            super().__init__(*args, vllm_events=vllm_events, **kwargs)
+
+    BlockPool.__module__ = base.__module__
+    overlay = ModuleType("kvcache.kit.upstream_plugin.vllm_events_pool")
+    overlay.BlockPool = BlockPool  # type: ignore[attr-defined]
+    return overlay
+
+
 def install_swaps(mode: str) -> None:
     """Put kvcache's modules in place of vLLM's for ``mode`` (before any test imports)."""
     swaps: dict[str, tuple[str, ...]] = dict(RELEASE.core_swaps)
@@ -244,6 +263,8 @@ def install_swaps(mode: str) -> None:
         if vllm_name in sys.modules:
             raise RuntimeError(f"{vllm_name} was imported before kvcache could replace it")
         *overlays, target = (importlib.import_module(name) for name in kv_names)
+        if mode == "objects" and vllm_name.endswith(".block_pool"):
+            overlays.insert(0, _vllm_events_pool_module(overlays or [target]))
         parent_name, _, child = vllm_name.rpartition(".")
         parent = importlib.import_module(parent_name)
         swapped = SwappedModule(
@@ -320,8 +341,6 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError("KVCACHE_EXPECT_COMPILED=1 but kvcache's pure build is loaded")
     if MODE != "vllm":
         install_swaps(MODE)
-    if MODE == "objects":  # vLLM's objects throughout: take_events returns vLLM's events too
-        importlib.import_module("kvcache.kv_events").set_event_classes("vllm")
     sys.settrace(_tracer)
     threading.settrace(_tracer)
 

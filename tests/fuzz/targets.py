@@ -15,7 +15,7 @@ Not collected by ``pytest`` on its own (the file name has no ``test_`` prefix):
 Run with ``HYPOTHESIS_PROFILE=fuzz`` (``make fuzz`` does): the example
 database is then ``$KVCACHE_FUZZ_DB`` — a directory (shared by every worker
 that mounts it) or ``redis://host:port/db`` — see tests/conftest.py and the
-README, "Fuzzing campaigns".
+docs/kit.md, "Fuzzing campaigns".
 """
 
 from __future__ import annotations

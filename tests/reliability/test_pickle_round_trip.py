@@ -2,7 +2,7 @@
 
 The exhaustive search (``proofs/exhaustive.py``) copies states by pickling them;
 compiled classes pickle because every core class allows interpreted subclasses
-(README, "Two builds"). Here a manager is driven part way through a random
+(docs/verification.md, "Two builds"). Here a manager is driven part way through a random
 scheduler run, pickled together with its requests, and both the original and the
 copy then run the same continuation: every result (hits, block ids, refusals,
 events) and the final abstract state must be equal, and the copy must be

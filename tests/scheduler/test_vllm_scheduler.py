@@ -11,6 +11,7 @@ Scheduler with ``kvcache.vllm_0_33.KVCacheManager``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +39,25 @@ def test_vllm_scheduler_on_kvcache_matches_stock(stream: Stream, cpu_platform: N
     assert result.preemptions > 0  # the pool is small enough to preempt
     assert (result.encoder_inputs > 0) == stream.multimodal
     assert (result.embed_requests > 0) == stream.embeds
+
+
+EVENT_STREAMS = [s for s in STREAMS if s.name in ("shared_prefix_preemption", "hybrid_full_swa")]
+
+
+@pytest.mark.parametrize("stream", EVENT_STREAMS, ids=[s.name for s in EVENT_STREAMS])
+def test_published_kv_events_decode_as_stock(
+    stream: Stream, cpu_platform: None, tmp_path: Path
+) -> None:
+    """The README's drop-in with KV-cache events on: vLLM's ZmqEventPublisher sends
+    kvcache's events over ipc, a subscriber decodes them with vLLM's own
+    ``KVEventBatch`` decoder, and the decoded stream equals stock vLLM's event for
+    event (types, hashes, parents, tokens, block size, LoRA, medium, group)."""
+    ours = scheduler_drive.published_events(
+        stream, K.KVCacheManager, 7, f"ipc://{tmp_path}/kvcache.ipc"
+    )
+    stock = scheduler_drive.published_events(stream, None, 7, f"ipc://{tmp_path}/stock.ipc")
+    kinds = {type(e).__name__ for batch in stock for e in batch}
+    assert {"BlockStored", "BlockRemoved"} <= kinds  # evictions happen under the small pool
+    assert len(ours) == len(stock)
+    for i, (a, b) in enumerate(zip(ours, stock, strict=True)):
+        assert a == b, f"batch {i} differs"

@@ -23,12 +23,17 @@ from kvcache import kv_events as E
 BS = 4
 
 
-def manager_events(monkeypatch: pytest.MonkeyPatch, int_hashes: bool) -> list[E.KVCacheEvent]:
+def manager_events(
+    monkeypatch: pytest.MonkeyPatch, int_hashes: bool, config_types: Any = K
+) -> list[E.KVCacheEvent]:
     """Events of a small real run: stored blocks with LoRA / multimodal / salt extra
-    keys, evictions, and a prefix-cache reset."""
+    keys, evictions, and a prefix-cache reset. ``config_types`` supplies the
+    ``FullAttentionSpec`` / ``KVCacheConfig`` / ``KVCacheGroupSpec`` classes the
+    manager is built from (kvcache's, or vLLM's ``kv_cache_interface``)."""
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1" if int_hashes else "0")
-    spec = K.FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype="float16")
-    config = K.KVCacheConfig(5, [], [K.KVCacheGroupSpec(["layers.0"], spec)])
+    T = config_types
+    spec = T.FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=_dtype(T))
+    config = T.KVCacheConfig(5, [], [T.KVCacheGroupSpec(["layers.0"], spec)])
     manager = K.KVCacheManager(config, max_model_len=64, scheduler_block_size=BS,
                                hash_block_size=BS, enable_kv_cache_events=True)
     hasher = K.get_request_block_hasher(BS, K.sha256)
@@ -47,6 +52,15 @@ def manager_events(monkeypatch: pytest.MonkeyPatch, int_hashes: bool) -> list[E.
     kinds = {type(e).__name__ for e in events}
     assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}, kinds
     return events
+
+
+def _dtype(config_types: Any) -> Any:
+    """The spec's dtype in that vocabulary: a string for kvcache, torch's for vLLM."""
+    if config_types is K:
+        return "float16"
+    import torch
+
+    return torch.float16
 
 
 # ---------------------------------------------------------------- without vLLM
@@ -189,20 +203,22 @@ def test_dataclass_events_in_vllms_batch_need_the_conversion(
     assert len(decoder.decode(msgspec.msgpack.Encoder().encode(converted)).events) == len(events)
 
 
-def test_take_events_in_vllms_classes_on_request(
+def test_manager_from_vllms_objects_emits_vllms_events(
     vllm_reference: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A manager built from vLLM's config emits vLLM's event structs by itself (no
+    switch, no call), while one built from kvcache's in the same process keeps
+    kvcache's dataclasses: each manager its own vocabulary."""
     from vllm.distributed import kv_events as vllm_events
+    from vllm.v1 import kv_cache_interface as vllm_interface
 
     expected = manager_events(monkeypatch, int_hashes=True)
-    try:
-        E.set_event_classes("vllm")
-        got = manager_events(monkeypatch, int_hashes=True)
-    finally:
-        E.set_event_classes("kvcache")
+    got = manager_events(monkeypatch, int_hashes=True, config_types=vllm_interface)
+    again = manager_events(monkeypatch, int_hashes=True)  # after the vLLM-built one
     assert [type(e) for e in got] == [getattr(vllm_events, type(e).__name__) for e in expected]
     assert E.from_vllm(got) == expected  # labels (kv_cache_spec_kind) included
     assert any(getattr(e, "kv_cache_spec_kind", None) for e in got)
-    assert type(manager_events(monkeypatch, int_hashes=True)[0]) is E.BlockStored
-    with pytest.raises(ValueError, match="vocabulary must be 'kvcache' or 'vllm', got 'x'"):
-        E.set_event_classes("x")
+    assert [type(e) for e in again] == [type(e) for e in expected]
+    assert type(expected[0]) is E.BlockStored
+    assert E.built_from_vllm(vllm_interface.KVCacheConfig(1, [], []))
+    assert not E.built_from_vllm(K.KVCacheConfig(1, [], []))
