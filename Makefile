@@ -138,6 +138,7 @@ conformance: $(REF_STAMP)
 PROOFS_COMPILED_SHALLOWER ?= 2
 verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@mkdir -p build && rm -f build/verify-stages.jsonl
+	@$(PY) scripts/wheel_check.py --start
 	@$(PY) scripts/stage.py lint -- $(VENV)/bin/ruff check $(LINT_PATHS)
 	@$(PY) scripts/stage.py typecheck -- $(VENV)/bin/mypy --strict $(TYPED_PATHS)
 	@$(PY) scripts/stage.py tests -- env KVCACHE_PURE=1 $(PY) -m pytest -q -p no:cacheprovider
@@ -149,7 +150,7 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py proofs -- env KVCACHE_PURE=1 $(PY) -m proofs.run
 	@$(PY) scripts/stage.py proofs-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
 		$(PY) -m proofs.exhaustive --shallower $(PROOFS_COMPILED_SHALLOWER)
-	@$(PY) scripts/stage.py wheel-check -- $(PY) scripts/wheel_check.py
+	@$(PY) scripts/stage.py wheel-check -- $(PY) scripts/wheel_check.py --await
 	@$(PY) scripts/stage.py check-0.33 -- env KVCACHE_PURE=1 $(MAKE) --no-print-directory check-0.33
 	@$(PY) scripts/stage.py conformance-0.33 -- env KVCACHE_PURE=1 \
 		$(MAKE) --no-print-directory conformance-0.33
@@ -163,7 +164,8 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 
 # The installed distribution as a user gets it (scripts/wheel_check.py): `pip wheel .`,
 # a fresh venv (build/wheel/venv, with CPU torch and transformers, without triton), only
-# kvcache's own import names, the README example, the `kvcache` command. ~2-3 min.
+# kvcache's own import names, the README example, the `kvcache` command. ~2-3 min;
+# `make verify` runs it in the background beside the single-process tests stage.
 wheel-check: $(DEV_STAMP)
 	$(PY) scripts/wheel_check.py
 

@@ -19,6 +19,13 @@ new user, outside this repository's ``.venv`` and its editable install:
 
 Each check prints one line; the first failure exits 1 naming it. The venv is
 reused when it already holds this wheel's digest (``--fresh`` rebuilds it).
+
+``make verify`` runs it beside the single-process ``tests`` stage, on the
+machine's other core: ``--start`` launches the check in the background (its
+output to ``build/wheel/check.log``, its exit status to
+``build/wheel/check.rc``) and returns at once; ``--await`` later waits for that
+run, prints its output and exits with its status (or runs the check itself when
+none was started).
 """
 
 from __future__ import annotations
@@ -174,8 +181,60 @@ def check(python: Path, with_transformers: bool) -> list[str]:
     return lines
 
 
+LOG = WORK / "check.log"
+RC = WORK / "check.rc"
+AWAIT_POLLS = 3600
+"""Half-second polls ``--await`` makes for the background run before it gives up."""
+
+
+def start_background(argv: list[str]) -> int:
+    """Launch this check detached (``--start``); its results go to ``LOG`` and ``RC``."""
+    WORK.mkdir(parents=True, exist_ok=True)
+    RC.unlink(missing_ok=True)
+    with LOG.open("w") as log:
+        subprocess.Popen(
+            [sys.executable, __file__, "--record", *argv], stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT,
+        )
+    print(f"wheel-check: started in the background (log: {LOG.relative_to(ROOT)})")
+    return 0
+
+
+def await_background(argv: list[str]) -> int:
+    """Wait for the ``--start`` run, print its output, return its status; without one,
+    run the check here."""
+    import time
+
+    if not LOG.exists():
+        return run_check(argv)
+    for _ in range(AWAIT_POLLS):
+        if RC.exists():
+            break
+        time.sleep(0.5)
+    else:
+        print(f"wheel-check: FAILED: the background run did not finish ({LOG})")
+        return 1
+    print(LOG.read_text(), end="")
+    LOG.unlink()
+    return int(RC.read_text().strip() or 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build, install and check the wheel; 0 when every check holds."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--start"]:
+        return start_background(args[1:])
+    if args[:1] == ["--await"]:
+        return await_background(args[1:])
+    if args[:1] == ["--record"]:
+        rc = run_check(args[1:])
+        RC.write_text(f"{rc}\n")
+        return rc
+    return run_check(args)
+
+
+def run_check(argv: list[str]) -> int:
+    """The check itself (the module docstring's steps); 0 when every check holds."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fresh", action="store_true", help="rebuild the venv from scratch")
     parser.add_argument("--no-transformers", dest="with_transformers", action="store_false",
@@ -189,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wheel-check: FAILED: {exc}")
         return 1
     for line in lines:
-        print(line)
-    print(f"wheel-check: ok ({wheel.name}; {len(lines)} checks)")
+        print(line, flush=True)
+    print(f"wheel-check: ok ({wheel.name}; {len(lines)} checks)", flush=True)
     return 0
 
 
