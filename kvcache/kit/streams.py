@@ -81,6 +81,7 @@ class StreamEntry:
     cache_salt: str | None = None
     lora: tuple[str, int] | None = None
     line: int = 0
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
 
 @functools.lru_cache(maxsize=4096)
@@ -103,7 +104,7 @@ def own_tokens(request_id: str, count: int) -> tuple[int, ...]:
     return tuple(array("H", data))
 
 
-def entry_tokens(entry: StreamEntry, block_tokens: int) -> tuple[int, ...]:
+def entry_tokens(entry: StreamEntry) -> tuple[int, ...]:
     """The prompt token ids of ``entry``: its segments' blocks, then its own tokens,
     cut to its prompt length."""
     if entry.explicit is not None:
@@ -112,17 +113,17 @@ def entry_tokens(entry: StreamEntry, block_tokens: int) -> tuple[int, ...]:
     for key in entry.segments:
         if len(tokens) >= entry.prompt_length:
             break
-        tokens.extend(segment_tokens(key, block_tokens))
+        tokens.extend(segment_tokens(key, entry.block_tokens))
     if len(tokens) >= entry.prompt_length:
         return tuple(tokens[: entry.prompt_length])
     return tuple(tokens) + own_tokens(entry.request_id, entry.prompt_length - len(tokens))
 
 
-def entry_spec(entry: StreamEntry, block_tokens: int) -> RequestSpec:
+def entry_spec(entry: StreamEntry) -> RequestSpec:
     """The workload request of ``entry``."""
     return RequestSpec(
         entry.request_id,
-        entry_tokens(entry, block_tokens),
+        entry_tokens(entry),
         entry.output_length,
         entry.arrival_step,
         cache_salt=entry.cache_salt,
@@ -133,9 +134,8 @@ def entry_spec(entry: StreamEntry, block_tokens: int) -> RequestSpec:
 class StreamRequests(Sequence[RequestSpec]):
     """A stream's requests as a sequence whose items are built on access."""
 
-    def __init__(self, entries: Sequence[StreamEntry], block_tokens: int) -> None:
+    def __init__(self, entries: Sequence[StreamEntry]) -> None:
         self.entries = tuple(entries)
-        self.block_tokens = block_tokens
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -148,12 +148,12 @@ class StreamRequests(Sequence[RequestSpec]):
 
     def __getitem__(self, index: int | slice) -> RequestSpec | Sequence[RequestSpec]:
         if isinstance(index, slice):
-            return StreamRequests(self.entries[index], self.block_tokens)
-        return entry_spec(self.entries[index], self.block_tokens)
+            return StreamRequests(self.entries[index])
+        return entry_spec(self.entries[index])
 
     def __iter__(self) -> Iterator[RequestSpec]:
         for entry in self.entries:
-            yield entry_spec(entry, self.block_tokens)
+            yield entry_spec(entry)
 
 
 # ---------------------------------------------------------------- reading
@@ -233,10 +233,13 @@ def parse_mooncake_line(
         output_length=_scaled(output_length, block_tokens),
         arrival_step=int(timestamp // step_ms),
         line=index,
+        block_tokens=block_tokens,
     )
 
 
-def parse_jsonl_line(obj: Any, where: str, index: int, step_ms: float) -> StreamEntry:
+def parse_jsonl_line(
+    obj: Any, where: str, index: int, block_tokens: int, step_ms: float
+) -> StreamEntry:
     """One line of kvcache's own stream format (``docs/request-streams.md``).
 
     Raises:
@@ -312,7 +315,16 @@ def parse_jsonl_line(obj: Any, where: str, index: int, step_ms: float) -> Stream
             )
         lora = (lora_value[0], lora_value[1])
     return StreamEntry(
-        request_id, segments, explicit, prompt_length, output_length, arrival, salt, lora, index
+        request_id,
+        segments,
+        explicit,
+        prompt_length,
+        output_length,
+        arrival,
+        salt,
+        lora,
+        index,
+        block_tokens,
     )
 
 
@@ -367,7 +379,7 @@ def read_stream(
             if fmt == "mooncake":
                 entry = parse_mooncake_line(obj, where, number, block_tokens, step_ms)
             else:
-                entry = parse_jsonl_line(obj, where, number, step_ms)
+                entry = parse_jsonl_line(obj, where, number, block_tokens, step_ms)
             if entry.request_id in seen:
                 raise StreamError(f"{where}: field 'request_id': {entry.request_id!r} repeated")
             seen.add(entry.request_id)
@@ -384,7 +396,6 @@ def stream_workload(
     name: str,
     num_blocks: int = 0,
     block_size: int = 16,
-    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     token_budget: int = 8192,
     max_num_seqs: int = 256,
 ) -> Workload:
@@ -422,7 +433,7 @@ def stream_workload(
         max_model_len=-(-length // block_size) * block_size,
         token_budget=token_budget,
         max_num_seqs=max_num_seqs,
-        requests=StreamRequests(entries, block_tokens),
+        requests=StreamRequests(entries),
     )
 
 
@@ -965,7 +976,6 @@ def workload_from_args(args: Any) -> Workload:
         name=name,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
-        block_tokens=args.block_tokens,
         token_budget=args.token_budget,
         max_num_seqs=args.max_num_seqs,
     )
