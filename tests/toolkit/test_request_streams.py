@@ -237,6 +237,21 @@ def test_a_planted_bug_is_named_at_its_first_differing_call(
     assert "returned" in out
 
 
+def test_progress_lines_go_to_stderr_every_5_s(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clock = iter([100.0, 101.0, 106.0, 107.0])
+    monkeypatch.setattr(streams.time, "monotonic", lambda: next(clock))
+    report = streams._progress_printer("kvcache pool 9", 10)
+    for step in (0, 256, 512, 768):
+        report(step, step // 100, 2, 3)
+    out, err = capsys.readouterr()
+    assert (
+        out == ""
+        and err == "  kvcache pool 9: step 512, 5/10 arrived, 2 running, 3 waiting (6 s)\n"
+    )
+
+
 def test_record_and_bench_take_a_stream(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = generated(
         tmp_path, "jsonl", "--requests", "8", "--block-tokens", "32", "--mean-gap-ms", "0"
