@@ -29,6 +29,8 @@ def request_args(spec: RequestSpec) -> dict[str, Any]:
     }
     if spec.cache_salt is not None:
         args["cache_salt"] = spec.cache_salt
+    if spec.lora is not None:
+        args["lora"] = list(spec.lora)
     return args
 
 

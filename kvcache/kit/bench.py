@@ -70,16 +70,24 @@ def _median_min_max(values: list[float]) -> tuple[float, float, float]:
 
 
 def bench_workload(
-    name: str, impls: list[str], repetitions: int = 3, num_requests: int = 2000
+    name: str,
+    impls: list[str],
+    repetitions: int = 3,
+    num_requests: int = 2000,
+    workload: Workload | None = None,
 ) -> WorkloadResult:
     """Run one workload on each implementation ``repetitions`` times, alternating order.
+
+    ``workload``, when given, is run instead of the built-in one named ``name`` (a
+    request stream from a file: ``kvcache.kit.streams``).
 
     Raises:
         ValueError: if ``repetitions`` < 1 or ``impls`` is empty.
     """
     if repetitions < 1 or not impls:
         raise ValueError(f"need repetitions >= 1 and impls, got {repetitions}, {impls}")
-    workload = make_workload(name, num_requests)
+    if workload is None:
+        workload = make_workload(name, num_requests)
     timings = {impl: ImplTiming() for impl in impls}
     digests: dict[str, str] = {}
     steps = preemptions = 0

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcache.kit.streams import add_stream_options
 from kvcache.kit.workloads import WORKLOAD_NAMES
 
 IMPL_HELP = (
@@ -32,8 +33,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if note:
         print(note)
     results = []
-    for name in filter(None, args.workloads.split(",")):
+    names = args.workloads
+    if names is None:  # the built-in workloads, unless a stream file is benchmarked alone
+        names = "" if args.requests_from else ",".join(WORKLOAD_NAMES)
+    for name in filter(None, names.split(",")):
         result = bench.bench_workload(name, impls, args.repetitions, args.requests)
+        print(bench.format_workload(result), flush=True)
+        results.append(result)
+    if args.requests_from:
+        from kvcache.kit.streams import workload_from_args
+
+        stream = workload_from_args(args)
+        result = bench.bench_workload(stream.name, impls, args.repetitions, workload=stream)
         print(bench.format_workload(result), flush=True)
         results.append(result)
     trace_impls = [i for i in impls if i != "spec"]
@@ -77,6 +88,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from kvcache.kit.adapters import make_impl
     from kvcache.kit.workloads import make_workload, simulate
 
+    if args.requests_from or args.pool_sizes or args.num_blocks or "," in args.impl:
+        from kvcache.kit.streams import simulate_command
+
+        return simulate_command(args)
     workload = make_workload(args.workload, args.requests)
     result = simulate(workload, make_impl(args.impl, workload))
     print(
@@ -116,6 +131,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_make_trace(args: argparse.Namespace) -> int:
+    from kvcache.kit.streams import make_trace_command
+
+    return make_trace_command(args)
+
+
 def _layouts() -> list[str]:
     from kvcache.kit.driver import FAMILIES
 
@@ -139,7 +160,12 @@ def _cmd_record(args: argparse.Namespace) -> int:
         from kvcache.kit.record import record_workload
         from kvcache.kit.workloads import make_workload
 
-        workload = make_workload(args.workload, args.requests, args.seed)
+        if args.requests_from:
+            from kvcache.kit.streams import workload_from_args
+
+            workload = workload_from_args(args)
+        else:
+            workload = make_workload(args.workload, args.requests, args.seed)
         state_every = args.state_every
         if state_every < 0:  # auto: every call on small pools, sparser on big ones
             state_every = 1 if workload.num_blocks <= 256 else 500
@@ -147,7 +173,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
         header, records, error = recording.header, recording.records, recording.error
         write_trace(out, header, records)
         steps = f", {recording.result.steps} steps" if recording.result else ""
-        what = f"workload {args.workload} ({len(workload.requests)} requests{steps})"
+        what = f"workload {workload.name} ({len(workload.requests)} requests{steps})"
     info = header["recorded_with"]
     size = out.stat().st_size
     print(
@@ -403,8 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workloads",
-        default=",".join(WORKLOAD_NAMES),
-        help=f"comma-separated, from {', '.join(WORKLOAD_NAMES)} (default: all)",
+        default=None,
+        help=f"comma-separated, from {', '.join(WORKLOAD_NAMES)} (default: all; none "
+        "with --requests-from)",
     )
     p.add_argument("--impls", default="", help="comma-separated (default: kvcache,vllm,spec)")
     p.add_argument("--repetitions", type=int, default=3, help="alternating runs (default 3)")
@@ -448,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", default="", help="write results as JSON to this path")
     p.add_argument("--plot", default="", help="draw a PNG bar chart to this path")
+    add_stream_options(p)
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser(
@@ -456,10 +484,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Hit rate, usage, preemptions, free blocks and queue lengths over time.",
     )
     p.add_argument("--workload", default="chat", choices=WORKLOAD_NAMES)
-    p.add_argument("--impl", default="kvcache", help=IMPL_HELP)
+    p.add_argument(
+        "--impl",
+        default="kvcache",
+        help=IMPL_HELP + "; several comma-separated run side by side and must agree",
+    )
     p.add_argument("--requests", type=int, default=2000, help="requests in the workload")
     p.add_argument("--rows", type=int, default=20, help="table rows to print")
-    p.add_argument("--plot", default="", help="draw usage/free/queues to this PNG")
+    p.add_argument(
+        "--plot",
+        default="",
+        help="draw usage/free/queues to this PNG (hit rate vs pool size with "
+        "--requests-from, --pool-sizes or several --impl)",
+    )
+    add_stream_options(p, sweep_options=True)
     p.set_defaults(func=_cmd_simulate)
 
     p = sub.add_parser(
@@ -499,7 +537,29 @@ def build_parser() -> argparse.ArgumentParser:
         "call for pools up to 256 blocks, else every 500th)",
     )
     p.add_argument("--out", required=True, help="trace file to write (.jsonl or .jsonl.gz)")
+    add_stream_options(p)
     p.set_defaults(func=_cmd_record)
+
+    p = sub.add_parser(
+        "make-trace",
+        help="write a synthetic request stream (mooncake or jsonl) for simulate/bench/record",
+        description="Write a small synthetic request stream in the Mooncake trace format "
+        "or kvcache's own JSON lines (docs/request-streams.md): conversations sharing "
+        "system prompts and earlier turns, Poisson arrivals. Tests and demos use it; "
+        "no implementation runs, so module:factory names do not apply.",
+        epilog="example: python -m kvcache make-trace --format mooncake --requests 200 "
+        "--out demo.jsonl",
+    )
+    p.add_argument("--format", default="mooncake", choices=("mooncake", "jsonl"))
+    p.add_argument("--requests", type=int, default=100, help="requests (default 100)")
+    p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    p.add_argument("--mean-gap-ms", type=float, default=1000.0,
+                   help="mean time between arrivals, ms (default 1000)")  # fmt: skip
+    p.add_argument("--block-tokens", type=int, default=512,
+                   help="jsonl: tokens per prefix_ids segment (default 512)")  # fmt: skip
+    p.add_argument("--max-output", type=int, default=200, help="longest output (default 200)")
+    p.add_argument("--out", required=True, help="file to write")
+    p.set_defaults(func=_cmd_make_trace)
 
     p = sub.add_parser(
         "replay",

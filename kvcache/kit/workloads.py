@@ -15,7 +15,7 @@ import hashlib
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ class RequestSpec:
     max_output_tokens: int
     arrival_step: int
     cache_salt: str | None = None
+    lora: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Workload:
     max_model_len: int
     token_budget: int
     max_num_seqs: int
-    requests: tuple[RequestSpec, ...]
+    requests: Sequence[RequestSpec]
     enable_caching: bool = True
 
     @property
@@ -176,6 +177,14 @@ class SimResult:
     hit_tokens: int = 0
     prompt_tokens: int = 0
     series: list[tuple[int, float, int, int, int]] = field(default_factory=list)
+    #: Hits and prompt tokens at each request's first admission only (re-admissions
+    #: after a preemption are in ``hit_tokens`` / ``prompt_tokens``).
+    first_hit_tokens: int = 0
+    first_prompt_tokens: int = 0
+    #: Steps from arrival to first admission, one entry per admitted request.
+    queue_steps: list[int] = field(default_factory=list)
+    #: Requests that ran to their last output token.
+    finished: int = 0
 
     @property
     def manager_seconds(self) -> float:
@@ -192,8 +201,19 @@ def _block_ids(blocks: Any) -> Any:
     return None if blocks is None else blocks.get_block_ids()
 
 
+#: ``observe(step, op, request_id, result)``: every call whose result enters the digest.
+Observer = Callable[[int, str, str, str], None]
+#: ``progress(step, arrived, running, waiting)``: called every 256 steps.
+Progress = Callable[[int, int, int, int], None]
+
+
 def simulate(
-    workload: Workload, impl: Impl, max_steps: int = 1_000_000, check_every: int = 0
+    workload: Workload,
+    impl: Impl,
+    max_steps: int = 1_000_000,
+    check_every: int = 0,
+    observe: Observer | None = None,
+    progress: Progress | None = None,
 ) -> SimResult:
     """Run the workload's scheduler loop on ``impl`` until every request finishes.
 
@@ -202,6 +222,9 @@ def simulate(
         impl: Which implementation.
         max_steps: Stop after this many steps even if requests remain.
         check_every: Call ``manager.check_invariants()`` every this many steps (0: never).
+        observe: Called with each result that enters the digest, so that two runs
+            can be compared call by call (``kvcache.kit.streams.first_difference``).
+        progress: Called every 256 steps, for progress lines on long runs.
 
     Returns:
         Timings of every manager call, a digest of every result (equal digests
@@ -220,10 +243,14 @@ def simulate(
     running: list[tuple[RequestSpec, Any]] = []
     budget_total = workload.token_budget
     step = 0
+    arrived = 0
     while (next_spec is not None or waiting or running) and step < max_steps:
         while next_spec is not None and next_spec.arrival_step <= step:
             waiting.append((next_spec, impl.new_request(next_spec)))
+            arrived += 1
             next_spec = next(pending, None)
+        if progress is not None and step % 256 == 0:
+            progress(step, arrived, len(running), len(waiting))
         t = perf()
         m.new_step_starts()
         secs["new_step_starts"] += perf() - t
@@ -240,7 +267,10 @@ def simulate(
                 out = m.allocate_slots(req, num_new)
                 secs["allocate_slots"] += perf() - t
                 calls["allocate_slots"] += 1
-                sha.update(repr(_block_ids(out)).encode())
+                text = repr(_block_ids(out))
+                sha.update(text.encode())
+                if observe is not None:
+                    observe(step, "allocate_slots", spec.request_id, text)
                 if out is not None:
                     scheduled.append((spec, req, num_new))
                     budget -= num_new
@@ -270,7 +300,10 @@ def simulate(
             out = m.allocate_slots(req, num_new, num_hit, hits, has_scheduled_reqs=bool(scheduled))
             secs["allocate_slots"] += perf() - t
             calls["allocate_slots"] += 1
-            sha.update(f"{num_hit}{_block_ids(out)}".encode())
+            text = f"{num_hit}{_block_ids(out)}"
+            sha.update(text.encode())
+            if observe is not None:
+                observe(step, "get_computed_blocks+allocate_slots", spec.request_id, text)
             if out is None:
                 break
             waiting.pop(0)
@@ -278,6 +311,10 @@ def simulate(
             req.num_computed_tokens = num_hit
             res.hit_tokens += num_hit
             res.prompt_tokens += req.num_tokens
+            if req.num_preemptions == 0:
+                res.first_hit_tokens += num_hit
+                res.first_prompt_tokens += req.num_tokens
+                res.queue_steps.append(step - spec.arrival_step)
             running.append((spec, req))
             scheduled.append((spec, req, num_new))
             budget -= num_new
@@ -292,6 +329,7 @@ def simulate(
                 secs["free"] += perf() - t
                 calls["free"] += 1
                 running.remove((spec, req))
+                res.finished += 1
                 continue
             req.append_output_token_ids(_output_token(spec.request_id, req.num_tokens))
         if check_every and step % check_every == 0:
