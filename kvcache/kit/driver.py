@@ -15,6 +15,7 @@ sequence down to a minimal replayable trace; ``replay_trace`` replays one.
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import time
 from collections import Counter
@@ -60,6 +61,19 @@ SUBJECT_FOR_ASSERT = ("ValueError", "NotImplementedError", "ContextParallelError
 #: spec raises there (``PartialBlockError``: a bad partial or state entry, also an
 #: ``AssertionError``).
 EXCEPTION_ALIASES = {"PartialBlockError": "ValueError"}
+
+def _torch_importable() -> bool:
+    """Whether ``import torch`` can succeed here (without importing it)."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # blocked (sys.modules["torch"] = None) or broken
+        return False
+
+
+PROMPT_EMBEDS_DRAWN = _torch_importable()
+"""Whether requests with prompt embeddings are drawn: they need torch (a tensor per
+request), which the kit's light set-up (``make setup``, ``pip install kvcache``)
+does not install. Without it the rest of every sequence is drawn as with it."""
 
 
 def assert_allowance(expected_raises: str, actual_raises: str) -> str:
@@ -1036,9 +1050,12 @@ class RandomScheduler:
             if rng.random() < 0.05:
                 args["skip_reading_prefix_cache"] = True
             if rng.random() < 0.1:
-                args["prompt_embeds"] = self.random_prompt_embeds(prompt)
-                if rng.random() < 0.3:
-                    args["prompt_token_ids"] = None  # the embeddings alone are the prompt
+                embeds = self.random_prompt_embeds(prompt)
+                embeds_alone = rng.random() < 0.3
+                if PROMPT_EMBEDS_DRAWN:  # the same draws either way: the same sequences
+                    args["prompt_embeds"] = embeds
+                    if embeds_alone:
+                        args["prompt_token_ids"] = None  # the embeddings alone are the prompt
             if self.request_fields_rng is not None:
                 args.update(
                     draw_request_fields_0_33(self.request_fields_rng, self.full_report)
