@@ -81,6 +81,9 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
         streams = re.findall(r"^vllm scheduler on kvcache \[.*identical$", output, re.MULTILINE)
         if streams:
             detail += f"; vLLM's Scheduler: {len(streams)} streams identical"
+        events = re.findall(r"^kv events over zmq \[.*identically$", output, re.MULTILINE)
+        if events:
+            detail += f"; KV events over ZMQ: {len(events)} streams decoded identically"
         if pending:
             detail += f"; not yet conformant: {pending[-1].strip()}"
         return f"{stage}: {'ok' if rc == 0 else 'FAILED'} ({detail})"

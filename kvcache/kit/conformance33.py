@@ -38,6 +38,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvcache.kit.driver import FAMILIES, Family, SequenceResult, Stats, run_sequence
 
@@ -273,6 +274,46 @@ def run_scheduler_streams() -> list[str]:
                        and result.preemptions > 0)  # fmt: skip
             if not reached:
                 failures.append(f"{stream.name}: the stream did not reach its cases ({result})")
+        failures += compare_published_events(scheduler_drive, vllm_0_33.KVCacheManager)
+    return failures
+
+
+EVENT_STREAMS = ("shared_prefix_preemption", "hybrid_full_swa")
+"""The streams whose KV events are published over ZMQ and compared (evictions, two groups)."""
+
+
+def compare_published_events(scheduler_drive: Any, manager_cls: type) -> list[str]:
+    """vLLM 0.33.0's Scheduler with KV events on, publishing through its own
+    ``ZmqEventPublisher`` over ``ipc://``: a subscriber decoding with vLLM's
+    ``KVEventBatch`` must read the same batches from kvcache's manager as from
+    vLLM's. The failures, one line each (a line per stream that matched)."""
+    import tempfile
+
+    failures = []
+    streams = [s for s in scheduler_drive.STREAMS if s.name in EVENT_STREAMS]
+    with tempfile.TemporaryDirectory() as tmp:
+        for stream in streams:
+            try:
+                ours = scheduler_drive.published_events(
+                    stream, manager_cls, 7, f"ipc://{tmp}/{stream.name}-kvcache.ipc"
+                )
+                stock = scheduler_drive.published_events(
+                    stream, None, 7, f"ipc://{tmp}/{stream.name}-stock.ipc"
+                )
+            except scheduler_drive.SchedulerDiffers as exc:
+                failures.append(f"events: {exc}")
+                continue
+            first = next((i for i, (a, b) in enumerate(zip(ours, stock, strict=False))
+                          if a != b), None)  # fmt: skip
+            if first is not None or len(ours) != len(stock):
+                failures.append(
+                    f"events [{stream.name}]: {len(ours)} vs {len(stock)} batches, first "
+                    f"differing batch {first}"
+                )
+                continue
+            events = sum(len(batch) for batch in stock)
+            print(f"kv events over zmq [{stream.name}]: {len(stock)} batches, {events} "
+                  "events: decoded identically", flush=True)  # fmt: skip
     return failures
 
 
