@@ -176,6 +176,8 @@ class SimResult:
     hit_tokens: int = 0
     prompt_tokens: int = 0
     series: list[tuple[int, float, int, int, int]] = field(default_factory=list)
+    #: Per step, running totals: (prefix-hit tokens, prompt tokens admitted, preemptions).
+    totals: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def manager_seconds(self) -> float:
@@ -206,7 +208,8 @@ def simulate(
     Returns:
         Timings of every manager call, a digest of every result (equal digests
         mean the implementations behaved identically), and per-step series
-        ``(step, usage, free blocks, running, waiting)``.
+        ``(step, usage, free blocks, running, waiting)`` and running totals
+        ``(hit tokens, prompt tokens, preemptions)``.
     """
     m = impl.manager
     res = SimResult(impl.name, "")
@@ -299,6 +302,7 @@ def simulate(
         res.series.append(
             (step, m.usage, m.block_pool.get_num_free_blocks(), len(running), len(waiting))
         )
+        res.totals.append((res.hit_tokens, res.prompt_tokens, res.preemptions))
         step += 1
     res.steps = step
     res.digest = sha.hexdigest()
