@@ -135,8 +135,12 @@ def release_line(impl: str) -> str | None:
     if impl in REFERENCE_LINE_IMPLS:
         return REFERENCE_LINE
     adapter = resolve_adapter(impl)
-    line = getattr(adapter, "release_line", None) or getattr(adapter, "line", None)
-    return str(line) if line else None
+    line = getattr(adapter, "release_line", None)  # kvcache-0.33, spec-0.33
+    if isinstance(line, str) and line:
+        return line
+    if adapter.name == "vllm":  # the installed release's line
+        return release_line_of(adapter.version)
+    return None
 
 
 def _line_key(line: str) -> tuple[int, ...]:

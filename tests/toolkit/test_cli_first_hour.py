@@ -25,6 +25,7 @@ from kvcache.kit.cli import main
 from kvcache.kit.sides import ADAPTERS, Adapter
 
 ROOT = Path(__file__).resolve().parents[2]
+PLANTED = "conformance.mutants:FreeInAllocationOrder"
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -161,6 +162,19 @@ def test_fuzz_sequences_a_side_refused_are_not_counted_and_said_once(
     assert "one-group rejects the config (NotImplementedError:" in refusal
     assert refusal.endswith(" ...") and len(refusal) < 140  # cut at a word, marked
     assert refusal.removesuffix(" ...").split()[-1] in REFUSAL.split()
+
+
+def test_release_lines_of_the_implementations(vllm_reference: object) -> None:
+    from kvcache.kit.fuzz import release_line, skipped_families
+
+    assert release_line("kvcache") == release_line("spec") == "0.25"
+    assert release_line("kvcache-0.33") == release_line("spec-0.33") == "0.33"
+    from importlib.metadata import version
+
+    assert release_line("vllm") == ".".join(version("vllm").split(".")[:2])
+    assert release_line(PLANTED) is None  # a third party's: not known
+    assert skipped_families(["full", "full+circular"], "kvcache-0.33", "spec-0.33") == {}
+    assert list(skipped_families(["full", "full+circular"], PLANTED, "spec")) == ["full+circular"]
 
 
 def test_zero_work_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
