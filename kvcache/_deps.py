@@ -22,7 +22,10 @@ DEPENDENCIES = {
     "xxhash": "xxhash>=3.0",
     "mypy_extensions": "mypy_extensions",
 }
-"""Import name to requirement: what ``import kvcache`` needs (pyproject's dependencies)."""
+"""Import name to requirement: kvcache's dependencies (pyproject's)."""
+
+IMPORTED_AT_START = ("cbor2", "mypy_extensions")
+"""The dependencies ``import kvcache`` imports (``xxhash`` waits for its first use)."""
 
 OWN_PACKAGES = frozenset({"kvcache", "spec", "kernels", "proofs", "conformance", "tests"})
 """Top-level names of this repository: a missing one is a bug, not a missing dependency."""
@@ -82,7 +85,7 @@ def check_dependencies() -> None:
     """Import kvcache's dependencies; on the command line, a missing one is one
     line on stderr and exit status 2, elsewhere a ``ModuleNotFoundError`` that
     says what to install."""
-    for module in DEPENDENCIES:
+    for module in IMPORTED_AT_START:
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
