@@ -8,8 +8,9 @@ compiled build is loaded, and ``KVCACHE_PURE=1`` selects the pure-Python
 sources (``kvcache/_builds.py``).
 """
 
-from kvcache import _builds
+from kvcache import _builds, _deps
 
+_deps.check_dependencies()  # a missing one: one line on the command line (exit 2)
 _builds.select_build()
 
 from kvcache import kv_cache_manager as _kv_cache_manager

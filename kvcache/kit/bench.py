@@ -20,11 +20,13 @@ ones.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,8 @@ class WorkloadResult:
     hit_rate: float
     digests: dict[str, str]
     timings: dict[str, ImplTiming]
+    #: Where the outputs first differ, when they do (``first_difference``).
+    difference: str = ""
 
     @property
     def identical(self) -> bool:
@@ -69,17 +73,92 @@ def _median_min_max(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
+class _LoggedManager:
+    """A manager whose method calls are logged with their results (normalised), so
+    that two implementations' runs of one workload can be compared call by call."""
+
+    def __init__(self, manager: Any, log: list[tuple[str, str, Any]]) -> None:
+        self._manager = manager
+        self._log = log
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._manager, name)
+        if name.startswith("_") or not callable(value):
+            return value
+
+        def logged(*args: Any, **kwargs: Any) -> Any:
+            result = value(*args, **kwargs)
+            words = [_brief(a) for a in args] + [f"{k}={_brief(v)}" for k, v in kwargs.items()]
+            self._log.append((name, ", ".join(words), _normal(result)))
+            return result
+
+        return logged
+
+
+def _brief(value: Any) -> str:
+    request_id = getattr(value, "request_id", None)
+    if request_id is not None:
+        return f"request {request_id!r}"
+    if hasattr(value, "get_block_ids"):
+        return f"blocks {_normal(value)}"
+    return repr(value)
+
+
+def _normal(value: Any) -> Any:
+    """A manager result as plain data: block ids for blocks, tuples as lists."""
+    if hasattr(value, "get_block_ids"):
+        return [list(ids) for ids in value.get_block_ids()]
+    if isinstance(value, tuple | list):
+        return [_normal(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return type(value).__name__
+
+
+def first_difference(workload: Workload, impls: list[str]) -> str:
+    """Where the implementations' runs of ``workload`` first differ: the call (its
+    number, scheduler step, method and arguments) and each one's result."""
+    from kvcache.kit.trace import short
+
+    logs: dict[str, list[tuple[str, str, Any]]] = {}
+    for impl_name in impls:
+        impl = make_impl(impl_name, workload)
+        log = logs[impl_name] = []
+        simulate(workload, dataclasses.replace(impl, manager=_LoggedManager(impl.manager, log)))
+    base, base_log = impls[0], logs[impls[0]]
+    for other in impls[1:]:
+        other_log = logs[other]
+        for index in range(max(len(base_log), len(other_log))):
+            a = base_log[index] if index < len(base_log) else None
+            b = other_log[index] if index < len(other_log) else None
+            if a == b:
+                continue
+            shown = a or b
+            assert shown is not None
+            step = sum(call[0] == "new_step_starts" for call in base_log[:index]) - 1
+            where = f"call #{index} (step {max(0, step)}) {shown[0]}({shown[1]})"
+            if a is None or b is None:
+                return f"{where}: only {other if a is None else base} makes it"
+            if a[:2] != b[:2]:
+                return f"{where}: {other} calls {b[0]}({b[1]}) instead"
+            return f"{where}: {base} -> {short(a[2], 160)}, {other} -> {short(b[2], 160)}"
+    return "the digests differ but no call does (a nondeterministic implementation?)"
+
+
 def bench_workload(
     name: str,
     impls: list[str],
     repetitions: int = 3,
     num_requests: int = 2000,
     workload: Workload | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> WorkloadResult:
     """Run one workload on each implementation ``repetitions`` times, alternating order.
 
     ``workload``, when given, is run instead of the built-in one named ``name`` (a
-    request stream from a file: ``kvcache.kit.streams``).
+    request stream from a file: ``kvcache.kit.streams``). ``progress`` is told each
+    run before it starts (``"chat: kvcache, repetition 1 of 3"``). Where the outputs
+    differ, ``WorkloadResult.difference`` names the first differing call.
 
     Raises:
         ValueError: if ``repetitions`` < 1 or ``impls`` is empty.
@@ -95,6 +174,8 @@ def bench_workload(
     for rep in range(repetitions):
         order = impls if rep % 2 == 0 else impls[::-1]
         for impl_name in order:
+            if progress is not None:
+                progress(f"{name}: {impl_name}, repetition {rep + 1} of {repetitions}")
             impl = make_impl(impl_name, workload)
             gc.collect()
             result = simulate(workload, impl)
@@ -106,9 +187,12 @@ def bench_workload(
             digests[impl_name] = result.digest
             steps, preemptions = result.steps, result.preemptions
             hit_rate = result.hit_tokens / max(1, result.prompt_tokens)
-    return WorkloadResult(
+    outcome = WorkloadResult(
         name, len(workload.requests), steps, preemptions, hit_rate, digests, timings
     )
+    if not outcome.identical:
+        outcome.difference = first_difference(workload, impls)
+    return outcome
 
 
 def format_workload(result: WorkloadResult) -> str:
@@ -116,7 +200,7 @@ def format_workload(result: WorkloadResult) -> str:
     lines = [
         f"== {result.workload}: {result.num_requests} requests, {result.steps} steps, "
         f"{result.preemptions} preemptions, hit rate {result.hit_rate:.2f}, outputs "
-        + ("identical" if result.identical else f"DIFFER {result.digests}")
+        + ("identical" if result.identical else f"DIFFER: first at {result.difference}")
     ]
     methods = sorted({m for t in result.timings.values() for m in t.method_seconds})
     header = f"{'impl':<10}{'manager s (min-max)':>26}" + "".join(

@@ -8,14 +8,97 @@ Commands: ``record`` a trace, ``replay`` one against an implementation,
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import textwrap
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kvcache.kit.streams import add_stream_options
 from kvcache.kit.workloads import WORKLOAD_NAMES
+
+# ---------------------------------------------------------------- argument checks
+# Every numeric flag and output path is checked as it is parsed, before any work:
+# a bad one is one line on stderr and exit status 2 (``Parser.error``).
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (and exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` as one line and exit 2 (argparse prints the usage too)."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int of at least ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            what = {0: "0 or more", 1: "a positive integer"}.get(low, f"at least {low}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def float_above(low: float, inclusive: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite float above ``low`` (or equal, ``inclusive``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            what = f"{low:g} or more" if inclusive else f"more than {low:g}"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def output_path(text: str) -> str:
+    """An argparse ``type``: a file to write, whose folder exists ("" : none)."""
+    if not text:
+        return text
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"no folder {path.parent} to write {path.name} in")
+    return text
+
+
+def workload_list(text: str) -> str:
+    """An argparse ``type``: comma-separated workload names, each known ("": none)."""
+    unknown = [name for name in text.split(",") if name and name not in WORKLOAD_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOAD_NAMES)}"
+        )
+    return text
+
+
+def need_matplotlib(flag: str) -> None:
+    """Refuse ``flag`` (a plot) before any work where matplotlib is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"{flag}: matplotlib is not installed (pip install matplotlib)")
+
+
+POSITIVE = int_at_least(1)
+NON_NEGATIVE = int_at_least(0)
+
 
 IMPL_HELP = (
     "implementation: kvcache, spec (the oracle), vllm (the installed vLLM), a package "
@@ -26,18 +109,34 @@ IMPL_HELP = (
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kvcache.kit import bench
 
-    impls, note = bench.default_impls()
-    if args.impls:
-        impls = args.impls.split(",")
-        note = ""
+    if not (args.workloads.strip(",") or args.traces or args.trace_requests or args.scaling):
+        raise ValueError(
+            "nothing to bench: give --workloads, --traces, --trace-requests or --scaling"
+        )
+    if args.impls:  # given: no need to find out whether vLLM imports (seconds)
+        impls, note = [name for name in args.impls.split(",") if name], ""
+        from kvcache.kit.sides import resolve_adapter
+
+        for name in impls:  # a bad name is refused before the first run, not after it
+            resolve_adapter(name)
+    else:
+        impls, note = bench.default_impls()
+    if args.plot:
+        need_matplotlib("--plot")
     if note:
         print(note)
     results = []
+    started = time.monotonic()
+
+    def progress(text: str) -> None:  # stderr: stdout stays the tables alone
+        print(f"bench: {text} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+
     names = args.workloads
     if names is None:  # the built-in workloads, unless a stream file is benchmarked alone
         names = "" if args.requests_from else ",".join(WORKLOAD_NAMES)
     for name in filter(None, names.split(",")):
-        result = bench.bench_workload(name, impls, args.repetitions, args.requests)
+        result = bench.bench_workload(name, impls, args.repetitions, args.requests,
+                                      progress=progress)
         print(bench.format_workload(result), flush=True)
         results.append(result)
     if args.requests_from:
@@ -56,6 +155,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         ]
     trace_results = []
     for trace in traces:
+        progress(f"trace {getattr(trace, 'path', None) or trace}: {', '.join(trace_impls)}")
         trace_result = bench.bench_trace(
             trace,
             trace_impls,
@@ -84,49 +184,76 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0 if identical else 1
 
 
+SIMULATE_PLOT_HELP = (
+    "draw prefix hit rate, preemptions, usage and queue lengths over time to this PNG "
+    "(both implementations overlaid when --impl names two)"
+)
+
+
+def describe_layout(workload: Any) -> str:
+    """A workload's pool and groups in a few words: ``1024 blocks, full 16 + swa 16 (w 128)``."""
+    groups = []
+    for group in workload.groups:
+        extra = ""
+        if group.sliding_window:
+            extra = f" (window {group.sliding_window})"
+        elif group.attention_chunk_size:
+            extra = f" (chunk {group.attention_chunk_size})"
+        elif group.kind == "mamba":
+            extra = f" ({group.mamba_cache_mode})"
+        groups.append(f"{group.kind} {group.block_size}{extra}")
+    return f"{workload.num_blocks} blocks, " + " + ".join(groups)
+
+
+def _hit_rate(totals: tuple[int, int, int]) -> float:
+    return totals[0] / max(1, totals[1])
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from kvcache.kit.adapters import make_impl
     from kvcache.kit.workloads import make_workload, simulate
 
-    if args.requests_from or args.pool_sizes or args.num_blocks or "," in args.impl:
+    if args.requests_from or args.pool_sizes or args.num_blocks:
         from kvcache.kit.streams import simulate_command
 
         return simulate_command(args)
-    workload = make_workload(args.workload, args.requests)
-    result = simulate(workload, make_impl(args.impl, workload))
-    print(
-        f"{workload.name} on {args.impl}: {len(workload.requests)} requests, {result.steps} "
-        f"steps, {result.preemptions} preemptions, prefix hit rate "
-        f"{result.hit_tokens / max(1, result.prompt_tokens):.3f}, manager time "
-        f"{result.manager_seconds:.3f} s"
-    )
-    print(f"{'step':>8}{'usage':>8}{'free':>8}{'running':>9}{'waiting':>9}")
-    every = max(1, len(result.series) // args.rows)
-    for step, usage, free, running, waiting in result.series[::every]:
-        print(f"{step:>8}{usage:>8.2f}{free:>8}{running:>9}{waiting:>9}")
+    impls = [name for name in args.impl.split(",") if name]
+    if not 1 <= len(impls) <= 2:
+        raise ValueError(f"--impl {args.impl!r}: name one implementation, or two (a,b)")
     if args.plot:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("no plot: matplotlib is not installed (pip install matplotlib)")
-            return 0
-        steps = [s[0] for s in result.series]
-        fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
-        axes[0].plot(steps, [s[1] for s in result.series])
-        axes[0].set_ylabel("usage")
-        axes[1].plot(steps, [s[2] for s in result.series])
-        axes[1].set_ylabel("free blocks")
-        axes[2].plot(steps, [s[3] for s in result.series], label="running")
-        axes[2].plot(steps, [s[4] for s in result.series], label="waiting")
-        axes[2].set_ylabel("requests")
-        axes[2].set_xlabel("step")
-        axes[2].legend()
-        fig.suptitle(f"{workload.name} on {args.impl}")
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        need_matplotlib("--plot")
+    workload = make_workload(args.workload, args.requests)
+    layout = describe_layout(workload)
+    results = []
+    for impl in impls:
+        result = simulate(workload, make_impl(impl, workload))
+        results.append((impl, result))
+        print(
+            f"{workload.name} on {impl} ({layout}): {len(workload.requests)} requests, "
+            f"{result.steps} steps, {result.preemptions} preemptions, prefix hit rate "
+            f"{result.hit_tokens / max(1, result.prompt_tokens):.3f}, manager time "
+            f"{result.manager_seconds:.3f} s",
+            flush=True,
+        )
+    if len(results) == 2:
+        same = results[0][1].digest == results[1][1].digest
+        print(f"outputs {'identical' if same else 'DIFFER'} ({impls[0]} vs {impls[1]})")
+    for impl, result in results:
+        if len(results) == 2:
+            print(f"-- {impl}")
+        print(
+            f"{'step':>8}{'hit rate':>10}{'preempted':>11}{'usage':>8}{'free':>8}"
+            f"{'running':>9}{'waiting':>9}"
+        )
+        every = max(1, -(-len(result.series) // args.rows))
+        rows = list(zip(result.series, result.totals, strict=True))
+        for (step, usage, free, running, waiting), totals in rows[::every]:
+            print(
+                f"{step:>8}{_hit_rate(totals):>10.3f}{totals[2]:>11}{usage:>8.2f}{free:>8}"
+                f"{running:>9}{waiting:>9}"
+            )
+    if args.plot:
+        _plot_simulation(results, f"{workload.name}: {layout}", args.plot)
         print(f"plot written to {args.plot}")
     return 0
 
@@ -135,6 +262,35 @@ def _cmd_make_trace(args: argparse.Namespace) -> int:
     from kvcache.kit.streams import make_trace_command
 
     return make_trace_command(args)
+
+
+def _plot_simulation(results: list[tuple[str, Any]], title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
+    for n, (impl, result) in enumerate(results):
+        style = {"linestyle": "-" if n == 0 else "--", "linewidth": 1.5 if n == 0 else 1.2}
+        steps = [s[0] for s in result.series]
+        axes[0].plot(steps, [_hit_rate(t) for t in result.totals], f"C{n}", label=impl, **style)
+        axes[1].plot(steps, [t[2] for t in result.totals], f"C{n}", label=impl, **style)
+        axes[2].plot(steps, [s[1] for s in result.series], f"C{n}", label=impl, **style)
+        for column, what, color in ((3, "running", "C2"), (4, "waiting", "C3")):
+            queue = [s[column] for s in result.series]
+            axes[3].plot(steps, queue, color, label=f"{what} ({impl})", **style)
+    axes[0].set_ylabel("prefix hit rate\n(so far)")
+    axes[1].set_ylabel("preemptions\n(so far)")
+    axes[2].set_ylabel("pool usage")
+    axes[3].set_ylabel("requests")
+    axes[3].set_xlabel("scheduler step")
+    for axis in axes:
+        axis.legend(fontsize="small")
+    fig.suptitle(f"{title} ({' vs '.join(impl for impl, _ in results)})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _layouts() -> list[str]:
@@ -216,11 +372,15 @@ def _print_divergence(
     elif observed is None:
         print(f"  states: {impl} has no abstract_state(); expected state after the call:")
         print("    " + short(expected, limit))
+    elif not (diff := state_diff(expected, observed)):
+        print(f"  state after the call: {impl}'s equals the trace's (only the result differs)")
+        if full_states:
+            print(f"    {short(expected, limit)}")
+        return
     else:
         print(f"  state after the call, expected (from the trace):\n    {short(expected, limit)}")
         print(f"  state after the call, observed ({impl}):\n    {short(observed, limit)}")
-        diff = state_diff(expected, observed)
-        print("  differences:" + ("\n" + "\n".join("  " + d for d in diff) if diff else " none"))
+        print("  differences:\n" + "\n".join("  " + d for d in diff))
     if not full_states:
         print("  (--full-states prints the states uncut)")
 
@@ -298,8 +458,22 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
     if stats.known:
         known = ", ".join(f"{k} x{n}" for k, n in sorted(stats.known.items()))
         print(f"known differences normalised (ledger): {known}")
-    for reason, n in sorted(outcome.cannot_build.items()):
-        print(f"not built ({n} sequences): {reason}")
+    if outcome.skipped:
+        by_why: dict[str, list[str]] = {}
+        for family, why in outcome.skipped.items():
+            by_why.setdefault(why, []).append(family)
+        for why, names in by_why.items():
+            print(f"skipped {len(names)} families ({why}): {', '.join(names)}")
+    if outcome.not_built:
+        print(
+            f"not run, a side refused the config ({sum(outcome.not_built.values())} sequences, "
+            "not counted above):"
+        )
+        for family, n in sorted(outcome.not_built.items()):
+            print(f"  {family} x{n}: {outcome.not_built_reasons[family]}")
+    elif args.census:
+        for reason, n in sorted(outcome.cannot_build.items()):
+            print(f"not built ({n} sequences): {reason}")
     if outcome.harness_error:
         print(f"error: {outcome.harness_error}", file=sys.stderr)
         return 2
@@ -409,7 +583,7 @@ def _changelog_from_traces(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m kvcache``."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m kvcache",
         description="kvcache: a verified reference of vLLM's KV-cache manager (0.25.1, the "
         "default, and 0.33.0: kvcache.vllm_0_33), and a kit to put any KV-cache manager "
@@ -430,12 +604,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workloads",
         default=None,
+        type=workload_list,
         help=f"comma-separated, from {', '.join(WORKLOAD_NAMES)} (default: all; none "
         "with --requests-from)",
     )
     p.add_argument("--impls", default="", help="comma-separated (default: kvcache,vllm,spec)")
-    p.add_argument("--repetitions", type=int, default=3, help="alternating runs (default 3)")
-    p.add_argument("--requests", type=int, default=2000, help="requests per workload")
+    p.add_argument("--repetitions", type=POSITIVE, default=3, help="alternating runs (default 3)")
+    p.add_argument("--requests", type=POSITIVE, default=2000, help="requests per workload")
     p.add_argument(
         "--scaling",
         action="store_true",
@@ -450,52 +625,61 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--trace-requests",
-        type=int,
+        type=NON_NEGATIVE,
         default=0,
         metavar="N",
         help="also record chat, chat-swa and chat-mamba with N requests from vLLM now and "
         "replay them, timed (default 0: none)",
     )
     p.add_argument(
-        "--trace-repetitions", type=int, default=5, help="alternating trace replays (default 5)"
+        "--trace-repetitions",
+        type=POSITIVE,
+        default=5,
+        help="alternating trace replays (default 5)",
     )
     p.add_argument(
         "--trace-min-records",
-        type=int,
+        type=POSITIVE,
         default=10_000,
         metavar="N",
         help="a repetition replays a short trace until N records are replayed (default 10000)",
     )
     p.add_argument(
         "--trace-min-replays",
-        type=int,
+        type=POSITIVE,
         default=3,
         metavar="N",
         help="replays per repetition at least (default 3; each call's fastest counts)",
     )
-    p.add_argument("--json", default="", help="write results as JSON to this path")
-    p.add_argument("--plot", default="", help="draw a PNG bar chart to this path")
+    p.add_argument(
+        "--json", default="", type=output_path, help="write results as JSON to this path"
+    )
+    p.add_argument("--plot", default="", type=output_path, help="draw a PNG bar chart to this path")
     add_stream_options(p)
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser(
         "simulate",
         help="run a workload through the scheduler simulation and report over time",
-        description="Hit rate, usage, preemptions, free blocks and queue lengths over time.",
+        description="Prefix hit rate, preemptions, usage, free blocks and queue lengths "
+        "over time, as a table and (--plot) a chart; --impl a,b runs two implementations "
+        "on the same workload and overlays them.",
     )
     p.add_argument("--workload", default="chat", choices=WORKLOAD_NAMES)
     p.add_argument(
         "--impl",
         default="kvcache",
-        help=IMPL_HELP + "; several comma-separated run side by side and must agree",
+        help=IMPL_HELP + "; several comma-separated run side by side and must agree (two "
+        "are overlaid in the plot)",
     )
-    p.add_argument("--requests", type=int, default=2000, help="requests in the workload")
-    p.add_argument("--rows", type=int, default=20, help="table rows to print")
+    p.add_argument("--requests", type=POSITIVE, default=2000, help="requests in the workload")
+    p.add_argument("--rows", type=POSITIVE, default=20, help="table rows to print")
     p.add_argument(
         "--plot",
         default="",
-        help="draw usage/free/queues to this PNG (hit rate vs pool size with "
-        "--requests-from, --pool-sizes or several --impl)",
+        type=output_path,
+        help=SIMULATE_PLOT_HELP + "; hit rate vs pool size with --requests-from or "
+        "--pool-sizes",
     )
     add_stream_options(p, sweep_options=True)
     p.set_defaults(func=_cmd_simulate)
@@ -519,7 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="what to run: a benchmark workload, or 'random' for one random scheduler "
         "sequence of --layout (default: chat)",
     )
-    p.add_argument("--requests", type=int, default=20, help="requests in the workload (default 20)")
+    p.add_argument(
+        "--requests", type=POSITIVE, default=20, help="requests in the workload (default 20)"
+    )
     p.add_argument("--seed", type=int, default=0, help="workload / sequence seed (default 0)")
     p.add_argument(
         "--layout",
@@ -530,13 +716,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--state-every",
-        type=int,
+        type=int_at_least(-1),
         default=-1,
         metavar="N",
         help="store the abstract state after every N-th call (0: never; default: every "
         "call for pools up to 256 blocks, else every 500th)",
     )
-    p.add_argument("--out", required=True, help="trace file to write (.jsonl or .jsonl.gz)")
+    p.add_argument(
+        "--out",
+        required=True,
+        type=output_path,
+        help="trace file to write (.jsonl or .jsonl.gz)",
+    )
     add_stream_options(p)
     p.set_defaults(func=_cmd_record)
 
@@ -574,7 +765,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("traces", nargs="+", type=Path, metavar="TRACE", help="trace files")
     p.add_argument("--impl", default="kvcache", help=IMPL_HELP + " (default: kvcache)")
     p.add_argument(
-        "--context", type=int, default=8, metavar="N", help="preceding calls shown (default 8)"
+        "--context",
+        type=NON_NEGATIVE,
+        default=8,
+        metavar="N",
+        help="preceding calls shown (default 8)",
     )
     p.add_argument("--full-states", action="store_true", help="print states uncut")
     p.set_defaults(func=_cmd_replay)
@@ -599,11 +794,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--minutes",
-        type=float,
+        type=float_above(0.0),
         default=None,
         help="time budget (default 1, or none with --sequences)",
     )
-    p.add_argument("--sequences", type=int, default=None, help="stop after this many sequences")
+    p.add_argument(
+        "--sequences", type=POSITIVE, default=None, help="stop after this many sequences"
+    )
     p.add_argument("--seed", type=int, default=0, help="run seed (default 0): same seed, same run")
     p.add_argument(
         "--layouts",
@@ -614,10 +811,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         default="",
+        type=output_path,
         help="counterexample file (default counterexample-<impl>-seed<N>.jsonl)",
     )
     p.add_argument(
-        "--shrink-seconds", type=float, default=60.0, help="time to shrink a failure (default 60)"
+        "--shrink-seconds",
+        type=float_above(0.0, inclusive=True),
+        default=60.0,
+        help="time to shrink a failure (default 60)",
     )
     p.add_argument(
         "--census",
@@ -640,8 +841,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the other commands does not apply here (vLLM only).",
     )
     p.add_argument("traces", nargs="*", metavar="TRACE", help="trace files to replay")
-    p.add_argument("--census-seconds", type=float, default=60.0, help="census time (default 60)")
-    p.add_argument("--census-sequences", type=int, default=0,
+    p.add_argument(
+        "--census-seconds",
+        type=float_above(0.0, inclusive=True),
+        default=60.0,
+        help="census time (default 60)",
+    )
+    p.add_argument("--census-sequences", type=NON_NEGATIVE, default=0,
                    help="census of this many sequences instead of a time (the same on any "
                         "machine; CI uses it)")  # fmt: skip
     p.add_argument("--census-dir", default="build/census", help="census counterexamples")
@@ -674,10 +880,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="the same scenarios recorded on the newer release (paired by file name)",
     )
     p.add_argument("--from-python", default="", help="the older release venv's python")
-    p.add_argument("--census-seconds", type=float, default=60.0, help="census time (default 60)")
+    p.add_argument(
+        "--census-seconds",
+        type=float_above(0.0, inclusive=True),
+        default=60.0,
+        help="census time (default 60)",
+    )
     p.add_argument("--census-dir", default="build/census", help="census counterexamples")
     p.add_argument("--seed", type=int, default=0, help="census seed (default 0)")
-    p.add_argument("--out", default="", help="output (default docs/vllm-FROM-to-TO.md)")
+    p.add_argument(
+        "--out", default="", type=output_path, help="output (default docs/vllm-FROM-to-TO.md)"
+    )
     p.set_defaults(func=_cmd_changelog)
     return parser
 
@@ -690,6 +903,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # TraceError is one: bad traces, bad names, bad arguments
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:  # a third-party module a command needs
+        from kvcache import _deps
+
+        missing = _deps.third_party(exc)
+        if missing is None:
+            raise
+        print(_deps.missing_line(missing), file=sys.stderr)
+        return _deps.CLI_EXIT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

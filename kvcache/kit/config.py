@@ -145,6 +145,13 @@ LOOKAHEAD_FIELDS = ("num_hash_lookahead_tokens", "num_prefill_lookahead")
 """vLLM 0.33.0's lookahead arguments of ``ManagerConfig`` (omitted when 0)."""
 
 
+def _check_positive_int(field_name: str, value: Any) -> None:
+    """A record's size field (``config.num_blocks``) must be a positive int: a
+    trace that says otherwise is bad input, not a config to try."""
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{field_name} is {value!r}; expected a positive int")
+
+
 @dataclass(frozen=True)
 class ManagerConfig:
     """Everything needed to build the same ``KVCacheManager`` in every implementation.
@@ -306,13 +313,17 @@ class ManagerConfig:
             bad = sorted(set(group) - group_names)
             if bad:
                 raise ValueError(f"unknown field(s) {bad} in config.groups[{i}]")
+            for name in ("block_size", "num_kv_heads"):
+                _check_positive_int(f"config.groups[{i}].{name}", group.get(name, 1))
             try:
                 built.append(GroupConfig(**group))
-            except TypeError as exc:
+            except (TypeError, ValueError) as exc:
                 raise ValueError(f"config.groups[{i}]: {exc}") from None
+        for name in ("num_blocks", "max_model_len", "head_size"):
+            _check_positive_int(f"config.{name}", record.get(name, 1))
         try:
             return cls(**{**record, "groups": tuple(built)})
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"config: {exc}") from None
 
     @classmethod

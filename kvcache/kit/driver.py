@@ -138,6 +138,7 @@ class Mismatch(Exception):
         observed_state: Mapping[str, Any] | None = None,
         known: tuple[str, ...] = (),
         part: str = "result",
+        way: str = "",
     ) -> None:
         super().__init__(f"call #{index} {op}({short(dict(args), 300)}): {detail}")
         self.index = index
@@ -150,6 +151,10 @@ class Mismatch(Exception):
         self.known = known
         #: What differs: "result", "raises", or "state:<keys>".
         self.part = part
+        #: Where and how, finer than ``part``: the differing field of a result and
+        #: how it differs, the exceptions met, or how each state key differs
+        #: (``outcome_way``, ``state_way``); shrinking keeps it.
+        self.way = way
 
     @property
     def kind(self) -> str:
@@ -160,6 +165,75 @@ class Mismatch(Exception):
 def outcome_part(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str:
     """``"raises"`` when either outcome is an exception, else ``"result"``."""
     return "raises" if "raises" in expected or "raises" in actual else "result"
+
+
+def _how(expected: Any, actual: Any, path: str = "") -> tuple[str, str]:
+    """The path of the first place two unequal canonical values differ (keys of
+    objects, positions of tuples; ``[*]`` for any element of a list or a mapping
+    with non-string keys) and how: ``greater`` / ``less`` (numbers), ``longer`` /
+    ``shorter``, ``missing`` / ``extra`` (keys), ``A->B`` (types), or ``value``."""
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        if set(expected) == {"tuple"} == set(actual):
+            e_items, a_items = expected["tuple"], actual["tuple"]
+            if isinstance(e_items, list) and isinstance(a_items, list):
+                for i, (x, y) in enumerate(zip(e_items, a_items, strict=False)):
+                    if not results_equal(x, y):
+                        return _how(x, y, f"{path}[{i}]")
+                return path, "longer" if len(a_items) > len(e_items) else "shorter"
+        if set(expected) == {"dict"} == set(actual):
+            return _how(expected["dict"], actual["dict"], path)
+        for key in sorted(set(expected) | set(actual)):
+            if key not in actual:
+                return f"{path}.{key}", "missing"
+            if key not in expected:
+                return f"{path}.{key}", "extra"
+            if not results_equal(expected[key], actual[key]):
+                return _how(expected[key], actual[key], f"{path}.{key}")
+        return path, "value"
+    if isinstance(expected, list) and isinstance(actual, list):
+        for x, y in zip(expected, actual, strict=False):
+            if not results_equal(x, y):
+                return _how(x, y, f"{path}[*]")
+        return path, "longer" if len(actual) > len(expected) else "shorter"
+    numbers = (int, float)
+    if (
+        isinstance(expected, numbers)
+        and isinstance(actual, numbers)
+        and not isinstance(expected, bool)
+        and not isinstance(actual, bool)
+    ):
+        return path, "greater" if actual > expected else "less"
+    if type(expected) is not type(actual):
+        names = {type(None): "null", dict: "object", list: "list"}
+        before = names.get(type(expected), type(expected).__name__)
+        return path, f"{before}->{names.get(type(actual), type(actual).__name__)}"
+    return path, "value"
+
+
+def outcome_way(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str:
+    """How two unequal outcomes differ: the exceptions (``raises ValueError->result``)
+    or the result's first differing field and how (``result.num_computed_tokens: less``)."""
+    if "raises" in expected or "raises" in actual:
+        before = f"raises {expected['raises']}" if "raises" in expected else "result"
+        return f"{before}->" + (f"raises {actual['raises']}" if "raises" in actual else "result")
+    path, how = _how(expected.get("ok"), actual.get("ok"))
+    return f"result{path}: {how}"
+
+
+def state_way(
+    diff: Sequence[str], expected: Mapping[str, Any] | None, observed: Mapping[str, Any] | None
+) -> str:
+    """How each differing key of two states differs (``free_queue: shorter``), in
+    the order of ``state_part``; keys outside the states (free counts,
+    invariants) by name."""
+    keys = state_part(diff).removeprefix("state:").split(",")
+    ways = []
+    for key in keys:
+        if expected is not None and observed is not None and key in expected and key in observed:
+            ways.append(f"{key}: {_how(expected[key], observed[key])[1]}")
+        else:
+            ways.append(key)
+    return "; ".join(ways)
 
 
 def state_part(diff: Sequence[str]) -> str:
@@ -314,11 +388,19 @@ class Lockstep:
                         note,
                         known=judgement.known,
                         part=outcome_part(expected, actual),
+                        way=outcome_way(expected, actual),
                     )
                 self.stats.known.update(judgement.known)
                 ok, note = True, ""
             if not ok:
-                raise Mismatch(index, op, args, note, part=outcome_part(expected, actual))
+                raise Mismatch(
+                    index,
+                    op,
+                    args,
+                    note,
+                    part=outcome_part(expected, actual),
+                    way=outcome_way(expected, actual),
+                )
             if note:
                 self.stats.assert_as_value_error += 1
         state = self.check_state(index, op, args)
@@ -382,6 +464,7 @@ class Lockstep:
                     observed,
                     known=known,
                     part=state_part(diff),
+                    way=state_way(diff, expected, observed),
                 )
         if self.record_state and expected_raw is not None:
             return canon_state(expected_raw)
@@ -1684,8 +1767,9 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
 
 
 def same_failure(a: Mismatch, b: Mismatch) -> bool:
-    """The same failure: the same call, the same kind of difference, the same ledger entry."""
-    return (a.op, a.part, a.known) == (b.op, b.part, b.known)
+    """The same failure: the same call kind, the same kind of difference on the same
+    field in the same way (``Mismatch.way``), the same ledger entry."""
+    return (a.op, a.part, a.way, a.known) == (b.op, b.part, b.way, b.known)
 
 
 def shrink(
@@ -1700,7 +1784,8 @@ def shrink(
 
     Keeps a candidate when a scheduler could make it (``scheduler_could_make``),
     it is still a valid sequence for the reference, and it still fails the same
-    way (``same_failure``: same op, same kind of difference, same ledger entry).
+    way (``same_failure``: same op, same field differing the same way, same ledger
+    entry).
     """
     records = list(calls)
     allowed = [True] * len(records)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import sys
+import textwrap
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ from kvcache.kit.driver import (
     run_sequence,
     write_counterexample,
 )
+from kvcache.kit.ledger import REFERENCE_LINE, release_line_of
 from kvcache.kit.sides import resolve_adapter
 from kvcache.kit.trace import write_trace
 
@@ -64,6 +66,13 @@ class FuzzOutcome:
     normalised_examples: dict[str, tuple[Path, int]] = field(default_factory=dict)
     #: Why configs could not be built, by reason (first words), and the ledger entry.
     cannot_build: Counter[str] = field(default_factory=Counter)
+    #: Families left out before the run, with why (a side's release predates them);
+    #: not in ``stats``. Census runs leave none out (their refusals are tallied).
+    skipped: dict[str, str] = field(default_factory=dict)
+    #: Outside a census: sequences drawn whose config a side refused, by family,
+    #: and the first refusal of each family; never run, so not in ``stats``.
+    not_built: Counter[str] = field(default_factory=Counter)
+    not_built_reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def unknown_kinds(self) -> list[str]:
@@ -114,6 +123,50 @@ class Progress:
     def message(self, text: str) -> None:
         self.stream.write(("\n" if self.tty else "") + text + "\n")
         self.stream.flush()
+
+
+#: Implementation names that follow vLLM 0.25.1 (the reference release line).
+REFERENCE_LINE_IMPLS = frozenset({"kvcache", "kvcache-pure", "spec"})
+
+
+def release_line(impl: str) -> str | None:
+    """The vLLM release line (``"0.25"``) implementation ``impl`` behaves like, or
+    None where the kit cannot tell (a third party's ``module:factory``)."""
+    if impl in REFERENCE_LINE_IMPLS:
+        return REFERENCE_LINE
+    adapter = resolve_adapter(impl)
+    line = getattr(adapter, "release_line", None)  # kvcache-0.33, spec-0.33
+    if isinstance(line, str) and line:
+        return line
+    if adapter.name == "vllm":  # the installed release's line
+        return release_line_of(adapter.version)
+    return None
+
+
+def _line_key(line: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in line.split(".") if part.isdigit())
+
+
+def skipped_families(names: Sequence[str], *impls: str) -> dict[str, str]:
+    """The families of ``names`` a side of ``impls`` cannot build because its release
+    line predates the family's (``Family.since``), each with why, briefly."""
+    lines = {impl: release_line(impl) for impl in impls}
+    skipped = {}
+    for name in names:
+        since = FAMILIES[name].since
+        first = _line_key(release_line_of(since))
+        older = sorted({i for i, line in lines.items() if line and _line_key(line) < first})
+        if older:
+            verb = "follows" if len(older) == 1 else "follow"
+            sides = " and ".join(older)
+            skipped[name] = f"added in vLLM {since}; {sides} {verb} vLLM {lines[older[0]]}"
+    return skipped
+
+
+def brief(reason: str, width: int = 110) -> str:
+    """``reason`` on one line, shortened at a word boundary."""
+    text = " ".join(reason.removeprefix("cannot build: ").split())
+    return textwrap.shorten(text, width=width, placeholder=" ...")
 
 
 def default_out(subject: str, seed: int) -> Path:
@@ -213,9 +266,21 @@ def fuzz(
         )
     if seconds is None and max_sequences is None:
         raise ValueError("give a time or a sequence budget")
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"a time budget of {seconds:g} s runs nothing; give a positive one")
+    if max_sequences is not None and max_sequences <= 0:
+        raise ValueError(f"{max_sequences} sequences is no run; give a positive number")
     resolve_adapter(subject)  # a bad name is a usage error, not a divergence
     resolve_adapter(reference)
     result = FuzzOutcome()
+    if not census:  # a census tallies the refusals: they are what it is for
+        result.skipped = skipped_families(names, subject, reference)
+        names = [name for name in names if name not in result.skipped]
+        if not names:
+            raise ValueError(
+                "no layout family to run: "
+                + "; ".join(f"{n}: {why}" for n, why in result.skipped.items())
+            )
     progress = Progress(stream or sys.stderr, seconds, max_sequences)
     deadline = None if seconds is None else time.monotonic() + seconds
     index = 0
@@ -230,8 +295,9 @@ def fuzz(
         family = names[index % len(names)]
         sequence_seed = seed * SEEDS_PER_RUN_SEED + index
         known_before = Counter(result.stats.known)
+        sequence_stats = Stats()
         try:
-            sequence = run_sequence(sequence_seed, family, subject, reference, result.stats)
+            sequence = run_sequence(sequence_seed, family, subject, reference, sequence_stats)
         except DriverError as exc:
             result.harness_error = (
                 f"sequence seed {sequence_seed} ({family}): the reference {reference} rejected "
@@ -239,6 +305,11 @@ def fuzz(
             )
             break
         index += 1
+        if census or sequence.cannot_build is None:
+            result.stats.add(sequence_stats)  # outside a census, only what ran counts
+        else:
+            result.not_built[family] += 1
+            result.not_built_reasons.setdefault(family, brief(sequence.cannot_build))
         progress.update(result.stats, family)
         if sequence.cannot_build is not None:
             result.cannot_build[f"{family}: {sequence.cannot_build}"[:160]] += 1
@@ -255,8 +326,10 @@ def fuzz(
             break
     progress.update(result.stats, family, force=True)
     result.seconds = time.monotonic() - progress.started
-    if result.stats.sequences and len(result.cannot_build) and not result.stats.calls:
+    if len(result.cannot_build) and not result.stats.calls:
         result.harness_error = "no config could be built: " + "; ".join(result.cannot_build)
+    elif not result.stats.sequences:
+        result.harness_error = f"no sequence ran in {result.seconds:.1f} s"
     if census:
         folder = census_dir or Path("census")
         folder.mkdir(parents=True, exist_ok=True)

@@ -185,6 +185,8 @@ class SimResult:
     queue_steps: list[int] = field(default_factory=list)
     #: Requests that ran to their last output token.
     finished: int = 0
+    #: Per step, running totals: (prefix-hit tokens, prompt tokens admitted, preemptions).
+    totals: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def manager_seconds(self) -> float:
@@ -229,7 +231,8 @@ def simulate(
     Returns:
         Timings of every manager call, a digest of every result (equal digests
         mean the implementations behaved identically), and per-step series
-        ``(step, usage, free blocks, running, waiting)``.
+        ``(step, usage, free blocks, running, waiting)`` and running totals
+        ``(hit tokens, prompt tokens, preemptions)``.
     """
     m = impl.manager
     res = SimResult(impl.name, "")
@@ -337,6 +340,7 @@ def simulate(
         res.series.append(
             (step, m.usage, m.block_pool.get_num_free_blocks(), len(running), len(waiting))
         )
+        res.totals.append((res.hit_tokens, res.prompt_tokens, res.preemptions))
         step += 1
     res.steps = step
     res.digest = sha.hexdigest()

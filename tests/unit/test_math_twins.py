@@ -7,11 +7,16 @@ speculative blocks, chunked-local admission caps). Here every twin pair of
 ``proofs.manifest.PAIRS`` (``spec.pure`` vs ``kvcache.kv_cache_math``) is compared
 on small generated arguments within the pair's own domain, and the functions
 kvcache alone has are checked against their PEP 316 ``post:`` lines.
+
+The functions called are those ``import kvcache`` loaded, compiled (mypyc) or
+not; their parameters (names, annotations) and contract lines are read from the
+source module (``SOURCE``), since compiled functions carry neither.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import itertools
 import re
@@ -22,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import kvcache
 import spec.pure
 from kvcache import kv_cache_math
 from proofs.manifest import CONTRACTS, PAIRS
@@ -29,9 +35,38 @@ from proofs.manifest import CONTRACTS, PAIRS
 SMALL = st.integers(-2, 12)
 
 
+def _load_source() -> Any:
+    """``kvcache/kv_cache_math.py`` itself, under a private name (a leaf module)."""
+    path = inspect.getfile(kvcache).replace("__init__.py", "kv_cache_math.py")
+    loaded = importlib.util.spec_from_file_location("_kv_cache_math_source", path)
+    assert loaded is not None and loaded.loader is not None
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    return module
+
+
+SOURCE = _load_source()
+
+
 def resolve(dotted: str) -> Callable[..., Any]:
     module, _, name = dotted.rpartition(".")
     return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
+
+def source_of(dotted: str) -> Callable[..., Any]:
+    """The pure-Python definition of a ``kvcache.kv_cache_math`` function: its
+    signature and docstring (a compiled function has neither)."""
+    return getattr(SOURCE, dotted.rpartition(".")[2])  # type: ignore[no-any-return]
+
+
+def test_the_twins_are_the_loaded_build() -> None:
+    """The subjects compared are the build ``import kvcache`` loaded (compiled under
+    ``make setup``), and their parameters come from the source beside it."""
+    for pair in MATH_PAIRS:
+        subject = resolve(pair.subject)
+        assert subject is getattr(kv_cache_math, subject.__name__)
+        assert inspect.isfunction(subject) != kvcache.COMPILED, pair.subject
+        assert list(inspect.signature(source_of(pair.subject)).parameters)
 
 
 def argument(name: str, annotation: str) -> st.SearchStrategy[Any]:
@@ -64,7 +99,7 @@ MATH_PAIRS = [p for p in PAIRS if p.subject.startswith("kvcache.kv_cache_math.")
 @given(data=st.data())
 def test_math_twin_agrees_with_spec(pair: Any, data: st.DataObject) -> None:
     oracle, subject = resolve(pair.oracle), resolve(pair.subject)
-    params = inspect.signature(subject).parameters
+    params = inspect.signature(source_of(pair.subject)).parameters
     args = [data.draw(argument(n, str(p.annotation)), label=n) for n, p in params.items()]
     assume(pair.domain(*args))
     try:
@@ -92,13 +127,13 @@ def conditions(fn: Callable[..., Any], kind: str) -> list[str]:
 @settings(max_examples=200)
 @given(data=st.data())
 def test_contract_of_kvcache_only_function(target: str, data: st.DataObject) -> None:
-    fn = resolve(target)
-    params = inspect.signature(fn).parameters
+    fn, source = resolve(target), source_of(target)
+    params = inspect.signature(source).parameters
     args = {n: data.draw(st.integers(-1, 40), label=n) for n in params}
     scope = {**vars(kv_cache_math), **args}
-    assume(all(eval(pre, scope) for pre in conditions(fn, "pre")))
+    assume(all(eval(pre, scope) for pre in conditions(source, "pre")))
     scope["__return__"] = fn(**args)
-    for post in conditions(fn, "post"):
+    for post in conditions(source, "post"):
         assert eval(post, scope), (post, args, scope["__return__"])
 
 

@@ -20,7 +20,9 @@ import pytest
 import xxhash as xx
 
 import kvcache as K
+import kvcache.kv_cache_manager
 import kvcache.kv_cache_utils as kcu
+from kvcache import _builds
 from kvcache.block_pool import BlockHashToBlockMap
 from kvcache.kv_cache_interface import get_dtype_size
 
@@ -31,11 +33,14 @@ def attn(cls: Any = K.FullAttentionSpec, **kwargs: Any) -> Any:
     return cls(block_size=BS, num_kv_heads=1, head_size=8, dtype="float16", **kwargs)
 
 
-def make_manager(*specs: Any, num_blocks: int = 16, **kwargs: Any) -> K.KVCacheManager:
+def make_manager(
+    *specs: Any, num_blocks: int = 16, cls: Any = None, **kwargs: Any
+) -> K.KVCacheManager:
     groups = [K.KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs or [attn()])]
     config = K.KVCacheConfig(num_blocks, [], groups)
     kwargs.setdefault("max_model_len", 64)
-    return K.KVCacheManager(config, scheduler_block_size=BS, hash_block_size=BS, **kwargs)
+    cls = cls or K.KVCacheManager
+    return cls(config, scheduler_block_size=BS, hash_block_size=BS, **kwargs)  # type: ignore[no-any-return]
 
 
 def make_request(rid: str, tokens: list[int], **kwargs: Any) -> K.Request:
@@ -232,7 +237,11 @@ def test_hash_functions_by_name() -> None:
     assert K.get_hash_fn_by_name("xxhash")(data) == xx.xxh3_128_digest(pickled)
     assert K.get_hash_fn_by_name("xxhash_cbor")(data) == xx.xxh3_128_digest(cbor)
     assert K.get_hash_fn_by_name("sha256")(data) == hashlib.sha256(pickled).digest()
-    with pytest.raises(ValueError, match=r"Unsupported hash function: hash_fn_name=\['x'\]"):
+    with pytest.raises(ValueError, match=r"Unsupported hash function: hash_fn_name='x'"):
+        K.get_hash_fn_by_name("x")
+    # A name of the wrong type: the pure build names it in its ValueError; the
+    # compiled build's signature refuses it before the body runs.
+    with pytest.raises(TypeError if K.COMPILED else ValueError, match=r"str|\['x'\]"):
         K.get_hash_fn_by_name(["x"])  # type: ignore[arg-type]
 
 
@@ -409,10 +418,22 @@ def checks_after_calls(m: K.KVCacheManager) -> bool:
     return False
 
 
-def test_enable_self_check_names_the_call_that_broke_an_invariant() -> None:
-    m = make_manager()
+@pytest.fixture
+def self_checking() -> Any:
+    """The manager module whose self-check mode the tests drive: kvcache's own under
+    the pure build; under the compiled build, which refuses the mode (its instances'
+    methods are fixed), the pure copy beside it (``kvcache._builds.pure_copy``)."""
+    if not K.COMPILED:
+        return kvcache.kv_cache_manager
+    with pytest.raises(RuntimeError, match="needs the pure-Python build"):
+        K.enable_self_check(make_manager())
+    return _builds.pure_copy()["kv_cache_manager"]
+
+
+def test_enable_self_check_names_the_call_that_broke_an_invariant(self_checking: Any) -> None:
+    m = make_manager(cls=self_checking.KVCacheManager)
     assert not checks_after_calls(m)
-    K.enable_self_check(m)
+    self_checking.enable_self_check(m)
     a = make_request("a", list(range(9)))
     admit(m, a)
     m.block_pool.blocks[5].ref_cnt = 3  # a free block with references: corrupt
@@ -429,14 +450,15 @@ def test_enable_self_check_names_the_call_that_broke_an_invariant() -> None:
         assert getattr(m, name).__name__ == name
 
 
-def test_self_check_env_turns_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_self_check_env_turns_it_on(monkeypatch: pytest.MonkeyPatch, self_checking: Any) -> None:
+    cls = self_checking.KVCacheManager
     for value, on in (("0", False), ("", False), ("1", True), ("yes", True)):
         monkeypatch.setenv("KVCACHE_SELF_CHECK", value)
-        assert checks_after_calls(make_manager()) == on, value
+        assert checks_after_calls(make_manager(cls=cls)) == on, value
     monkeypatch.delenv("KVCACHE_SELF_CHECK")
-    assert not checks_after_calls(make_manager())
+    assert not checks_after_calls(make_manager(cls=cls))
     monkeypatch.setenv("KVCACHE_SELF_CHECK", "1")
-    checked = make_manager()
+    checked = make_manager(cls=cls)
     a = make_request("a", list(range(5)))
     admit(checked, a)
     checked.free(a)
