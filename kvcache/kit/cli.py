@@ -109,9 +109,14 @@ IMPL_HELP = (
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kvcache.kit import bench
 
-    if not (args.workloads.strip(",") or args.traces or args.trace_requests or args.scaling):
+    names = args.workloads
+    if names is None:  # the built-in workloads, unless a stream file is benchmarked alone
+        names = "" if args.requests_from else ",".join(WORKLOAD_NAMES)
+    if not (names.strip(",") or args.requests_from or args.traces or args.trace_requests
+            or args.scaling):  # fmt: skip
         raise ValueError(
-            "nothing to bench: give --workloads, --traces, --trace-requests or --scaling"
+            "nothing to bench: give --workloads, --requests-from, --traces, --trace-requests "
+            "or --scaling"
         )
     if args.impls:  # given: no need to find out whether vLLM imports (seconds)
         impls, note = [name for name in args.impls.split(",") if name], ""
@@ -131,9 +136,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     def progress(text: str) -> None:  # stderr: stdout stays the tables alone
         print(f"bench: {text} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
 
-    names = args.workloads
-    if names is None:  # the built-in workloads, unless a stream file is benchmarked alone
-        names = "" if args.requests_from else ",".join(WORKLOAD_NAMES)
     for name in filter(None, names.split(",")):
         result = bench.bench_workload(name, impls, args.repetitions, args.requests,
                                       progress=progress)

@@ -182,7 +182,7 @@ def test_a_generated_mooncake_stream_runs_identically_on_kvcache_and_vllm(
     trace = generated(tmp_path, "mooncake", "--requests", "30", "--mean-gap-ms", "80")
     jsonl = generated(tmp_path, "jsonl", "--requests", "30", "--block-tokens", "32")
     plot = tmp_path / "sweep.png"
-    argv = ["simulate", "--block-tokens", "32", "--impl", "kvcache,vllm", "--rows", "0"]
+    argv = ["simulate", "--block-tokens", "32", "--impl", "kvcache,vllm"]
     code = main(
         [*argv, "--requests-from", str(trace), "--pool-sizes", "26,60", "--plot", str(plot)]
     )
@@ -229,7 +229,7 @@ def test_a_planted_bug_is_named_at_its_first_differing_call(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     trace = generated(tmp_path, "mooncake", "--requests", "40", "--mean-gap-ms", "500")
-    argv = ["simulate", "--requests-from", str(trace), "--block-tokens", "32", "--rows", "0"]
+    argv = ["simulate", "--requests-from", str(trace), "--block-tokens", "32"]
     code = main([*argv, "--impl", f"kvcache,{PLANTED}", "--pool-sizes", "26"])
     out = capsys.readouterr().out
     assert code == 1
