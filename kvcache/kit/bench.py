@@ -7,6 +7,9 @@ implementation (median, min–max), microseconds per call for each method, and
 the ratio ``other / kvcache`` per repetition (median, min–max), for each
 kvcache build (``kvcache`` is the build imported, ``kvcache-pure`` the
 pure-Python sources beside a compiled one), and the spec's steps per second.
+Beside the manager's time, the requests' block hashing is timed
+(``HashingTimer``: what a serving engine's scheduler also pays), with the
+ratios of hashing and of the sum.
 
 ``bench_trace`` does the same for a trace recorded from vLLM: each
 implementation replays the trace's calls (``kvcache.kit.driver.replay_trace``
