@@ -40,13 +40,18 @@ def _config(hash_fn: str, block_size: int) -> ManagerConfig:
 @pytest.mark.parametrize("hash_fn", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_hashes_equal_vllms_at_once_and_as_tokens_grow(
-    hash_fn: str, extra: str, block_size: int
+    hash_fn: str, extra: str, block_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = _config(hash_fn, block_size)
     prompt = [(i * 7919) % 70_000 for i in range(101)]  # one-, two- and four-byte ints
     hashes = []
     for name in ("kvcache", "vllm"):
         adapter = resolve_adapter(name)
+        chain = adapter.chain_module()
+        assert chain is not None
+        for attr in ("NONE_HASH", "_none_hash_seed"):  # the process's chain, for later tests
+            if hasattr(chain, attr):
+                monkeypatch.setattr(chain, attr, getattr(chain, attr))
         adapter.init_hashes(config, "0")
         args = {"request_id": "r", "prompt_token_ids": prompt, "max_tokens": 64, **EXTRA[extra]}
         request = adapter.build_request(config, args)
