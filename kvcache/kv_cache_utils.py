@@ -14,7 +14,7 @@ import os
 import pickle
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NewType, TypeAlias, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Final, NewType, TypeAlias, TypeVar, cast, overload
 
 import cbor2
 from mypy_extensions import mypyc_attr
@@ -78,9 +78,17 @@ def maybe_convert_block_hash(hash_bytes: BlockHash) -> ExternalBlockHash:
 # ---------------------------------------------------------------- hash functions
 
 
+# NOTE: bound once, called positionally: in the compiled build a module attribute
+# (``pickle.dumps``) is looked up on every call, and a keyword argument takes the
+# slower calling convention; the hash functions run once per block.
+_pickle_dumps: Final = pickle.dumps
+_new_sha256: Final = hashlib.sha256
+_PICKLE_PROTOCOL: Final = 5
+
+
 def sha256(input: Any) -> bytes:
     """SHA-256 of the pickle (protocol 5) of ``input``; vLLM's default block hash."""
-    return hashlib.sha256(pickle.dumps(input, protocol=5)).digest()
+    return _new_sha256(_pickle_dumps(input, _PICKLE_PROTOCOL)).digest()
 
 
 def sha256_cbor(input: Any) -> bytes:
@@ -88,15 +96,24 @@ def sha256_cbor(input: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(input, canonical=True)).digest()
 
 
-def _xxh3_128(data: bytes) -> bytes:
-    import xxhash as _xxhash
+_xxh3_128_digest: Callable[[bytes], bytes] | None = None
+"""``xxhash.xxh3_128_digest``, imported on first use (xxhash is needed only by the
+xxhash functions)."""
 
-    return bytes(_xxhash.xxh3_128_digest(data))
+
+def _xxh3_128(data: bytes) -> bytes:
+    global _xxh3_128_digest
+    digest = _xxh3_128_digest
+    if digest is None:
+        import xxhash as _xxhash
+
+        digest = _xxh3_128_digest = _xxhash.xxh3_128_digest
+    return bytes(digest(data))
 
 
 def xxhash(input: Any) -> bytes:
     """xxh3-128 of the pickle (protocol 5) of ``input``."""
-    return _xxh3_128(pickle.dumps(input, protocol=5))
+    return _xxh3_128(_pickle_dumps(input, _PICKLE_PROTOCOL))
 
 
 def xxhash_cbor(input: Any) -> bytes:
@@ -359,6 +376,13 @@ def get_request_block_hasher(
             mm_idx = first_mm_feature_ending_after(request, start)
         parent: HashValue | None = block_hashes[-1] if block_hashes else None
         tokens = request.all_token_ids
+        # The tokens of every block hashed now, as one tuple: each block's tuple is a
+        # slice of it (one copy, where slicing the token list and converting each
+        # slice made two; vLLM's ``ConstantList`` slices in Python code, too).
+        first = start
+        window = tuple(
+            tokens[first : first + (num_tokens - first) // hash_block_size * hash_block_size]
+        )
         # NOTE: a request without isolation keys has no extra keys in any block;
         # checking that once saves the per-block call (most requests).
         keyless = not (
@@ -383,7 +407,9 @@ def get_request_block_hasher(
                 extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
                 if tagged_extra_keys and extra_keys is not None:
                     extra_keys = tag_extra_keys(request, start, extra_keys)
-            parent = hash_block_tokens(caching_hash_fn, parent, tokens[start:end], extra_keys)
+            parent = hash_block_tokens(
+                caching_hash_fn, parent, window[start - first : end - first], extra_keys
+            )
             new_hashes.append(parent)
             start = end
         # BlockHashes for vLLM's hash functions (a list is all the compiled build checks).

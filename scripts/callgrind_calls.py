@@ -22,7 +22,9 @@ Shapes (full attention, block size 16, 4,096-block pool, prefix caching on):
 - ``admit``: ``allocate_slots`` adopting that 37-block hit plus one new token;
 - ``free``: ``free`` of that admitted request;
 - ``hybrid-decode``, ``hybrid-hit``: ``decode`` and ``hit`` with a sliding
-  window of 64 tokens (block size 16) beside full attention.
+  window of 64 tokens (block size 16) beside full attention;
+- ``hit-1k``, ``admit-1k``, ``free-1k``: ``hit``, ``admit`` and ``free`` of a
+  1,024-block cached prefix (issue 28's hit-heavy lookups), ``LONG_CALLS`` calls.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvcache import KVCacheBlocks, KVCacheManager, KVCacheSpec, Request
+    from kvcache import BlockHash, KVCacheBlocks, KVCacheManager, KVCacheSpec, Request
 
 # The checkout's own kvcache (a script's sys.path starts at scripts/, which would
 # leave the import to whatever build the environment has installed).
@@ -52,12 +54,33 @@ Counts are exact for one layout, but a layout can put two hot attribute names in
 one slot of CPython's type-attribute cache: e.g. decode took 5,640 instructions a
 call with 7 of 8 paddings tried and 5,951 (a cache miss a call) with the 8th. The
 minimum over the layouts is the figure reported."""
-SHAPES = ("decode", "hit", "admit", "free", "hybrid-decode", "hybrid-hit")
-PROMPT = [i % 50_000 for i in range(37 * 16 + 1)]
-"""37 full blocks and one token: the hit shapes find the 37 blocks cached."""
+LONG_CALLS = 32
+"""``N`` of the ``-1k`` shapes (a call there costs ~30 short ones)."""
+SHAPES = (
+    "decode",
+    "hit",
+    "admit",
+    "free",
+    "hybrid-decode",
+    "hybrid-hit",
+    "hit-1k",
+    "admit-1k",
+    "free-1k",
+)
 
 
-def _manager(hybrid: bool) -> KVCacheManager:
+def _prompt(num_blocks: int) -> list[int]:
+    """``num_blocks`` full blocks and one token: the hit shapes find them cached
+    (37 blocks; 1,024 for the ``-1k`` shapes)."""
+    return [i % 50_000 for i in range(num_blocks * 16 + 1)]
+
+
+PROMPT = _prompt(37)
+_HASHES: dict[int, list[BlockHash]] = {}
+"""The block hashes of ``_prompt(n)``, made once: a request copies them."""
+
+
+def _manager(hybrid: bool, max_model_len: int = 8192) -> KVCacheManager:
     """Full attention, with ``hybrid`` a sliding window of 64 tokens beside it."""
     import kvcache
 
@@ -75,19 +98,29 @@ def _manager(hybrid: bool) -> KVCacheManager:
     config = kvcache.KVCacheConfig(4096, [], groups)
     return kvcache.KVCacheManager(
         config,
-        max_model_len=8192,
+        max_model_len=max_model_len,
         scheduler_block_size=16,
         hash_block_size=16,
         enable_caching=True,
     )
 
 
-def _request(rid: str) -> Request:
-    """A request for ``PROMPT``, its block hashes computed (outside any count)."""
+def _request(rid: str, num_blocks: int = 37) -> Request:
+    """A request for ``_prompt(num_blocks)``, its block hashes computed (outside any
+    count); for the 1,024-block prompt computed once and copied (as new objects,
+    like a request's own hashes: a dict finds an identical key without comparing)."""
     import kvcache
 
     hasher = kvcache.get_request_block_hasher(16, kvcache.sha256)
-    return kvcache.Request(rid, list(PROMPT), block_hasher=hasher)
+    if num_blocks == 37:
+        return kvcache.Request(rid, list(PROMPT), block_hasher=hasher)
+    prompt = _prompt(num_blocks)
+    if num_blocks not in _HASHES:
+        _HASHES[num_blocks] = kvcache.Request(rid, prompt, block_hasher=hasher).block_hashes
+    request = kvcache.Request(rid, prompt)
+    copies = (kvcache.BlockHash(bytes(memoryview(h))) for h in _HASHES[num_blocks])
+    request.block_hashes.extend(copies)
+    return request
 
 
 def _alloc(
@@ -116,8 +149,10 @@ def _alloc(
 def _shape(name: str) -> tuple[Callable[[], None], Callable[[], None]]:
     """(prepare, call) for one measured call of ``name``; prepare runs outside
     the collection window."""
-    manager = _manager(name.startswith("hybrid-"))
+    blocks = 1024 if name.endswith("-1k") else 37
+    manager = _manager(name.startswith("hybrid-"), 8192 if blocks == 37 else 32768)
     name = name.removeprefix("hybrid-")
+    name = name.removesuffix("-1k")
     if name == "decode":
         running = _request("d")
         assert _alloc(manager, running, running.num_tokens) is not None
@@ -132,8 +167,8 @@ def _shape(name: str) -> tuple[Callable[[], None], Callable[[], None]]:
             assert _alloc(manager, running, 1) is not None
 
         return prepare, call
-    # A cached 37-block prefix (the prompt's 37 full blocks), its request freed.
-    first = _request("first")
+    # A cached prefix (the prompt's full blocks), its request freed.
+    first = _request("first", blocks)
     assert _alloc(manager, first, first.num_tokens) is not None
     first.num_computed_tokens = first.num_tokens
     manager.free(first)
@@ -141,14 +176,14 @@ def _shape(name: str) -> tuple[Callable[[], None], Callable[[], None]]:
 
     def fresh() -> Request:
         made[0] += 1
-        return _request(f"r{made[0]}")
+        return _request(f"r{made[0]}", blocks)
 
     if name == "hit":
         waiting = fresh()
 
         def call_hit() -> None:
             _, num_hit = manager.get_computed_blocks(waiting)
-            assert num_hit == 37 * 16
+            assert num_hit == blocks * 16
 
         return (lambda: None), call_hit
 
@@ -187,6 +222,9 @@ SYMBOLS = {
     "free": "free",
     "hybrid-decode": "allocate_slots",
     "hybrid-hit": "get_computed_blocks",
+    "hit-1k": "get_computed_blocks",
+    "admit-1k": "allocate_slots",
+    "free-1k": "free",
 }
 """The KVCacheManager method each shape counts."""
 
@@ -232,9 +270,11 @@ def _collected(name: str, num_calls: int, python: str, layout: int = 0) -> int:
 
 def per_layout(name: str, python: str = sys.executable) -> list[float]:
     """Instructions per call of shape ``name`` in each of ``LAYOUTS``: the difference
-    of a ``CALLS`` and a ``2 * CALLS`` run, divided by ``CALLS``."""
+    of an ``N`` and a ``2 * N`` run, divided by ``N`` (``CALLS``, or ``LONG_CALLS``
+    for the ``-1k`` shapes)."""
+    n = LONG_CALLS if name.endswith("-1k") else CALLS
     return [
-        (_collected(name, 2 * CALLS, python, pad) - _collected(name, CALLS, python, pad)) / CALLS
+        (_collected(name, 2 * n, python, pad) - _collected(name, n, python, pad)) / n
         for pad in LAYOUTS
     ]
 

@@ -7,6 +7,9 @@ implementation (median, min–max), microseconds per call for each method, and
 the ratio ``other / kvcache`` per repetition (median, min–max), for each
 kvcache build (``kvcache`` is the build imported, ``kvcache-pure`` the
 pure-Python sources beside a compiled one), and the spec's steps per second.
+Beside the manager's time, the requests' block hashing is timed
+(``HashingTimer``: what a serving engine's scheduler also pays), with the
+ratios of hashing and of the sum.
 
 ``bench_trace`` does the same for a trace recorded from vLLM: each
 implementation replays the trace's calls (``kvcache.kit.driver.replay_trace``
@@ -42,6 +45,57 @@ class ImplTiming:
     manager_seconds: list[float] = field(default_factory=list)
     method_seconds: dict[str, list[float]] = field(default_factory=dict)
     method_calls: dict[str, int] = field(default_factory=dict)
+    hashing_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def total_seconds(self) -> list[float]:
+        """Manager plus hashing seconds, one value per repetition (manager seconds
+        alone where the requests' hashing could not be timed)."""
+        if len(self.hashing_seconds) != len(self.manager_seconds):
+            return list(self.manager_seconds)
+        return [m + h for m, h in zip(self.manager_seconds, self.hashing_seconds, strict=True)]
+
+
+class HashingTimer:
+    """Times the requests' block hashing of one simulation.
+
+    A request's hashes are made by its ``block_hasher`` (kvcache's
+    ``get_request_block_hasher``, vLLM's, a third party's), which both ``Request``
+    classes keep as ``_block_hasher`` and call from ``update_block_hashes`` when the
+    request is built and whenever tokens are appended. ``wrap`` makes a workload's
+    ``new_request`` swap in a timed copy of that hasher and hash the new request
+    again from scratch under it, so every hash a request ever gets is timed.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.timed = True
+
+    def wrap(self, new_request: Any) -> Any:
+        perf = time.perf_counter
+
+        def timed_new_request(spec: RequestSpec) -> Any:
+            request = new_request(spec)
+            hasher = getattr(request, "_block_hasher", None)
+            if hasher is None or not hasattr(request, "update_block_hashes"):
+                self.timed = False
+                return request
+
+            def timed_hasher(req: Any) -> Any:
+                t = perf()
+                hashes = hasher(req)
+                self.seconds += perf() - t
+                return hashes
+
+            expected = list(request.block_hashes)
+            request._block_hasher = timed_hasher
+            request.block_hashes.clear()
+            request.update_block_hashes()
+            if list(request.block_hashes) != expected:
+                raise AssertionError(f"{spec.request_id}: hashing again gave other hashes")
+            return request
+
+        return timed_new_request
 
 
 @dataclass
@@ -63,10 +117,22 @@ class WorkloadResult:
         """Whether every implementation produced the same result digest."""
         return len(set(self.digests.values())) == 1
 
-    def ratios(self, other: str, base: str = "kvcache") -> list[float]:
-        """``other / base`` manager time, one value per repetition."""
-        a, b = self.timings[other].manager_seconds, self.timings[base].manager_seconds
+    def ratios(self, other: str, base: str = "kvcache", what: str = "manager") -> list[float]:
+        """``other / base`` time, one value per repetition: of the manager's calls
+        (``what="manager"``), of the requests' hashing (``"hashing"``) or of both
+        (``"total"``); empty where hashing was not timed on both sides."""
+        a, b = (self._seconds(i, what) for i in (other, base))
+        if len(a) != len(b) or 0.0 in b:
+            return []
         return [x / y for x, y in zip(a, b, strict=True)]
+
+    def _seconds(self, impl: str, what: str) -> list[float]:
+        timing = self.timings[impl]
+        if what == "manager":
+            return timing.manager_seconds
+        if len(timing.hashing_seconds) != len(timing.manager_seconds):
+            return []
+        return timing.hashing_seconds if what == "hashing" else timing.total_seconds
 
 
 def _median_min_max(values: list[float]) -> tuple[float, float, float]:
@@ -177,10 +243,14 @@ def bench_workload(
             if progress is not None:
                 progress(f"{name}: {impl_name}, repetition {rep + 1} of {repetitions}")
             impl = make_impl(impl_name, workload)
+            hashing = HashingTimer()
+            impl = dataclasses.replace(impl, new_request=hashing.wrap(impl.new_request))
             gc.collect()
             result = simulate(workload, impl)
             timing = timings[impl_name]
             timing.manager_seconds.append(result.manager_seconds)
+            if hashing.timed:
+                timing.hashing_seconds.append(hashing.seconds)
             for method, secs in result.method_seconds.items():
                 timing.method_seconds.setdefault(method, []).append(secs)
             timing.method_calls = dict(result.method_calls)
@@ -215,13 +285,30 @@ def format_workload(result: WorkloadResult) -> str:
             per_call = statistics.median(timing.method_seconds.get(m, [0.0])) / calls * 1e6
             row += f"{per_call:>26.2f}"
         lines.append(row)
+    hashed = [i for i, t in result.timings.items() if t.hashing_seconds]
+    if hashed:
+        lines.append(f"{'impl':<14}{'manager s':>12}{'hashing s':>12}{'sum s':>12}")
+        for impl in hashed:
+            timing = result.timings[impl]
+            lines.append(
+                f"{impl:<14}{statistics.median(timing.manager_seconds):>12.3f}"
+                f"{statistics.median(timing.hashing_seconds):>12.3f}"
+                f"{statistics.median(timing.total_seconds):>12.3f}"
+            )
     bases = [b for b in ("kvcache", "kvcache-pure") if b in result.timings]
     for base in bases:
         for impl in result.timings:
             if impl in bases:
                 continue
             med, lo, hi = _median_min_max(result.ratios(impl, base))
-            lines.append(f"ratio {impl}/{base}: {med:.2f} (min {lo:.2f}, max {hi:.2f})")
+            line = f"ratio {impl}/{base}: {med:.2f} (min {lo:.2f}, max {hi:.2f})"
+            for what in ("hashing", "total"):
+                ratios = result.ratios(impl, base, what)
+                if ratios:
+                    med, lo, hi = _median_min_max(ratios)
+                    label = "sum" if what == "total" else what
+                    line += f"; {label} {med:.2f} ({lo:.2f}-{hi:.2f})"
+            lines.append(line)
     if "spec" in result.timings:
         med = statistics.median(result.timings["spec"].manager_seconds)
         lines.append(f"spec: {result.steps / med:.0f} scheduler steps per second of manager time")
@@ -581,8 +668,19 @@ def results_json(
                 "manager_seconds": {i: t.manager_seconds for i, t in r.timings.items()},
                 "method_seconds": {i: t.method_seconds for i, t in r.timings.items()},
                 "method_calls": {i: t.method_calls for i, t in r.timings.items()},
+                "hashing_seconds": {i: t.hashing_seconds for i, t in r.timings.items()},
                 "ratios": {
                     i: r.ratios(i) for i in r.timings if i != "kvcache" and "kvcache" in r.timings
+                },
+                "hashing_ratios": {
+                    i: r.ratios(i, what="hashing")
+                    for i in r.timings
+                    if i != "kvcache" and "kvcache" in r.timings
+                },
+                "sum_ratios": {
+                    i: r.ratios(i, what="total")
+                    for i in r.timings
+                    if i != "kvcache" and "kvcache" in r.timings
                 },
             }
             for r in results

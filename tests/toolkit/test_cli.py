@@ -178,6 +178,12 @@ def test_bench_and_simulate_still_work(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 0 and "prefix hit rate" in stdout
     result = bench.bench_workload("chat", ["kvcache", "spec"], 1, 10)
     assert result.identical
+    # Issue 28: the requests' hashing is timed beside the manager, and the sum.
+    for timing in result.timings.values():
+        assert len(timing.hashing_seconds) == 1 and timing.hashing_seconds[0] > 0
+        assert timing.total_seconds[0] > timing.manager_seconds[0]
+    text = bench.format_workload(result)
+    assert "hashing s" in text and "; hashing " in text and "; sum " in text
 
 
 def test_bench_times_a_vllm_trace_side_by_side(
