@@ -93,15 +93,11 @@ def hit_run(adapter: Adapter, prompt_blocks: int, num_requests: int) -> tuple[fl
         request.block_hashes.clear()
     sha = hashlib.sha256()
     perf = time.perf_counter
-    hash_times: list[float] = []
+    hash_times = timed_hashing(requests, hasher)
     manager_times: list[float] = []
     gc.collect()
     gc.freeze()
     try:
-        for request in requests:
-            t = perf()
-            request.block_hashes.extend(hasher(request))
-            hash_times.append(perf() - t)
         for request in requests:
             t = perf()
             hits, num_hit = manager.get_computed_blocks(request)
@@ -115,6 +111,23 @@ def hit_run(adapter: Adapter, prompt_blocks: int, num_requests: int) -> tuple[fl
     # The first request cached the prefix: its time is not a hit's. Medians: on a
     # shared machine a descheduled call would outweigh many.
     return statistics.median(manager_times[1:]), statistics.median(hash_times), sha.hexdigest()
+
+
+def timed_hashing(requests: list[Any], hasher: Any) -> list[float]:
+    """Seconds each request's ``hasher`` takes to hash it (the collector frozen meanwhile,
+    so a collection does not land in one request's time); fills ``block_hashes``."""
+    perf = time.perf_counter
+    times: list[float] = []
+    gc.collect()
+    gc.freeze()
+    try:
+        for request in requests:
+            t = perf()
+            request.block_hashes.extend(hasher(request))
+            times.append(perf() - t)
+    finally:
+        gc.unfreeze()
+    return times
 
 
 def hash_run(
@@ -132,17 +145,7 @@ def hash_run(
     expected = list(requests[0].block_hashes)
     for request in requests:
         request.block_hashes.clear()
-    perf = time.perf_counter
-    times: list[float] = []
-    gc.collect()
-    gc.freeze()
-    try:
-        for request in requests:
-            t = perf()
-            request.block_hashes.extend(hasher(request))
-            times.append(perf() - t)
-    finally:
-        gc.unfreeze()
+    times = timed_hashing(requests, hasher)
     seconds = min(times)  # the fastest copy: the least disturbed by the machine's load
     if requests[0].block_hashes != expected:
         raise AssertionError(f"{adapter.name}: the hasher disagrees with the request's hashes")
