@@ -42,7 +42,8 @@ FUZZ_SECONDS ?=
 FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(FUZZ_HOST) \
 	FUZZ_PORT=$(FUZZ_PORT) FUZZ_SECONDS=$(FUZZ_SECONDS)
 
-.PHONY: setup compiled reference reference-0.33 check-0.33 conformance-0.33 upstream-0.33 \
+.PHONY: setup compiled reference reference-0.33 check-0.33 releases verify-lane-tests \
+	verify-lane-releases conformance-0.33 upstream-0.33 \
 	upstream-0.33-compiled conformance-0.33-compiled lint typecheck test conformance wheel-check figures \
 	verify upstream proofs traces fuzz fuzz-worker fuzz-dashboard test-kernels bench-kernels \
 	bench mutation clean distclean
@@ -107,6 +108,32 @@ conformance-0.33-compiled: $(REF33_STAMP) $(COMPILED_STAMP)
 	KVCACHE_EXPECT_COMPILED=1 $(REF33_VENV)/bin/python -m kvcache.kit.conformance33 \
 		--sequences $(CONFORMANCE33_COMPILED_SEQUENCES)
 
+# Any vLLM release in a venv of its own, .venv-vllm-VERSION (`make reference-0.29.0`):
+# the releases `make releases` and `python -m kvcache bisect` run on.
+RELEASES := 0.25.1 0.26.0 0.27.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0
+reference-%: .venv-vllm-%/.stamp
+	@:
+.PRECIOUS: .venv-vllm-%/.stamp
+.venv-vllm-%/.stamp:
+	@bash scripts/bootstrap.sh release $@ $*
+
+# One release between the two the project models, in CI (verify): the stored traces
+# and a short census of CHECK_RELEASE_SEQUENCES sequences on vLLM MIDDLE_RELEASE; every
+# difference must be a ledger entry whose range covers that release.
+MIDDLE_RELEASE ?= 0.29.0
+CHECK_RELEASE_SEQUENCES ?= 200
+check-release-%: .venv-vllm-%/.stamp
+	.venv-vllm-$*/bin/python -m kvcache release-check --census-sequences $(CHECK_RELEASE_SEQUENCES) \
+		--census-dir build/census-$* tests/data/*.jsonl* tests/data/releases/*.jsonl
+
+# Every release from 0.25.1 to 0.33.0 (a venv each; ~3 min per release to install), then
+# `python -m kvcache bisect`: each ledger entry's first release, docs/bisect.md. Not in verify.
+BISECT_SEQUENCES ?= 300
+RELEASE_STAMPS := $(REF_STAMP) $(REF33_STAMP) \
+	$(foreach v,$(filter-out 0.25.1 0.33.0,$(RELEASES)),.venv-vllm-$(v)/.stamp)
+releases: $(RELEASE_STAMPS)
+	$(PY) -m kvcache bisect --census-sequences $(BISECT_SEQUENCES) tests/data/*.jsonl* tests/data/releases/*.jsonl
+
 $(UPSTREAM33_STAMP): | $(REF33_STAMP)
 	@bash scripts/bootstrap.sh upstream-0.33 $@
 
@@ -141,16 +168,27 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/wheel_check.py --start
 	@$(PY) scripts/stage.py lint -- $(VENV)/bin/ruff check $(LINT_PATHS)
 	@$(PY) scripts/stage.py typecheck -- $(VENV)/bin/mypy --strict $(TYPED_PATHS)
+	@$(MAKE) --no-print-directory -k -j2 verify-lane-tests verify-lane-releases
+	@$(PY) scripts/stage.py wheel-check -- $(PY) scripts/wheel_check.py --await
+	@$(PY) scripts/figures.py verify
+
+# verify's two lanes, run side by side (one per core; each stage is one process): the
+# test suite on both builds and the proofs; vLLM's own tests and every release check.
+# The two upstream stages share build/hf-home, so they stay in one lane.
+verify-lane-tests: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py tests -- env KVCACHE_PURE=1 $(PY) -m pytest -q -p no:cacheprovider
 	@$(PY) scripts/stage.py tests-compiled -- env KVCACHE_EXPECT_COMPILED=1 CONFORMANCE_SEQUENCES=30 \
 		HYPOTHESIS_PROFILE=compiled $(PY) -m pytest -q -p no:cacheprovider $(COMPILED_TESTS)
+	@$(PY) scripts/stage.py proofs -- env KVCACHE_PURE=1 $(PY) -m proofs.run
+
+verify-lane-releases: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py upstream -- env KVCACHE_PURE=1 $(PY) -m kvcache.kit.upstream
 	@$(PY) scripts/stage.py upstream-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
 		$(PY) -m kvcache.kit.upstream --reuse-baseline
-	@$(PY) scripts/stage.py proofs -- env KVCACHE_PURE=1 $(PY) -m proofs.run
 	@$(PY) scripts/stage.py proofs-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
 		$(PY) -m proofs.exhaustive --shallower $(PROOFS_COMPILED_SHALLOWER)
-	@$(PY) scripts/stage.py wheel-check -- $(PY) scripts/wheel_check.py --await
+	@$(PY) scripts/stage.py check-$(MIDDLE_RELEASE) -- env KVCACHE_PURE=1 \
+		$(MAKE) --no-print-directory check-release-$(MIDDLE_RELEASE)
 	@$(PY) scripts/stage.py check-0.33 -- env KVCACHE_PURE=1 $(MAKE) --no-print-directory check-0.33
 	@$(PY) scripts/stage.py conformance-0.33 -- env KVCACHE_PURE=1 \
 		$(MAKE) --no-print-directory conformance-0.33
@@ -160,7 +198,6 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 		$(MAKE) --no-print-directory upstream-0.33-compiled
 	@$(PY) scripts/stage.py conformance-0.33-compiled -- \
 		$(MAKE) --no-print-directory conformance-0.33-compiled
-	@$(PY) scripts/figures.py verify
 
 # The installed distribution as a user gets it (scripts/wheel_check.py): `pip wheel .`,
 # a fresh venv (build/wheel/venv, with CPU torch and transformers, without triton), only

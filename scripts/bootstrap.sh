@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: scripts/bootstrap.sh dev|compiled|reference|reference-0.33|upstream-0.33|fuzz|bench|mutation STAMP
+# Usage: scripts/bootstrap.sh dev|compiled|reference|reference-0.33|upstream-0.33|release|fuzz|bench|mutation STAMP [VERSION]
 #
 # Installs one layer of the test environment into .venv, quietly: the
 # installers' output goes to build/setup.log and one summary line is printed
@@ -14,15 +14,20 @@
 #              dependencies (it pins torch 2.14.0 but imports with CPU torch 2.13.0),
 #              its import-time needs, and this repo (-e .) for the kit
 #   upstream-0.33  pytest in .venv-0.33, for vLLM 0.33.0's own core tests (make upstream-0.33)
+#   release    any vLLM release VERSION (0.26.0 ... 0.32.0) in a venv of its own,
+#              .venv-vllm-VERSION (make reference-VERSION): CPU torch, that vLLM without
+#              its GPU dependencies, the import-time needs of that release (pins below),
+#              this repo (-e .) and pytest
 #   fuzz       a venv of its own, .venv-fuzz, with pip install -e '.[fuzz]' (HypoFuzz
 #              and the Hypothesis it works with)
 #   bench      pip install -e '.[bench]' (matplotlib)
 #   mutation   pip install -e '.[mutation]' (mutmut, for `make mutation`)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-usage="usage: bootstrap.sh dev|compiled|reference|reference-0.33|upstream-0.33|fuzz|bench|mutation STAMP"
+usage="usage: bootstrap.sh dev|compiled|reference|reference-0.33|upstream-0.33|release|fuzz|bench|mutation STAMP [VERSION]"
 layer=${1:?$usage}
 stamp=${2:?$usage}
+version=${3:-}
 log=build/setup.log
 venv=.venv
 mkdir -p build
@@ -37,6 +42,30 @@ vllm_import_deps=(numpy packaging regex psutil pyzmq urllib3 msgspec pydantic cb
 # partial-json-parser, and a transformers below 5.21.
 vllm33_import_deps=("${vllm_import_deps[@]/openai-harmony/oss-harmony}" "transformers<5.21"
     fastapi partial-json-parser)
+
+# The import-time needs of vLLM release $1 (measured on CPU venvs, release by release):
+# 0.26.0's apache-tvm-ffi 0.1.10 needs xgrammar 0.2.7 (0.2.9 wants a newer tvm-ffi);
+# 0.30.0 and later import fastapi and partial-json-parser; 0.31.0 and later swap
+# openai-harmony for oss-harmony; 0.33.0 also needs a transformers below 5.21.
+release_import_deps() {
+    local minor=${1#0.}
+    minor=${minor%%.*}
+    if ((minor >= 33)); then
+        echo "${vllm33_import_deps[@]}"
+    elif ((minor >= 31)); then
+        echo "${vllm_import_deps[@]/openai-harmony/oss-harmony}" fastapi partial-json-parser
+    elif ((minor >= 30)); then
+        echo "${vllm_import_deps[@]}" fastapi partial-json-parser
+    else
+        echo "${vllm_import_deps[@]}"
+    fi
+}
+release_xgrammar() {
+    case $1 in
+    0.26.*) echo "xgrammar==0.2.7" ;;
+    *) echo "xgrammar" ;;
+    esac
+}
 
 step() {  # step DESCRIPTION COMMAND...: run quietly, or fail with the log's tail
     local what=$1
@@ -99,6 +128,23 @@ upstream-0.33)
     step "pytest" pip_install "pytest>=8"
     summary="pytest in .venv-0.33"
     ;;
+release)
+    [[ $version =~ ^0\.[0-9]+\.[0-9]+$ ]] || { echo "release: VERSION must look like 0.29.0, not '$version'"; exit 2; }
+    venv=.venv-vllm-$version
+    layer="reference-$version"
+    log=build/setup-$version.log  # one log per release: several can install at once
+    # shellcheck disable=SC2207
+    deps=($(release_import_deps "$version"))
+    step "create $venv" python3 -m venv "$venv"
+    step "CPU torch" pip_install torch==2.13.0
+    step "vLLM $version" pip_install --no-deps "vllm==$version"
+    step "vLLM $version's import dependencies" pip_install "${deps[@]}"
+    step "xgrammar" pip_install --no-deps "$(release_xgrammar "$version")"
+    step "kvcache (-e .) and pytest" pip_install -e . "pytest>=8"
+    step "import check" "$venv/bin/python" -c \
+        "from vllm.v1.core.kv_cache_manager import KVCacheManager; import kvcache.kit.vllm_side"
+    summary="vLLM $version, CPU torch in $venv"
+    ;;
 fuzz)
     venv=.venv-fuzz
     step "create .venv-fuzz" python3 -m venv "$venv"
@@ -114,7 +160,7 @@ mutation)
     summary="mutmut in .venv"
     ;;
 *)
-    echo "unknown layer $layer (dev, compiled, reference, reference-0.33, upstream-0.33, fuzz, bench or mutation)"
+    echo "unknown layer $layer (dev, compiled, reference, reference-0.33, upstream-0.33, release, fuzz, bench or mutation)"
     exit 2
     ;;
 esac

@@ -532,8 +532,9 @@ def measure_per_call(
             RequestSpec(f"f{r}", tuple(10**6 + r * prompt_len + i for i in range(prompt_len)), 1, 0)
         )
         t = perf()
-        hits, n = m.get_computed_blocks(hit_req)
+        found = m.get_computed_blocks(hit_req)  # 2 values, or 3 from vLLM 0.26.0 on
         totals["get_computed_blocks"] += perf() - t
+        hits, n = found[0], found[1]
         if n < prompt_len - workload.groups[0].block_size:
             raise RuntimeError(f"expected a hit of ~{prompt_len} tokens, got {n}")
         m.allocate_slots(hit_req, hit_req.num_tokens - n, n, hits)

@@ -77,7 +77,9 @@ class FuzzOutcome:
     @property
     def unknown_kinds(self) -> list[str]:
         """Census kinds no ledger entry explains."""
-        return sorted(k for k in self.census if not k.startswith("known:"))
+        return sorted(
+            k for k in self.census if not k.startswith("known:") and k != NEWER_FAMILY
+        )
 
 
 class Progress:
@@ -147,20 +149,27 @@ def _line_key(line: str) -> tuple[int, ...]:
     return tuple(int(part) for part in line.split(".") if part.isdigit())
 
 
-def skipped_families(names: Sequence[str], *impls: str) -> dict[str, str]:
+def skipped_families(
+    names: Sequence[str], *impls: str, every_side: bool = False
+) -> dict[str, str]:
     """The families of ``names`` a side of ``impls`` cannot build because its release
-    line predates the family's (``Family.since``), each with why, briefly."""
+    line predates the family's (``Family.since``), each with why, briefly; with
+    ``every_side``, only those whose family is newer than every side's line."""
     lines = {impl: release_line(impl) for impl in impls}
     skipped = {}
     for name in names:
         since = FAMILIES[name].since
         first = _line_key(release_line_of(since))
         older = sorted({i for i, line in lines.items() if line and _line_key(line) < first})
-        if older:
-            verb = "follows" if len(older) == 1 else "follow"
-            sides = " and ".join(older)
-            skipped[name] = f"added in vLLM {since}; {sides} {verb} vLLM {lines[older[0]]}"
+        if older and (not every_side or len(older) == len(lines)):
+            follow = "; ".join(f"{i} follows vLLM {lines[i]}" for i in older)
+            skipped[name] = f"added in vLLM {since}; {follow}"
     return skipped
+
+
+#: The census kind of a refusal of a family newer than both sides' release lines: no
+#: difference between them (neither release has it), so not an unknown one.
+NEWER_FAMILY = "not-in-either-release"
 
 
 def brief(reason: str, width: int = 110) -> str:
@@ -281,6 +290,7 @@ def fuzz(
                 "no layout family to run: "
                 + "; ".join(f"{n}: {why}" for n, why in result.skipped.items())
             )
+    newer = skipped_families(names, subject, reference, every_side=True) if census else {}
     progress = Progress(stream or sys.stderr, seconds, max_sequences)
     deadline = None if seconds is None else time.monotonic() + seconds
     index = 0
@@ -317,6 +327,8 @@ def fuzz(
             if census and n > known_before[entry_id] and entry_id not in normalised:
                 normalised[entry_id] = sequence
         kind = census_kind(sequence)
+        if kind == "cannot-build" and family in newer:
+            kind = NEWER_FAMILY
         if kind is not None:
             result.census[kind] += 1
             if kind not in firsts and sequence.cannot_build is None:

@@ -22,6 +22,7 @@ one of them), the *new* one is a later release.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,43 @@ VERDICTS = ("intended", "bug-fixed-in", "bug-introduced-in", "unknown")
 REFERENCE_LINE = "0.25"
 
 
+def version_key(version: str) -> tuple[int, int, int]:
+    """``(0, 33, 0)`` for ``"0.33.0"``; a line (``"0.33"``) is its first release.
+
+    Raises:
+        ValueError: ``version`` is not of the form ``0.33`` or ``0.33.0``.
+    """
+    parts = version.strip().split(".")
+    if not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"version={version!r}: use major.minor[.patch], like 0.29.0")
+    major, minor, patch = (int(p) for p in (*parts, "0")[:3])
+    return major, minor, patch
+
+
+def parse_range(text: str) -> tuple[tuple[str, tuple[int, int, int]], ...]:
+    """A ledger entry's ``releases``: comma-separated clauses ``>=X``, ``<X`` or ``==X``
+    (``">=0.26.0,<0.29.0"``), all of which a release must meet.
+
+    Raises:
+        ValueError: an empty range or a clause of another form (naming it).
+    """
+    clauses = []
+    for clause in text.split(","):
+        clause = clause.strip()
+        op = next((o for o in (">=", "==", "<") if clause.startswith(o)), None)
+        if op is None:
+            raise ValueError(f"releases={text!r}: clause {clause!r} is not >=X, <X or ==X")
+        clauses.append((op, version_key(clause[len(op):])))
+    return tuple(clauses)
+
+
+def in_range(version: str, text: str) -> bool:
+    """Whether release ``version`` (or a line's first release) is in range ``text``."""
+    key = version_key(version)
+    checks = {">=": key.__ge__, "<": key.__lt__, "==": key.__eq__}
+    return all(checks[op](bound) for op, bound in parse_range(text))
+
+
 def release_line_of(version: str | None) -> str:
     """``"0.33"`` for ``"0.33.0"``: the major.minor a version belongs to."""
     if not version:
@@ -49,7 +87,8 @@ class Entry:
     """One known difference (a ``[[difference]]`` of ledger.toml)."""
 
     id: str
-    releases: tuple[str, ...]
+    #: The releases that behave differently from 0.25.1: a range (``parse_range``).
+    releases: str
     what: str
     verdict: str
     rule: str
@@ -60,9 +99,9 @@ class Entry:
     kinds: tuple[str, ...] = ()
     when: str = ""
 
-    @property
-    def lines(self) -> frozenset[str]:
-        return frozenset(release_line_of(r) for r in self.releases)
+    def covers(self, version: str) -> bool:
+        """Whether the entry concerns release ``version`` (a line: its first release)."""
+        return in_range(version, self.releases)
 
     @property
     def is_bug(self) -> bool:
@@ -107,11 +146,20 @@ def load_ledger(path: Path | None = None) -> list[Entry]:
             )
         if name in seen:
             raise ValueError(f"{path}: duplicate entry id {name!r}")
+        if not isinstance(raw["releases"], str):
+            raise ValueError(
+                f"{path}: entry {name!r} releases={raw['releases']!r}; use a range, "
+                'like ">=0.26.0" or ">=0.26.0,<0.29.0"'
+            )
+        try:
+            parse_range(raw["releases"])
+        except ValueError as exc:
+            raise ValueError(f"{path}: entry {name!r}: {exc}") from None
         seen.add(name)
         entries.append(
             Entry(
                 id=raw["id"],
-                releases=tuple(raw["releases"]),
+                releases=raw["releases"],
                 what=raw["what"],
                 verdict=raw["verdict"],
                 rule=raw["rule"],
@@ -1350,6 +1398,8 @@ WHEN: dict[str, Callable[[ManagerConfig], bool]] = {
     "mamba-align-dense": lambda config: config.prefix_cache_retention_interval is None
     and any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in config.groups),
     "retention": lambda config: config.prefix_cache_retention_interval is not None,
+    "no-caching": lambda config: not config.enable_caching,
+    "eagle-hybrid": lambda config: config.use_eagle and _groups(config) > 1,
 }
 
 
@@ -1428,7 +1478,10 @@ class Judge:
         entries: Sequence[Entry] | None = None,
     ) -> None:
         entries = load_ledger() if entries is None else entries
-        self.entries = [e for e in entries if new_line in e.lines]
+        # `python -m kvcache bisect` (kvcache.kit.bisect) lets every entry judge, to see
+        # where each one's behaviour shows, whatever its range says.
+        every = os.environ.get("KVCACHE_LEDGER_ALL_RELEASES") == "1"
+        self.entries = [e for e in entries if every or e.covers(new_line)]
         self.rules = [(e, RULES[e.rule]()) for e in self.entries]
         self.ctx = Context(config)
         self.old_is_expected = old_is_expected

@@ -367,6 +367,9 @@ def changelog(
     (``compare_trace_sets``), instead of traces replayed on an installed vLLM.
     """
     entries = list(load_ledger() if entries is None else entries)
+    # Only what differs at the newer release: entries of releases in between only (a
+    # range ending before it) are in docs/bisect.md.
+    entries = [e for e in entries if e.covers(new_version)]
     out = [f"# vLLM {old_version} → {new_version}: what changed at the KV-cache manager", ""]
     if trace_sets is None:
         out += [
@@ -412,7 +415,15 @@ def changelog(
                     census_counts[entry_id] += n
     for entry in entries:
         verdict = entry.verdict + (f" {entry.fixed_in}" if entry.is_bug else "")
-        out += [f"### `{entry.id}` — {verdict}", "", entry.what, ""]
+        out += [
+            f"### `{entry.id}` — {verdict}",
+            "",
+            f"Releases: `{entry.releases}` (measured by `python -m kvcache bisect`, "
+            "docs/bisect.md).",
+            "",
+            entry.what,
+            "",
+        ]
         if entry.upstream:
             out += [f"Upstream: {entry.upstream}.", ""]
         out += [f"Recognised by rule `{entry.rule}` (kvcache/kit/ledger.py).", ""]
@@ -457,8 +468,9 @@ def changelog(
             out += [f"Census: met {census_counts[entry.id]} times.", ""]
         if entry.rule == "adapter":
             out += [
-                "Handled by the 0.33.x release line's adapter (kvcache/kit/vllm_side.py, "
-                "RELEASE_LINES): every replay and census on 0.33.0 goes through it.",
+                f"Handled by the adapter (kvcache/kit/vllm_side.py: the release line's API "
+                f"facts, read off the installed vLLM): every replay and census on "
+                f"{new_version} goes through it.",
                 "",
             ]
         elif not traces and example is None and not census_counts.get(entry.id):

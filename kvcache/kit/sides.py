@@ -59,6 +59,11 @@ class HarnessError(Exception):
     """A call the harness itself cannot make (unknown request id, unknown op)."""
 
 
+class AdapterDoesNotFit(ValueError):
+    """The kit's adapter cannot drive the installed release at all (a constructor, a
+    lookup or a fact it reads has changed): said once, before any budget is spent."""
+
+
 class CannotBuild(Exception):
     """An implementation cannot build the manager for a config at all.
 

@@ -42,9 +42,10 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request, RequestStatus
 
-from kvcache.kit.config import ManagerConfig
+from kvcache.kit.config import GroupConfig, ManagerConfig
 from kvcache.kit.sides import (
     Adapter,
+    AdapterDoesNotFit,
     HarnessError,
     build_kv_cache_config,
     prompt_embeds_tensor,
@@ -101,8 +102,8 @@ class ReleaseLine:
         return {renames.get(k, k): v for k, v in kwargs.items()}
 
 
-#: Every release line the kit knows, oldest first. The newest is used for an
-#: unknown newer version (with a warning in ``VllmAdapter.note``).
+#: Every release line the kit knows, oldest first. A version of no line is driven
+#: by the line ``inferred_line`` reads off the installed vLLM (with a note).
 RELEASE_LINES: tuple[ReleaseLine, ...] = (
     ReleaseLine("0.25.x", "0.25.1"),
     ReleaseLine(
@@ -116,29 +117,115 @@ RELEASE_LINES: tuple[ReleaseLine, ...] = (
 )
 
 
-def release_line(version: str) -> tuple[ReleaseLine, str]:
-    """The release line for a vLLM version, and a note when it is only a guess.
+def _version_key(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
 
-    An unknown version gets the newest line at or below it (the oldest when it
-    is older than every line), with a note saying so.
+
+def _lookup_arity(manager_cls: Any) -> int | None:
+    """How many values ``get_computed_blocks`` returns, read from its return
+    annotation (``tuple[KVCacheBlocks, int, int]``: 3), or None if it has none."""
+    annotation = inspect.signature(manager_cls.get_computed_blocks).return_annotation
+    args = getattr(annotation, "__args__", None)
+    if args is not None:  # an evaluated tuple[...]
+        return len(args)
+    if not isinstance(annotation, str):
+        return None
+    text = annotation.replace(" ", "").strip("'\"")  # a quoted annotation, too
+    if not text.startswith("tuple[") or not text.endswith("]"):
+        return None
+    depth, values = 0, 1
+    for ch in text[len("tuple[") : -1]:
+        depth += ch == "["
+        depth -= ch == "]"
+        values += ch == "," and depth == 0
+    return values
+
+
+def inferred_line(version: str, manager_cls: Any, kv_cache_config_cls: type) -> ReleaseLine:
+    """The release line of the installed vLLM, read off its classes: the four API
+    facts the kit drives by (the constructor's name for the in-flight token budget,
+    the lookup's arity, whether the scheduler records prefix-cache stats at
+    admission, where the retention interval lives).
+
+    Raises:
+        AdapterDoesNotFit: a fact cannot be read (it says which).
+    """
+    params = inspect.signature(manager_cls.__init__).parameters
+    if "max_num_batched_tokens" in params:
+        renamed: tuple[tuple[str, str], ...] = ()
+    elif "max_in_flight_tokens" in params:
+        renamed = (("max_num_batched_tokens", "max_in_flight_tokens"),)
+    else:
+        raise AdapterDoesNotFit(
+            f"the adapter for vLLM {version} does not fit: KVCacheManager.__init__ takes "
+            f"neither max_num_batched_tokens nor max_in_flight_tokens ({', '.join(params)})"
+        )
+    arity = _lookup_arity(manager_cls)
+    if arity not in (2, 3):
+        raise AdapterDoesNotFit(
+            f"the adapter for vLLM {version} does not fit: cannot tell how many values "
+            f"get_computed_blocks returns (annotation "
+            f"{inspect.signature(manager_cls.get_computed_blocks).return_annotation!r})"
+        )
+    fields = getattr(kv_cache_config_cls, "__dataclass_fields__", {})
+    return ReleaseLine(
+        f"{'.'.join(version.split('.')[:2])}.x",
+        version,
+        renamed_kwargs=renamed,
+        lookup_values=arity,
+        stats_at_admission=hasattr(manager_cls, "record_prefix_cache_stats"),
+        retention_in_kv_cache_config="prefix_cache_retention_interval" in fields,
+    )
+
+
+def describe_line(line: ReleaseLine) -> str:
+    """The line's four facts, in words (the note ``release_line`` prints)."""
+    ctor = dict(line.renamed_kwargs).get("max_num_batched_tokens", "max_num_batched_tokens")
+    return (
+        f"constructor takes {ctor}, get_computed_blocks returns {line.lookup_values} values, "
+        + ("stats recorded at admission" if line.stats_at_admission else "stats in the lookup")
+        + ", retention interval in "
+        + ("KVCacheConfig" if line.retention_in_kv_cache_config else "the environment")
+    )
+
+
+def release_line(
+    version: str,
+    manager_cls: Any = None,
+    kv_cache_config_cls: type | None = None,
+) -> tuple[ReleaseLine, str]:
+    """The release line for a vLLM version, and a note when it is not a known line.
+
+    A version of no known line is driven by the facts ``inferred_line`` reads off
+    ``manager_cls`` and ``kv_cache_config_cls`` (the installed vLLM's classes),
+    with a note naming them. Without the classes (a version not installed here),
+    the newest known line at or below it is a guess, and the note says so.
     """
     for line in RELEASE_LINES:
         if line.matches(version):
             return line, ""
-
-    def key(v: str) -> tuple[int, ...]:
-        parts = []
-        for part in v.split(".")[:3]:
-            digits = "".join(ch for ch in part if ch.isdigit())
-            parts.append(int(digits or 0))
-        return tuple(parts)
-
-    below = [line for line in RELEASE_LINES if key(line.reference_version) <= key(version)]
+    if manager_cls is not None and kv_cache_config_cls is not None:
+        line = inferred_line(version, manager_cls, kv_cache_config_cls)
+        return line, (
+            f"vLLM {version}: no release line of the kit "
+            f"({', '.join(li.name for li in RELEASE_LINES)}); driving it with the API "
+            f"facts read off the installed package: {describe_line(line)}"
+        )
+    key = _version_key(version)
+    below = [li for li in RELEASE_LINES if _version_key(li.reference_version) <= key]
     line = below[-1] if below else RELEASE_LINES[0]
     return line, (
         f"vLLM {version} is not a release line the kit knows "
-        f"({', '.join(li.name for li in RELEASE_LINES)}); driving it as {line.name}"
+        f"({', '.join(li.name for li in RELEASE_LINES)}); guessing it behaves like {line.name}"
     )
+
+
+#: The versions whose fit ``VllmAdapter.check_fit`` has checked in this process.
+_FITTED: set[str] = set()
 
 
 def vllm_hash_fn(name: str) -> Callable[[Any], bytes]:
@@ -240,8 +327,43 @@ class VllmAdapter(Adapter):
         self.name = "vllm"
         self.factory = KVCacheManager
         self.version = version
-        self.line, self.note = release_line(version)
+        self.line, self.note = release_line(
+            version, KVCacheManager, vllm_kv_cache_interface.KVCacheConfig
+        )
         self._state_readable = True
+        if version == VLLM_VERSION and version not in _FITTED:
+            self.check_fit()
+            _FITTED.add(version)
+            if self.note:
+                print(self.note, file=sys.stderr)
+
+    def check_fit(self) -> None:
+        """Build one small manager and make one lookup, as every run will.
+
+        Raises:
+            AdapterDoesNotFit: that failed; the message names the call and the error,
+                so a command stops at once instead of spending its budget on
+                managers that cannot be built.
+        """
+        config = ManagerConfig(
+            num_blocks=8, groups=(GroupConfig("full", 16),), max_model_len=128
+        )
+        step = "KVCacheManager(...)"
+        try:
+            self.init_hashes(config, "0")
+            manager = self.build_manager(config)
+            step = "Request(...)"
+            request = self.build_request(
+                config, {"request_id": "fit", "prompt_token_ids": list(range(40))}
+            )
+            step = "get_computed_blocks(request)"
+            self.get_computed_blocks(manager, request)
+        except Exception as exc:
+            raise AdapterDoesNotFit(
+                f"the adapter for vLLM {self.version} ({self.line.name}: "
+                f"{describe_line(self.line)}) does not fit: {step} raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
 
     def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
         hash_fn = vllm_hash_fn(config.hash_fn)

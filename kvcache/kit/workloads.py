@@ -295,8 +295,9 @@ def simulate(
         while waiting and budget > 0 and len(running) < workload.max_num_seqs:
             spec, req = waiting[0]
             t = perf()
-            hits, num_hit = m.get_computed_blocks(req)
+            found = m.get_computed_blocks(req)  # 2 values, or 3 (0.26.0 on: + a boundary)
             secs["get_computed_blocks"] += perf() - t
+            hits, num_hit = found[0], found[1]
             calls["get_computed_blocks"] += 1
             num_new = min(req.num_tokens - num_hit, budget)
             t = perf()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, ClassVar
 
 from kvcache.kit.driver import compare_outcomes, run_sequence
 from kvcache.kit.ledger import Judge
@@ -161,17 +161,40 @@ def test_a_bad_ledger_entry_is_refused_by_name(tmp_path: object) -> None:
 
     path = Path(str(tmp_path)) / "ledger.toml"
     path.write_text(
-        '[[difference]]\nid = "x"\nreleases = ["0.33.0"]\nwhat = "w"\n'
+        '[[difference]]\nid = "x"\nreleases = ">=0.33.0"\nwhat = "w"\n'
         'verdict = "maybe"\nrule = "adapter"\n'
     )
     with pytest.raises(ValueError, match="'x' verdict='maybe'"):
         load_ledger(path)
     path.write_text(
-        '[[difference]]\nid = "y"\nreleases = ["0.33.0"]\nwhat = "w"\n'
+        '[[difference]]\nid = "y"\nreleases = ">=0.33.0"\nwhat = "w"\n'
         'verdict = "intended"\nrule = "no_such_rule"\n'
     )
     with pytest.raises(ValueError, match="'y' rule='no_such_rule'"):
         load_ledger(path)
+    # The list form of earlier ledgers (exact releases) is refused: ranges only.
+    path.write_text(
+        '[[difference]]\nid = "z"\nreleases = ["0.33.0"]\nwhat = "w"\n'
+        'verdict = "intended"\nrule = "adapter"\n'
+    )
+    with pytest.raises(ValueError, match=r"'z' releases=.*use a range"):
+        load_ledger(path)
+    path.write_text(
+        '[[difference]]\nid = "w"\nreleases = "~0.33"\nwhat = "w"\n'
+        'verdict = "intended"\nrule = "adapter"\n'
+    )
+    with pytest.raises(ValueError, match=r"'w'.*clause '~0\.33'"):
+        load_ledger(path)
+
+
+def test_ledger_ranges_cover_releases_and_lines() -> None:
+    from kvcache.kit.ledger import in_range
+
+    assert in_range("0.29.0", ">=0.26.0,<0.30.0")
+    assert not in_range("0.30.0", ">=0.26.0,<0.30.0")
+    assert not in_range("0.25.1", ">=0.26.0")
+    assert in_range("0.27", ">=0.27.0,<0.28.0")  # a line is its first release
+    assert in_range("0.27.1", "==0.27.1") and not in_range("0.27.0", "==0.27.1")
 
 
 def _judge(**config: Any) -> Judge:
@@ -326,3 +349,136 @@ def test_census_tallies_first_differences_and_shrinks_one_per_kind(tmp_path: obj
         trace = read_trace(path)
         assert len(trace.records) == n and trace.header["kind"] == kind
         assert n < 40  # shrunk
+
+
+# ---------------------------------------------------------------- any installed release
+
+
+class _Config033:
+    """A stand-in KVCacheConfig with 0.33.0's retention field."""
+
+    __dataclass_fields__: ClassVar[dict[str, None]] = {"prefix_cache_retention_interval": None}
+
+
+class _Manager033:
+    """The API facts of vLLM 0.26.0 and later, on a stand-in class."""
+
+    def __init__(self, kv_cache_config: object, max_model_len: int, max_in_flight_tokens: int):
+        pass
+
+    def get_computed_blocks(self, request: object) -> tuple[KVCacheBlocks, int, int]:  # noqa: F821
+        raise NotImplementedError
+
+    def record_prefix_cache_stats(self, request: object, num_hits: int) -> None:
+        pass
+
+
+class _Manager025:
+    def __init__(self, kv_cache_config: object, max_num_batched_tokens: int | None = None):
+        pass
+
+    def get_computed_blocks(self, request: object) -> tuple[KVCacheBlocks, int]:  # noqa: F821
+        raise NotImplementedError
+
+
+def test_an_unknown_release_is_driven_by_the_facts_read_off_its_classes() -> None:
+    from kvcache.kit.vllm_side import release_line
+
+    line, note = release_line("0.29.0", _Manager033, _Config033)
+    assert line.manager_kwargs({"max_num_batched_tokens": 8}) == {"max_in_flight_tokens": 8}
+    assert line.lookup_values == 3 and line.stats_at_admission
+    assert line.retention_in_kv_cache_config
+    assert "0.29.0" in note and "max_in_flight_tokens" in note and "3 values" in note
+    line, note = release_line("0.24.0", _Manager025, object)
+    assert line.lookup_values == 2 and not line.stats_at_admission and not line.renamed_kwargs
+    assert not line.retention_in_kv_cache_config and "environment" in note
+
+
+def test_a_release_whose_api_the_adapter_cannot_read_is_refused_at_once() -> None:
+    import pytest
+
+    from kvcache.kit.sides import AdapterDoesNotFit
+    from kvcache.kit.vllm_side import release_line
+
+    class NoBudget(_Manager025):
+        def __init__(self, kv_cache_config: object, token_budget: int) -> None:
+            pass
+
+    with pytest.raises(AdapterDoesNotFit, match=r"vLLM 0\.40\.0 does not fit.*token_budget"):
+        release_line("0.40.0", NoBudget, object)
+
+    class Untyped(_Manager025):
+        def get_computed_blocks(self, request: object):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+    with pytest.raises(AdapterDoesNotFit, match="how many values get_computed_blocks"):
+        release_line("0.40.0", Untyped, object)
+
+
+def test_a_census_refusal_of_a_family_neither_release_has_is_not_unknown() -> None:
+    from kvcache.kit.fuzz import NEWER_FAMILY, FuzzOutcome
+
+    outcome = FuzzOutcome()
+    outcome.census.update({NEWER_FAMILY: 3, "known:x": 2, "cannot-build": 1})
+    assert outcome.unknown_kinds == ["cannot-build"]
+
+
+def _record(version: str, traces: list[tuple[str, str, list[str], str]], **census: object) -> dict:
+    return {
+        "version": version,
+        "api": {"__init__": ["max_in_flight_tokens"] if version >= "0.26.0" else []},
+        "traces": [
+            {"path": p, "verdict": v, "entries": e, "detail": d} for p, v, e, d in traces
+        ],
+        "census": {"sequences": 1, "calls": 1, "known": {}, "kinds": {}, **census},
+        "unknown": [],
+    }
+
+
+def test_bisect_tells_shows_from_absent_from_not_exercised() -> None:
+    from kvcache.kit.bisect import (
+        LIKE_REFERENCE,
+        NOT_EXERCISED,
+        SHOWS,
+        bisect,
+        measured_range,
+    )
+    from kvcache.kit.ledger import Entry
+
+    entry = Entry("bug-x", ">=0.27.0", "w", "bug-fixed-in", "observed", fixed_in="0.29.0")
+    stop = "stops at record #3 allocate_slots/result"
+    records = [
+        _record("0.25.1", [("t", "identical", [], "all records")]),
+        _record("0.26.0", [("t", "known", ["other"], stop)]),  # stopped before: can't tell
+        _record("0.27.0", [("t", "known", ["bug-x"], stop)]),
+        _record("0.28.0", [("u", "known", [], "all records")], kinds={"known:bug-x": 1}),
+        _record("0.29.0", [("t", "known", ["other"], "all records")]),  # ran through: absent
+    ]
+    (result,) = bisect(records, [entry])
+    assert result.status == {
+        "0.25.1": LIKE_REFERENCE,
+        "0.26.0": NOT_EXERCISED,
+        "0.27.0": SHOWS,
+        "0.28.0": SHOWS,  # by the census
+        "0.29.0": LIKE_REFERENCE,
+    }
+    assert result.measured == ">=0.27.0,<0.29.0"
+    assert not result.agrees  # the ledger says >=0.27.0, but 0.29.0 behaves like 0.25.1
+    assert measured_range({"0.25.1": LIKE_REFERENCE}) is None
+    api = Entry("ctor-max-in-flight-tokens", ">=0.26.0", "w", "intended", "adapter")
+    (result,) = bisect(records, [api])  # an API fact: read off the classes
+    assert result.measured == ">=0.26.0" and result.agrees
+
+
+def test_the_bisect_table_in_the_docs_matches_the_ledgers_ranges() -> None:
+    # docs/bisect.md is generated by `make releases`; a ledger range edited without
+    # bisecting again (or an entry added) shows here.
+    import re
+    from pathlib import Path
+
+    from kvcache.kit.ledger import load_ledger
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "bisect.md").read_text()
+    rows = dict(re.findall(r"^\| ([a-z0-9-]+) \| `([^`]*)` \| `[^`]*` \|", text, re.MULTILINE))
+    assert rows == {e.id: e.releases for e in load_ledger()}
+    assert "(differs)" not in text
