@@ -172,19 +172,20 @@ verify: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py wheel-check -- $(PY) scripts/wheel_check.py --await
 	@$(PY) scripts/figures.py verify
 
-# verify's two lanes, run side by side (one per core; each stage is one process): the
-# test suite on both builds and the proofs; vLLM's own tests and every release check.
-# The two upstream stages share build/hf-home, so they stay in one lane.
+# verify's two lanes, run side by side (one per core; each stage is one process), balanced
+# by the stage times of the last clean-clone run: vLLM 0.25.1's own tests and the test suite
+# on both builds; the proofs and every release check. (The upstream stages of two releases
+# may share build/hf-home at once: kvcache.kit.upstream writes it atomically.)
 verify-lane-tests: $(REF_STAMP) $(COMPILED_STAMP)
-	@$(PY) scripts/stage.py tests -- env KVCACHE_PURE=1 $(PY) -m pytest -q -p no:cacheprovider
-	@$(PY) scripts/stage.py tests-compiled -- env KVCACHE_EXPECT_COMPILED=1 CONFORMANCE_SEQUENCES=30 \
-		HYPOTHESIS_PROFILE=compiled $(PY) -m pytest -q -p no:cacheprovider $(COMPILED_TESTS)
-	@$(PY) scripts/stage.py proofs -- env KVCACHE_PURE=1 $(PY) -m proofs.run
-
-verify-lane-releases: $(REF_STAMP) $(COMPILED_STAMP)
 	@$(PY) scripts/stage.py upstream -- env KVCACHE_PURE=1 $(PY) -m kvcache.kit.upstream
 	@$(PY) scripts/stage.py upstream-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
 		$(PY) -m kvcache.kit.upstream --reuse-baseline
+	@$(PY) scripts/stage.py tests -- env KVCACHE_PURE=1 $(PY) -m pytest -q -p no:cacheprovider
+	@$(PY) scripts/stage.py tests-compiled -- env KVCACHE_EXPECT_COMPILED=1 CONFORMANCE_SEQUENCES=30 \
+		HYPOTHESIS_PROFILE=compiled $(PY) -m pytest -q -p no:cacheprovider $(COMPILED_TESTS)
+
+verify-lane-releases: $(REF_STAMP) $(COMPILED_STAMP)
+	@$(PY) scripts/stage.py proofs -- env KVCACHE_PURE=1 $(PY) -m proofs.run
 	@$(PY) scripts/stage.py proofs-compiled -- env KVCACHE_EXPECT_COMPILED=1 \
 		$(PY) -m proofs.exhaustive --shallower $(PROOFS_COMPILED_SHALLOWER)
 	@$(PY) scripts/stage.py check-$(MIDDLE_RELEASE) -- env KVCACHE_PURE=1 \

@@ -416,11 +416,20 @@ def offline_model_cache() -> Path:
         repo = config.parent.name  # "org--name"
         snapshot = home / "hub" / f"models--{repo}" / "snapshots" / "kvcache"
         snapshot.mkdir(parents=True, exist_ok=True)
-        (snapshot / "config.json").write_bytes(config.read_bytes())
+        _write_atomically(snapshot / "config.json", config.read_bytes())
         refs = home / "hub" / f"models--{repo}" / "refs"
         refs.mkdir(parents=True, exist_ok=True)
-        (refs / "main").write_text("kvcache")
+        _write_atomically(refs / "main", b"kvcache")
     return home
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``path`` by renaming a finished file onto it: two releases' upstream
+    runs (verify's two lanes) may build the same cache at once, and a reader never
+    sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def run_mode(release: Release, tree: Path, mode: str) -> dict[str, Any]:
