@@ -29,10 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcache.kit.ledger import Entry, in_range, load_ledger, version_key
-
-#: Set to "1" in a release's run: every ledger entry judges, whatever its range.
-ALL_RELEASES_ENV = "KVCACHE_LEDGER_ALL_RELEASES"
+from kvcache.kit.ledger import ALL_RELEASES_ENV, Entry, in_range, load_ledger, version_key
 
 SHOWS, LIKE_REFERENCE, CANNOT_BUILD, NOT_EXERCISED = (
     "shows",

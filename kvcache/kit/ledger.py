@@ -36,6 +36,9 @@ from kvcache.kit.trace import results_equal, state_diff
 LEDGER_PATH = Path(__file__).with_name("ledger.toml")
 VERDICTS = ("intended", "bug-fixed-in", "bug-introduced-in", "unknown")
 REFERENCE_LINE = "0.25"
+#: Set to "1" (``python -m kvcache bisect`` does, per release): every entry judges,
+#: whatever its ``releases`` range, to see where each one's behaviour shows.
+ALL_RELEASES_ENV = "KVCACHE_LEDGER_ALL_RELEASES"
 
 
 def version_key(version: str) -> tuple[int, int, int]:
@@ -1478,9 +1481,7 @@ class Judge:
         entries: Sequence[Entry] | None = None,
     ) -> None:
         entries = load_ledger() if entries is None else entries
-        # `python -m kvcache bisect` (kvcache.kit.bisect) lets every entry judge, to see
-        # where each one's behaviour shows, whatever its range says.
-        every = os.environ.get("KVCACHE_LEDGER_ALL_RELEASES") == "1"
+        every = os.environ.get(ALL_RELEASES_ENV) == "1"  # kvcache.kit.bisect
         self.entries = [e for e in entries if every or e.covers(new_line)]
         self.rules = [(e, RULES[e.rule]()) for e in self.entries]
         self.ctx = Context(config)
