@@ -1,0 +1,104 @@
+"""Cache effectiveness (``spec.effectiveness``, ``kvcache.kit.effectiveness``): the
+content-level achievable hit, the named loss rules, and kvcache's lookups judged by
+them on random lockstep sequences (no lookup below what the rules leave, no hit
+above what the pool holds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache.kit.driver import run_sequence
+from kvcache.kit.effectiveness import judge_records
+from spec import effectiveness as eff
+
+FULL = eff.Group("full", 4)
+
+
+def lookup(groups: tuple[eff.Group, ...], cached: tuple[set[int], ...], **kw: object) -> eff.Lookup:
+    fields: dict[str, object] = dict(num_tokens=17, hashed_tokens=16, hash_block=4, alignment=4)
+    fields.update(kw)
+    return eff.Lookup(groups, tuple(frozenset(c) for c in cached), **fields)  # type: ignore[arg-type]
+
+
+def test_full_attention_repeat_hits_its_whole_cached_prefix() -> None:
+    verdict = eff.explain(lookup((FULL,), ({4, 8, 12, 16},)), realized=16)
+    assert (verdict.achievable, verdict.expected, verdict.unexplained) == (16, 16, 0)
+    assert verdict.losses == {}
+
+
+def test_last_token_and_eagle_losses_are_named() -> None:
+    verdict = eff.explain(lookup((FULL,), ({4, 8, 12, 16},), num_tokens=16), realized=12)
+    assert verdict.losses == {"last_token": 4} and verdict.unexplained == 0
+    eagle = eff.Group("full", 4, eagle=True)
+    verdict = eff.explain(lookup((eagle,), ({4, 8, 12, 16},), num_tokens=16), realized=8)
+    assert verdict.losses == {"last_token": 4, "eagle_drop": 4} and verdict.unexplained == 0
+
+
+def test_a_silent_loss_is_unexplained_and_a_hit_past_the_pool_is_false() -> None:
+    # A planted bug that drops one more block than any rule says: flagged.
+    verdict = eff.explain(lookup((FULL,), ({4, 8, 12, 16},)), realized=12)
+    assert verdict.unexplained == 4 and not verdict.false_hit
+    verdict = eff.explain(lookup((FULL,), ({4, 8},)), realized=12)
+    assert verdict.false_hit
+
+
+def test_window_chunk_and_state_rows() -> None:
+    swa = eff.Group("sliding_window", 4, span=5)
+    # The window at 16 covers tokens 12..15: block 3 alone; blocks 0-2 evicted.
+    assert eff.achievable(lookup((swa,), ({16},))) == 16
+    chunk = eff.Group("chunked_local", 4, span=8)
+    # At 12 the chunk 8..11 needs block 2; at 8 (a chunk start) nothing.
+    assert eff.achievable(lookup((chunk,), ({12},), hashed_tokens=12)) == 12
+    assert eff.achievable(lookup((chunk,), (set(),), hashed_tokens=12)) == 8
+    mamba = eff.Group("mamba", 4)
+    assert eff.achievable(lookup((FULL, mamba), ({4, 8, 12, 16}, {8}))) == 8
+    cross = eff.Group("cross_attention", 4)
+    assert eff.achievable(lookup((FULL, cross), ({4, 8}, set()))) == 8
+
+
+def test_alignment_and_caching_off() -> None:
+    big = eff.Group("full", 8)
+    verdict = eff.explain(lookup((big,), ({8, 12},), alignment=8), realized=8)
+    assert verdict.achievable == 12 and verdict.losses == {"block_alignment": 4}
+    verdict = eff.explain(lookup((FULL,), ({4},), caching=False), realized=0)
+    assert verdict.losses == {"caching_off": 4} and verdict.unexplained == 0
+
+
+#: Families whose every lookup the rules explain on kvcache (vLLM 0.25.1's line).
+CALIBRATED = (
+    "full", "full+swa", "full+chunked", "full+mamba-align", "eagle-hybrid", "swa",
+    "mamba", "swa-retention", "full+mamba-align-retention",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", CALIBRATED)
+def test_kvcache_lookups_lose_nothing_unexplained(family: str) -> None:
+    lookups = hits = 0
+    for seed in range(8):
+        result = run_sequence(seed, family, None, reference="kvcache", record_state=True)
+        assert result.run is not None
+        for rid, verdict in judge_records(result.config, result.run.records):
+            lookups += 1
+            hits += verdict.realized > 0
+            assert not verdict.false_hit, (seed, rid, verdict)
+            assert verdict.unexplained == 0, (seed, rid, verdict)
+    assert lookups > 20 and hits > 0
+
+
+def test_a_planted_silent_loss_in_recorded_lookups_is_caught() -> None:
+    for seed in range(20):  # the first sequence with a hit to lose
+        result = run_sequence(seed, "full", None, reference="kvcache", record_state=True)
+        assert result.run is not None
+        before = judge_records(result.config, result.run.records)
+        if any(v.expected for _, v in before):
+            break
+    assert result.run is not None
+    assert not any(v.unexplained for _, v in before)
+    records = [dict(r) for r in result.run.records]
+    for record in records:  # the planted bug: every lookup silently misses
+        if record["op"] == "get_computed_blocks" and record.get("ok"):
+            record["ok"] = {**record["ok"], "num_computed_tokens": 0}
+    after = judge_records(result.config, records)
+    should = [v.expected > 0 for _, v in before]
+    assert any(should)
+    assert [v.unexplained > 0 for _, v in after] == should
