@@ -102,3 +102,14 @@ def test_a_planted_silent_loss_in_recorded_lookups_is_caught() -> None:
     should = [v.expected > 0 for _, v in before]
     assert any(should)
     assert [v.unexplained > 0 for _, v in after] == should
+
+
+def test_the_mamba_eagle_long_hit_of_0_25_1_is_a_false_hit() -> None:
+    """vLLM 0.25.1's Mamba group under EAGLE peeks a block further and never drops
+    it (ledger ``bug-mamba-eagle-long-hit``, fixed by 0.26.0): the lookup reports 2
+    tokens while the full-attention group hit no block. Equality reproduces it; the
+    effectiveness judge flags it (kvcache's 0.25.1 line; real vLLM 0.25.1 alike)."""
+    result = run_sequence(4, "full+swa+mamba", None, reference="kvcache", record_state=True)
+    assert result.run is not None
+    false_hits = [v for _, v in judge_records(result.config, result.run.records) if v.false_hit]
+    assert false_hits and all(v.achievable < v.realized for v in false_hits)
