@@ -138,8 +138,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"bench: {text} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
 
     for name in filter(None, names.split(",")):
-        result = bench.bench_workload(name, impls, args.repetitions, args.requests,
-                                      progress=progress)
+        result = bench.bench_workload(
+            name, impls, args.repetitions, args.requests, progress=progress
+        )
         print(bench.format_workload(result), flush=True)
         results.append(result)
     if args.requests_from:
@@ -702,8 +703,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         default="",
         type=output_path,
-        help=SIMULATE_PLOT_HELP + "; hit rate vs pool size with --requests-from or "
-        "--pool-sizes",
+        help=SIMULATE_PLOT_HELP + "; hit rate vs pool size with --requests-from or --pool-sizes",
     )
     add_stream_options(p, sweep_options=True)
     p.set_defaults(func=_cmd_simulate)
@@ -939,7 +939,40 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default="", type=output_path, help="output (default docs/vllm-FROM-to-TO.md)"
     )
     p.set_defaults(func=_cmd_changelog)
+
+    p = sub.add_parser(
+        "effectiveness",
+        help="the prefix-cache scenario suite: realized vs achievable hits, loss by rule",
+        description="Run the scenario suite (kvcache.kit.effectiveness.SCENARIOS) on every "
+        "family, EAGLE off and on, retention unset / 0 / 2 blocks where a group is sparse; "
+        "print realized / achievable tokens and the loss each named rule explains. Exits 1 "
+        "on an unexplained loss, a false hit, or a 0-hit lookup the pool could serve.",
+    )
+    p.add_argument("--impl", default="kvcache", help=IMPL_HELP + " (default kvcache)")
+    p.add_argument("--families", default="", help="comma-separated families (default: the suite)")
+    p.add_argument(
+        "--eagle-master-switch",
+        action="store_true",
+        help="EAGLE only with use_eagle (vLLM 0.30.0 and later; kvcache-0.33)",
+    )
+    p.set_defaults(func=_cmd_effectiveness)
     return parser
+
+
+def _cmd_effectiveness(args: argparse.Namespace) -> int:
+    from kvcache.kit.effectiveness import SUITE_FAMILIES, format_suite, run_suite
+
+    families = [f for f in args.families.split(",") if f] or list(SUITE_FAMILIES)
+    master = args.eagle_master_switch or args.impl.endswith("0.33")
+    try:
+        rows = run_suite(args.impl, families, master_switch=master)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_suite(rows))
+    flagged = [row for row in rows if row.flags]
+    print(f"\n{len(rows)} rows, {len(flagged)} flagged")
+    return 1 if flagged else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

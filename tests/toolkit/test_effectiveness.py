@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvcache.kit.cli import main
 from kvcache.kit.driver import run_sequence
-from kvcache.kit.effectiveness import judge_records
+from kvcache.kit.effectiveness import SCENARIOS, format_suite, judge_records, run_suite
 from spec import effectiveness as eff
 
 FULL = eff.Group("full", 4)
@@ -113,3 +114,26 @@ def test_the_mamba_eagle_long_hit_of_0_25_1_is_a_false_hit() -> None:
     assert result.run is not None
     false_hits = [v for _, v in judge_records(result.config, result.run.records) if v.false_hit]
     assert false_hits and all(v.achievable < v.realized for v in false_hits)
+
+
+def test_the_suite_passes_full_attention_and_flags_the_align_mamba_repeat() -> None:
+    """The scenario suite on kvcache: full attention loses only what the rules name;
+    full + Mamba 'align' under 0.33.0's line with EAGLE misses a multi-turn lookup
+    the pool could serve (the shape of vLLM #53504: the EAGLE-shifted boundary is not
+    a state the sparse retention kept), which the suite flags as a 0-hit."""
+    rows = run_suite("kvcache", ["full"])
+    assert len(rows) == 2 * len(SCENARIOS)
+    assert all(row.verdicts and not row.flags for row in rows)
+    rows = run_suite("kvcache-0.33", ["full+mamba-align"], ["multi_turn"], master_switch=True)
+    flagged = [row for row in rows if row.flags]
+    assert [(row.eagle, row.retention) for row in flagged] == [(True, None)]
+    assert "0-hit" in flagged[0].flags[0]
+    assert "| full+mamba-align | on | unset | multi_turn |" in format_suite(rows)
+
+
+def test_the_suite_refuses_unknown_names() -> None:
+    with pytest.raises(ValueError, match="families="):
+        run_suite("kvcache", ["nope"])
+    with pytest.raises(ValueError, match="scenarios="):
+        run_suite("kvcache", ["full"], ["nope"])
+    assert main(["effectiveness", "--families", "nope"]) == 2
