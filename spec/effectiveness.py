@@ -217,11 +217,11 @@ def explain(lookup: Lookup, realized: int, rules: Sequence[LossRule] = LOSS_RULE
     """Judge a lookup that reused ``realized`` tokens: the achievable hit, the loss
     each rule explains (in ``rules`` order), and what the rules leave."""
     left = candidates(lookup)
-    best = left[0]
+    best = most = left[0]
     losses: dict[str, int] = {}
     for rule in rules:
         left = [L for L in left if rule.allows(lookup, L)] or [0]
         if left[0] < best:
             losses[rule.name] = best - left[0]
             best = left[0]
-    return Verdict(candidates(lookup)[0], best, realized, losses)
+    return Verdict(most, best, realized, losses)

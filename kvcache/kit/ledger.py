@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.kit.config import GroupConfig, ManagerConfig, fine_grained_hits
-from kvcache.kit.trace import results_equal, state_diff
+from kvcache.kit.trace import pool_key_hex, results_equal, state_diff
 
 LEDGER_PATH = Path(__file__).with_name("ledger.toml")
 VERDICTS = ("intended", "bug-fixed-in", "bug-introduced-in", "unknown")
@@ -1236,7 +1236,7 @@ def _prompt_tail_keys(ctx: Context, rid: str, gid: int) -> dict[int, str]:
     for limit in limits:
         boundary = min(limit // hash_block, len(hashes)) * hash_block
         if boundary > 0 and boundary % block_size:
-            keys[boundary // block_size] = hashes[boundary // hash_block - 1] + f"{gid:08x}"
+            keys[boundary // block_size] = pool_key_hex(hashes[boundary // hash_block - 1], gid)
     return keys
 
 

@@ -128,6 +128,13 @@ def canon(value: Any) -> Any:
     raise TypeError(f"cannot canonicalise {type(value).__name__}: {value!r}")
 
 
+def pool_key_hex(hash_hex: str, group_id: int) -> str:
+    """The canonical (hex) pool key of a block hash in a group: the hash followed by
+    the group id as 4 big-endian bytes (vLLM's ``BlockHashWithGroupId``; the keys of
+    ``abstract_state()["cached"]``)."""
+    return f"{hash_hex}{group_id:08x}"
+
+
 def canon_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """Canonical form of an ``abstract_state()`` dict (the keys of docs/contract.md)."""
     return {key: canon(state[key]) for key in sorted(state)}
