@@ -1,0 +1,184 @@
+"""The upstream prefix-cache reports of docs/effectiveness-reports.md, held to their
+classification.
+
+Each trace under tests/data/effectiveness/ was recorded on a real vLLM release
+(``scripts/effectiveness_report_traces.py``). A trace of 0.25.1 or 0.33.0 is replayed
+through kvcache's matching line (``kvcache``, ``kvcache-0.33``): it must replay
+identically, and the lookups judged (``judge_records``) are kvcache's own. A trace of
+a release kvcache has no line for (0.28.0, 0.29.0) is judged as recorded. The tests
+then assert what the report's classification rests on: which lookups miss, by how
+much, and whether the judge sees the loss and which rule explains it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcache.kit.driver import Lockstep, replay_trace
+from kvcache.kit.effectiveness import judge_records
+from kvcache.kit.trace import Trace, read_trace
+from spec.effectiveness import Verdict
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "effectiveness"
+
+#: kvcache's line of each release it models.
+LINES = {"0.25.1": "kvcache", "0.33.0": "kvcache-0.33"}
+
+
+def trace_path(case: str, release: str) -> Path:
+    return DATA / f"{case}.vllm-{release}.jsonl"
+
+
+def release_of(trace: Trace) -> str:
+    return str((trace.header.get("recorded_with") or {}).get("version"))
+
+
+def master_switch(release: str) -> bool:
+    """vLLM 0.30.0 and later apply EAGLE only with ``use_eagle``."""
+    major, minor = (int(x) for x in release.split(".")[:2])
+    return (major, minor) >= (0, 30)
+
+
+def records_on_line(trace: Trace, line: str) -> list[dict[str, Any]]:
+    """The trace's calls run on kvcache's ``line``, with its states recorded."""
+    run = Lockstep(trace.config, None, reference=line, hash_seed=trace.hash_seed)
+    for record in trace.records:
+        run.call(record["op"], **record["args"])
+    return run.records
+
+
+def verdicts(case: str, release: str) -> dict[str, Verdict]:
+    """Each request's lookup in ``case`` on ``release``, judged (kvcache's line where
+    kvcache models the release, else the recorded lookups)."""
+    path = trace_path(case, release)
+    if not path.is_file():
+        pytest.skip(f"{path.name}: not recorded")
+    trace = read_trace(path)
+    assert release_of(trace) == release
+    line = LINES.get(release)
+    if line is None:
+        records: list[dict[str, Any]] = trace.records
+    else:
+        replay = replay_trace(trace, line)
+        assert replay.mismatch is None, f"{path.name} on {line}: {replay.mismatch}"
+        records = records_on_line(trace, line)
+    judged = dict(judge_records(trace.config, records, master_switch(release)))
+    for rid, verdict in judged.items():  # every report: the judge finds no error
+        assert not verdict.false_hit, (case, release, rid, verdict)
+        assert verdict.unexplained == 0, (case, release, rid, verdict)
+    return judged
+
+
+def hidden_miss(verdict: Verdict) -> bool:
+    """A lookup that reused nothing and that the judge sees no loss in: the pool held
+    nothing to serve (the loss, if any, happened when the state was not kept)."""
+    return verdict.realized == 0 and verdict.achievable == 0 and not verdict.losses
+
+
+# ------------------------------------------------------- vLLM #53504 (and #54360)
+
+
+def test_53504_sparse_retention_misses_every_mtp_repeat_before_0_30() -> None:
+    """EAGLE on 3 align-mode Mamba groups + 1 full, retention 0: 0.25.1 (and 0.28.0)
+    keep the unshifted replay boundary, the EAGLE checkpoint's state is dropped, and
+    every repeat misses; the judge sees no loss (write side). The workaround
+    (retention = block size) and dense retention hit one block below the prompt's."""
+    for release in ("0.25.1", "0.28.0"):
+        sparse = verdicts("mtp_mamba_retention0_repeat", release)
+        assert sparse["first"].realized == 0
+        assert all(hidden_miss(sparse[r]) for r in ("repeat1", "repeat2")), release
+        workaround = verdicts("mtp_mamba_retention_block_repeat", release)
+        assert workaround["repeat1"].realized > 0
+        assert workaround["repeat1"].realized == workaround["repeat1"].achievable
+
+
+def test_53504_is_fixed_in_0_33_0() -> None:
+    sparse = verdicts("mtp_mamba_retention0_repeat", "0.33.0")
+    dense = verdicts("mtp_mamba_dense_repeat", "0.33.0")
+    assert sparse["repeat1"].realized == dense["repeat1"].realized > 0
+    assert sparse["repeat1"].losses == {}
+
+
+# ------------------------------------------------------------------ vLLM #38182
+
+
+@pytest.mark.parametrize("release", ["0.25.1", "0.33.0"])
+def test_38182_mtp_costs_one_mamba_block_at_write_time(release: str) -> None:
+    """With MTP the repeat hits one block (4 tokens here, 1,072 in the report) less
+    than without; the lookup loses nothing the pool held: the scheduler's EAGLE
+    checkpoint is a block lower, so the state one block higher never exists."""
+    mtp = verdicts("mtp_mamba_dense_repeat", release)["repeat1"]
+    plain = verdicts("mamba_dense_repeat", release)["repeat1"]
+    assert plain.realized - mtp.realized == 4
+    assert mtp.realized == mtp.achievable and not mtp.losses
+
+
+# ------------------------------------------------------------------ vLLM #45238
+
+
+@pytest.mark.parametrize("release", ["0.25.1", "0.28.0", "0.33.0"])
+def test_45238_first_sibling_misses_then_the_junction_is_kept(release: str) -> None:
+    """The align checkpoint (24) of a 27-token prompt lands in its own suffix: the
+    first sibling sharing the 16-token system prompt reuses nothing (and the judge
+    sees nothing lost); its prefill stops at the junction, so the next one hits 16."""
+    judged = verdicts("mamba_shared_prefix_unique_tail", release)
+    assert hidden_miss(judged["sibling1"])
+    assert judged["sibling2"].realized == judged["sibling2"].achievable == 16
+
+
+# ------------------------------- 1Cat-vLLM #205 (vLLM #42258 / #44082), vLLM #40624
+
+
+@pytest.mark.parametrize("release", ["0.25.1", "0.28.0", "0.33.0"])
+def test_swa_eagle_mask_over_window_hits(release: str) -> None:
+    """SWA + full with EAGLE, the scheduler block (16) over the window (5): the repeat
+    hits a whole scheduler block; what it loses is the EAGLE drop (and, on 0.33.0, a
+    hash-block alignment), never the whole hit."""
+    verdict = verdicts("swa_eagle_alignment_over_window", release)["repeat1"]
+    assert verdict.realized >= 16
+    assert set(verdict.losses) <= {"eagle_drop", "block_alignment"}
+    assert verdict.losses["eagle_drop"] == 16
+
+
+# ------------------------------------------------------- vLLM #51250 / #40624
+
+
+@pytest.mark.parametrize("release", ["0.25.1", "0.28.0", "0.33.0"])
+def test_drafter_group_beside_mamba_hits(release: str) -> None:
+    """A drafter's sliding-window group as the EAGLE group beside full attention and
+    align-mode Mamba: the first repeat hits what the pool holds."""
+    judged = verdicts("drafter_swa_mamba_repeat", release)
+    assert 0 < judged["repeat1"].realized == judged["repeat1"].achievable
+
+
+# ------------------------------------------------------------------ vLLM #54360
+
+
+@pytest.mark.parametrize("release", ["0.25.1", "0.28.0"])
+def test_54360_mtp_repeats_miss_with_sparse_retention_before_0_30(release: str) -> None:
+    """Plain MTP (every group EAGLE), Mamba block 16 over hash block 4, retention 0:
+    neither prompt length hits on a repeat, where the same without MTP does."""
+    mtp = verdicts("mtp_fallback_fine_grained_lengths_tail", release)
+    plain = verdicts("fine_grained_lengths_tail_no_mtp", release)
+    for rid in ("len26-repeat", "len40-repeat"):
+        assert mtp[rid].realized == 0 < plain[rid].realized, (release, rid)
+        # The judge: nothing lost at lookup, or only the prompt-tail state the
+        # last token cannot use.
+        assert not mtp[rid].expected and set(mtp[rid].losses) <= {"last_token"}
+
+
+def test_54360_is_absent_on_0_33_0() -> None:
+    mtp = verdicts("mtp_fallback_fine_grained_lengths_tail", "0.33.0")
+    assert all(mtp[r].realized > 0 for r in ("len26-repeat", "len40-repeat"))
+
+
+def test_54360_dense_retention_zero_depends_on_prompt_length() -> None:
+    """Dense retention (0.25.1 to 0.28.x's default): a prompt under two Mamba blocks
+    gets its checkpoint moved to 0 by the EAGLE prune and misses; a longer one hits
+    (#52244's "zero for some prompt lengths, partial for others")."""
+    for release in ("0.25.1", "0.33.0"):
+        dense = verdicts("mtp_fallback_fine_grained_lengths_dense", release)
+        assert hidden_miss(dense["len26-repeat"]) and dense["len40-repeat"].realized > 0
