@@ -49,12 +49,30 @@ class Driver:
         self.run = run
         self.sampled = 0
 
+    def junction(self, rid: str, hit: int) -> int:
+        """Where the scheduler stops a prefill at a shared prefix the lookup found
+        uncached in a Mamba group (Marconi admission), floored to the Mamba block:
+        0.28.0 on keep the lookup's shared-prefix boundary on the request, 0.25.1 reads
+        the coordinator's uncached common prefix. 0 when none."""
+        side = self.run.reference
+        block = min((g.block_size for g in self.run.config.groups if g.kind == "mamba"), default=0)
+        if not block:
+            return 0
+        boundary = int(getattr(side.requests[rid], "shared_prefix_boundary", 0) or 0)
+        if not boundary:
+            extra = getattr(side.manager.coordinator, "num_uncached_common_prefix_tokens", 0)
+            boundary = hit + int(extra) if int(extra) >= block else 0
+        return boundary // block * block if boundary > hit else 0
+
     def request(self, rid: str, prompt: list[int], stops: Sequence[int] = ()) -> int:
         """Look ``rid`` up, prefill it in chunks ending at ``stops`` (those past the
         hit) and at the prompt's end, decode two tokens, finish; returns the hit."""
         run = self.run
         run.ok("add_request", request_id=rid, prompt_token_ids=prompt, max_tokens=8)
         hit = run.ok("get_computed_blocks", request_id=rid)["num_computed_tokens"]
+        junction = self.junction(rid, hit)
+        if junction:
+            stops = sorted({*stops, junction})
         done, first = hit, True
         for end in [s for s in stops if s > hit] + [len(prompt)]:
             if end <= done:
@@ -133,10 +151,7 @@ def shared_prefix(config: ManagerConfig, run: Lockstep) -> None:
     drive = Driver(run)
     for i in range(3):
         prompt = system + tokens(f"user {i}", 11)
-        stops = [checkpoint(len(prompt), 4, config.use_eagle)]
-        if i > 0:
-            stops = [16, *stops]
-        drive.request(f"sibling{i}", prompt, stops)
+        drive.request(f"sibling{i}", prompt, [checkpoint(len(prompt), 4, config.use_eagle)])
 
 
 def swa_repeat(config: ManagerConfig, run: Lockstep) -> None:
@@ -275,6 +290,9 @@ def record(case: Case, impl: str, out: Path) -> Path | str:
         run = Lockstep(case.config, None, reference=impl, record_state=True)
     except CannotBuild as exc:
         return f"cannot build: {exc}"
+    if hasattr(run.reference.adapter, "stores_shared_prefix_boundary"):
+        # As the scheduler of 0.28.0 on does with the lookup's third value.
+        run.reference.adapter.stores_shared_prefix_boundary = True
     case.drive(case.config, run)
     version = run.reference.adapter.version or "line"
     name = impl if impl != "vllm" else f"vllm-{version}"
