@@ -241,7 +241,7 @@ test-kernels: $(REF_STAMP)
 
 # CUDA only: the kernel tests compiled for the GPU, then decode-attention bandwidth ratios.
 bench-kernels: $(REF_STAMP)
-	TRITON_INTERPRET=0 $(PY) -m kernels.bench
+	TRITON_INTERPRET=0 $(PY) -m kvcache_kernels.bench
 
 # kvcache (compiled and pure) vs vLLM 0.25.1 vs spec on the same workloads (ratios,
 # per-method us, scaling), then the stored workload traces and three traces of 100

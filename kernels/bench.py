@@ -8,7 +8,7 @@
    - ``torch.nn.functional.scaled_dot_product_attention`` on contiguous K/V,
    after checking that ``paged_attention`` and SDPA agree, and prints ratios.
 
-Usage: ``TRITON_INTERPRET=0 python -m kernels.bench [--skip-tests] [--dtype bf16]``.
+Usage: ``TRITON_INTERPRET=0 python -m kvcache_kernels.bench [--skip-tests] [--dtype bf16]``.
 Exits with status 2 and a message when no CUDA device is visible, or when
 ``TRITON_INTERPRET`` made the kernels interpreted.
 """

@@ -27,9 +27,9 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernels.kv_write import kv_write_kernel
-from kernels.paged_attention import launch_meta, paged_attention_kernel
-from kernels.slot_mapping import PAD_SLOT_ID, slot_mapping_kernel
+from kvcache_kernels.kv_write import kv_write_kernel
+from kvcache_kernels.paged_attention import launch_meta, paged_attention_kernel
+from kvcache_kernels.slot_mapping import PAD_SLOT_ID, slot_mapping_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = ["fp16", "bf16", "fp32"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_helpers import DEVICE
 
-from kernels.bench import DecodeBatch, DecodeShape, main
+from kvcache_kernels.bench import DecodeBatch, DecodeShape, main
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

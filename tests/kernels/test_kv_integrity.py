@@ -44,8 +44,8 @@ from hypothesis.stateful import (
 from kernel_helpers import DEVICE, INTEGRITY_SETTINGS, TOLERANCES, record_integrity
 
 import kvcache as K
-from kernels import kv_write, map_to_kernel_blocks, paged_attention, slot_mapping
-from kernels.reference import dense_attention_ref, slot_mapping_ref
+from kvcache_kernels import kv_write, map_to_kernel_blocks, paged_attention, slot_mapping
+from kvcache_kernels.reference import dense_attention_ref, slot_mapping_ref
 
 VOCAB = 4  # a tiny alphabet, so that suffixes collide and prefixes repeat
 # Shared prompt prefixes ("documents") requests start from.

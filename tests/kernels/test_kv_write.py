@@ -10,8 +10,8 @@ import torch
 from hypothesis import given
 from kernel_helpers import DEVICE, KERNEL_SETTINGS
 
-from kernels import kv_write
-from kernels.reference import kv_write_ref
+from kvcache_kernels import kv_write
+from kvcache_kernels.reference import kv_write_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given
 from kernel_helpers import DEVICE, KERNEL_SETTINGS, TOLERANCES
 
-from kernels import paged_attention
-from kernels.reference import paged_attention_ref
+from kvcache_kernels import paged_attention
+from kvcache_kernels.reference import paged_attention_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given
 from kernel_helpers import DEVICE, KERNEL_SETTINGS
 
-from kernels import map_to_kernel_blocks, slot_mapping
-from kernels.reference import map_to_kernel_blocks_ref, slot_mapping_ref
+from kvcache_kernels import map_to_kernel_blocks, slot_mapping
+from kvcache_kernels.reference import map_to_kernel_blocks_ref, slot_mapping_ref
 
 # (manager_block_size, kernel_block_size) pairs: equal, and split into 2/4/8/16 kernel blocks
 BLOCK_SIZES = [(1, 1), (4, 4), (16, 16), (4, 2), (8, 2), (16, 4), (16, 1), (32, 16), (6, 3)]
