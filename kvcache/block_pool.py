@@ -620,13 +620,20 @@ class BlockPool:
         return self._register_prefix_entry(request, block, num_hash_blocks, kv_cache_group_id)
 
     def cache_state_entry(
-        self, request: Request, block: KVCacheBlock, num_tokens: int, kv_cache_group_id: int
+        self,
+        request: Request,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        replace: bool = False,
     ) -> BlockHashWithGroupId | None:
         """Key a Mamba state ``block`` by the request's chain hash at ``num_tokens``
         (the ``mamba_prompt_tail_state`` switch: 0.33.0 re-keys the state at the
         prompt's last hash boundary, e.g. after ``evict_blocks`` dropped its key).
         Same entry rules and event as ``cache_partial_block``, but ``num_tokens``
-        may also end on a block boundary.
+        may also end on a block boundary. ``replace``: the block holds another state
+        now (a prefill checkpoint), so every key it had is dropped first, once the
+        arguments are known good (vLLM checks them before it removes anything).
 
         Returns:
             The pool key, or None for the null block.
@@ -646,6 +653,8 @@ class BlockPool:
                 f"{self.hash_block_size} within the request's "
                 f"{len(request.block_hashes)} block hashes"
             )
+        if replace:
+            self._evict(block)
         return self._register_prefix_entry(request, block, num_hash_blocks, kv_cache_group_id)
 
     def _register_prefix_entry(

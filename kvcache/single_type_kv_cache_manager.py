@@ -1588,9 +1588,8 @@ class MambaManager(SingleTypeKVCacheManager):
             return None
         if block._block_hash_num_tokens == position:
             return None
-        self.block_pool._evict(block)
         return self.block_pool.cache_state_entry(
-            request, block, position, self.kv_cache_group_id
+            request, block, position, self.kv_cache_group_id, replace=True
         )
 
     def _cache_prompt_tail_state(

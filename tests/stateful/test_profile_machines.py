@@ -40,8 +40,9 @@ import spec
 import spec.profile as spec_profile
 from kvcache import vllm_0_33
 
+from .programs import Step, replay, tokens
 from .runner import run_machine
-from .test_hybrid_machine import HybridMachine
+from .test_hybrid_machine import HybridMachine, admit, start
 from .test_manager_machine import ManagerMachine
 from .test_new_kinds_machine import NewKindsMachine
 
@@ -244,3 +245,22 @@ def stateful_health_checks() -> tuple[Any, ...]:
         HealthCheck.large_base_example,
         HealthCheck.data_too_large,
     )
+
+
+def test_a_step_vllm_asserts_on_is_refused_alike() -> None:
+    """Full attention and 'align' Mamba with one prefill checkpoint block (block and
+    hash block size 1). r0's one-token prompt is computed and samples a token; its
+    decode step schedules 3 tokens (2 drafts), so the checkpoint falls at token 3,
+    past the 2 hashed tokens: vLLM 0.33.0 asserts (``_get_partial_block_hash``).
+    Both sides refuse the step with ValueError, leave equal states, and kvcache
+    checks before it drops the block's keys; the machine then drops the example,
+    as no engine goes on (found by CI's random seed 10503027653260157981)."""
+    program = [
+        start(11, 1, ["full", "mamba"], token_budget=5, mode="align", spec_blocks=0,
+              checkpoint_blocks=1, checkpoint_alignment=1, use_eagle=False,
+              **tokens("tokens", [0])),
+        admit("r0", mode="sync"),
+        Step("allocate_slots", {}, {"schedule r0": True, "drafts": 2}),
+    ]  # fmt: skip
+    with pytest.raises(AssertionError, match="step 2: allocate_slots rejected it"):
+        replay(MACHINES["hybrid"], program)
