@@ -250,6 +250,31 @@ CASES = (
         repeats,
     ),
     Case(
+        "drafter_fallback_swa_mamba_repeat",
+        "vLLM #51250 / #40624: the same drafter layout with no group marked (every "
+        "group EAGLE, the draft window's included)",
+        hybrid(
+            FULL4,
+            GroupConfig("sliding_window", 4, sliding_window=8, num_kv_heads=2),
+            mamba(4, 3),
+            eagle=True,
+            retention=None,
+        ),
+        repeats,
+    ),
+    Case(
+        "drafter_fallback_swa_mamba_retention0_repeat",
+        "vLLM #51250 / #40624 under 0.29.0's default retention (0)",
+        hybrid(
+            FULL4,
+            GroupConfig("sliding_window", 4, sliding_window=8, num_kv_heads=2),
+            mamba(4, 3),
+            eagle=True,
+            retention=0,
+        ),
+        repeats,
+    ),
+    Case(
         "mtp_fallback_fine_grained_lengths",
         "vLLM #54360 (#52244, #57616): plain MTP (no group marked: every group EAGLE), "
         "Mamba block 16 over hash block 4, sparse retention (0)",
