@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvcache.kit.config import GroupConfig, ManagerConfig
 from kvcache.kit.driver import Lockstep
@@ -64,9 +65,16 @@ class Driver:
             boundary = hit + int(extra) if int(extra) >= block else 0
         return boundary // block * block if boundary > hit else 0
 
-    def request(self, rid: str, prompt: list[int], stops: Sequence[int] = ()) -> int:
+    def request(
+        self,
+        rid: str,
+        prompt: list[int],
+        stops: Sequence[int] = (),
+        after_prefill: Callable[[Any], None] | None = None,
+    ) -> int:
         """Look ``rid`` up, prefill it in chunks ending at ``stops`` (those past the
-        hit) and at the prompt's end, decode two tokens, finish; returns the hit."""
+        hit) and at the prompt's end, decode two tokens, finish; returns the hit.
+        ``after_prefill`` gets the request's block tables once its prompt is computed."""
         run = self.run
         run.ok("add_request", request_id=rid, prompt_token_ids=prompt, max_tokens=8)
         hit = run.ok("get_computed_blocks", request_id=rid)["num_computed_tokens"]
@@ -92,6 +100,8 @@ class Driver:
             run.ok("update_request", request_id=rid, status="RUNNING", num_computed_tokens=end)
             run.ok("new_step_starts")
             done = end
+        if after_prefill is not None:
+            after_prefill(run.ok("get_block_ids", request_id=rid))
         for _ in range(2):
             self.sampled += 1
             run.ok("append_output_token_ids", request_id=rid, token_ids=[1000 + self.sampled])
@@ -159,6 +169,27 @@ def swa_repeat(config: ManagerConfig, run: Lockstep) -> None:
     prompt = tokens("swa prompt", 40)
     drive = Driver(run)
     drive.request("first", prompt)
+    drive.request("repeat1", prompt)
+
+
+def swa_mask_gap(config: ManagerConfig, run: Lockstep) -> None:
+    """``swa_repeat`` with vLLM #42258's write-side mask emulated: after the first
+    request, the sliding-window blocks just past each aligned boundary (tokens 16..20
+    and 32..36, the blocks #42258 left uncached and #44082 caches again) are evicted
+    (``evict_blocks``, the scheduler's path after a failed KV load), then the repeat
+    looks up."""
+    prompt = tokens("swa prompt", 40)
+    drive = Driver(run)
+    size = config.groups[1].block_size
+    gone: list[int] = []
+
+    def past_boundaries(tables: Any) -> None:
+        window = tables["tuple"][1] if isinstance(tables, dict) else tables[1]
+        gone.extend(window[end // size - 1] for end in (20, 36))
+
+    drive.request("first", prompt, after_prefill=past_boundaries)
+    assert all(gone), gone
+    run.ok("evict_blocks", block_ids=gone)
     drive.request("repeat1", prompt)
 
 
@@ -235,6 +266,18 @@ CASES = (
             retention=None,
         ),
         swa_repeat,
+    ),
+    Case(
+        "swa_eagle_mask_gap_emulated",
+        "1Cat-vLLM #205: vLLM #42258's mask (no block past an aligned boundary) emulated "
+        "by evicting those blocks",
+        hybrid(
+            GroupConfig("full", 16, num_kv_heads=1),
+            GroupConfig("sliding_window", 4, sliding_window=5, num_kv_heads=2),
+            eagle=True,
+            retention=None,
+        ),
+        swa_mask_gap,
     ),
     Case(
         "drafter_swa_mamba_repeat",

@@ -148,6 +148,18 @@ def test_swa_eagle_mask_over_window_hits(release: str) -> None:
     assert verdict.losses["eagle_drop"] == 16
 
 
+@pytest.mark.parametrize("release", ["0.25.1", "0.28.0", "0.29.0", "0.33.0"])
+def test_205_the_42258_mask_gap_zeroes_the_hit_and_the_judge_blames_eagle(release: str) -> None:
+    """#42258's write-side mask emulated (the window blocks just past each aligned
+    boundary evicted): the repeat reuses nothing, and the judge, which sees only the
+    pool, explains the whole loss by the EAGLE rule: it cannot tell a write-side gap
+    from the drop (the missing rule of docs/effectiveness-reports.md)."""
+    intact = verdicts("swa_eagle_alignment_over_window", release)["repeat1"]
+    gap = verdicts("swa_eagle_mask_gap_emulated", release)["repeat1"]
+    assert intact.realized >= 16 and gap.realized == 0
+    assert gap.losses == {"eagle_drop": gap.achievable} and gap.achievable > 0
+
+
 # ------------------------------------------------------- vLLM #51250 / #40624
 
 
