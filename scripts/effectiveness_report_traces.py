@@ -14,6 +14,9 @@ Usage (the reference is the installed vLLM, or a kvcache line for a dry run)::
     .venv/bin/python scripts/effectiveness_report_traces.py --impl vllm
     .venv-0.33/bin/python scripts/effectiveness_report_traces.py --impl vllm
     python scripts/effectiveness_report_traces.py --impl kvcache-0.33 --out /tmp/x
+    python scripts/effectiveness_report_traces.py --judge tests/data/effectiveness/*.jsonl
+    .venv-0.33/bin/python scripts/effectiveness_report_traces.py --impl vllm \
+        --replay tests/data/effectiveness/*.vllm-0.33.0.jsonl
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.kit.config import GroupConfig, ManagerConfig
-from kvcache.kit.driver import Lockstep
-from kvcache.kit.sides import CannotBuild
-from kvcache.kit.trace import write_trace
+from kvcache.kit.driver import Lockstep, replay_trace
+from kvcache.kit.effectiveness import judge_records
+from kvcache.kit.sides import CannotBuild, make_side
+from kvcache.kit.trace import read_trace, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -374,13 +378,53 @@ def record(case: Case, impl: str, out: Path) -> Path | str:
     return write_trace(out / f"{case.name}.{name}.jsonl", header, records)
 
 
+def judge(paths: Sequence[Path]) -> None:
+    """Print each stored trace's lookups as the effectiveness judge sees them."""
+    for path in paths:
+        trace = read_trace(path)
+        version = str((trace.header.get("recorded_with") or {}).get("version"))
+        major, minor = (int(x) for x in version.split(".")[:2])
+        print(f"{path.name} ({trace.recorded_with})")
+        for rid, v in judge_records(trace.config, trace.records, (major, minor) >= (0, 30)):
+            losses = ", ".join(f"{k} {n}" for k, n in v.losses.items()) or "-"
+            flags = " UNEXPLAINED" if v.unexplained else " FALSE HIT" if v.false_hit else ""
+            print(f"  {rid}: {v.realized} / {v.achievable} realized / achievable; {losses}{flags}")
+
+
+def replay(paths: Sequence[Path], impl: str) -> int:
+    """Replay stored traces on ``impl`` as they were recorded: on an installed vLLM
+    whose lookup returns the shared-prefix boundary, the boundary is kept on the
+    request (as its scheduler does). Returns 1 if any diverges."""
+    status = 0
+    for path in paths:
+        trace = read_trace(path)
+        side = make_side(impl, trace.config, trace.hash_seed)
+        if hasattr(side.adapter, "stores_shared_prefix_boundary"):
+            side.adapter.stores_shared_prefix_boundary = True
+        mismatch = replay_trace(trace, impl, side).mismatch
+        print(f"{path.name} on {impl}: {'identical' if mismatch is None else mismatch}")
+        status |= mismatch is not None
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impl", default="vllm")
     parser.add_argument("--out", type=Path, default=DATA)
     parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
+    parser.add_argument(
+        "--judge", type=Path, nargs="+", help="print the judge's verdicts on stored traces"
+    )
+    parser.add_argument(
+        "--replay", type=Path, nargs="+", help="replay stored traces on --impl, as recorded"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    if args.judge:
+        judge(args.judge)
+        return 0
+    if args.replay:
+        return replay(args.replay, args.impl)
     wanted = set(filter(None, args.cases.split(",")))
     for case in CASES:
         if wanted and case.name not in wanted:
