@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
-from . import pure
+from . import effectiveness, pure
 from .block_pool import NULL_BLOCK, BlockPool
 from .kv_cache_coordinator import (
     HybridKVCacheCoordinator,
@@ -19,9 +19,16 @@ from .kv_cache_coordinator import (
 from .profile import Profile, resolve_profile
 from .pure import cdiv
 from .single_type_kv_cache_manager import (
+    ChunkedLocalAttentionManager,
+    CircularBufferManager,
+    CrossAttentionManager,
     FullAttentionManager,
     HiSparseResidentManager,
     MambaManager,
+    RSWAManager,
+    SingleTypeKVCacheManager,
+    SinkFullAttentionManager,
+    SlidingWindowManager,
 )
 from .vocab import (
     BlockRemoved033,
@@ -37,7 +44,16 @@ from .vocab import (
     is_a,
     needs_kv_cache_zeroing,
     none_hash,
+    pool_key,
 )
+
+#: Each manager's row in ``spec.effectiveness.KINDS`` (its resume rule).
+RESUME_KIND: dict[type[SingleTypeKVCacheManager], str] = {
+    FullAttentionManager: "full", RSWAManager: "rswa", SinkFullAttentionManager: "sink",
+    CircularBufferManager: "circular", SlidingWindowManager: "sliding_window",
+    ChunkedLocalAttentionManager: "chunked_local", MambaManager: "mamba",
+    CrossAttentionManager: "cross_attention",
+}  # fmt: skip
 
 WATERMARKED = ("WAITING", "PREEMPTED")
 """Statuses (by name) whose admission keeps the watermark free."""
@@ -274,6 +290,38 @@ class KVCacheManager:
             return None
         stats, self.prefix_cache_stats = self.prefix_cache_stats, self._new_stats()
         return stats
+
+    def effectiveness_lookup(self, request: Request) -> effectiveness.Lookup | None:
+        """The lookup of ``request`` now as ``spec.effectiveness`` judges it: each group's
+        resume row and the token boundaries at which the pool holds this request's key
+        for it. None for layouts the rows do not cover (HiSparse)."""
+        managers = self.coordinator.single_type_managers
+        groups = []
+        for m in managers:
+            kind = RESUME_KIND.get(type(m))
+            if kind is None or len(self.coordinator.pools()) > 1:
+                return None
+            spec = m.kv_cache_spec
+            span = getattr(spec, "sliding_window", None) or getattr(
+                spec, "attention_chunk_size", None) or 0
+            groups.append(effectiveness.Group(kind, m.block_size, span, m.use_eagle))
+        pool, h = self.block_pool, self.block_pool.hash_block_size
+        hashes = pool.block_hashes(request)
+        fine = getattr(self.coordinator, "fine_grained", False)
+        return effectiveness.Lookup(
+            groups=tuple(groups),
+            cached=tuple(
+                frozenset((i + 1) * h for i, digest in enumerate(hashes)
+                          if pool_key(digest, g) in pool.cached)
+                for g in range(len(managers))),
+            num_tokens=request.num_tokens,
+            hashed_tokens=len(hashes) * h,
+            hash_block=h,
+            alignment=h if fine else self.coordinator.scheduler_block_size,
+            caching=self.enable_caching,
+            skips_reading=request.skip_reading_prefix_cache,
+            eagle_step=tuple(h if fine else m.block_size for m in managers),
+        )
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The request's longest cached prefix: its blocks and length in tokens. At most

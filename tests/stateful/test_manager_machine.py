@@ -32,6 +32,7 @@ from hypothesis.stateful import (
 
 import kvcache
 import spec
+from spec import effectiveness
 from kvcache import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -465,11 +466,36 @@ class ManagerMachine(RuleBasedStateMachine):
             note(f"get_computed_blocks({rid}) -> {block_ids(spec_hits)}, {spec_num_hits}")
             assert (block_ids(impl_hits), impl_num_hits) == (block_ids(spec_hits), spec_num_hits)
             event("prefix hit", "yes" if spec_num_hits else "no")
+            self.judge_lookup(request, spec_num_hits)
             mode = data.draw(st.sampled_from(ADMISSION_MODES), label="mode")
             if mode == "connector_not_ready":
                 continue
             if not self.admit(data, request, (spec_hits, impl_hits), spec_num_hits, mode):
                 return
+
+    def judge_lookup(self, request: Request, num_hits: int) -> None:
+        """The lookup's effectiveness (``spec.effectiveness``, from the spec's pool):
+        no hit past what the pool holds, no loss below what the named rules leave.
+        Equality cannot see a loss both sides share; this can. The one known release
+        flaw: vLLM 0.25.1's Mamba group under EAGLE peeks a block past its hit
+        (``mamba_no_eagle_margin`` off; ledger ``bug-mamba-eagle-long-hit``)."""
+        lookup = self.spec.effectiveness_lookup(request)
+        if lookup is None:
+            return
+        verdict = effectiveness.explain(lookup, num_hits)
+        event("lookup loss", ",".join(verdict.losses) or "none")
+        if verdict.false_hit and self.known_false_hit(lookup):
+            event("lookup loss", "known false hit (0.25.1 Mamba + EAGLE)")
+            return
+        assert not verdict.false_hit, f"{request.request_id}: false hit {verdict}"
+        assert not verdict.unexplained, f"{request.request_id}: unexplained loss {verdict}"
+
+    def known_false_hit(self, lookup: Any) -> bool:
+        """A release flaw the profile reproduces (see ``judge_lookup``)."""
+        coordinator = self.spec.coordinator
+        return not getattr(coordinator, "mamba_no_eagle_margin", True) and any(
+            g.kind == "mamba" for g in lookup.groups
+        ) and self.spec.use_eagle
 
     def admit(
         self, data: st.DataObject, request: Request, hits: Any, num_hits: int, mode: str
