@@ -32,7 +32,6 @@ from hypothesis.stateful import (
 
 import kvcache
 import spec
-from spec import effectiveness
 from kvcache import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -46,6 +45,7 @@ from kvcache import (
     get_request_block_hasher,
     sha256,
 )
+from spec import effectiveness
 
 from .runner import run_machine
 
