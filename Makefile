@@ -46,7 +46,7 @@ FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(F
 	verify-lane-releases conformance-0.33 upstream-0.33 \
 	upstream-0.33-compiled conformance-0.33-compiled lint typecheck test conformance wheel-check figures \
 	verify upstream proofs traces fuzz fuzz-worker fuzz-dashboard test-kernels bench-kernels \
-	bench mutation clean distclean
+	bench mutation clean distclean effectiveness effectiveness-vllm effectiveness-ci
 
 setup: $(DEV_STAMP) $(COMPILED_STAMP)
 
@@ -210,6 +210,39 @@ wheel-check: $(DEV_STAMP)
 # docs/figures.md from the records `make verify` and `make bench` leave in build/.
 figures: $(DEV_STAMP)
 	$(PY) scripts/figures.py all
+
+# The cache-effectiveness suite (docs/effectiveness.md): realized vs achievable hits,
+# loss by rule. `effectiveness`: the whole suite on kvcache's two lines (tables printed);
+# `effectiveness-vllm`: on real vLLM 0.25.1 and 0.33.0 and kvcache's lines, then
+# docs/effectiveness.md from their JSON; `effectiveness-ci`: a subset for `make verify`.
+# Each fails on a flagged row that the line's KNOWN_FLAGS (--expect-known) does not name.
+EFF = env KVCACHE_PURE=1 $(PY) -m kvcache effectiveness --expect-known
+EFF_DIR := build/effectiveness
+EFF_CI_FAMILIES := full,full+swa,full+mamba-align,full+swa+mamba
+effectiveness: $(DEV_STAMP)
+	$(EFF) --impl kvcache
+	$(EFF) --impl kvcache-0.33
+
+effectiveness-vllm: $(REF_STAMP) $(REF33_STAMP)
+	@mkdir -p $(EFF_DIR)
+	@status=0; \
+	$(EFF) --impl kvcache --json $(EFF_DIR)/kvcache.json > $(EFF_DIR)/kvcache.txt || status=1; \
+	$(EFF) --impl kvcache-0.33 --json $(EFF_DIR)/kvcache-0.33.json \
+		> $(EFF_DIR)/kvcache-0.33.txt || status=1; \
+	env KVCACHE_PURE=1 $(PY) -m kvcache effectiveness --expect-known --impl vllm \
+		--json $(EFF_DIR)/vllm-0.25.1.json > $(EFF_DIR)/vllm-0.25.1.txt || status=1; \
+	env KVCACHE_PURE=1 $(REF33_VENV)/bin/python -m kvcache effectiveness --expect-known \
+		--impl vllm --json $(EFF_DIR)/vllm-0.33.0.json > $(EFF_DIR)/vllm-0.33.0.txt || status=1; \
+	grep -h -e " rows, " -e "^unexpected flag" -e "^expected flag" $(EFF_DIR)/kvcache.txt \
+		$(EFF_DIR)/kvcache-0.33.txt $(EFF_DIR)/vllm-0.25.1.txt $(EFF_DIR)/vllm-0.33.0.txt; \
+	env KVCACHE_PURE=1 $(PY) scripts/effectiveness_docs.py --plots $(EFF_DIR) \
+		docs/effectiveness.md $(EFF_DIR)/kvcache.json $(EFF_DIR)/kvcache-0.33.json \
+		$(EFF_DIR)/vllm-0.25.1.json $(EFF_DIR)/vllm-0.33.0.json || status=1; \
+	exit $$status
+
+effectiveness-ci: $(DEV_STAMP)
+	@$(EFF) --no-table --impl kvcache --families $(EFF_CI_FAMILIES)
+	@$(EFF) --no-table --impl kvcache-0.33 --families $(EFF_CI_FAMILIES)
 
 # vLLM 0.25.1's own tests/v1/core, fetched into build/upstream, run unchanged on stock vLLM,
 # with vLLM's core modules served by kvcache (vLLM's objects), and with kvcache's vocabulary too.

@@ -13,7 +13,7 @@ import math
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -944,35 +944,137 @@ def build_parser() -> argparse.ArgumentParser:
         "effectiveness",
         help="the prefix-cache scenario suite: realized vs achievable hits, loss by rule",
         description="Run the scenario suite (kvcache.kit.effectiveness.SCENARIOS) on every "
-        "family, EAGLE off and on, retention unset / 0 / 2 blocks where a group is sparse; "
-        "print realized / achievable tokens and the loss each named rule explains. Exits 1 "
-        "on an unexplained loss, a false hit, or a 0-hit lookup the pool could serve.",
+        "family, EAGLE off and on, retention unset / 0 / 2 blocks where a group is sparse, "
+        "lookahead none / slots / hash (LOOKAHEADS; hash where the release has it); print "
+        "realized / achievable tokens and the loss each named rule explains. Exits 1 on an "
+        "unexplained loss, a false hit, or a 0-hit lookup the pool could serve, unless "
+        "--expect-flag names the row; and on an --expect-flag no row met.",
     )
     p.add_argument("--impl", default="kvcache", help=IMPL_HELP + " (default kvcache)")
     p.add_argument("--families", default="", help="comma-separated families (default: the suite)")
     p.add_argument(
+        "--scenarios", default="", help="comma-separated scenarios (default: all of SCENARIOS)"
+    )
+    p.add_argument(
+        "--lookaheads", default="", help="comma-separated of none,slots,hash (default: all)"
+    )
+    p.add_argument(
         "--eagle-master-switch",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="whether use_eagle gates EAGLE groups in the judge: auto (default) reads it off "
+        "the implementation's release (vLLM 0.30.0 and later: on; kvcache-0.33: on); on / "
+        "off for an implementation whose release the kit cannot tell (module:factory)",
+    )
+    p.add_argument(
+        "--expect-flag",
+        action="append",
+        default=[],
+        metavar="FAMILY:SCENARIO[:eagle|no-eagle][:lookahead=X][:retention=Y]",
+        help="a flagged row that does not fail the run (repeatable); one no row meets does",
+    )
+    p.add_argument(
+        "--expect-known",
         action="store_true",
-        help="EAGLE only with use_eagle (vLLM 0.30.0 and later; kvcache-0.33)",
+        help="expect the flags KNOWN_FLAGS lists for the implementation's release line",
+    )
+    p.add_argument(
+        "--no-table", action="store_true", help="print only the summary and the failing flags"
+    )
+    p.add_argument("--json", default="", type=output_path, help="write the rows as JSON here")
+    p.add_argument(
+        "--plot", default="", type=output_path, help="draw realized vs achievable (PNG) here"
     )
     p.set_defaults(func=_cmd_effectiveness)
     return parser
 
 
-def _cmd_effectiveness(args: argparse.Namespace) -> int:
-    from kvcache.kit.effectiveness import SUITE_FAMILIES, format_suite, run_suite
+def _names(text: str, default: Iterable[str]) -> list[str]:
+    """The comma-separated names of ``text``, or ``default`` when it names none."""
+    return [name for name in text.split(",") if name] or list(default)
 
-    families = [f for f in args.families.split(",") if f] or list(SUITE_FAMILIES)
-    master = args.eagle_master_switch or args.impl.endswith("0.33")
-    try:
-        rows = run_suite(args.impl, families, master_switch=master)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_suite(rows))
+
+def _effectiveness_command(args: argparse.Namespace) -> str:
+    """The command line that repeats this run (for the JSON and the docs made from it)."""
+    import os
+    import shlex
+
+    python = sys.executable
+    relative = os.path.relpath(python)
+    words = [relative if not relative.startswith("..") else "python", "-m", "kvcache"]
+    words += ["effectiveness", "--impl", args.impl]
+    for flag in ("families", "scenarios", "lookaheads"):
+        if getattr(args, flag):
+            words += [f"--{flag}", getattr(args, flag)]
+    if args.eagle_master_switch != "auto":
+        words += ["--eagle-master-switch", args.eagle_master_switch]
+    for pattern in args.expect_flag:
+        words += ["--expect-flag", pattern]
+    if args.expect_known:
+        words.append("--expect-known")
+    if args.no_table:
+        words.append("--no-table")
+    for flag in ("json", "plot"):
+        if getattr(args, flag):
+            words += [f"--{flag}", getattr(args, flag)]
+    return "PYTHONHASHSEED=0 KVCACHE_PURE=1 " + shlex.join(words)
+
+
+def _cmd_effectiveness(args: argparse.Namespace) -> int:
+    import datetime
+    import json
+
+    from kvcache.kit import effectiveness as eff
+
+    if args.plot:
+        need_matplotlib("--plot")
+    expected = [eff.parse_expectation(text) for text in args.expect_flag]
+    release = eff.subject_release(args.impl)
+    if args.eagle_master_switch == "auto":
+        master = bool(release and eff.switch_on("eagle_master_switch", release))
+        if release is None:
+            print(
+                f"note: the kit cannot tell {args.impl}'s vLLM release; judging with use_eagle "
+                "not gating EAGLE groups (0.25.1's rule; --eagle-master-switch on for 0.30.0+)",
+                file=sys.stderr,
+            )
+    else:
+        master = args.eagle_master_switch == "on"
+    rows = eff.run_suite(
+        args.impl,
+        _names(args.families, eff.SUITE_FAMILIES),
+        _names(args.scenarios, eff.SCENARIOS),
+        master_switch=master,
+        lookaheads=_names(args.lookaheads, eff.LOOKAHEADS),
+    )
+    if not args.no_table:
+        print(eff.format_suite(rows) + "\n")
+    known = eff.known_flags(release) if args.expect_known else []
+    unexpected, unmet = eff.check_flags(rows, expected, [p for p, _ in known])
     flagged = [row for row in rows if row.flags]
-    print(f"\n{len(rows)} rows, {len(flagged)} flagged")
-    return 1 if flagged else 0
+    unbuilt = sum(bool(row.cannot_build) for row in rows)
+    print(
+        f"{args.impl} (vLLM {release or 'release unknown'}, eagle master switch "
+        f"{'on' if master else 'off'}): {len(rows)} rows, {unbuilt} cannot build or run, "
+        f"{len(flagged)} flagged, {len(flagged) - len(unexpected)} of them expected"
+    )
+    for row in unexpected:
+        print(f"unexpected flag: {row.key}: {'; '.join(row.flags)}")
+    for pattern in unmet:
+        print(f"expected flag not seen: {pattern}")
+    if args.json:
+        data = {
+            "impl": args.impl,
+            "release": release,
+            "eagle_master_switch": master,
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+            "command": _effectiveness_command(args),
+            "rows": [row.to_json() for row in rows],
+        }
+        Path(args.json).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    if args.plot:
+        eff.plot_suite(rows, args.plot, f"{args.impl} (vLLM {release or '?'})")
+    return 1 if unexpected or unmet else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,14 +25,27 @@ else:  # the repository's spec, or the installed kvcache_spec
     rules = spec_module("effectiveness")
 
 __all__ = [
+    "KNOWN_FLAGS",
+    "LOOKAHEADS",
     "SCENARIOS",
+    "SUITE_FAMILIES",
     "SuiteRow",
+    "check_flags",
     "eagle_groups",
     "format_suite",
     "judge_records",
+    "known_flags",
     "layout",
+    "master_switch_for",
+    "matches",
+    "parse_expectation",
+    "plot_suite",
     "run_scenario",
     "run_suite",
+    "subject_release",
+    "suite_config",
+    "switch_on",
+    "variants",
 ]
 
 
@@ -140,10 +154,12 @@ SUITE_FAMILIES = (
 class _Runner:
     """Drives whole requests through a lockstep run (reference only)."""
 
-    def __init__(self, run: Any, config: ManagerConfig) -> None:
+    def __init__(self, run: Any, config: ManagerConfig, slots: int = 0) -> None:
         self.run = run
         self.config = config
         self.next_token = 0
+        # A drafter's slots on every allocation (num_lookahead_tokens), when any.
+        self.slots: dict[str, int] = {"num_lookahead_tokens": slots} if slots else {}
 
     def add(self, rid: str, prompt: list[int]) -> None:
         self.run.ok("add_request", request_id=rid, prompt_token_ids=prompt, max_tokens=64)
@@ -157,6 +173,7 @@ class _Runner:
             num_new_tokens=num_tokens - hit,
             num_new_computed_tokens=hit,
             new_computed_blocks="last",
+            **self.slots,
         )
         if blocks is None:
             return False
@@ -173,7 +190,10 @@ class _Runner:
             sampled.append(self.next_token)
             self.run.ok("append_output_token_ids", request_id=rid, token_ids=[self.next_token])
             num_tokens += 1
-            if self.run.ok("allocate_slots", request_id=rid, num_new_tokens=1) is None:
+            if (
+                self.run.ok("allocate_slots", request_id=rid, num_new_tokens=1, **self.slots)
+                is None
+            ):
                 break
             self.run.ok(
                 "update_request", request_id=rid, status="RUNNING", num_computed_tokens=num_tokens
@@ -199,10 +219,11 @@ def _tokens(seed: str, count: int) -> list[int]:
     return [rng.randrange(1000) for _ in range(count)]
 
 
-def run_scenario(name: str, run: Any, config: ManagerConfig) -> list[str]:
-    """Run scenario ``name``; returns the request ids whose lookups are judged."""
+def run_scenario(name: str, run: Any, config: ManagerConfig, slots: int = 0) -> list[str]:
+    """Run scenario ``name`` (``slots``: draft slots, ``num_lookahead_tokens``, on every
+    allocation); returns the request ids whose lookups are judged."""
     unit = config.scheduler_block_size
-    r = _Runner(run, config)
+    r = _Runner(run, config, slots)
     prompt = _tokens(name, 6 * unit + 3)
     if name == "repeat":
         r.whole("a", prompt)
@@ -247,13 +268,28 @@ def run_scenario(name: str, run: Any, config: ManagerConfig) -> list[str]:
 #: How much the suite scales the drawn layout's blocks, windows and chunks.
 SCALE = 4
 
+#: The suite's lookahead variants: what each sets, and the release that has it.
+LOOKAHEADS = {
+    "none": "no lookahead",
+    "slots": "num_lookahead_tokens=2 on every allocate_slots (a drafter's slots; any release)",
+    "hash": "the slots, plus num_hash_lookahead_tokens=1 and num_prefill_lookahead=2 "
+    "(vLLM 0.33.0's lookahead hashing and prefill lookahead)",
+}
+#: Draft slots (``num_lookahead_tokens``) of the "slots" and "hash" variants.
+LOOKAHEAD_SLOTS = 2
+#: ``num_hash_lookahead_tokens`` / ``num_prefill_lookahead`` of the "hash" variant.
+HASH_LOOKAHEAD = 1
+PREFILL_LOOKAHEAD = 2
 
-def suite_config(family: str, use_eagle: bool) -> ManagerConfig:
+
+def suite_config(family: str, use_eagle: bool, lookahead: str = "none") -> ManagerConfig:
     """The suite's config of ``family``: its layout drawn once (a fixed seed), caching
-    on, no retention interval, a pool roomy enough that nothing is evicted, EAGLE as
-    asked."""
+    on, no retention interval, a pool roomy enough that nothing is evicted, EAGLE and
+    lookahead hashing as asked (``lookahead``: a key of ``LOOKAHEADS``)."""
     from kvcache.kit.driver import FAMILIES, random_config
 
+    if lookahead not in LOOKAHEADS:
+        raise ValueError(f"lookahead={lookahead!r}; expected one of {', '.join(LOOKAHEADS)}")
     config = random_config(random.Random(f"effectiveness {family}"), FAMILIES[family])
     groups = tuple(  # blocks of at least 4 tokens, so a hit is several tokens
         dataclasses.replace(
@@ -266,6 +302,7 @@ def suite_config(family: str, use_eagle: bool) -> ManagerConfig:
         )
         for g in config.groups
     )
+    hashing = lookahead == "hash"
     return dataclasses.replace(
         config,
         groups=groups,
@@ -276,12 +313,90 @@ def suite_config(family: str, use_eagle: bool) -> ManagerConfig:
         use_eagle=use_eagle,
         max_num_batched_tokens=None,
         prefix_cache_retention_interval=None,
+        num_hash_lookahead_tokens=HASH_LOOKAHEAD if hashing else 0,
+        num_prefill_lookahead=PREFILL_LOOKAHEAD if hashing else 0,
     )
+
+
+# ---------------------------------------------------------------- the subject's release
+
+
+def subject_release(impl: str) -> str | None:
+    """The vLLM release implementation ``impl`` behaves like: ``"0.25.1"`` for kvcache
+    and spec, the profile's release for kvcache-0.33 / spec-0.33, the installed version
+    for ``vllm``; None where the kit cannot tell (a third party's ``module:factory``).
+
+    Raises:
+        ValueError: ``impl`` is no implementation the kit resolves.
+    """
+    from kvcache.kit.fuzz import REFERENCE_LINE_IMPLS
+    from kvcache.kit.ledger import release_line_of
+    from kvcache.kit.sides import resolve_adapter
+    from kvcache.profile import DEFAULT_RELEASE, RELEASES
+
+    if impl in REFERENCE_LINE_IMPLS:
+        return DEFAULT_RELEASE
+    adapter = resolve_adapter(impl)
+    if adapter.name == "vllm":
+        version = adapter.version
+        return str(version) if version else None
+    line = getattr(adapter, "release_line", None)  # kvcache-0.33, spec-0.33
+    if isinstance(line, str) and line:
+        return next((r for r in RELEASES if release_line_of(r) == line), f"{line}.0")
+    return None
+
+
+def switch_on(name: str, release: str) -> bool:
+    """Whether ``kvcache.profile`` switch ``name`` is on in vLLM ``release``: by the
+    releases of the ledger entry it covers (so a release between kvcache's profiles,
+    0.29.0 say, is judged by when the difference came), else by the switch's ``since``.
+
+    Raises:
+        ValueError: ``name`` is no switch, or ``release`` is no version.
+    """
+    from kvcache.kit.ledger import in_range, load_ledger, version_key
+    from kvcache.profile import SWITCHES
+
+    switch = next((s for s in SWITCHES if s.name == name), None)
+    if switch is None:
+        raise ValueError(f"name={name!r}: not a switch of kvcache.profile.SWITCHES")
+    entry = next((e for e in load_ledger() if e.id == switch.ledger_id), None)
+    if entry is not None:
+        return in_range(release, entry.releases)
+    return version_key(release) >= version_key(switch.since)
+
+
+def master_switch_for(impl: str) -> bool | None:
+    """Whether ``impl``'s release makes ``use_eagle`` the master switch of EAGLE groups
+    (``eagle_master_switch``: vLLM 0.30.0 and later); None where its release is unknown."""
+    release = subject_release(impl)
+    return None if release is None else switch_on("eagle_master_switch", release)
+
+
+def _lookahead_refusal(family: str, lookahead: str, release: str | None) -> str:
+    """Why the suite does not build ``family`` with ``lookahead`` for a subject of
+    ``release`` ("" : it does)."""
+    from kvcache.kit.driver import FAMILIES
+
+    if lookahead != "hash":
+        return ""
+    if release is not None and not switch_on("lookahead_arguments", release):
+        return f"vLLM {release} has no lookahead hashing (ledger: lookahead-arguments-added)"
+    if "full" not in FAMILIES[family].kinds:
+        # As the kit's *-lookahead families: vLLM 0.33.0's sliding-window and Mamba hit
+        # search reads hashes up to the lookup length, past the fewer hashes lookahead
+        # leaves (IndexError), unless a full-attention group's hit bounds theirs.
+        return "lookahead hashing needs a full-attention group (vLLM 0.33.0 reads past the hashes)"
+    return ""
+
+
+# ---------------------------------------------------------------- the suite
 
 
 @dataclasses.dataclass(frozen=True)
 class SuiteRow:
-    """One (family, EAGLE, retention, scenario) of the suite: its judged lookups."""
+    """One (family, EAGLE, lookahead, retention, scenario) of the suite: its judged
+    lookups, or why it could not run (``cannot_build``)."""
 
     family: str
     eagle: bool
@@ -290,6 +405,7 @@ class SuiteRow:
     verdicts: tuple[rules.Verdict, ...]
     hash_block: int
     cannot_build: str = ""
+    lookahead: str = "none"
 
     @property
     def flags(self) -> list[str]:
@@ -305,6 +421,69 @@ class SuiteRow:
                 found.append(f"0-hit with {v.achievable} achievable")
         return found
 
+    @property
+    def key(self) -> str:
+        """The row's name, as ``--expect-flag`` patterns match it:
+        ``family:scenario:eagle|no-eagle:lookahead=X:retention=Y``."""
+        retention = "unset" if self.retention is None else str(self.retention)
+        return (
+            f"{self.family}:{self.scenario}:{'eagle' if self.eagle else 'no-eagle'}"
+            f":lookahead={self.lookahead}:retention={retention}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The row as plain data (``--json``; docs/effectiveness.md is made from it)."""
+        return {
+            "family": self.family,
+            "eagle": self.eagle,
+            "lookahead": self.lookahead,
+            "retention": self.retention,
+            "scenario": self.scenario,
+            "hash_block": self.hash_block,
+            "cannot_build": self.cannot_build,
+            "lookups": [
+                {
+                    "achievable": v.achievable,
+                    "expected": v.expected,
+                    "realized": v.realized,
+                    "losses": dict(v.losses),
+                }
+                for v in self.verdicts
+            ],
+            "flags": self.flags,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SuiteRow:
+        """A row back from ``to_json``'s data.
+
+        Raises:
+            ValueError: ``data`` lacks a field or has one of the wrong type (naming it).
+        """
+        try:
+            verdicts = tuple(
+                rules.Verdict(
+                    int(v["achievable"]),
+                    int(v["expected"]),
+                    int(v["realized"]),
+                    {str(k): int(n) for k, n in v["losses"].items()},
+                )
+                for v in data["lookups"]
+            )
+            retention = data["retention"]
+            return cls(
+                str(data["family"]),
+                bool(data["eagle"]),
+                None if retention is None else int(retention),
+                str(data["scenario"]),
+                verdicts,
+                int(data["hash_block"]),
+                str(data.get("cannot_build", "")),
+                str(data.get("lookahead", "none")),
+            )
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"row={dict(data)!r}: not a suite row ({exc!r})") from None
+
 
 def _retentions(family: str) -> tuple[int | None, ...]:
     """Retention intervals the suite tries, in scheduler blocks: unset, and 0 and 2
@@ -315,17 +494,56 @@ def _retentions(family: str) -> tuple[int | None, ...]:
     return (None, 0, 2) if sparse else (None,)
 
 
+def variants(family: str) -> list[tuple[str, int | None]]:
+    """The (lookahead, retention in scheduler blocks) pairs the suite runs ``family``
+    with: every retention without lookahead, then each lookahead with none set."""
+    return [("none", r) for r in _retentions(family)] + [
+        (name, None) for name in LOOKAHEADS if name != "none"
+    ]
+
+
+def _run_row(
+    impl: str, config: ManagerConfig, scenario: str, slots: int, master_switch: bool
+) -> tuple[tuple[rules.Verdict, ...], str]:
+    """One scenario on a fresh manager: its judged lookups, or why it could not run."""
+    from kvcache.kit.driver import DriverError, Lockstep
+    from kvcache.kit.sides import CannotBuild
+
+    try:
+        run = Lockstep(config, None, reference=impl, record_state=True)
+    except CannotBuild as exc:
+        return (), str(exc)
+    try:
+        judged = run_scenario(scenario, run, config, slots)
+    except DriverError as exc:  # a call the implementation refuses for this layout
+        found = re.search(r" raised (\w+) on (\w+)\(.*?\): (.*)", str(exc), re.S)
+        if found is None:
+            return (), f"refused: {str(exc)[:160]}"
+        kind, op, message = found.groups()
+        return (), f"{op} raised {kind}: {' '.join(message.split())[:120]}"
+    last: dict[str, rules.Verdict] = {}
+    for rid, verdict in judge_records(config, run.records, master_switch):
+        last[rid] = verdict
+    return tuple(last[rid] for rid in judged if rid in last), ""
+
+
 def run_suite(
     impl: str,
     families: Sequence[str] = SUITE_FAMILIES,
     scenarios: Sequence[str] = tuple(SCENARIOS),
-    master_switch: bool = False,
+    master_switch: bool | None = None,
+    lookaheads: Sequence[str] = tuple(LOOKAHEADS),
 ) -> list[SuiteRow]:
     """The suite on ``impl`` (any name the kit resolves): every family with EAGLE off
     and on, the retention interval unset / 0 / 2 scheduler blocks where a group is
-    sparse, every scenario."""
-    from kvcache.kit.driver import FAMILIES, Lockstep
-    from kvcache.kit.sides import CannotBuild
+    sparse, each lookahead variant (``LOOKAHEADS``) the subject's release has, every
+    scenario. ``master_switch`` None: from the subject's release (``master_switch_for``;
+    off where it is unknown).
+
+    Raises:
+        ValueError: an unknown family, scenario, lookahead or implementation (naming it).
+    """
+    from kvcache.kit.driver import FAMILIES
 
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
@@ -333,46 +551,167 @@ def run_suite(
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"scenarios={unknown!r}: expected some of {', '.join(SCENARIOS)}")
+    unknown = [x for x in lookaheads if x not in LOOKAHEADS]
+    if unknown:
+        raise ValueError(f"lookaheads={unknown!r}: expected some of {', '.join(LOOKAHEADS)}")
+    release = subject_release(impl)
+    if master_switch is None:
+        master_switch = bool(release and switch_on("eagle_master_switch", release))
     rows = []
     for family in families:
         for eagle in (False, True):
-            for retention_blocks in _retentions(family):
-                base = suite_config(family, eagle)
+            for lookahead, retention_blocks in variants(family):
+                if lookahead not in lookaheads:
+                    continue
+                base = suite_config(family, eagle, lookahead)
                 retention = (
                     None
                     if retention_blocks is None
                     else retention_blocks * base.scheduler_block_size
                 )
                 config = dataclasses.replace(base, prefix_cache_retention_interval=retention)
+                refusal = _lookahead_refusal(family, lookahead, release)
+                slots = LOOKAHEAD_SLOTS if lookahead != "none" else 0
                 for scenario in scenarios:
-                    try:
-                        run = Lockstep(config, None, reference=impl, record_state=True)
-                    except CannotBuild as exc:
-                        rows.append(SuiteRow(family, eagle, retention, scenario, (), 0, str(exc)))
-                        continue
-                    judged = run_scenario(scenario, run, config)
-                    last: dict[str, rules.Verdict] = {}
-                    for rid, verdict in judge_records(config, run.records, master_switch):
-                        last[rid] = verdict
-                    verdicts = tuple(last[rid] for rid in judged if rid in last)
+                    if refusal:
+                        verdicts: tuple[rules.Verdict, ...] = ()
+                        why = f"cannot build: {refusal}"
+                    else:
+                        verdicts, why = _run_row(impl, config, scenario, slots, master_switch)
                     rows.append(
                         SuiteRow(
-                            family, eagle, retention, scenario, verdicts, config.hash_block_size
+                            family,
+                            eagle,
+                            retention,
+                            scenario,
+                            verdicts,
+                            0 if why else config.hash_block_size,
+                            why,
+                            lookahead,
                         )
                     )
     return rows
 
 
+# ---------------------------------------------------------------- expected flags
+
+
+#: Why a flagged row is known: the reasons ``KNOWN_FLAGS`` cites.
+_REPLAY = (
+    "EAGLE with retention 0: the sliding-window tail kept ends a block above the replay "
+    "boundary, the block the EAGLE lookup matches and drops, so the hit collapses to 0 "
+    "(ledger bug-retention-eagle-replay-boundary, fixed in 0.30.0 by vLLM #53945)"
+)
+_SIBLING = (
+    "EAGLE with retention 0: the tails kept are a resend's and a longer sibling's "
+    "post-drop positions; a request sharing only the system prompt needs the window "
+    "after the shared prefix's drop, which was not kept, so its hit collapses to 0"
+)
+_53504 = (
+    "the shape of vLLM #53504: the EAGLE-shifted boundary is not a Mamba state the "
+    "pool kept (states are kept at the prompt's end), so the whole hit is dropped"
+)
+
+#: Flags each release line is known to raise on the suite, with why: (line, an
+#: ``--expect-flag`` pattern, reason). ``--expect-known`` expects those of the
+#: subject's line; a flagged row none of them names still fails the run.
+KNOWN_FLAGS: tuple[tuple[str, str, str], ...] = (
+    *(
+        ("0.25", f"{family}:{scenario}:eagle:retention=0", _REPLAY)
+        for family in ("swa", "full+swa")
+        for scenario in ("repeat", "multi_turn", "preempted")
+    ),
+    ("0.25", "full+swa+mamba:multi_turn:eagle", _53504),
+    *(
+        ("0.33", f"{family}:{scenario}:eagle:retention=0", _SIBLING)
+        for family in ("swa", "full+swa")
+        for scenario in ("shared_prefix", "in_flight")
+    ),
+    ("0.33", "full+mamba-align:multi_turn:eagle", _53504),
+    ("0.33", "full+mamba-align:preempted:eagle", _53504),
+    ("0.33", "full+swa+mamba:multi_turn:eagle", _53504),
+)
+
+
+def known_flags(release: str | None) -> list[tuple[tuple[str, ...], str]]:
+    """The ``KNOWN_FLAGS`` of ``release``'s line, parsed, with their reasons (none for
+    an unknown release)."""
+    from kvcache.kit.ledger import release_line_of
+
+    if release is None:
+        return []
+    line = release_line_of(release)
+    return [(parse_expectation(p), why) for li, p, why in KNOWN_FLAGS if li == line]
+
+
+def parse_expectation(text: str) -> tuple[str, ...]:
+    """An ``--expect-flag`` pattern, ``FAMILY:SCENARIO[:QUALIFIER...]`` (qualifiers:
+    ``eagle``, ``no-eagle``, ``lookahead=X``, ``retention=Y``), as the parts a row's
+    ``key`` must contain; a qualifier left out matches any value.
+
+    Raises:
+        ValueError: an unknown family, scenario, lookahead or qualifier (naming it).
+    """
+    from kvcache.kit.driver import FAMILIES
+
+    parts = text.split(":")
+    if len(parts) < 2 or parts[0] not in FAMILIES or parts[1] not in SCENARIOS:
+        raise ValueError(
+            f"expect-flag={text!r}: use FAMILY:SCENARIO[:eagle|no-eagle][:lookahead=X]"
+            "[:retention=Y] with a family the kit knows and a scenario of " + ", ".join(SCENARIOS)
+        )
+    for qualifier in parts[2:]:
+        name, _, value = qualifier.partition("=")
+        ok = (
+            qualifier in ("eagle", "no-eagle")
+            or (name == "lookahead" and value in LOOKAHEADS)
+            or (name == "retention" and (value == "unset" or value.isdigit()))
+        )
+        if not ok:
+            raise ValueError(
+                f"expect-flag={text!r}: qualifier {qualifier!r} is not eagle, no-eagle, "
+                f"lookahead={'|'.join(LOOKAHEADS)} or retention=unset|N"
+            )
+    return tuple(parts)
+
+
+def matches(row: SuiteRow, pattern: Sequence[str]) -> bool:
+    """Whether ``row`` is one ``pattern`` (``parse_expectation``) names."""
+    key = row.key.split(":")
+    return key[:2] == list(pattern[:2]) and all(q in key[2:] for q in pattern[2:])
+
+
+def check_flags(
+    rows: Sequence[SuiteRow],
+    expected: Sequence[tuple[str, ...]],
+    known: Sequence[tuple[str, ...]] = (),
+) -> tuple[list[SuiteRow], list[str]]:
+    """The flagged rows no expectation names, and the expectations no flagged row met
+    (both make ``effectiveness`` fail: a new flag, or a known one gone without notice).
+    ``known`` (``known_flags``) count as unmet only where they name a row that ran."""
+    flagged = [row for row in rows if row.flags]
+    every = [*expected, *known]
+    unexpected = [row for row in flagged if not any(matches(row, p) for p in every)]
+    ran = [p for p in known if any(matches(row, p) for row in rows if not row.cannot_build)]
+    unmet = [":".join(p) for p in [*expected, *ran] if not any(matches(row, p) for row in flagged)]
+    return unexpected, unmet
+
+
+# ---------------------------------------------------------------- output
+
+
 def format_suite(rows: Sequence[SuiteRow]) -> str:
     """The suite as a markdown table: realized / achievable tokens and loss by rule."""
     lines = [
-        "| family | EAGLE | retention | scenario | realized / achievable | loss by rule | flags |",
-        "|---|---|---|---|---|---|---|",
+        "| family | EAGLE | lookahead | retention | scenario | realized / achievable "
+        "| loss by rule | flags |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         retention = "unset" if row.retention is None else str(row.retention)
         if row.cannot_build:
-            cells = ["cannot build", "", ""]
+            reason = row.cannot_build.replace("|", "/").replace("\n", " ")
+            cells = [reason if reason.startswith("cannot") else f"cannot run: {reason}", "", ""]
         else:
             cells = [
                 ", ".join(f"{v.realized} / {v.achievable}" for v in row.verdicts),
@@ -382,8 +721,60 @@ def format_suite(rows: Sequence[SuiteRow]) -> str:
                 "; ".join(row.flags) or "-",
             ]
         lines.append(
-            f"| {row.family} | {'on' if row.eagle else 'off'} | {retention} | {row.scenario} | "
-            + " | ".join(cells)
-            + " |"
+            f"| {row.family} | {'on' if row.eagle else 'off'} | {row.lookahead} | {retention} "
+            f"| {row.scenario} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines)
+
+
+def plot_suite(rows: Sequence[SuiteRow], path: str, title: str = "") -> None:
+    """Draw ``rows`` to ``path`` (PNG): per (family, scenario), summed over the
+    variants, the realized tokens and the loss each rule explains stacked up to the
+    achievable, unexplained loss on top; a flagged (family, scenario) marked in red.
+    Imports matplotlib here (a dev dependency)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [rule.name for rule in rules.LOSS_RULES]
+    cells: dict[tuple[str, str], dict[str, int]] = {}
+    flagged: set[tuple[str, str]] = set()
+    for row in rows:
+        if row.cannot_build:
+            continue
+        cell = cells.setdefault((row.family, row.scenario), {})
+        for v in row.verdicts:
+            cell["realized"] = cell.get("realized", 0) + min(v.realized, v.achievable)
+            cell["unexplained"] = cell.get("unexplained", 0) + v.unexplained
+            cell["false hit"] = cell.get("false hit", 0) + max(0, v.realized - v.achievable)
+            for name, n in v.losses.items():
+                cell[name] = cell.get(name, 0) + n
+        if row.flags:
+            flagged.add((row.family, row.scenario))
+    labels = list(cells)
+    stacks = ["realized", *names, "unexplained", "false hit"]
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.28 * len(labels) + 2), 5.5))
+    bottom = [0] * len(labels)
+    colors = plt.get_cmap("tab10")
+    for i, name in enumerate(stacks):
+        heights = [cells[k].get(name, 0) for k in labels]
+        if not any(heights):
+            continue
+        ax.bar(range(len(labels)), heights, bottom=bottom, label=name, color=colors(i % 10))
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    for x, label in enumerate(labels):
+        if label in flagged:
+            ax.annotate("flagged", (x, bottom[x]), ha="center", va="bottom", rotation=90,
+                        color="red", fontsize=7)  # fmt: skip
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels([f"{f} / {s}" for f, s in labels], rotation=90, fontsize=6)
+    for tick, label in zip(ax.get_xticklabels(), labels, strict=True):
+        if label in flagged:
+            tick.set_color("red")
+    ax.set_ylabel("tokens (judged lookups, summed over EAGLE / lookahead / retention)")
+    ax.set_title(title or "prefix-cache effectiveness: realized vs achievable, loss by rule")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -5,11 +5,27 @@ above what the pool holds)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from kvcache.kit.cli import main
 from kvcache.kit.driver import run_sequence
-from kvcache.kit.effectiveness import SCENARIOS, format_suite, judge_records, run_suite
+from kvcache.kit.effectiveness import (
+    LOOKAHEADS,
+    SCENARIOS,
+    SuiteRow,
+    check_flags,
+    format_suite,
+    judge_records,
+    master_switch_for,
+    parse_expectation,
+    run_scenario,
+    run_suite,
+    suite_config,
+    switch_on,
+)
 from spec import effectiveness as eff
 
 FULL = eff.Group("full", 4)
@@ -122,13 +138,17 @@ def test_the_suite_passes_full_attention_and_flags_the_align_mamba_repeat() -> N
     the pool could serve (the shape of vLLM #53504: the EAGLE-shifted boundary is not
     a state the sparse retention kept), which the suite flags as a 0-hit."""
     rows = run_suite("kvcache", ["full"])
-    assert len(rows) == 2 * len(SCENARIOS)
-    assert all(row.verdicts and not row.flags for row in rows)
+    assert len(rows) == 2 * len(LOOKAHEADS) * len(SCENARIOS)
+    built = [row for row in rows if not row.cannot_build]
+    assert {row.lookahead for row in built} == {"none", "slots"}  # 0.25.1: no hashing
+    assert len(built) == 2 * 2 * len(SCENARIOS)
+    assert all(row.verdicts and not row.flags for row in built)
     rows = run_suite("kvcache-0.33", ["full+mamba-align"], ["multi_turn"], master_switch=True)
     flagged = [row for row in rows if row.flags]
-    assert [(row.eagle, row.retention) for row in flagged] == [(True, None)]
+    assert {(row.eagle, row.retention) for row in flagged} == {(True, None)}
+    assert {row.lookahead for row in flagged} == set(LOOKAHEADS)
     assert "0-hit" in flagged[0].flags[0]
-    assert "| full+mamba-align | on | unset | multi_turn |" in format_suite(rows)
+    assert "| full+mamba-align | on | none | unset | multi_turn |" in format_suite(rows)
 
 
 def test_the_suite_refuses_unknown_names() -> None:
@@ -137,3 +157,96 @@ def test_the_suite_refuses_unknown_names() -> None:
     with pytest.raises(ValueError, match="scenarios="):
         run_suite("kvcache", ["full"], ["nope"])
     assert main(["effectiveness", "--families", "nope"]) == 2
+
+
+def test_the_eagle_master_switch_follows_the_subjects_release() -> None:
+    """use_eagle gates EAGLE groups from vLLM 0.30.0 (the ledger entry the profile
+    switch eagle_master_switch covers), whatever the implementation's name says."""
+    assert [switch_on("eagle_master_switch", r) for r in ("0.25.1", "0.29.0", "0.30.0")] == [
+        False,
+        False,
+        True,
+    ]
+    assert master_switch_for("kvcache") is False and master_switch_for("spec") is False
+    assert master_switch_for("kvcache-0.33") is True and master_switch_for("spec-0.33") is True
+    with pytest.raises(ValueError, match="name='nope'"):
+        switch_on("nope", "0.33.0")
+
+
+def test_lookahead_rows_pass_draft_slots_and_hash_only_where_the_release_can() -> None:
+    from kvcache.kit.driver import Lockstep
+
+    config = suite_config("full", True, "slots")
+    run = Lockstep(config, None, reference="kvcache", record_state=True)
+    run_scenario("repeat", run, config, slots=2)
+    allocations = [r["args"] for r in run.records if r["op"] == "allocate_slots"]
+    assert allocations and all(a.get("num_lookahead_tokens") == 2 for a in allocations)
+    hashed = suite_config("full", False, "hash")
+    assert (hashed.num_hash_lookahead_tokens, hashed.num_prefill_lookahead) == (1, 2)
+    rows = run_suite("kvcache", ["full"], ["repeat"], lookaheads=["hash"])
+    assert rows and all("0.25.1 has no lookahead hashing" in r.cannot_build for r in rows)
+    rows = run_suite("kvcache-0.33", ["full", "swa"], ["repeat"], lookaheads=["hash"])
+    assert [bool(r.verdicts) for r in rows] == [True, True, False, False]
+    assert all("full-attention group" in r.cannot_build for r in rows[2:])
+    with pytest.raises(ValueError, match="lookaheads="):
+        run_suite("kvcache", ["full"], lookaheads=["nope"])
+
+
+def test_an_unexpected_flag_fails_and_an_expected_one_must_show() -> None:
+    rows = run_suite("kvcache-0.33", ["full+mamba-align"], ["multi_turn"], lookaheads=["none"])
+    flagged = [row for row in rows if row.flags]
+    assert [row.key for row in flagged] == [
+        "full+mamba-align:multi_turn:eagle:lookahead=none:retention=unset"
+    ]
+    assert check_flags(rows, []) == (flagged, [])
+    expect = parse_expectation("full+mamba-align:multi_turn:eagle")
+    assert check_flags(rows, [expect]) == ([], [])
+    unmet = parse_expectation("full+mamba-align:multi_turn:no-eagle")
+    assert check_flags(rows, [expect, unmet])[1] == ["full+mamba-align:multi_turn:no-eagle"]
+    for bad in ("nope:repeat", "full:nope", "full:repeat:eagle=1", "full:repeat:lookahead=x"):
+        with pytest.raises(ValueError, match="expect-flag="):
+            parse_expectation(bad)
+    argv = ["effectiveness", "--impl", "kvcache-0.33", "--families", "full+mamba-align"]
+    argv += ["--scenarios", "multi_turn", "--lookaheads", "none", "--no-table"]
+    assert main(argv) == 1
+    assert main([*argv, "--expect-known"]) == 0
+    assert main([*argv, "--expect-flag", "full+mamba-align:multi_turn:eagle"]) == 0
+    assert main([*argv, "--expect-flag", "full+mamba-align:repeat"]) == 1
+    assert main([*argv, "--expect-flag", "full:nope"]) == 2
+
+
+def test_json_and_plot_outputs(tmp_path: Path) -> None:
+    out, png = tmp_path / "rows.json", tmp_path / "rows.png"
+    argv = ["effectiveness", "--families", "full+swa", "--scenarios", "repeat,in_flight"]
+    assert main([*argv, "--expect-known", "--json", str(out), "--plot", str(png)]) == 0
+    data = json.loads(out.read_text())
+    assert (data["impl"], data["release"], data["eagle_master_switch"]) == (
+        "kvcache",
+        "0.25.1",
+        False,
+    )
+    assert "--impl kvcache" in data["command"] and "--expect-known" in data["command"]
+    rows = [SuiteRow.from_json(row) for row in data["rows"]]
+    assert rows == run_suite("kvcache", ["full+swa"], ["repeat", "in_flight"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit) as exc:  # the folder is checked before any run
+        main([*argv, "--json", str(tmp_path / "no" / "rows.json")])
+    assert exc.value.code == 2
+    with pytest.raises(ValueError, match="row="):
+        SuiteRow.from_json({"family": "full"})
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "effectiveness.md"
+
+
+@pytest.mark.parametrize("family", ["full+swa"])
+def test_the_docs_tables_match_a_fresh_run(family: str) -> None:
+    """docs/effectiveness.md (``make effectiveness-vllm``) holds the rows of a fresh
+    run: kvcache's default line, one family, byte for byte."""
+    text = DOCS.read_text(encoding="utf-8")
+    marker = "<!-- effectiveness table: kvcache 0.25.1 -->"
+    assert marker in text
+    table = text.split(marker, 1)[1].split("\n\n", 1)[0].splitlines()
+    documented = [line for line in table if line.startswith(f"| {family} |")]
+    fresh = format_suite(run_suite("kvcache", [family])).splitlines()[2:]
+    assert documented and documented == fresh
