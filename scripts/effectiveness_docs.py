@@ -161,10 +161,13 @@ def render(runs: Sequence[Mapping[str, Any]]) -> str:
         "",
         "(family / scenario) pairs whose every lookup, in every variant, is 0 / 0: the pool "
         "held nothing any lookup could resume at, so nothing is lost and nothing is "
-        "flagged, but the cache did nothing. The "
-        "suite's runner schedules each prompt in one step, so an align-mode Mamba group "
-        "holds a state only where a request's computed tokens end on a block boundary "
-        "(the shape of vLLM #45238: the checkpoint lands in request-unique tokens).",
+        "flagged, but the cache did nothing. The suite's runner splits an align-mode "
+        "Mamba prefill only at the prompt's checkpoint (its last block boundary, less a "
+        "block under EAGLE), as the engine's scheduler does; a request sharing only a "
+        "system prompt finds no state at the prefix's end, which lies inside the first "
+        "request's prefill chunk (the shape of vLLM #45238: the checkpoint lands in "
+        "request-unique tokens). The scheduler's stop at a shared-prefix junction (vLLM "
+        "0.28.0 on; docs/effectiveness-reports.md) is not emulated here.",
         "",
     ]
     for run in runs:

@@ -132,23 +132,50 @@ def test_the_mamba_eagle_long_hit_of_0_25_1_is_a_false_hit() -> None:
     assert false_hits and all(v.achievable < v.realized for v in false_hits)
 
 
-def test_the_suite_passes_full_attention_and_flags_the_align_mamba_repeat() -> None:
+def test_the_suite_passes_full_attention_and_flags_the_align_mamba_sibling() -> None:
     """The scenario suite on kvcache: full attention loses only what the rules name;
-    full + Mamba 'align' under 0.33.0's line with EAGLE misses a multi-turn lookup
-    the pool could serve (the shape of vLLM #53504: the EAGLE-shifted boundary is not
-    a state the sparse retention kept), which the suite flags as a 0-hit."""
+    full + Mamba 'align' under 0.33.0's line with EAGLE misses a lookup of a request
+    sharing the first one's system prompt while it runs, which the pool could serve
+    (the shape of vLLM #53504: the state kept at the EAGLE-lowered checkpoint is the
+    prefix's end, and the drop needs the attention block after it, the other suffix):
+    the suite flags it as a 0-hit."""
     rows = run_suite("kvcache", ["full"])
     assert len(rows) == 2 * len(LOOKAHEADS) * len(SCENARIOS)
     built = [row for row in rows if not row.cannot_build]
     assert {row.lookahead for row in built} == {"none", "slots"}  # 0.25.1: no hashing
     assert len(built) == 2 * 2 * len(SCENARIOS)
     assert all(row.verdicts and not row.flags for row in built)
-    rows = run_suite("kvcache-0.33", ["full+mamba-align"], ["multi_turn"], master_switch=True)
+    rows = run_suite("kvcache-0.33", ["full+mamba-align"], ["in_flight"], master_switch=True)
     flagged = [row for row in rows if row.flags]
-    assert {(row.eagle, row.retention) for row in flagged} == {(True, None)}
-    assert {row.lookahead for row in flagged} == set(LOOKAHEADS)
-    assert "0-hit" in flagged[0].flags[0]
-    assert "| full+mamba-align | on | none | unset | multi_turn |" in format_suite(rows)
+    assert flagged and all(row.eagle for row in flagged)
+    assert {row.lookahead for row in flagged} == {"none", "slots"}
+    assert all(f.startswith("0-hit") for row in flagged for f in row.flags)
+    assert "| full+mamba-align | on | none | unset | in_flight |" in format_suite(rows)
+
+
+def test_an_align_mamba_prefill_stops_at_its_checkpoint() -> None:
+    """As the engine's scheduler, the runner ends an align-mode Mamba prefill chunk at
+    the prompt's last block boundary (a block lower under EAGLE), so a repeat of the
+    prompt finds the state there."""
+    from kvcache.kit.driver import Lockstep
+
+    for eagle in (False, True):
+        config = suite_config("full+mamba-align", eagle)
+        run = Lockstep(config, None, reference="kvcache", record_state=True)
+        run_scenario("repeat", run, config)
+        block = config.scheduler_block_size
+        prompt = len(run.records[0]["args"]["prompt_token_ids"])
+        steps = [
+            r["args"]["num_computed_tokens"]
+            for r in run.records
+            if r["op"] == "update_request"
+            and r["args"].get("status") == "RUNNING"
+            and r["args"]["request_id"] == "a"
+        ]
+        checkpoint = prompt // block * block - (block if eagle else 0)
+        assert steps[:2] == [checkpoint, prompt]
+        verdicts = dict(judge_records(config, run.records))
+        assert verdicts["b"].realized == checkpoint > 0
 
 
 def test_the_suite_refuses_unknown_names() -> None:
@@ -193,24 +220,26 @@ def test_lookahead_rows_pass_draft_slots_and_hash_only_where_the_release_can() -
 
 
 def test_an_unexpected_flag_fails_and_an_expected_one_must_show() -> None:
-    rows = run_suite("kvcache-0.33", ["full+mamba-align"], ["multi_turn"], lookaheads=["none"])
+    rows = run_suite("kvcache-0.33", ["full+mamba-align"], ["in_flight"], lookaheads=["none"])
     flagged = [row for row in rows if row.flags]
     assert [row.key for row in flagged] == [
-        "full+mamba-align:multi_turn:eagle:lookahead=none:retention=unset"
+        f"full+mamba-align:in_flight:eagle:lookahead=none:retention={r}" for r in ("unset", 0, 8)
     ]
     assert check_flags(rows, []) == (flagged, [])
-    expect = parse_expectation("full+mamba-align:multi_turn:eagle")
+    expect = parse_expectation("full+mamba-align:in_flight:eagle")
     assert check_flags(rows, [expect]) == ([], [])
-    unmet = parse_expectation("full+mamba-align:multi_turn:no-eagle")
-    assert check_flags(rows, [expect, unmet])[1] == ["full+mamba-align:multi_turn:no-eagle"]
+    narrow = parse_expectation("full+mamba-align:in_flight:eagle:retention=unset")
+    assert check_flags(rows, [narrow])[0] == flagged[1:]
+    unmet = parse_expectation("full+mamba-align:in_flight:no-eagle")
+    assert check_flags(rows, [expect, unmet])[1] == ["full+mamba-align:in_flight:no-eagle"]
     for bad in ("nope:repeat", "full:nope", "full:repeat:eagle=1", "full:repeat:lookahead=x"):
         with pytest.raises(ValueError, match="expect-flag="):
             parse_expectation(bad)
     argv = ["effectiveness", "--impl", "kvcache-0.33", "--families", "full+mamba-align"]
-    argv += ["--scenarios", "multi_turn", "--lookaheads", "none", "--no-table"]
+    argv += ["--scenarios", "in_flight", "--lookaheads", "none", "--no-table"]
     assert main(argv) == 1
     assert main([*argv, "--expect-known"]) == 0
-    assert main([*argv, "--expect-flag", "full+mamba-align:multi_turn:eagle"]) == 0
+    assert main([*argv, "--expect-flag", "full+mamba-align:in_flight:eagle"]) == 0
     assert main([*argv, "--expect-flag", "full+mamba-align:repeat"]) == 1
     assert main([*argv, "--expect-flag", "full:nope"]) == 2
 
