@@ -17,6 +17,12 @@ The model is content-level and knows nothing of any search algorithm:
   A kind outside prefix caching (cross attention, ring buffers) needs nothing.
 * **Achievable**: the largest ``L`` (a multiple of the hash block, at most the
   request's hashed tokens) every group can resume at.
+* **Write side.** A boundary an earlier request *computed* for this prefix but the
+  pool never held (``Lookup.uncached``) counts too: the lookup starts from what the
+  pool could serve had it kept everything computed (``Verdict.computed``). The
+  ``retention`` rule explains the boundaries a sparse retention interval drops
+  (``kept``); a boundary the rule keeps and the pool never held is a loss no rule
+  explains (a retention tail not kept, a state the release keeps at the wrong place).
 * **Loss rules** (``LOSS_RULES``), applied in order, each a condition a realized
   hit must also meet; the loss a rule explains is how far it lowers the best ``L``.
   Realized below what the rules leave is an *unexplained* loss (a finding);
@@ -34,7 +40,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-__all__ = ["KINDS", "LOSS_RULES", "Group", "Lookup", "Verdict", "achievable", "explain"]
+__all__ = [
+    "KINDS", "LOSS_RULES", "SPARSE_KINDS", "Group", "Lookup", "Verdict", "achievable",
+    "explain", "kept", "written",
+]  # fmt: skip
 
 
 class Group(NamedTuple):
@@ -83,6 +92,24 @@ KINDS: dict[str, Callable[[int, int], tuple[int, int]] | str | None] = {
 }
 
 
+def written(group: Group, computed: int, replay: int) -> range:
+    """The write rule: the boundaries at which ``group`` holds a request's KV, keyed once
+    a manager caches it, when the request has computed ``computed`` tokens: every full
+    block an attention kind still reads there (the whole prefix, the window's tokens
+    before ``computed`` (none for a one-token window), the chunk); for a state kind the
+    state at the request's replay boundary ``replay`` (where a repeat of its prompt
+    resumes), the one state every retention keeps; nothing for the other kinds."""
+    rule = KINDS[group.kind]
+    if rule == "nothing" or computed <= 0:
+        return range(0)
+    if rule is None:
+        return range(computed, computed + 1) if computed == replay else range(0)
+    assert callable(rule)
+    start = computed - group.span + 1 if rule is _window else rule(computed, group.span)[0]
+    size = group.block_size
+    return range((max(start, 0) // size + 1) * size, computed + 1, size)
+
+
 def holds(group: Group, cached: frozenset[int], start: int, end: int) -> bool:
     """Whether the pool holds group's KV of tokens ``[start, end)``: every block
     meeting the range is cached at its end, or (a partial entry) at a boundary
@@ -129,6 +156,52 @@ class Lookup:
     caching: bool = True
     skips_reading: bool = False
     eagle_step: tuple[int, ...] = ()
+    #: Per group: boundaries an earlier request computed for this prefix that the
+    #: pool never held (so none of them was evicted).
+    uncached: tuple[frozenset[int], ...] = ()
+    #: The retention interval in tokens (None: dense, every computed boundary kept).
+    retention: int | None = None
+    #: The reusable boundaries of the requests that computed this prefix: where a
+    #: repeat of each one's prompt resumes (the replay boundary a retention keeps).
+    replay: frozenset[int] = frozenset()
+
+    def holdings(self, view: str) -> tuple[frozenset[int], ...]:
+        """Per group, the boundaries held in ``view``: ``"pool"`` (cached now),
+        ``"kept"`` (plus what the retention rule keeps of ``uncached``) or
+        ``"computed"`` (plus all of ``uncached``)."""
+        if not self.uncached or view == "pool":
+            return self.cached
+        return tuple(
+            cached | frozenset(p for p in extra if view == "computed" or kept(self, g, p))
+            for cached, extra, g in zip(self.cached, self.uncached, self.groups, strict=True)
+        )
+
+
+#: Kinds a sparse retention interval thins out (the others keep every block).
+SPARSE_KINDS = frozenset({"sliding_window", "sliding_window_mla", "mamba"})
+
+
+def kept(lookup: Lookup, group: Group, p: int) -> bool:
+    """The retention rule: whether ``group`` must keep the boundary ``p`` it computed.
+    Dense retention keeps everything; a sparse interval ``r`` keeps, for windows
+    and states, each multiple of ``r`` (none when ``r`` is 0) and each replay
+    boundary (``Lookup.replay``): a state exactly there, a window block where the
+    window of one of those boundaries reads it."""
+    r = lookup.retention
+    if r is None or group.kind not in SPARSE_KINDS:
+        return True
+    boundaries = set(lookup.replay)
+    if r > 0:
+        boundaries |= set(range(r, lookup.hashed_tokens + group.span + r, r))
+    if KINDS[group.kind] is None:
+        return p in boundaries
+    rule = KINDS[group.kind]
+    assert callable(rule)
+    for b in boundaries:
+        start, end = rule(b, group.span)
+        if p > start and p - group.block_size < end:
+            return True
+    return False
 
 
 class LossRule(NamedTuple):
@@ -139,12 +212,18 @@ class LossRule(NamedTuple):
     allows: Callable[[Lookup, int], bool]
 
 
+def _every_group_resumes(lookup: Lookup, view: str, L: int) -> bool:
+    held = lookup.holdings(view)
+    return all(resumable(g, c, L) for g, c in zip(lookup.groups, held, strict=True))
+
+
 def _eagle_allows(lookup: Lookup, L: int) -> bool:
+    held = lookup.holdings("kept")
     for i, group in enumerate(lookup.groups):
         if not group.eagle or KINDS[group.kind] is None or KINDS[group.kind] == "nothing":
             continue
         step = lookup.eagle_step[i] if lookup.eagle_step else group.block_size
-        if L + step > lookup.num_tokens - 1 or not resumable(group, lookup.cached[i], L + step):
+        if L + step > lookup.num_tokens - 1 or not resumable(group, held[i], L + step):
             return False
     return True
 
@@ -155,6 +234,12 @@ LOSS_RULES: tuple[LossRule, ...] = (
         "request_skips_cache",
         "the request reads no prefix cache (skip_reading_prefix_cache: prompt logprobs...)",
         lambda k, L: not k.skips_reading,
+    ),
+    LossRule(
+        "retention",
+        "a sparse retention interval keeps only some states and window blocks (each "
+        "multiple of the interval, the replay boundaries); what it drops was never cached",
+        lambda k, L: _every_group_resumes(k, "kept", L),
     ),
     LossRule(
         "last_token",
@@ -184,6 +269,8 @@ class Verdict:
     expected: int
     realized: int
     losses: dict[str, int] = field(default_factory=dict)
+    #: What the pool could serve had it kept everything computed (>= achievable).
+    computed: int = 0
 
     @property
     def unexplained(self) -> int:
@@ -196,16 +283,12 @@ class Verdict:
         return self.realized > self.achievable
 
 
-def candidates(lookup: Lookup) -> list[int]:
+def candidates(lookup: Lookup, view: str = "pool") -> list[int]:
     """Every ``L`` (hash-block multiples up to the hashed tokens) all groups can
-    resume at, longest first."""
+    resume at from ``view`` (``Lookup.holdings``), longest first."""
     h = lookup.hash_block
     top = lookup.hashed_tokens // h * h
-    return [
-        L
-        for L in range(top, -1, -h)
-        if all(resumable(g, c, L) for g, c in zip(lookup.groups, lookup.cached, strict=True))
-    ]
+    return [L for L in range(top, -1, -h) if _every_group_resumes(lookup, view, L)]
 
 
 def achievable(lookup: Lookup) -> int:
@@ -214,9 +297,10 @@ def achievable(lookup: Lookup) -> int:
 
 
 def explain(lookup: Lookup, realized: int, rules: Sequence[LossRule] = LOSS_RULES) -> Verdict:
-    """Judge a lookup that reused ``realized`` tokens: the achievable hit, the loss
-    each rule explains (in ``rules`` order), and what the rules leave."""
-    left = candidates(lookup)
+    """Judge a lookup that reused ``realized`` tokens: from what the pool could serve
+    had it kept everything computed, the loss each rule explains (in ``rules``
+    order) and what the rules leave; and the achievable hit from the pool now."""
+    left = candidates(lookup, "computed")
     best = most = left[0]
     losses: dict[str, int] = {}
     for rule in rules:
@@ -224,4 +308,4 @@ def explain(lookup: Lookup, realized: int, rules: Sequence[LossRule] = LOSS_RULE
         if left[0] < best:
             losses[rule.name] = best - left[0]
             best = left[0]
-    return Verdict(most, best, realized, losses)
+    return Verdict(achievable(lookup), best, realized, losses, most)

@@ -2,12 +2,15 @@
 
 Each bug below is planted in *both* kvcache and the spec (a misunderstanding written
 twice agrees with itself), so kvcache still equals the spec call for call. It
-silently shortens a lookup's hit. What catches it is the effectiveness judge
+silently shortens a lookup's hit (or, the last one, never caches a state a lookup
+needs). What catches it is the effectiveness judge
 (``spec.effectiveness``): the stateful machine judges every lookup against what the
 spec's pool could serve (``ManagerMachine.judge_lookup``), and the scenario suite
 (``kvcache.kit.effectiveness.run_suite``, what ``python -m kvcache effectiveness``
 runs) flags the lookups of kvcache alone. Each bug breaks a different named rule; the
-control runs both catchers unpatched and they must pass.
+control runs both catchers unpatched and they must pass. The write-side bug (a
+retention that drops the replay tail) is planted in kvcache alone and caught by the
+suite, whose judge sees what each request computed (the machine judges lookups only).
 
 The bugs act on a lookup's result (one full-attention group, as the manager machine
 and the suite's ``full`` family build), so one statement serves both sides.
@@ -16,7 +19,7 @@ and the suite's ``full`` family build), so one statement serves both sides.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -24,6 +27,7 @@ from injected_harness import budget, catch_by_all, machine_failure
 from stateful.test_manager_machine import ManagerMachine
 
 import kvcache
+import kvcache.kv_cache_math as kv_cache_math
 import spec
 from kvcache.kit.effectiveness import run_suite
 
@@ -117,3 +121,43 @@ def test_silent_loss_shared_by_both_sides_is_caught(
 def test_control_without_a_bug_passes() -> None:
     assert machine_catch() is None
     assert suite_catch("")() is None
+
+
+# ------------------------------------------------- the write side: what was never kept
+
+_retention_mask = kv_cache_math.mamba_retention_mask
+
+
+def replay_tail_dropped(
+    start_block: int, end_block: int, block_size: int, alignment_tokens: int,
+    retention_interval: int, boundaries: Sequence[int],
+) -> list[bool] | None:
+    """A sparse Mamba retention that keeps no replay boundary: the prompt's tail
+    state, the one a repeat resumes at, is never cached."""
+    return _retention_mask(start_block, end_block, block_size, alignment_tokens,
+                           retention_interval, ())  # fmt: skip
+
+
+def retention_catch() -> BaseException | None:
+    """The scenario suite on kvcache, full + align-mode Mamba, retention unset / 0 / 2
+    blocks, EAGLE off (with EAGLE, vLLM 0.25.1's own retention flaw is flagged: it
+    keeps the boundary before EAGLE's drop, ``bug-retention-eagle-replay-boundary``):
+    an error if any row is flagged."""
+    rows = run_suite("kvcache", ["full+mamba-align"], ["repeat", "multi_turn"],
+                     lookaheads=["none"])  # fmt: skip
+    flagged = [row for row in rows if row.flags and not row.eagle]
+    if flagged:
+        return AssertionError(f"flagged: {[(r.scenario, r.retention, r.flags) for r in flagged]}")
+    return None
+
+
+def test_a_retention_tail_not_kept_is_caught_on_the_write_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lookup has nothing to lose (the pool never held the state), so only the
+    write side sees it: the state at the replay boundary was computed, and the
+    retention rule keeps that boundary. The control (no bug) passes."""
+    assert retention_catch() is None
+    monkeypatch.setattr(kv_cache_math, "mamba_retention_mask", replay_tail_dropped)
+    error = catch_by_all("retention tail not kept", [retention_catch])
+    assert error is not None and "unexplained loss" in str(error), error
