@@ -22,6 +22,7 @@ from kvcache.kit.effectiveness import (
     SuiteRow,
     format_suite,
     known_flags,
+    lookup_cell,
     matches,
 )
 from kvcache.kit.ledger import release_line_of
@@ -78,8 +79,8 @@ def _differences(runs: Sequence[Mapping[str, Any]]) -> list[str]:
                 if other is None or bool(row.cannot_build) != bool(other.cannot_build):
                     lines.append(f"- `{row.key}`: {a['impl']} and {b['impl']} differ in what runs")
                 elif row.verdicts != other.verdicts:
-                    left = ", ".join(f"{v.realized} / {v.achievable}" for v in row.verdicts)
-                    right = ", ".join(f"{v.realized} / {v.achievable}" for v in other.verdicts)
+                    left = ", ".join(map(lookup_cell, row.verdicts))
+                    right = ", ".join(map(lookup_cell, other.verdicts))
                     lines.append(f"- `{row.key}`: {a['impl']} {left}; {b['impl']} {right}")
     return lines
 
@@ -94,8 +95,8 @@ def render(runs: Sequence[Mapping[str, Any]]) -> str:
         "runs' --json files; edit the generator, not this page. -->",
         "",
         f"Generated on {', '.join(dates)} by `make effectiveness-vllm`. What the suite is and "
-        "how a row is judged: [kit.md](kit.md#cache-effectiveness-first-part-of-the-"
-        "effectiveness-issue) and `spec/effectiveness.py`. Each row is one (family, EAGLE, "
+        "how a row is judged: [kit.md](kit.md#cache-effectiveness) and "
+        "`spec/effectiveness.py`. Each row is one (family, EAGLE, "
         "lookahead, retention interval in tokens, scenario); its cells list each judged "
         "lookup's realized / achievable tokens and the loss each named rule explains. A row "
         "is flagged on an unexplained loss, a false hit, or a 0-hit lookup where the pool "

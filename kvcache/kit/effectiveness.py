@@ -36,6 +36,7 @@ __all__ = [
     "judge_records",
     "known_flags",
     "layout",
+    "lookup_cell",
     "master_switch_for",
     "matches",
     "parse_expectation",
@@ -533,6 +534,7 @@ class SuiteRow:
                     "expected": v.expected,
                     "realized": v.realized,
                     "losses": dict(v.losses),
+                    "computed": v.computed,
                 }
                 for v in self.verdicts
             ],
@@ -553,6 +555,7 @@ class SuiteRow:
                     int(v["expected"]),
                     int(v["realized"]),
                     {str(k): int(n) for k, n in v["losses"].items()},
+                    int(v.get("computed", v["achievable"])),
                 )
                 for v in data["lookups"]
             )
@@ -700,6 +703,13 @@ _53504 = (
     "the other request's suffix, and no state lies lower, so the whole hit is lost"
 )
 
+_MAMBA_TAIL = (
+    "EAGLE with a sparse retention on a Mamba layout: the state kept at the prompt's "
+    "replay boundary is the one before EAGLE's drop; a repeat's lookup, a block lower, "
+    "needs the state there, which was computed and never kept (the write side; vLLM "
+    "#53504 / #54360, ledger bug-retention-eagle-replay-boundary, fixed in 0.30.0)"
+)
+
 #: Rows of those shapes: the resend / sibling rows of sliding-window layouts under
 #: EAGLE with retention 0, and a request in flight beside a sibling on Mamba layouts.
 _REPLAY_ROWS = tuple(
@@ -711,6 +721,12 @@ _SIBLING_ROWS = tuple(
     f"{family}:{scenario}:eagle:retention=0"
     for family in ("swa", "full+swa")
     for scenario in ("shared_prefix", "in_flight")
+)
+_MAMBA_TAIL_ROWS = tuple(
+    f"{family}:{scenario}:eagle:lookahead=none:retention={blocks * unit}"
+    for family, unit in (("full+mamba-align", 4), ("full+swa+mamba", 8), ("eagle-hybrid", 16))
+    for scenario in ("repeat", "multi_turn", "preempted")
+    for blocks in (0, 2)  # the suite's sparse retentions, in scheduler blocks
 )
 _IN_FLIGHT_ROWS = tuple(
     f"{family}:in_flight:eagle" for family in ("full+mamba-align", "full+swa+mamba", "eagle-hybrid")
@@ -725,8 +741,10 @@ _IN_FLIGHT_ROWS = tuple(
 KNOWN_FLAGS: tuple[tuple[str, str, str], ...] = (
     *(("0.25", p, _REPLAY) for p in _REPLAY_ROWS),
     *(("0.25", p, _53504) for p in _IN_FLIGHT_ROWS[1:]),
+    *(("0.25", p, _MAMBA_TAIL) for p in _MAMBA_TAIL_ROWS),
     *((line, p, _REPLAY) for line in ("0.28", "0.29") for p in _REPLAY_ROWS),
     *((line, p, _53504) for line in ("0.28", "0.29") for p in _IN_FLIGHT_ROWS),
+    *((line, p, _MAMBA_TAIL) for line in ("0.28", "0.29") for p in _MAMBA_TAIL_ROWS),
     *(("0.33", p, _SIBLING) for p in _SIBLING_ROWS),
     *(("0.33", p, _53504) for p in _IN_FLIGHT_ROWS),
 )
@@ -799,6 +817,15 @@ def check_flags(
 # ---------------------------------------------------------------- output
 
 
+def lookup_cell(verdict: rules.Verdict) -> str:
+    """One judged lookup as the tables show it: realized / achievable tokens, and what
+    the requests had computed when the pool never held it all (the write side)."""
+    cell = f"{verdict.realized} / {verdict.achievable}"
+    if verdict.computed > verdict.achievable:
+        cell += f" (computed {verdict.computed})"
+    return cell
+
+
 def format_suite(rows: Sequence[SuiteRow]) -> str:
     """The suite as a markdown table: realized / achievable tokens and loss by rule."""
     lines = [
@@ -813,7 +840,7 @@ def format_suite(rows: Sequence[SuiteRow]) -> str:
             cells = [reason if reason.startswith("cannot") else f"cannot run: {reason}", "", ""]
         else:
             cells = [
-                ", ".join(f"{v.realized} / {v.achievable}" for v in row.verdicts),
+                ", ".join(map(lookup_cell, row.verdicts)),
                 "; ".join(
                     ", ".join(f"{k} {n}" for k, n in v.losses.items()) or "-" for v in row.verdicts
                 ),
