@@ -199,6 +199,7 @@ verify-lane-releases: $(REF_STAMP) $(COMPILED_STAMP)
 		$(MAKE) --no-print-directory upstream-0.33-compiled
 	@$(PY) scripts/stage.py conformance-0.33-compiled -- \
 		$(MAKE) --no-print-directory conformance-0.33-compiled
+	@$(PY) scripts/stage.py effectiveness -- $(MAKE) --no-print-directory effectiveness-ci
 
 # The installed distribution as a user gets it (scripts/wheel_check.py): `pip wheel .`,
 # a fresh venv (build/wheel/venv, with CPU torch and transformers, without triton), only

@@ -3,7 +3,8 @@
 
 Usage: ``scripts/stage.py STAGE -- COMMAND...``, STAGE one of lint, typecheck, tests,
 tests-compiled, upstream, upstream-compiled, proofs, proofs-compiled, check-0.33,
-conformance-0.33, upstream-0.33, upstream-0.33-compiled, conformance-0.33-compiled, wheel-check.
+conformance-0.33, upstream-0.33, upstream-0.33-compiled, conformance-0.33-compiled,
+wheel-check, effectiveness.
 
 The command's full output goes to ``build/<stage>.log``; on failure its tail is
 printed above the summary line. The line and the stage's time are appended to
@@ -94,6 +95,10 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
         found = re.findall(r"^release-check .*$", output, re.MULTILINE)
         detail = found[-1] if found else f"rc={rc}"
         return f"{stage}: {'ok' if rc == 0 else 'FAILED'} ({detail}; {seconds:.0f}s in all)"
+    if stage == "effectiveness":
+        found = re.findall(r"^\S+ \(vLLM .*\): \d+ rows.*$", output, re.MULTILINE)
+        detail = "; ".join(found) if found else f"rc={rc}"
+        return f"effectiveness: {'ok' if rc == 0 else 'FAILED'} ({detail})"
     return f"{stage}: {'ok' if rc == 0 else f'FAILED (rc={rc})'}"
 
 

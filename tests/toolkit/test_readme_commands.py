@@ -39,6 +39,7 @@ EXPECTED = {
     "replay cex.jsonl": (1, "free_queue"),
     "replay tests/data/": (1, "free_queue"),
     "simulate": (0, "plot written to sim.png"),
+    "effectiveness": (0, "of them expected"),
     "fuzz --impl kvcache --reference vllm": (0, "no divergence"),
     "record --impl vllm": (0, "t.jsonl.gz"),
     "bench": (0, "chat"),
@@ -93,9 +94,10 @@ def _glob(arg: str, cwd: Path) -> list[str]:
 
 
 def test_readme_kit_lines_without_vllm(tmp_path: Path) -> None:
-    """The oracle-only lines: the planted bug is found, shrunk, replayed; simulate plots."""
+    """The oracle-only lines: the planted bug is found, shrunk, replayed; simulate plots;
+    the effectiveness suite's flags are the release's known ones."""
     outputs = run_readme_lines(tmp_path, needs_vllm=False)
-    assert len(outputs) == 4
+    assert len(outputs) == 5
     assert (tmp_path / "cex.jsonl").exists() and (tmp_path / "sim.png").exists()
 
 
