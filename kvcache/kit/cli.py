@@ -390,14 +390,21 @@ def _print_divergence(
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from kvcache.kit.driver import replay_trace
+    from kvcache.kit.levels import replay_at, trial_for
     from kvcache.kit.trace import read_trace
 
     traces = [read_trace(path) for path in args.traces]  # all readable before any replay
     diverged = 0
     for path, trace in zip(args.traces, traces, strict=True):
-        result = replay_trace(trace, args.impl)
+        trial = trial_for(args.impl, args.compare, args.features, trace.header)
+        result, undeclared = replay_at(trace, args.impl, trial)
+        if undeclared:
+            print(f"{path}: not judged: it uses features {args.impl} does not declare "
+                  f"({', '.join(sorted(undeclared))})")
+            continue
         compared = "results and states" if result.states_compared else "results"
+        if trial.level != "exact":
+            compared = f"compared at level {trial.level}: " + compared
         known = ", ".join(f"{k} x{n}" for k, n in sorted(result.known.items()))
         where = f"({trace.config.layout}, recorded on {trace.recorded_with})"
         if result.cannot_build is not None:
@@ -439,7 +446,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 def _cmd_fuzz(args: argparse.Namespace) -> int:
     from kvcache.kit.fuzz import fuzz
+    from kvcache.kit.levels import trial_for
 
+    trial = trial_for(args.impl, args.compare, args.features)
     families = args.layouts.split(",") if args.layouts else None
     seconds = None if args.sequences and args.minutes is None else 60.0 * (args.minutes or 1.0)
     outcome = fuzz(
@@ -453,12 +462,17 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
         shrink_s=args.shrink_seconds,
         census=args.census,
         census_dir=Path(args.census_dir),
+        trial=trial,
     )
     stats = outcome.stats
     print(
         f"fuzz {args.impl} vs {args.reference}, seed {args.seed}: {stats.sequences} sequences "
         f"[{stats.layout_summary()}], {stats.calls} calls in {outcome.seconds:.0f} s"
     )
+    if not trial.plain:
+        from kvcache.kit.levels import trial_lines
+
+        print("\n".join(trial_lines(outcome)))
     if stats.known:
         known = ", ".join(f"{k} x{n}" for k, n in sorted(stats.known.items()))
         print(f"known differences normalised (ledger): {known}")
@@ -604,6 +618,26 @@ def _changelog_from_traces(args: argparse.Namespace) -> int:
     out.write_text(text, encoding="utf-8")
     print(f"changelog written to {out} ({check.summary()})")
     return 1 if check.unknown else 0
+
+
+def _trial_options(p: argparse.ArgumentParser, default: str) -> None:
+    """``--compare`` and ``--features`` (kvcache.kit.levels, kvcache.kit.features)."""
+    from kvcache.kit.features import LEVELS, parse_features
+
+    def features(text: str) -> frozenset[str]:
+        try:
+            return parse_features(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("--features: ")) from None
+
+    p.add_argument("--compare", choices=LEVELS, default=None,
+                   help=f"what must match (docs/protocol.md; default {default}): admission "
+                   "(the same calls succeed or fail, free counts), hits (+ hit lengths), "
+                   "sharing (+ block ids up to one renaming), exact (+ ids, events, stats, "
+                   "hashes, states)")
+    p.add_argument("--features", type=features, default=None, metavar="A,B,...",
+                   help="the features the subject supports (default: what it declares, else "
+                   "all); only those are drawn (docs/protocol.md lists them)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -796,6 +830,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="preceding calls shown (default 8)",
     )
     p.add_argument("--full-states", action="store_true", help="print states uncut")
+    _trial_options(p, "the trace's own (its header's compare), else exact")
     p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser(
@@ -853,6 +888,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--census-dir", default="census", help="where census counterexamples go (default census/)"
     )
+    _trial_options(p, "exact")
     p.set_defaults(func=_cmd_fuzz)
 
     p = sub.add_parser(

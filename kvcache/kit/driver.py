@@ -1598,11 +1598,13 @@ def run_sequence(
     num_steps: tuple[int, int] = (20, 120),
     record_state: bool = False,
     rng: random.Random | None = None,
+    make_run: Callable[..., Lockstep] = Lockstep,
 ) -> SequenceResult:
     """Generate and run one seeded random sequence of ``family`` in lockstep.
 
     ``rng`` replaces ``random.Random(seed)`` as the source of every choice
-    (Hypothesis passes its own, so that it can shrink and mutate the choices).
+    (Hypothesis passes its own, so that it can shrink and mutate the choices);
+    ``make_run`` builds the lockstep (``kvcache.kit.levels``: another level, features).
     """
     if isinstance(family, str):
         family = FAMILIES[family]
@@ -1614,7 +1616,7 @@ def run_sequence(
     run: Lockstep | None = None
     mismatch = None
     try:
-        run = Lockstep(config, subject, reference, stats=stats, record_state=record_state)
+        run = make_run(config, subject, reference, stats=stats, record_state=record_state)
         run.check_state()
         scheduler = RandomScheduler(rng, run)
         for _ in range(rng.randint(*num_steps)):
@@ -1663,6 +1665,7 @@ def replay_lockstep(
     reference: str,
     allowed_raises: Sequence[bool],
     hash_seed: str = "0",
+    make_run: Callable[..., Lockstep] = Lockstep,
 ) -> tuple[bool, Mismatch | None, Lockstep | None]:
     """Replay ``calls`` in lockstep; returns (valid, mismatch, run).
 
@@ -1670,7 +1673,7 @@ def replay_lockstep(
     the original (``allowed_raises[i]`` is False) or the harness cannot make it.
     """
     try:
-        run = Lockstep(config, subject, reference, hash_seed, record_state=False)
+        run = make_run(config, subject, reference, hash_seed, record_state=False)
         run.check_state()
     except Mismatch as exc:
         return True, exc, None
@@ -1779,6 +1782,7 @@ def shrink(
     reference: str,
     hash_seed: str = "0",
     budget_s: float = 60.0,
+    make_run: Callable[..., Lockstep] = Lockstep,
 ) -> list[Call]:
     """Greedy chunk-removal shrinking of a failing call list (delta debugging).
 
@@ -1789,7 +1793,7 @@ def shrink(
     """
     records = list(calls)
     allowed = [True] * len(records)
-    _, exc, run = replay_lockstep(config, records, subject, reference, allowed, hash_seed)
+    _, exc, run = replay_lockstep(config, records, subject, reference, allowed, hash_seed, make_run)
     if exc is None or run is None:
         return records if exc is None else []
     original = exc
@@ -1812,7 +1816,7 @@ def shrink(
                 i += chunk
                 continue
             valid, exc, _ = replay_lockstep(
-                config, candidate, subject, reference, candidate_raised, hash_seed
+                config, candidate, subject, reference, candidate_raised, hash_seed, make_run
             )
             if valid and exc is not None and same_failure(exc, original):
                 records = candidate[: exc.index + 1]
@@ -1831,10 +1835,11 @@ def record_reference(
     calls: Sequence[Call],
     reference: str = "vllm",
     hash_seed: str = "0",
+    make_run: Callable[..., Lockstep] = Lockstep,
     **extra: Any,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run ``calls`` on the reference alone; returns (trace header, records with states)."""
-    run = Lockstep(config, None, reference, hash_seed)
+    run = make_run(config, None, reference, hash_seed)
     for op, args in calls:
         run.call(op, **args)
     return run.header(**extra), run.records
@@ -1846,6 +1851,7 @@ def write_counterexample(
     reference: str,
     path: Path,
     shrink_budget_s: float = 60.0,
+    make_run: Callable[..., Lockstep] = Lockstep,
     **extra: Any,
 ) -> tuple[Path, int]:
     """Shrink a mismatching sequence and write it as a replayable trace.
@@ -1857,12 +1863,9 @@ def write_counterexample(
     if result.run is not None:
         calls = [(r["op"], r["args"]) for r in result.run.records]
     hash_seed = result.run.hash_seed if result.run is not None else "0"
-    small = shrink(result.config, calls, subject, reference, hash_seed, shrink_budget_s)
+    small = shrink(result.config, calls, subject, reference, hash_seed, shrink_budget_s, make_run)
     header, records = record_reference(
-        result.config,
-        small,
-        reference,
-        hash_seed,
+        result.config, small, reference, hash_seed, make_run,
         source=f"random sequence: family {result.family}, seed {result.seed}, shrunk",
         note=f"{subject} diverges from {reference} at the last call",
         **extra,

@@ -24,7 +24,7 @@ import sys
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -33,6 +33,7 @@ from kvcache.kit.driver import (
     FAMILIES,
     Call,
     DriverError,
+    Lockstep,
     SequenceResult,
     Stats,
     record_reference,
@@ -40,7 +41,9 @@ from kvcache.kit.driver import (
     run_sequence,
     write_counterexample,
 )
+from kvcache.kit.features import families_for
 from kvcache.kit.ledger import REFERENCE_LINE, release_line_of
+from kvcache.kit.levels import Trial, trial_for
 from kvcache.kit.sides import resolve_adapter
 from kvcache.kit.trace import write_trace
 
@@ -73,6 +76,18 @@ class FuzzOutcome:
     #: and the first refusal of each family; never run, so not in ``stats``.
     not_built: Counter[str] = field(default_factory=Counter)
     not_built_reasons: dict[str, str] = field(default_factory=dict)
+    #: The level and features the run used (``kvcache.kit.levels.Trial``).
+    trial: Trial = field(default_factory=Trial)
+    #: Families left out because the subject does not declare a feature they need.
+    undeclared: list[str] = field(default_factory=list)
+
+    @property
+    def features_exercised(self) -> Counter[str]:
+        """How often each feature was exercised (calls, or configs for config knobs)."""
+        return Counter({
+            k.removeprefix("feature:"): n
+            for k, n in self.stats.events.items() if k.startswith("feature:")
+        })
 
     @property
     def unknown_kinds(self) -> list[str]:
@@ -197,7 +212,12 @@ def census_kind(sequence: SequenceResult) -> str | None:
 
 
 def write_normalised_example(
-    sequence: SequenceResult, entry_id: str, subject: str, reference: str, path: Path
+    sequence: SequenceResult,
+    entry_id: str,
+    subject: str,
+    reference: str,
+    path: Path,
+    make_run: Callable[..., Lockstep] = Lockstep,
 ) -> tuple[Path, int] | None:
     """The shortest prefix of ``sequence``'s calls at whose last call the ledger
     normaliser ``entry_id`` makes the sides agree, written as a trace recorded on
@@ -209,7 +229,7 @@ def write_normalised_example(
 
     def meets(n: int) -> bool:
         valid, _, run = replay_lockstep(
-            sequence.config, calls[:n], subject, reference, [True] * n, hash_seed
+            sequence.config, calls[:n], subject, reference, [True] * n, hash_seed, make_run
         )
         return valid and run is not None and run.stats.known[entry_id] > 0
 
@@ -227,6 +247,7 @@ def write_normalised_example(
         calls[:high],
         reference,
         hash_seed,
+        make_run,
         source=f"random sequence: family {sequence.family}, seed {sequence.seed}, "
         f"cut after the first call the ledger normalises as {entry_id}",
         note=f"{subject} differs from {reference} at the last call; the ledger normalises it",
@@ -248,6 +269,7 @@ def fuzz(
     stream: TextIO | None = None,
     census: bool = False,
     census_dir: Path | None = None,
+    trial: Trial | None = None,
 ) -> FuzzOutcome:
     """Run sequences until time or count runs out or the subject diverges.
 
@@ -265,6 +287,9 @@ def fuzz(
         census: Go on after divergences, tally first differences by kind and
             ledger entry, write one shrunk counterexample per kind.
         census_dir: Where the census counterexamples go (default ``census/``).
+        trial: The level compared and the features drawn (default: ``exact``, the
+            features the subject declares); families needing an undeclared feature are
+            left out.
     """
     names = list(families) if families else list(FAMILIES)
     unknown = [name for name in names if name not in FAMILIES]
@@ -281,7 +306,18 @@ def fuzz(
         raise ValueError(f"{max_sequences} sequences is no run; give a positive number")
     resolve_adapter(subject)  # a bad name is a usage error, not a divergence
     resolve_adapter(reference)
-    result = FuzzOutcome()
+    trial = trial or trial_for(subject, None, None)  # exact, the subject's declaration
+    result = FuzzOutcome(trial=trial)
+    if not trial.plain:
+        runnable = families_for(trial.features, {n: FAMILIES[n] for n in names})
+        result.undeclared = [n for n in names if n not in runnable]
+        names = runnable
+        if not names:
+            raise ValueError(
+                "no layout family uses only the declared features "
+                f"({', '.join(sorted(trial.features))})"
+            )
+    make_run = trial.lockstep
     if not census:  # a census tallies the refusals: they are what it is for
         result.skipped = skipped_families(names, subject, reference)
         names = [name for name in names if name not in result.skipped]
@@ -307,7 +343,9 @@ def fuzz(
         known_before = Counter(result.stats.known)
         sequence_stats = Stats()
         try:
-            sequence = run_sequence(sequence_seed, family, subject, reference, sequence_stats)
+            sequence = run_sequence(
+                sequence_seed, family, subject, reference, sequence_stats, make_run=make_run
+            )
         except DriverError as exc:
             result.harness_error = (
                 f"sequence seed {sequence_seed} ({family}): the reference {reference} rejected "
@@ -353,15 +391,19 @@ def fuzz(
                 reference,
                 folder / f"{safe}.jsonl",
                 shrink_s,
+                make_run,
                 fuzz_seed=seed,
                 kind=kind,
+                **trial.header(),
             )
             result.census_examples[kind] = (path, n)
         for entry_id, first in sorted(normalised.items()):
             path = folder / f"known_{entry_id}.jsonl"
             if f"known:{entry_id}" in firsts:
                 continue  # a stopping example of the same entry is written already
-            example = write_normalised_example(first, entry_id, subject, reference, path)
+            example = write_normalised_example(
+                first, entry_id, subject, reference, path, make_run
+            )
             if example is not None:
                 result.normalised_examples[entry_id] = example
         return result
@@ -373,6 +415,6 @@ def fuzz(
         )
         path = out or default_out(subject, failure.seed)
         result.counterexample, result.counterexample_calls = write_counterexample(
-            failure, subject, reference, path, shrink_s, fuzz_seed=seed
+            failure, subject, reference, path, shrink_s, make_run, fuzz_seed=seed, **trial.header()
         )
     return result

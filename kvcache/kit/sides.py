@@ -274,6 +274,10 @@ class Adapter:
         module: ModuleType | None = getattr(self, "kv_cache_utils", None)
         return module
 
+    def side(self, config: ManagerConfig, hash_seed: str = "0") -> Side:
+        """A fresh side driving this adapter's manager (``kvcache.kit.protocol``: another)."""
+        return Side(self, config, hash_seed)
+
     def build_manager(self, config: ManagerConfig) -> Any:
         kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
         with retention_env(config):
@@ -894,6 +898,10 @@ def resolve_adapter(name: str) -> Adapter:
     """
     if name in ADAPTERS:
         return ADAPTERS[name]()
+    if name.startswith("exec:"):  # a subprocess speaking docs/protocol.md's JSON lines
+        from kvcache.kit.exec_side import exec_adapter
+
+        return exec_adapter(name)
     if name == "kvcache":
         import kvcache
 
@@ -951,9 +959,13 @@ def resolve_adapter(name: str) -> Adapter:
         return cast(Callable[[], Adapter], target)()
     if not callable(target):
         raise ValueError(f"impl={name!r}: {attr or 'KVCacheManager'} is not callable")
+    if getattr(target, "PROTOCOL", None) is not None:  # docs/protocol.md's small protocol
+        from kvcache.kit.protocol import ProtocolAdapter
+
+        return ProtocolAdapter(name, target)
     return Adapter(name, target, getattr(module, "__version__", None))
 
 
 def make_side(name: str, config: ManagerConfig, hash_seed: str = "0") -> Side:
     """A fresh side for implementation ``name`` (see ``resolve_adapter``)."""
-    return Side(resolve_adapter(name), config, hash_seed)
+    return resolve_adapter(name).side(config, hash_seed)
