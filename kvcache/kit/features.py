@@ -156,6 +156,8 @@ def family_features(family: Any) -> frozenset[str]:
         needed.add("retention")
     if family.enable_caching is False:
         needed.add("caching-off")
+    if family.lookahead:
+        needed.add("lookahead")
     return frozenset(needed)
 
 

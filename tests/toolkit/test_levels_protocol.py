@@ -187,3 +187,23 @@ def test_docs_name_every_level_and_feature() -> None:
     text = (ROOT / "docs/protocol.md").read_text()
     missing = [n for n in (*LEVELS, *feat.FEATURES) if f"`{n}`" not in text]
     assert not missing, f"docs/protocol.md does not describe {missing}"
+
+
+def test_nano_style_manager_judged_at_hits_with_its_features(tmp_path: Path) -> None:
+    """The worked example: examples/nano_blocks.py (nano-vllm's design) through an
+    adapter of at most 60 lines; every finding is of a declared feature."""
+    adapter = ROOT / "examples/nano_adapter.py"
+    assert len(adapter.read_text().splitlines()) <= 60
+    subject = "examples.nano_adapter:NanoSubject"
+    found = quiet_fuzz(subject, "hits", 40, tmp_path, reference="spec")
+    assert found.failure is not None and found.failure.mismatch is not None
+    assert set(found.stats.layouts) == {"full"}
+    assert found.counterexample is not None
+    assert found.counterexample_calls <= min(20, found.stats.calls // 2)  # shrunk
+    trace = read_trace(found.counterexample)
+    assert feat.trace_features(trace.config, trace.records) <= {"full"}
+    # the differences the design has (docs/protocol.md): the whole prompt reserved at
+    # once (fewer free blocks, or no room), a hit over the whole prompt, cached blocks
+    # reused inside the allocation
+    assert found.failure.mismatch.way in (
+        "free_blocks: less", "result: none", "result.num_computed_tokens: greater")
