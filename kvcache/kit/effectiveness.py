@@ -592,7 +592,12 @@ def variants(family: str) -> list[tuple[str, int | None]]:
 
 
 def _run_row(
-    impl: str, config: ManagerConfig, scenario: str, slots: int, master_switch: bool
+    impl: str,
+    config: ManagerConfig,
+    scenario: str,
+    slots: int,
+    master_switch: bool,
+    fine_grained: bool = True,
 ) -> tuple[tuple[rules.Verdict, ...], str]:
     """One scenario on a fresh manager: its judged lookups, or why it could not run."""
     from kvcache.kit.driver import DriverError, Lockstep
@@ -611,7 +616,7 @@ def _run_row(
         kind, op, message = found.groups()
         return (), f"{op} raised {kind}: {' '.join(message.split())[:120]}"
     last: dict[str, rules.Verdict] = {}
-    for rid, verdict in judge_records(config, run.records, master_switch):
+    for rid, verdict in judge_records(config, run.records, master_switch, fine_grained):
         last[rid] = verdict
     return tuple(last[rid] for rid in judged if rid in last), ""
 
@@ -627,7 +632,10 @@ def run_suite(
     and on, the retention interval unset / 0 / 2 scheduler blocks where a group is
     sparse, each lookahead variant (``LOOKAHEADS``) the subject's release has, every
     scenario. ``master_switch`` None: from the subject's release (``master_switch_for``;
-    off where it is unknown).
+    off where it is unknown). The release's ``mamba_fine_grained_hits`` decides whether
+    hits may end inside a block (off where the release is unknown). Every side plays
+    the engine's scheduler: where a release's lookup returns the shared-prefix
+    boundary (0.28.0 on), it is kept on the request, as that release's scheduler does.
 
     Raises:
         ValueError: an unknown family, scenario, lookahead or implementation (naming it).
@@ -643,9 +651,31 @@ def run_suite(
     unknown = [x for x in lookaheads if x not in LOOKAHEADS]
     if unknown:
         raise ValueError(f"lookaheads={unknown!r}: expected some of {', '.join(LOOKAHEADS)}")
+    from kvcache.kit.vllm_side import VllmAdapter
+
     release = subject_release(impl)
     if master_switch is None:
         master_switch = bool(release and switch_on("eagle_master_switch", release))
+    fine_grained = bool(release and switch_on("mamba_fine_grained_hits", release))
+    stored = VllmAdapter.stores_shared_prefix_boundary
+    VllmAdapter.stores_shared_prefix_boundary = True
+    try:
+        return _suite_rows(impl, families, scenarios, lookaheads, release, master_switch,
+                           fine_grained)  # fmt: skip
+    finally:
+        VllmAdapter.stores_shared_prefix_boundary = stored
+
+
+def _suite_rows(
+    impl: str,
+    families: Sequence[str],
+    scenarios: Sequence[str],
+    lookaheads: Sequence[str],
+    release: str | None,
+    master_switch: bool,
+    fine_grained: bool,
+) -> list[SuiteRow]:
+    """``run_suite``'s rows, once its arguments are checked."""
     rows = []
     for family in families:
         for eagle in (False, True):
@@ -666,7 +696,9 @@ def run_suite(
                         verdicts: tuple[rules.Verdict, ...] = ()
                         why = f"cannot build: {refusal}"
                     else:
-                        verdicts, why = _run_row(impl, config, scenario, slots, master_switch)
+                        verdicts, why = _run_row(
+                            impl, config, scenario, slots, master_switch, fine_grained
+                        )
                     rows.append(
                         SuiteRow(
                             family,
