@@ -11,9 +11,11 @@ new user, outside this repository's ``.venv`` and its editable install:
 3. in that venv, from a directory outside the repository: the import names the
    distribution claims are kvcache's own (``import kernels`` and ``import spec``
    do not resolve to kvcache's code; ``kvcache_spec`` and ``kvcache_kernels``
-   do), ``import transformers.activations`` works (transformers probes a
-   top-level ``kernels`` package at import), ``kvcache.COMPILED`` is true where
-   a C compiler exists, the README's first example runs as printed, and the
+   do), kvcache and kvcache_spec both read the one release table
+   (``kvcache_spec/releases.toml``), ``import transformers.activations`` works
+   (transformers probes a top-level ``kernels`` package at import),
+   ``kvcache.COMPILED`` is true where a C compiler exists, the README's first
+   example runs as printed, and the
    ``kvcache`` command answers ``--help`` and fuzzes against the installed
    oracle.
 
@@ -124,6 +126,8 @@ def readme_example() -> str:
 PROBE = """
 import importlib.util, json, sys
 import kvcache
+import kvcache.profile
+import kvcache_spec.profile
 found = {name: importlib.util.find_spec(name) for name in ("spec", "kernels")}
 ours = {name: str(s.origin) for name, s in found.items()
         if s is not None and "kvcache" in str(s.origin) + str(s.submodule_search_locations)}
@@ -134,6 +138,9 @@ print(json.dumps({
     "kvcache_spec": importlib.util.find_spec("kvcache_spec") is not None,
     "kvcache_kernels": importlib.util.find_spec("kvcache_kernels") is not None,
     "triton": importlib.util.find_spec("triton") is not None,
+    "release_table": [str(kvcache.profile.TABLE_PATH), str(kvcache_spec.profile.TABLE_PATH),
+                       kvcache.profile.Profile("0.29.0").switches()
+                       == kvcache_spec.profile.Profile("0.29.0").switches()],
 }))
 """
 
@@ -156,6 +163,11 @@ def check(python: Path, with_transformers: bool) -> list[str]:
             raise CheckFailed("kvcache_spec / kvcache_kernels are not installed")
         lines.append("import names: kvcache, kvcache_spec, kvcache_kernels; "
                      "no top-level spec or kernels")
+        kvcache_table, spec_table, agree = probe["release_table"]
+        if not (kvcache_table == spec_table and "kvcache_spec" in kvcache_table and agree):
+            raise CheckFailed(f"the release table: kvcache read {kvcache_table}, the spec "
+                              f"{spec_table}, 0.29.0's switches agree: {agree}")
+        lines.append(f"release table: {kvcache_table}, read by kvcache and kvcache_spec")
         compiler = sysconfig.get_config_var("CC") or "cc"
         has_cc = shutil.which(compiler.split()[0]) is not None
         if has_cc and not probe["compiled"]:

@@ -1,32 +1,78 @@
-"""The spec's release profiles: which named switches each modelled vLLM release turns on.
+"""The spec's release profiles: which named switches each vLLM release turns on.
 
-The same switch names and values as kvcache's ``kvcache/profile.py`` (a test holds
-the two equal); the spec keeps its own copy because it imports nothing from
-kvcache. ``Profile("0.25.1")`` (the default) has every switch off. The spec
-consults every switch in ``MODELLED`` at its own points of difference.
+The switches and releases are data, not code: ``releases.toml`` beside this module
+(installed as ``kvcache_spec/releases.toml``), the one table kvcache's
+``kvcache/profile.py`` reads too (a test holds the two readings equal). The spec
+reads it itself, so it still imports nothing from kvcache. A switch is on in a
+release iff its ``since`` is at or before it: ``Profile("0.25.1")`` (the default)
+has every switch off, ``Profile("0.33.0")`` every one on, a release between them
+the switches measured to have come by then. The spec consults every switch in
+``MODELLED`` at its own points of difference.
 """
 
 from __future__ import annotations
 
-RELEASES = ("0.25.1", "0.33.0")
+import tomllib
+from pathlib import Path
+from typing import Any
 
-SWITCHES = (
-    "stats_at_admission", "stats_hits_by_source", "event_new_fields", "tagged_extra_keys",
-    "mm_keys_by_window", "none_hash_fixed_seed", "new_block_ids_zeroing_only",
-    "pop_drops_null_head", "cascade_always_zero", "trim_every_full_group",
-    "partial_prompt_tail_entries", "eagle_master_switch", "eagle_peek_to_hashed_length",
-    "adopt_computed_without_new_tokens", "free_on_processed_tokens", "mamba_align_only",
-    "mamba_frees_processed_states", "zero_every_attention_group", "mamba_no_eagle_margin",
-    "mamba_prompt_tail_state", "retention_replay_boundaries", "retention_zero_without_window",
-    "shared_prefix_junctions", "mamba_caps_new_state_blocks", "circular_buffer_groups",
-    "lookahead_arguments", "cache_within_hashed_tokens", "pcp_not_scaled",
-    "dcp_sharded_geometry", "mamba_fine_grained_hits", "partial_hit_copy_on_write",
-    "event_session_id", "full_report_mode", "external_blocks_floor_zero",
-    "mamba_prefill_checkpoints", "hisparse_groups",
-)  # fmt: skip
-"""Every switch, in kvcache's order."""
+TABLE_PATH = Path(__file__).resolve().with_name("releases.toml")
+"""The table of releases and switches (shipped beside this module)."""
 
-ON = {"0.25.1": frozenset[str](), "0.33.0": frozenset(SWITCHES)}
+
+def _release_key(release: str) -> tuple[int, ...]:
+    """``(0, 29, 0)`` for ``"0.29.0"``.
+
+    Raises:
+        ValueError: ``release`` is not a dotted version of numbers.
+    """
+    parts = release.split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"release={release!r}: expected major.minor.patch, like 0.29.0")
+    return tuple(int(p) for p in parts)
+
+
+def read_table(path: Path = TABLE_PATH) -> tuple[tuple[str, ...], str, dict[str, str]]:
+    """The table's releases (oldest first), default release and each switch's ``since``
+    (in the table's order): what the spec needs to build profiles.
+
+    Raises:
+        ValueError: the table names a switch twice, gives a switch no ``since`` of its
+            releases, lists releases out of order, or defaults to no release of its own.
+    """
+    data: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8"))
+    releases = tuple(str(r) for r in data["releases"])
+    if [_release_key(r) for r in releases] != sorted({_release_key(r) for r in releases}):
+        raise ValueError(f"{path}: releases={releases!r} are not strictly ascending")
+    default = str(data["default"])
+    if default not in releases:
+        raise ValueError(f"{path}: default={default!r} is none of {releases}")
+    since: dict[str, str] = {}
+    for raw in data["switch"]:
+        name, first = str(raw["name"]), str(raw["since"])
+        if name in since:
+            raise ValueError(f"{path}: switch {name!r} is listed twice")
+        if first not in releases:
+            raise ValueError(
+                f"{path}: switch {name!r} has since={first!r}, no release of {releases}"
+            )
+        since[name] = first
+    return releases, default, since
+
+
+RELEASES, DEFAULT_RELEASE, SINCE = read_table()
+"""Every release with a profile (oldest first), the default one, each switch's first
+release."""
+
+SWITCHES = tuple(SINCE)
+"""Every switch, in the table's order (kvcache's)."""
+
+ON = {
+    release: frozenset(
+        name for name, first in SINCE.items() if _release_key(first) <= _release_key(release)
+    )
+    for release in RELEASES
+}
 """The switches each release turns on."""
 
 MODELLED = frozenset(SWITCHES)
@@ -34,19 +80,22 @@ MODELLED = frozenset(SWITCHES)
 
 
 class Profile:
-    """One release's switches, as attributes (``profile.cascade_always_zero``...).
+    """One release's switches, as attributes (``profile.<name>``, a switch of the table).
 
-    Raises ValueError for a release the spec has no profile for.
+    Raises ValueError for a release the spec has no profile for, naming the argument
+    and the releases it has.
     """
 
-    def __init__(self, release: str = "0.25.1") -> None:
+    def __init__(self, release: str = DEFAULT_RELEASE) -> None:
         if release not in ON:
-            raise ValueError(f"release={release!r}: the spec has profiles for {RELEASES}")
+            raise ValueError(
+                f"release={release!r}: the spec has profiles for {', '.join(RELEASES)}"
+            )
         self.release = release
         self.on = ON[release]
 
     def __getattr__(self, name: str) -> bool:
-        if name in SWITCHES:
+        if name in SINCE:
             return name in self.on
         raise AttributeError(name)
 

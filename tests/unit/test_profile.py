@@ -10,9 +10,12 @@ point of difference, against the 0.25.1 default. Conformance with the real vLLM
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import pickle
+import tomllib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,9 +42,23 @@ from kvcache import vllm_0_33 as v33
 from kvcache.kit.conformance33 import NOT_IN_0_33, conformant_families
 from kvcache.kit.driver import FAMILIES
 from kvcache.kit.ledger import load_ledger
-from kvcache.profile import RELEASES, SWITCHES, Profile, resolve_profile
+from kvcache.profile import (
+    GAPS,
+    RELEASES,
+    SWITCHES,
+    TABLE_PATH,
+    Profile,
+    in_range,
+    load_table,
+    release_key,
+    resolve_profile,
+)
 
 BS = 4
+EDGES = ("0.25.1", "0.33.0")
+"""The releases with a drop-in (0.25.1's kvcache, 0.33.0's kvcache.vllm_0_33) whose
+behaviour at each point of difference the tests below pin."""
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -101,8 +118,11 @@ def test_default_profile_is_0_25_1_with_every_switch_off() -> None:
 
 
 def test_unknown_release_is_rejected_by_name() -> None:
-    with pytest.raises(ValueError, match=r"release='0\.30\.0'"):
-        Profile("0.30.0")
+    with pytest.raises(ValueError, match=r"release='0\.30\.1': kvcache has profiles for "
+                       r"0\.25\.1, 0\.26\.0, .*0\.29\.0, .*0\.33\.0"):
+        Profile("0.30.1")
+    with pytest.raises(ValueError, match=r"release='0\.30\.1': the spec has profiles for 0\.25"):
+        spec_profile.Profile("0.30.1")
     with pytest.raises(ValueError, match="release='9'"):
         KVCacheManager(full_config(), 64, BS, BS, profile="9")
     with pytest.raises(ValueError, match="profile=3"):
@@ -118,12 +138,119 @@ def test_every_switch_names_a_ledger_entry_or_none() -> None:
         assert hasattr(Profile(), switch.name)
 
 
-def test_spec_owns_an_equal_copy_of_the_switches() -> None:
-    assert tuple(s.name for s in SWITCHES) == spec_profile.SWITCHES
+def test_kvcache_and_the_spec_read_the_one_table() -> None:
+    assert TABLE_PATH == spec_profile.TABLE_PATH == ROOT / "spec" / "releases.toml"
+    raw = tomllib.loads(TABLE_PATH.read_text(encoding="utf-8"))
+    names = tuple(row["name"] for row in raw["switch"])
+    assert tuple(s.name for s in SWITCHES) == spec_profile.SWITCHES == names
+    assert RELEASES == spec_profile.RELEASES == tuple(raw["releases"])
+    # kvcache's typed attributes are the table's switches, no more, no fewer.
+    assert set(Profile.__annotations__) - {"release"} == set(names)
+    # The spec keeps no hand copy: no switch name is spelled in its profile module.
+    source = (ROOT / "spec" / "profile.py").read_text(encoding="utf-8")
+    assert not [name for name in names if name in source]
     for release in RELEASES:
+        expected = {row["name"] for row in raw["switch"]
+                    if release_key(row["since"]) <= release_key(release)}
+        on = {name for name, value in Profile(release).switches().items() if value}
+        assert on == expected, release
         assert spec_profile.Profile(release).switches() == Profile(release).switches()
     assert set(spec_profile.SWITCHES) >= spec_profile.MODELLED
-    assert spec_profile.resolve_profile(Profile("0.33.0")).release == "0.33.0"
+    assert spec_profile.resolve_profile(Profile("0.29.0")).release == "0.29.0"
+
+
+def test_every_release_between_turns_on_more_switches() -> None:
+    counts = [sum(Profile(r).switches().values()) for r in RELEASES]
+    assert RELEASES[0] == "0.25.1" and RELEASES[-1] == "0.33.0" and len(RELEASES) == 10
+    assert counts[0] == 0 and counts[-1] == len(SWITCHES)
+    assert counts == sorted(counts) and 0 < counts[5] < len(SWITCHES)  # 0.29.0: some
+
+
+def bisect_rows() -> dict[str, dict[str, str]]:
+    """docs/bisect.md's table (written by ``python -m kvcache bisect``): per ledger
+    entry, each release's cell ('x' shows, '.' exercised and absent, '' not)."""
+    lines = (ROOT / "docs" / "bisect.md").read_text(encoding="utf-8").splitlines()
+    header = next(line for line in lines if line.startswith("| entry |"))
+    releases = [c.strip() for c in header.strip("|").split("|")][3:]
+    rows: dict[str, dict[str, str]] = {}
+    for line in lines[lines.index(header) + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        marks = {"**x**": "x", "·": ".", "": ""}
+        rows[cells[0]] = {r: marks[c] for r, c in zip(releases, cells[3:], strict=True)}
+    return rows
+
+
+def test_measured_first_releases_are_the_bisects() -> None:
+    rows = bisect_rows()
+    ledger = {entry.id: entry for entry in load_ledger()}
+    measured = [s for s in SWITCHES if s.measured]
+    assert measured and all(s.ledger_id for s in measured)
+    for switch in measured:
+        cells = rows[switch.ledger_id]
+        shows = [r for r in RELEASES if cells[r] == "x"]
+        assert shows and shows[0] == switch.since, switch
+        before = [r for r in RELEASES if release_key(r) < release_key(switch.since)]
+        absent = [r for r in before if cells[r] == "."]
+        # The earliest it may have come: after the last release seen without it.
+        last_without = absent[-1] if absent else RELEASES[0]
+        assert switch.earliest == RELEASES[RELEASES.index(last_without) + 1], switch
+        assert ledger[switch.ledger_id].releases.startswith(f">={switch.since}"), switch
+    for switch in SWITCHES:
+        if not switch.measured:  # said so in the data, not a silent guess
+            assert switch.since == "0.33.0" and switch.note, switch
+
+
+def test_each_release_lists_what_its_profile_does_not_reproduce() -> None:
+    ledger = {entry.id: entry for entry in load_ledger()}
+    for gap in GAPS:
+        held = [r for r in RELEASES if in_range(r, gap.releases)]
+        assert held and gap.what, gap
+        if gap.ledger_id:
+            assert all(in_range(r, ledger[gap.ledger_id].releases) for r in held), gap
+    ids = {r: {g.ledger_id for g in Profile(r).not_reproduced()} for r in RELEASES}
+    assert ids["0.25.1"] == set()
+    assert "free-order-without-caching" in ids["0.27.0"] & ids["0.27.1"]
+    assert "free-order-without-caching" not in ids["0.26.0"] | ids["0.28.0"]
+    assert "align-mamba-hybrid-caches-every-full-block" in ids["0.26.0"] & ids["0.27.1"]
+    assert "eagle-hybrid-allocation-refused" in ids["0.32.0"]
+    assert "eagle-hybrid-allocation-refused" not in ids["0.31.0"] | ids["0.33.0"]
+    assert not Profile("0.25.1").unmeasured() and not Profile("0.33.0").unmeasured()
+    middle = set(Profile("0.29.0").unmeasured())
+    assert {s.name for s in SWITCHES if not s.measured} <= middle
+    assert "eagle_master_switch" in middle and "eagle_master_switch" not in set(
+        Profile("0.30.0").unmeasured())
+
+
+def test_a_broken_table_is_refused_by_name(tmp_path: Path) -> None:
+    text = TABLE_PATH.read_text(encoding="utf-8")
+    bad = tmp_path / "releases.toml"
+    bad.write_text(text.replace('since = "0.29.0"', 'since = "0.29.5"', 1), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"since='0\.29\.5' is none of"):
+        load_table(bad)
+    bad.write_text(text.replace('"0.26.0", "0.27.0"', '"0.27.0", "0.26.0"', 1), encoding="utf-8")
+    with pytest.raises(ValueError, match="not strictly ascending"):
+        load_table(bad)
+    with pytest.raises(ValueError, match=r"releases='>0\.26\.0'"):
+        in_range("0.29.0", ">0.26.0")
+
+
+def test_every_profile_builds_and_agrees_with_the_spec() -> None:
+    """Each release's switch set works together: the same calls on kvcache's and the
+    spec's managers under every profile leave the same state."""
+    for release in RELEASES:
+        for config in (full_config(groups=2), swa_config()):
+            km = KVCacheManager(config, 64, BS, BS, profile=release)
+            sm = spec.KVCacheManager(config, 64, BS, BS, profile=release)
+            for m in (km, sm):
+                for rid in ("a", "b"):
+                    r = request(rid, list(range(13)))
+                    found = m.get_computed_blocks(r)
+                    assert m.allocate_slots(r, 13 - found[1], found[1], found[0]) is not None
+                    r.num_computed_tokens = 13
+                    m.remove_skipped_blocks(rid, 13)
+            assert km.abstract_state() == sm.abstract_state(), release
 
 
 def test_conformance_families_not_in_0_33_are_listed_not_dropped() -> None:
@@ -190,7 +317,7 @@ def test_get_block_ids_selects_groups() -> None:
         blocks.get_block_ids(group_ids=[2])
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", EDGES)
 def test_pop_blocks_for_free_drops_the_null_head_in_0_33(release: str) -> None:
     m = manager(swa_config(), release)
     r = request("a", list(range(13)), release)
@@ -203,7 +330,7 @@ def test_pop_blocks_for_free_drops_the_null_head_in_0_33(release: str) -> None:
     assert popped == ([b for b in held if b != 0] if release == "0.33.0" else held)
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", EDGES)
 def test_cascade_count_is_zero_in_0_33(release: str) -> None:
     m = manager(full_config(), release)
     admit(m, request("a", list(range(9)), release))
@@ -211,7 +338,7 @@ def test_cascade_count_is_zero_in_0_33(release: str) -> None:
     assert m.get_num_common_prefix_blocks("a") == expected
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", EDGES)
 def test_adopting_hits_without_new_tokens(release: str) -> None:
     m = manager(full_config(), release)
     admit(m, request("a", list(range(9)), release))
@@ -224,7 +351,7 @@ def test_adopting_hits_without_new_tokens(release: str) -> None:
             m.allocate_slots(r, 0, found[1], found[0])
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", EDGES)
 def test_new_block_ids_only_where_zeroing_is_needed(release: str) -> None:
     m = manager(full_config(), release)
     m.allocate_slots(request("a", list(range(6)), release), 6)
@@ -289,7 +416,7 @@ def test_output_tokens_completing_a_block_keep_its_earlier_images() -> None:
                                       mm_position=PlaceholderRange(offset=offset, length=1))
                 for name, offset in (("img-1", 4), ("img-2", 5))]
     hashes = {}
-    for release in RELEASES:
+    for release in EDGES:
         r = request("a", list(range(6)), release, mm_features=features)
         r.append_output_token_ids([6, 7])  # completes block 1, which holds both images
         hashes[release] = r.block_hashes[1]
@@ -320,14 +447,20 @@ def test_none_hash_fixed_seed_without_pythonhashseed(no_hash_seed: None) -> None
     assert first != kcu.NONE_HASH  # non-cryptographic: a random seed each time
 
 
-def test_docs_table_names_every_switch() -> None:
-    from pathlib import Path
+def test_docs_switch_table_is_the_generated_one() -> None:
+    # scripts/ is no package: load the generator by its path.
+    loader_spec = importlib.util.spec_from_file_location(
+        "gen_profiles_table", ROOT / "scripts" / "gen_profiles_table.py")
+    assert loader_spec is not None and loader_spec.loader is not None
+    gen = importlib.util.module_from_spec(loader_spec)
+    loader_spec.loader.exec_module(gen)
+    BEGIN, END, render = gen.BEGIN, gen.END, gen.render
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "profiles.md").read_text()
+    text = (ROOT / "docs" / "profiles.md").read_text(encoding="utf-8")
+    assert text.count(BEGIN) == 1 and text.count(END) == 1
+    assert text[text.index(BEGIN):text.index(END) + len(END)] == render()
     for switch in SWITCHES:
-        assert f"`{switch.name}`" in text, switch.name
-        if switch.ledger_id:
-            assert f"| `{switch.ledger_id}` | `{switch.name}`" in text, switch
+        assert f"`{switch.name}`" in render(), switch.name
 
 
 def test_drop_in_helpers_of_0_33() -> None:
