@@ -503,6 +503,9 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
             print(f"  {n:>6}  {kind}{where}")
         unknown = outcome.unknown_kinds
         print(f"unknown kinds: {len(unknown)}" + (f" ({', '.join(unknown)})" if unknown else ""))
+        print(f"findings (unknown differences by root cause): {len(outcome.findings)}")
+        for finding in outcome.findings:
+            print(finding.line())
         return 1 if unknown else 0
     if outcome.counterexample is None:
         print(f"no divergence: {args.impl} matches {args.reference} on every call")
@@ -883,7 +886,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--census",
         action="store_true",
         help="do not stop at a divergence: tally every sequence's first difference by kind "
-        "and ledger entry, write one shrunk counterexample per kind (--census-dir)",
+        "and ledger entry; group unknown ones into findings by root cause (first differing "
+        "field and how, kinds of call of the shrunk trace), each with its shortest trace "
+        "(--census-dir)",
     )
     p.add_argument(
         "--census-dir", default="census", help="where census counterexamples go (default census/)"

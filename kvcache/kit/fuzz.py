@@ -42,6 +42,7 @@ from kvcache.kit.driver import (
     write_counterexample,
 )
 from kvcache.kit.features import families_for
+from kvcache.kit.findings import SHRINKS_PER_SIGNATURE, Finding, FindingsCollector
 from kvcache.kit.ledger import REFERENCE_LINE, release_line_of
 from kvcache.kit.levels import Trial, trial_for
 from kvcache.kit.sides import resolve_adapter
@@ -62,11 +63,15 @@ class FuzzOutcome:
     seconds: float = 0.0
     #: First differences by kind: ``known:<ledger id>`` or ``op/part`` (unknown).
     census: Counter[str] = field(default_factory=Counter)
-    #: One shrunk counterexample per kind (census), with its number of calls.
+    #: One shrunk counterexample per kind (census), with its number of calls; an
+    #: unknown kind's is its most frequent finding's.
     census_examples: dict[str, tuple[Path, int]] = field(default_factory=dict)
     #: Census: for each ledger normaliser met, the shortest prefix of its first
     #: sequence that meets it, written as ``known_<id>.jsonl`` (and its calls).
     normalised_examples: dict[str, tuple[Path, int]] = field(default_factory=dict)
+    #: Census: the differences no ledger entry explains, by root cause (first
+    #: differing field and how, shape of the shrunk trace), most frequent first.
+    findings: list[Finding] = field(default_factory=list)
     #: Why configs could not be built, by reason (first words), and the ledger entry.
     cannot_build: Counter[str] = field(default_factory=Counter)
     #: Families left out before the run, with why (a side's release predates them);
@@ -270,6 +275,7 @@ def fuzz(
     census: bool = False,
     census_dir: Path | None = None,
     trial: Trial | None = None,
+    shrinks_per_finding: int = SHRINKS_PER_SIGNATURE,
 ) -> FuzzOutcome:
     """Run sequences until time or count runs out or the subject diverges.
 
@@ -285,11 +291,15 @@ def fuzz(
         shrink_s: Time budget for shrinking the counterexample (census: per kind).
         stream: Where progress goes (default stderr).
         census: Go on after divergences, tally first differences by kind and
-            ledger entry, write one shrunk counterexample per kind.
+            ledger entry; group the unknown ones into findings
+            (``kvcache.kit.findings``), each with its shortest trace; write one shrunk
+            counterexample per known kind.
         census_dir: Where the census counterexamples go (default ``census/``).
         trial: The level compared and the features drawn (default: ``exact``, the
             features the subject declares); families needing an undeclared feature are
             left out.
+        shrinks_per_finding: Census: sequences shrunk per signature of an unknown
+            difference (the soonest first); more may split a signature by shape.
     """
     names = list(families) if families else list(FAMILIES)
     unknown = [name for name in names if name not in FAMILIES]
@@ -304,6 +314,10 @@ def fuzz(
         raise ValueError(f"a time budget of {seconds:g} s runs nothing; give a positive one")
     if max_sequences is not None and max_sequences <= 0:
         raise ValueError(f"{max_sequences} sequences is no run; give a positive number")
+    if shrinks_per_finding < 1:
+        raise ValueError(
+            f"shrinks_per_finding={shrinks_per_finding}: shrink at least one sequence"
+        )
     resolve_adapter(subject)  # a bad name is a usage error, not a divergence
     resolve_adapter(reference)
     trial = trial or trial_for(subject, None, None)  # exact, the subject's declaration
@@ -333,6 +347,7 @@ def fuzz(
     family = names[0]
     firsts: dict[str, SequenceResult] = {}
     normalised: dict[str, SequenceResult] = {}  # census: first sequence per normaliser
+    collector = FindingsCollector()
     while True:
         if max_sequences is not None and index >= max_sequences:
             break
@@ -364,13 +379,15 @@ def fuzz(
         for entry_id, n in result.stats.known.items():
             if census and n > known_before[entry_id] and entry_id not in normalised:
                 normalised[entry_id] = sequence
+        if census:
+            collector.add(sequence)
         kind = census_kind(sequence)
         if kind == "cannot-build" and family in newer:
             kind = NEWER_FAMILY
         if kind is not None:
             result.census[kind] += 1
-            if kind not in firsts and sequence.cannot_build is None:
-                firsts[kind] = sequence
+            if kind not in firsts and sequence.cannot_build is None and not sequence.unknown:
+                firsts[kind] = sequence  # an unknown one's example is its finding's
         if not census and sequence.unknown:
             result.failure = sequence
             break
@@ -383,6 +400,14 @@ def fuzz(
     if census:
         folder = census_dir or Path("census")
         folder.mkdir(parents=True, exist_ok=True)
+        result.findings = collector.find(
+            subject, reference, folder, shrink_s, make_run, shrinks_per_finding,
+            fuzz_seed=seed, **trial.header(),
+        )  # fmt: skip
+        for finding in result.findings:  # most frequent first
+            kind = finding.signature.split(" ", 1)[0]
+            if finding.path is not None and kind not in result.census_examples:
+                result.census_examples[kind] = (finding.path, finding.calls)
         for kind, first in sorted(firsts.items()):
             safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", kind)
             path, n = write_counterexample(

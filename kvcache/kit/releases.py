@@ -67,7 +67,9 @@ class ReleaseCheck:
             if t.verdict in ("divergence", "cannot-build")
         ]
         if self.census is not None:
-            lines += [f"census: {kind}" for kind in self.census.unknown_kinds]
+            lines += [f"census: {f.key}" for f in self.census.findings]
+            found = {f.signature.split(" ", 1)[0] for f in self.census.findings}
+            lines += [f"census: {k}" for k in self.census.unknown_kinds if k not in found]
         return lines
 
     def summary(self) -> str:
@@ -510,6 +512,16 @@ def changelog(
         out.append("")
         unknown = census.unknown_kinds
         out += [f"Unknown kinds (not yet in the ledger): {len(unknown)}.", ""]
+        if census.findings:
+            out += [
+                "Unknown differences by root cause (first differing field and how; the "
+                "kinds of call of the shrunk trace):",
+                "",
+                "| sequences | finding | counterexample |",
+                "|---|---|---|",
+            ]
+            out += [f"| {f.sequences} | `{f.key}` | {f.calls} calls |" for f in census.findings]
+            out.append("")
     return "\n".join(out).rstrip() + "\n"
 
 
