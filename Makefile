@@ -81,10 +81,11 @@ check-0.33: $(REF33_STAMP)
 
 # kvcache's 0.33.0 profile (kvcache.vllm_0_33) against the real vLLM 0.33.0: the random
 # scheduler sequences of the conformance tests, CONFORMANCE33_SEQUENCES per family, for every
-# family kvcache.kit.conformance33 does not list as NOT_YET_CONFORMANT (it prints those).
+# family kvcache.kit.conformance does not list as not in 0.33.0 (it prints those).
 CONFORMANCE33_SEQUENCES ?= 100
 conformance-0.33: $(REF33_STAMP)
-	$(REF33_VENV)/bin/python -m kvcache.kit.conformance33 --sequences $(CONFORMANCE33_SEQUENCES)
+	$(REF33_VENV)/bin/python -m kvcache.kit.conformance --release 0.33.0 \
+		--sequences $(CONFORMANCE33_SEQUENCES)
 
 # vLLM 0.33.0's own tests/v1/core (its source distribution, fetched into build/upstream), run
 # on stock vLLM 0.33.0 and with vLLM's core modules served by kvcache's 0.33.0 profile
@@ -105,7 +106,7 @@ upstream-0.33-compiled: $(UPSTREAM33_STAMP) $(COMPILED_STAMP)
 		--reuse-baseline
 
 conformance-0.33-compiled: $(REF33_STAMP) $(COMPILED_STAMP)
-	KVCACHE_EXPECT_COMPILED=1 $(REF33_VENV)/bin/python -m kvcache.kit.conformance33 \
+	KVCACHE_EXPECT_COMPILED=1 $(REF33_VENV)/bin/python -m kvcache.kit.conformance --release 0.33.0 \
 		--sequences $(CONFORMANCE33_COMPILED_SEQUENCES)
 
 # Any vLLM release in a venv of its own, .venv-vllm-VERSION (`make reference-0.29.0`):

@@ -29,8 +29,8 @@ prefill checkpoints, the Mamba shared-prefix checkpoint
 connector (``take_boundary_state_offloads``, ``finalize_partial_tail_offloads``),
 under the ``mamba_prefill_checkpoints`` switch; the lookup for a KV connector that
 takes divergent hybrid hits (``get_computed_blocks_for_connector``). What is not
-covered: see ``docs/profiles.md``; the layouts 0.33.0 cannot build: ``NOT_IN_0_33`` in
-``kvcache.kit.conformance33``.
+covered: see ``docs/profiles.md``; the layouts 0.33.0 cannot build:
+``kvcache.kit.conformance.TARGETS["0.33.0"].not_in``.
 
 For vLLM 0.33.0's module layout the module also has 0.33.0's hashing helpers
 (``generate_block_hash_extra_keys`` tagged, ``resolve_none_hash_seed``,

@@ -29,7 +29,7 @@ from unit import test_mamba_checkpoints as unit
 
 import kvcache.kv_cache_utils as kcu
 from kvcache import KVCacheCoordinator, MambaManager
-from kvcache.kit.conformance33 import both_refuse, family_seed
+from kvcache.kit.conformance import both_refuse, family_seed
 from kvcache.kit.driver import FAMILIES, Stats, run_sequence
 from kvcache.kv_cache_math import cdiv
 

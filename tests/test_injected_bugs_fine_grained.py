@@ -21,7 +21,7 @@ import pytest
 
 import kvcache.kv_cache_utils as kcu
 from kvcache import FullAttentionManager, MambaManager, SingleTypeKVCacheManager
-from kvcache.kit.conformance33 import both_refuse, family_seed
+from kvcache.kit.conformance import both_refuse, family_seed
 from kvcache.kit.driver import FAMILIES, Stats, run_sequence
 from kvcache.vllm_0_33 import KVCacheManager as DropInManager
 

@@ -6,7 +6,7 @@ The ledger and the driver read that rule off the config instead of asking kvcach
 drift. This check builds vLLM 0.33.0's real ``KVCacheManager`` for each layout and
 compares the coordinator's verdict (``enable_partial_hash_hits``, which vLLM's
 ``partial_hash_hits_enabled`` decides with the groups' manager classes) with the
-kit's. ``make conformance-0.33`` runs it first (``kvcache.kit.conformance33``);
+kit's. ``make conformance-0.33`` runs it first (``kvcache.kit.conformance``);
 ``tests/toolkit/test_fine_grained_rule.py`` runs it where vLLM 0.33.0 is installed.
 """
 

@@ -318,7 +318,7 @@ class VllmAdapter(Adapter):
     boundary (0.33), put it on the request as that release's scheduler does, where
     sparse retention keeps the junction's tail. Off by default: the cross-release
     census compares with 0.25.1, and no ledger entry covers the junction tails yet;
-    ``kvcache.kit.conformance33`` (0.33.0 against its own profile) turns it on.
+    ``kvcache.kit.conformance`` (0.33.0 against its own profile) turns it on.
     """
 
     stores_shared_prefix_boundary = False

@@ -5,7 +5,7 @@ this one runs wherever the tests run: the same random scheduler sequences
 (``kvcache.kit.driver``) in lockstep on ``kvcache-0.33`` (``kvcache.vllm_0_33``) and
 ``spec-0.33`` (the spec with ``profile="0.33.0"``), both of the 0.33 line, so no
 ledger rule normalises anything. ``PROFILE_SEQUENCES`` (default 30) sequences per
-family of ``kvcache.kit.conformance33`` (the families vLLM 0.33.0 cannot build are not
+family of ``kvcache.kit.conformance`` (the families vLLM 0.33.0 cannot build are not
 run there either).
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 import kvcache.kv_cache_utils as kcu
-from kvcache.kit.conformance33 import (
+from kvcache.kit.conformance import (
     both_refuse,
     conformant_families,
     diverged_required,

@@ -3,7 +3,7 @@
 A Mamba 'align' group whose layer has ``num_prefill_checkpoint_blocks`` reserves one
 more block for a prefill chunk that can leave the state at a reusable position
 inside it (``mamba_prefill_checkpoints``). The expected tables follow 0.33.0's rules
-(``docs/profiles.md``); ``python -m kvcache.kit.conformance33 --subject spec-0.33``
+(``docs/profiles.md``); ``python -m kvcache.kit.conformance --release 0.33.0 --subject spec-0.33``
 holds the spec to the real vLLM 0.33.0 on the checkpoint families.
 """
 

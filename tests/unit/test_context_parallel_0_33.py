@@ -23,7 +23,7 @@ import pytest
 import kvcache as K
 import spec as S
 from kvcache import vllm_0_33 as v33
-from kvcache.kit.conformance33 import both_refuse, family_seed
+from kvcache.kit.conformance import both_refuse, family_seed
 from kvcache.kit.driver import FAMILIES, Stats, run_sequence
 from kvcache.profile import Profile
 
@@ -236,11 +236,11 @@ def test_the_0_33_draw_gives_one_group_context_parallel_configs_0_33_geometry() 
     0.25.1's (refused) in about one config in five."""
     import random
 
-    from kvcache.kit.conformance33 import under_0_33
+    from kvcache.kit.conformance import under_release
     from kvcache.kit.driver import CP_GEOMETRY_KEPT, random_config, release_cp_geometry
     from kvcache.kit.sides import CannotBuild, make_side
 
-    family = under_0_33(FAMILIES["full-dcp"])
+    family = under_release(FAMILIES["full-dcp"], "0.33.0")
     assert family.cp_geometry == "0.33.0" and FAMILIES["full-dcp"].cp_geometry == "0.25.1"
     pcp = [c for c in (random_config(random.Random(i), family) for i in range(300))
            if c.pcp_world_size > 1]  # fmt: skip

@@ -38,7 +38,7 @@ from kvcache import (
 )
 from kvcache import kv_cache_math as kmath
 from kvcache import vllm_0_33 as v33
-from kvcache.kit.conformance33 import family_index, family_seed
+from kvcache.kit.conformance import family_index, family_seed
 from kvcache.kit.driver import FAMILIES, Stats, random_config, run_sequence
 from kvcache.kv_cache_manager import KVCacheManager
 from kvcache.kv_cache_utils import (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvcache import vllm_0_33 as v33
-from kvcache.kit.conformance33 import family_seed
+from kvcache.kit.conformance import family_seed
 from kvcache.kit.driver import FAMILIES, REQUEST_FIELDS_0_33, Stats, run_sequence
 from kvcache.kit.sides import HarnessError, make_side, request_fields_0_33
 from kvcache.profile import Profile

@@ -1,5 +1,5 @@
 """docs/divergences.md's "vLLM 0.33.0: matched although doubtful" examples
-(``kvcache.kit.doubts33``): every claim about kvcache holds here, and the reader of
+(``kvcache.kit.doubts``): every claim about kvcache holds here, and the reader of
 the section catches a wrong claim or an entry without its example. Both sides,
 vLLM 0.33.0 included, run in ``make conformance-0.33``.
 
@@ -11,47 +11,47 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.kit import doubts33
+from kvcache.kit import doubts
 
 
 def test_every_kvcache_claim_of_the_section_holds() -> None:
-    preamble, found = doubts33.examples()
+    preamble, found = doubts.examples()
     assert "api(\"kvcache\")" in preamble
     assert len(found) >= 6
     assert all(set(e.claims) == {"vllm", "kvcache"} for e in found)
-    assert doubts33.check(["kvcache"]) == []
+    assert doubts.check(["kvcache"]) == []
 
 
 def test_a_wrong_claim_is_caught() -> None:
-    text = doubts33.DOC.read_text()
+    text = doubts.DOC.read_text()
     claim = "kvcache: (16, 'ValueError')"
     assert text.count(claim) == 1
-    wrong = doubts33.check(["kvcache"], text.replace(claim, "kvcache: (16, 'AssertionError')"))
+    wrong = doubts.check(["kvcache"], text.replace(claim, "kvcache: (16, 'AssertionError')"))
     assert len(wrong) == 1 and "decode context parallelism" in wrong[0], wrong
     assert "observed (16, 'ValueError')" in wrong[0]
 
 
 def test_an_entry_without_its_claim_or_example_is_refused() -> None:
-    text = doubts33.DOC.read_text()
+    text = doubts.DOC.read_text()
     claim = "  # vLLM 0.33.0: (16, 'AssertionError'); kvcache: (16, 'ValueError')"
     no_claim = text.replace(claim, "")
     with pytest.raises(ValueError, match="has no line"):
-        doubts33.examples(no_claim)
-    section = doubts33.section_text(text)
-    count = len(doubts33.examples(text)[1])
+        doubts.examples(no_claim)
+    section = doubts.section_text(text)
+    count = len(doubts.examples(text)[1])
     extra = text.replace(section, section + f"{count + 1}. **An entry without an example.**\n")
     with pytest.raises(ValueError, match=f"{count + 1} entries but {count} examples"):
-        doubts33.examples(extra)
+        doubts.examples(extra)
     with pytest.raises(ValueError, match="has no section"):
-        doubts33.examples(text.replace(doubts33.SECTION, "## Renamed"))
+        doubts.examples(text.replace(doubts.SECTION, "## Renamed"))
 
 
 def test_bad_sides_are_refused() -> None:
     with pytest.raises(ValueError, match="side='gpu'"):
-        doubts33.api("gpu")
-    preamble, found = doubts33.examples()
+        doubts.api("gpu")
+    preamble, found = doubts.examples()
     with pytest.raises(ValueError, match="side='gpu'"):
-        doubts33.run_example(preamble, found[0], "gpu")
+        doubts.run_example(preamble, found[0], "gpu")
 
 
 def test_checkpoint_drafts_past_the_hashes_are_drawn_and_agree() -> None:
@@ -59,7 +59,7 @@ def test_checkpoint_drafts_past_the_hashes_are_drawn_and_agree() -> None:
     decodes keep a hash block of drafts, the reference refuses the checkpoint inside
     them, the subject fails at the same call (PartialBlockError met by the spec's
     ValueError), and the sequences go on without a mismatch."""
-    from kvcache.kit.conformance33 import family_index, family_seed
+    from kvcache.kit.conformance import family_index, family_seed
     from kvcache.kit.driver import FAMILIES, Stats, run_sequence
 
     stats = Stats()
