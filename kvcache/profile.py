@@ -101,9 +101,11 @@ class Switch(NamedTuple):
     """One documented switch: its name, the ledger entry it covers ("": a difference
     no kit rule needs, as the kit never drives that case or both sides already agree
     there), what it changes, the first release where it is on, whether that release
-    was measured by ``python -m kvcache bisect`` (docs/bisect.md), the earliest
-    release it may have come where the bisect could not tell (else ``since``), and
-    how it was measured where that is not plain."""
+    was measured (``measured_by``: ``"bisect"``, ``python -m kvcache bisect`` on
+    the ledger entry, docs/bisect.md; ``"conformance"``, kvcache's profile against
+    that vLLM release), the earliest release it may have come where the measurement
+    could not tell (else ``since``), and how it was measured where that is not
+    plain."""
 
     name: str
     ledger_id: str
@@ -112,6 +114,7 @@ class Switch(NamedTuple):
     measured: bool = False
     earliest: str = ""
     note: str = ""
+    measured_by: str = ""
 
 
 class Gap(NamedTuple):
@@ -155,7 +158,11 @@ def load_table(
             measured=bool(raw["measured"]),
             earliest=str(raw.get("earliest", raw["since"])),
             note=str(raw.get("note", "")),
+            measured_by=str(raw.get("measured_by", "bisect")) if raw["measured"] else "",
         )
+        if switch.measured_by not in ("", "bisect", "conformance"):
+            raise ValueError(f"{path}: switch {switch.name!r}: measured_by="
+                             f"{switch.measured_by!r} is not 'bisect' or 'conformance'")
         for field in ("since", "earliest"):
             value = getattr(switch, field)
             if value not in releases:

@@ -33,8 +33,8 @@ def _measured(switch_index: int) -> str:
     if not switch.measured:
         return "no: assumed (not bisected)"
     if switch.earliest != switch.since:
-        return f"bisect: by {switch.since}, not before {switch.earliest}"
-    return "bisect"
+        return f"{switch.measured_by}: by {switch.since}, not before {switch.earliest}"
+    return switch.measured_by
 
 
 def render() -> str:
@@ -48,9 +48,10 @@ def render() -> str:
         f"Generated from `{TABLE_PATH.parent.name}/{TABLE_PATH.name}` (every release and "
         "switch; do not edit here). A switch is on in a release iff its first release "
         "is at or before it. *Measured*: `bisect` when the first release is where "
-        "`python -m kvcache bisect` first saw the switch's ledger entry (docs/bisect.md); "
-        "*by X, not before Y* when the releases from Y to before X ran none of the "
-        "entry's traces; *assumed* for a switch without a ledger entry of its own "
+        "`python -m kvcache bisect` first saw the switch's ledger entry (docs/bisect.md), "
+        "`conformance` where kvcache's profile against that vLLM release needs it; "
+        "*by X, not before Y* when the releases from Y to before X were not exercised "
+        "(or not run); *assumed* for a switch without a ledger entry of its own "
         "(first release 0.33.0, where kvcache measured it).",
         "",
         "| switch | ledger entry | first release | measured | what it changes |",

@@ -185,8 +185,10 @@ def bisect_rows() -> dict[str, dict[str, str]]:
 def test_measured_first_releases_are_the_bisects() -> None:
     rows = bisect_rows()
     ledger = {entry.id: entry for entry in load_ledger()}
-    measured = [s for s in SWITCHES if s.measured]
-    assert measured and all(s.ledger_id for s in measured)
+    measured = [s for s in SWITCHES if s.measured_by == "bisect"]
+    assert measured and all(s.ledger_id and s.measured for s in measured)
+    by_conformance = [s for s in SWITCHES if s.measured_by == "conformance"]
+    assert all(s.measured and s.note for s in by_conformance)  # how, in the data
     for switch in measured:
         cells = rows[switch.ledger_id]
         shows = [r for r in RELEASES if cells[r] == "x"]
