@@ -1,12 +1,12 @@
 """The conformance runner and the doubts checker take the release as a parameter
-(``kvcache.kit.conformance``, ``kvcache.kit.doubts``: ``--release``); the old module
-name ``kvcache.kit.conformance33`` only forwards to it (docs/profiles.md cites it)."""
+(``kvcache.kit.conformance``, ``kvcache.kit.doubts``: ``--release``), one runner for
+every release kvcache has a drop-in for."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvcache.kit import conformance, conformance33, doubts
+from kvcache.kit import conformance, doubts
 from kvcache.kit.driver import FAMILIES
 
 
@@ -30,16 +30,13 @@ def test_cli_refuses_a_bad_release_in_one_line(capsys: pytest.CaptureFixture[str
     assert "side='gpu'" in capsys.readouterr().err
 
 
-def test_the_old_name_forwards_to_the_release_parameter() -> None:
-    assert conformance33.NOT_IN_0_33 == conformance.TARGETS["0.33.0"].not_in == {
-        name: conformance33.NOT_IN_0_33[name] for name, f in FAMILIES.items() if "tq" in f.kinds
-    }
-    assert conformance33.NOT_IN_0_33  # the tq family
+def test_the_release_target_lists_what_it_cannot_build() -> None:
+    not_in = conformance.TARGETS["0.33.0"].not_in
+    assert not_in == {name: not_in[name] for name, f in FAMILIES.items() if "tq" in f.kinds}
+    assert not_in  # the tq family
     run = {f.name for f in conformance.conformant_families(release="0.33.0")}
-    assert run == set(FAMILIES) - set(conformance33.NOT_IN_0_33)
-    family = FAMILIES["full-dcp"]
-    assert conformance33.under_0_33(family) == conformance.under_release(family, "0.33.0")
-    assert conformance.under_release(family).cp_geometry == "0.33.0"
+    assert run == set(FAMILIES) - set(not_in)
+    assert conformance.under_release(FAMILIES["full-dcp"]).cp_geometry == "0.33.0"
 
 
 def test_doubts_read_the_release_section() -> None:

@@ -4,7 +4,7 @@ What these tests hold without vLLM 0.33.0 installed: the switch table (names,
 values, ledger entries), the spec's copy of it, the families ``make
 conformance-0.33`` runs and does not run yet, and each switch's effect at its
 point of difference, against the 0.25.1 default. Conformance with the real vLLM
-0.33.0 is ``make conformance-0.33`` (kvcache/kit/conformance33.py).
+0.33.0 is ``make conformance-0.33`` (kvcache/kit/conformance.py --release 0.33.0).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from kvcache import (
     xxhash,
 )
 from kvcache import vllm_0_33 as v33
-from kvcache.kit.conformance33 import NOT_IN_0_33, conformant_families
+from kvcache.kit.conformance import TARGETS, conformant_families
 from kvcache.kit.driver import FAMILIES
 from kvcache.kit.ledger import load_ledger
 from kvcache.profile import (
@@ -54,6 +54,7 @@ from kvcache.profile import (
     resolve_profile,
 )
 
+NOT_IN_0_33 = TARGETS["0.33.0"].not_in
 BS = 4
 EDGES = ("0.25.1", "0.33.0")
 """The releases with a drop-in (0.25.1's kvcache, 0.33.0's kvcache.vllm_0_33) whose
