@@ -25,6 +25,7 @@ construction, so a switch costs one attribute read at the point of difference.
 
 from __future__ import annotations
 
+import importlib.util
 import tomllib
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -57,6 +58,12 @@ def find_table() -> Path:
     """
     root = Path(__file__).resolve().parent.parent
     candidates = [root / package / TABLE_NAME for package in ("kvcache_spec", "spec")]
+    # Wherever the installed spec package is (an editable install maps it to the
+    # checkout's spec/; a copy of kvcache elsewhere still finds it): located, not
+    # imported.
+    located = importlib.util.find_spec("kvcache_spec")
+    for where in (located.submodule_search_locations or []) if located else []:
+        candidates.append(Path(where) / TABLE_NAME)
     for path in candidates:
         if path.is_file():
             return path
