@@ -169,14 +169,3 @@ class ProtocolSide(Side):
     def num_free_blocks(self) -> int:
         """The subject's free block count (``get_num_free_blocks``)."""
         return int(self.send("get_num_free_blocks", {}))
-
-    def check_invariants(self) -> str | None:
-        """The subject's own ``check_invariants()`` failure, if it has one."""
-        fn = getattr(self.manager, "check_invariants", None)
-        if fn is None:
-            return None
-        try:
-            fn()
-        except AssertionError as exc:
-            return f"{self.name} check_invariants() failed: {exc}"
-        return None
