@@ -3,103 +3,37 @@
 Commands: ``record`` a trace, ``replay`` one against an implementation,
 ``fuzz`` an implementation against the oracle or vLLM, ``bench`` and
 ``simulate``. Run ``python -m kvcache COMMAND --help`` for each.
+
+This module builds the parser and runs ``bench``, ``simulate``, ``record`` and
+``make-trace``; the other commands live in modules by job: ``cli_trial``
+(``replay``, ``fuzz``), ``cli_releases`` (``release-check``, ``bisect``,
+``changelog``) and ``cli_effectiveness``. The argument checks are in ``cli_args``,
+imported here under their own names (``from kvcache.kit.cli import ...`` keeps
+working).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
-import textwrap
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from kvcache.kit.cli_args import NON_NEGATIVE as NON_NEGATIVE
+from kvcache.kit.cli_args import POSITIVE as POSITIVE
+from kvcache.kit.cli_args import Parser as Parser
+from kvcache.kit.cli_args import float_above as float_above
+from kvcache.kit.cli_args import int_at_least as int_at_least
+from kvcache.kit.cli_args import need_matplotlib as need_matplotlib
+from kvcache.kit.cli_args import output_path as output_path
+from kvcache.kit.cli_args import workload_list as workload_list
+from kvcache.kit.cli_effectiveness import _cmd_effectiveness
+from kvcache.kit.cli_releases import _cmd_bisect, _cmd_changelog, _cmd_release_check
+from kvcache.kit.cli_trial import _cmd_fuzz, _cmd_replay
 from kvcache.kit.streams import add_stream_options
 from kvcache.kit.workloads import WORKLOAD_NAMES
-
-# ---------------------------------------------------------------- argument checks
-# Every numeric flag and output path is checked as it is parsed, before any work:
-# a bad one is one line on stderr and exit status 2 (``Parser.error``).
-
-
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line (and exit status 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        """Print ``message`` as one line and exit 2 (argparse prints the usage too)."""
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type``: an int of at least ``low``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            what = {0: "0 or more", 1: "a positive integer"}.get(low, f"at least {low}")
-            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
-
-
-def float_above(low: float, inclusive: bool = False) -> Callable[[str], float]:
-    """An argparse ``type``: a finite float above ``low`` (or equal, ``inclusive``)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (value == low and not inclusive):
-            what = f"{low:g} or more" if inclusive else f"more than {low:g}"
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
-        return value
-
-    parse.__name__ = "number"
-    return parse
-
-
-def output_path(text: str) -> str:
-    """An argparse ``type``: a file to write, whose folder exists ("" : none)."""
-    if not text:
-        return text
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"no folder {path.parent} to write {path.name} in")
-    return text
-
-
-def workload_list(text: str) -> str:
-    """An argparse ``type``: comma-separated workload names, each known ("": none)."""
-    unknown = [name for name in text.split(",") if name and name not in WORKLOAD_NAMES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOAD_NAMES)}"
-        )
-    return text
-
-
-def need_matplotlib(flag: str) -> None:
-    """Refuse ``flag`` (a plot) before any work where matplotlib is missing."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ValueError(f"{flag}: matplotlib is not installed (pip install matplotlib)")
-
-
-POSITIVE = int_at_least(1)
-NON_NEGATIVE = int_at_least(0)
-
 
 IMPL_HELP = (
     "implementation: kvcache, spec (the oracle), vllm (the installed vLLM), a package "
@@ -348,279 +282,6 @@ def _cmd_record(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
-
-
-def _print_divergence(
-    path: Path, trace: Any, impl: str, result: Any, context: int, full_states: bool
-) -> None:
-    from kvcache.kit.driver import describe_call, describe_calls
-    from kvcache.kit.trace import short, state_diff
-
-    mismatch = result.mismatch
-    limit = 10**9 if full_states else 1500
-    print(f"{path}: DIVERGES on {impl} (new divergence: {mismatch.kind}, not in the ledger)")
-    if mismatch.index < 0:
-        print(f"  building the manager: {mismatch.detail}")
-        return
-    record = trace.records[mismatch.index]
-    print(f"  at record #{mismatch.index} of {len(trace.records)}:")
-    print(describe_call(mismatch.index, record).replace("  #", "    #", 1))
-    print("  " + mismatch.detail.replace("\n", "\n  "))
-    first = max(0, mismatch.index - context)
-    if mismatch.index > first:
-        print(f"  preceding calls (results as recorded on {trace.recorded_with}):")
-        print(textwrap.indent(describe_calls(trace.records[first : mismatch.index], first), "  "))
-    expected, observed = mismatch.expected_state, mismatch.observed_state
-    if expected is None:
-        print("  states: the trace holds no state for this call")
-    elif observed is None:
-        print(f"  states: {impl} has no abstract_state(); expected state after the call:")
-        print("    " + short(expected, limit))
-    elif not (diff := state_diff(expected, observed)):
-        print(f"  state after the call: {impl}'s equals the trace's (only the result differs)")
-        if full_states:
-            print(f"    {short(expected, limit)}")
-        return
-    else:
-        print(f"  state after the call, expected (from the trace):\n    {short(expected, limit)}")
-        print(f"  state after the call, observed ({impl}):\n    {short(observed, limit)}")
-        print("  differences:\n" + "\n".join("  " + d for d in diff))
-    if not full_states:
-        print("  (--full-states prints the states uncut)")
-
-
-def _cmd_replay(args: argparse.Namespace) -> int:
-    from kvcache.kit.levels import replay_at, trial_for
-    from kvcache.kit.trace import read_trace
-
-    traces = [read_trace(path) for path in args.traces]  # all readable before any replay
-    diverged = 0
-    for path, trace in zip(args.traces, traces, strict=True):
-        trial = trial_for(args.impl, args.compare, args.features, trace.header)
-        result, undeclared = replay_at(trace, args.impl, trial)
-        if undeclared:
-            print(f"{path}: not judged: it uses features {args.impl} does not declare "
-                  f"({', '.join(sorted(undeclared))})")
-            continue
-        compared = "results and states" if result.states_compared else "results"
-        if trial.level != "exact":
-            compared = f"compared at level {trial.level}: " + compared
-        known = ", ".join(f"{k} x{n}" for k, n in sorted(result.known.items()))
-        where = f"({trace.config.layout}, recorded on {trace.recorded_with})"
-        if result.cannot_build is not None:
-            if result.cannot_build_known:
-                print(
-                    f"{path}: known difference ({result.cannot_build_known}): {result.cannot_build}"
-                )
-            else:
-                diverged += 1
-                print(f"{path}: {result.cannot_build} (no ledger entry explains it)")
-            continue
-        if result.mismatch is None:
-            if result.known:
-                print(
-                    f"{path}: {len(trace.records)} records {where} replay on {args.impl} "
-                    f"with known differences only ({known}; {compared} compared)"
-                )
-            else:
-                print(
-                    f"{path}: {len(trace.records)} records {where} replay identically on "
-                    f"{args.impl} ({compared} compared)"
-                )
-            continue
-        mismatch = result.mismatch
-        if mismatch.known:
-            label = "fixed" if result.fixed else "known difference"
-            extra = f"; normalised before: {known}" if known else ""
-            print(
-                f"{path}: {label} ({', '.join(mismatch.known)}) at record #{mismatch.index} "
-                f"of {len(trace.records)} {where}: {mismatch.op} [{mismatch.part}]{extra}"
-            )
-            continue
-        diverged += 1
-        if known:
-            print(f"{path}: known differences before the divergence: {known}")
-        _print_divergence(Path(path), trace, args.impl, result, args.context, args.full_states)
-    return 1 if diverged else 0
-
-
-def _cmd_fuzz(args: argparse.Namespace) -> int:
-    from kvcache.kit.fuzz import fuzz
-    from kvcache.kit.levels import trial_for
-
-    trial = trial_for(args.impl, args.compare, args.features)
-    families = args.layouts.split(",") if args.layouts else None
-    seconds = None if args.sequences and args.minutes is None else 60.0 * (args.minutes or 1.0)
-    outcome = fuzz(
-        args.impl,
-        reference=args.reference,
-        families=families,
-        seconds=seconds,
-        max_sequences=args.sequences,
-        seed=args.seed,
-        out=Path(args.out) if args.out else None,
-        shrink_s=args.shrink_seconds,
-        census=args.census,
-        census_dir=Path(args.census_dir),
-        trial=trial,
-    )
-    stats = outcome.stats
-    print(
-        f"fuzz {args.impl} vs {args.reference}, seed {args.seed}: {stats.sequences} sequences "
-        f"[{stats.layout_summary()}], {stats.calls} calls in {outcome.seconds:.0f} s"
-    )
-    if not trial.plain:
-        from kvcache.kit.levels import trial_lines
-
-        print("\n".join(trial_lines(outcome)))
-    if stats.known:
-        known = ", ".join(f"{k} x{n}" for k, n in sorted(stats.known.items()))
-        print(f"known differences normalised (ledger): {known}")
-    if outcome.skipped:
-        by_why: dict[str, list[str]] = {}
-        for family, why in outcome.skipped.items():
-            by_why.setdefault(why, []).append(family)
-        for why, names in by_why.items():
-            print(f"skipped {len(names)} families ({why}): {', '.join(names)}")
-    if outcome.not_built:
-        print(
-            f"not run, a side refused the config ({sum(outcome.not_built.values())} sequences, "
-            "not counted above):"
-        )
-        for family, n in sorted(outcome.not_built.items()):
-            print(f"  {family} x{n}: {outcome.not_built_reasons[family]}")
-    elif args.census:
-        for reason, n in sorted(outcome.cannot_build.items()):
-            print(f"not built ({n} sequences): {reason}")
-    if outcome.harness_error:
-        print(f"error: {outcome.harness_error}", file=sys.stderr)
-        return 2
-    if args.census:
-        print(f"census: first differences of {sum(outcome.census.values())} sequences by kind")
-        for kind, n in sorted(outcome.census.items(), key=lambda kv: (-kv[1], kv[0])):
-            example = outcome.census_examples.get(kind)
-            where = f"  {example[0]} ({example[1]} calls)" if example else ""
-            print(f"  {n:>6}  {kind}{where}")
-        unknown = outcome.unknown_kinds
-        print(f"unknown kinds: {len(unknown)}" + (f" ({', '.join(unknown)})" if unknown else ""))
-        print(f"findings (unknown differences by root cause): {len(outcome.findings)}")
-        for finding in outcome.findings:
-            print(finding.line())
-        return 1 if unknown else 0
-    if outcome.counterexample is None:
-        print(f"no divergence: {args.impl} matches {args.reference} on every call")
-        return 0
-    print(
-        f"DIVERGENCE: a counterexample of {outcome.counterexample_calls} calls is in "
-        f"{outcome.counterexample}\nreproduce it: python -m kvcache replay "
-        f"{outcome.counterexample} --impl {args.impl}"
-    )
-    return 1
-
-
-def _cmd_release_check(args: argparse.Namespace) -> int:
-    from kvcache.kit.releases import release_check
-
-    check = release_check(
-        args.traces, args.census_seconds, Path(args.census_dir), args.seed,
-        census_sequences=args.census_sequences,
-    )  # fmt: skip
-    for report in check.traces:
-        entries = f" [{', '.join(report.entries)}]" if report.entries else ""
-        print(f"{report.path}: {report.verdict}: {report.detail}{entries}")
-    if check.census is not None:
-        for kind, n in sorted(check.census.census.items(), key=lambda kv: (-kv[1], kv[0])):
-            print(f"census {n:>5}  {kind}")
-    for line in check.unknown:
-        print(f"UNKNOWN {line}")
-    print(check.summary())
-    if args.json:
-        from kvcache.kit.bisect import check_record
-
-        Path(args.json).write_text(json.dumps(check_record(check), indent=1), encoding="utf-8")
-    return 1 if check.unknown else 0
-
-
-def _cmd_bisect(args: argparse.Namespace) -> int:
-    from kvcache.kit.bisect import default_pythons, main_bisect
-
-    pythons = args.python or default_pythons()
-    if len(pythons) < 2:
-        raise ValueError(
-            f"python={pythons!r}: bisect needs two release venvs or more "
-            "(make reference-0.29.0, ... or --python PATH per release)"
-        )
-    return main_bisect(
-        pythons, args.traces, args.census_sequences, Path(args.out), Path(args.work_dir),
-        reuse=args.reuse,
-    )  # fmt: skip
-
-
-def _cmd_changelog(args: argparse.Namespace) -> int:
-    from kvcache.kit.releases import changelog, python_version_of, release_check
-    from kvcache.kit.sides import resolve_adapter
-
-    if args.from_traces or args.to_traces:
-        return _changelog_from_traces(args)
-    if not args.from_version or not args.to_version:
-        raise ValueError("give --from and --to (or --from-traces and --to-traces)")
-    installed = str(resolve_adapter("vllm").version)
-    if installed != args.to_version:
-        raise ValueError(
-            f"--to {args.to_version}: this Python has vLLM {installed}; run the changelog "
-            f"with the {args.to_version} venv's Python (make reference-0.33)"
-        )
-    if args.from_python and python_version_of(args.from_python) != args.from_version:
-        raise ValueError(f"--from-python {args.from_python} does not have vLLM {args.from_version}")
-    census_dir = Path(args.census_dir)
-    check = release_check(args.traces, args.census_seconds, census_dir, args.seed)
-    text = changelog(
-        args.from_version,
-        args.to_version,
-        check,
-        old_python=args.from_python or None,
-        new_python=sys.executable if args.from_python else None,
-        census_dir=census_dir,
-    )
-    out = Path(args.out or f"docs/vllm-{args.from_version}-to-{args.to_version}.md")
-    out.write_text(text, encoding="utf-8")
-    print(f"changelog written to {out} ({check.summary()})")
-    for line in check.unknown:
-        print(f"UNKNOWN {line}")
-    return 1 if check.unknown else 0  # a changelog with unexplained differences is not done
-
-
-def _changelog_from_traces(args: argparse.Namespace) -> int:
-    """``changelog --from-traces A --to-traces B``: no vLLM needed, no census."""
-    from kvcache.kit.releases import changelog, compare_trace_sets, trace_version
-    from kvcache.kit.trace import read_trace
-
-    if not (args.from_traces and args.to_traces):
-        raise ValueError("give both --from-traces and --to-traces")
-    old_dir, new_dir = Path(args.from_traces), Path(args.to_traces)
-    check = compare_trace_sets(old_dir, new_dir)
-    versions = []
-    for name, folder, given in (
-        ("--from-traces", old_dir, args.from_version),
-        ("--to-traces", new_dir, args.to_version),
-    ):
-        found = sorted(
-            {
-                trace_version(read_trace(p))
-                for p in folder.iterdir()
-                if p.name.endswith((".jsonl", ".jsonl.gz"))
-            }
-        )
-        if len(found) != 1:
-            raise ValueError(f"{name} {folder}: traces of several releases {found}")
-        if given and given != found[0]:
-            raise ValueError(f"{name} {folder} records vLLM {found[0]}, not {given}")
-        versions.append(found[0])
-    text = changelog(versions[0], versions[1], check, trace_sets=(str(old_dir), str(new_dir)))
-    out = Path(args.out or f"docs/vllm-{versions[0]}-to-{versions[1]}.md")
-    out.write_text(text, encoding="utf-8")
-    print(f"changelog written to {out} ({check.summary()})")
-    return 1 if check.unknown else 0
 
 
 def _trial_options(p: argparse.ArgumentParser, default: str) -> None:
@@ -1028,94 +689,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_effectiveness)
     return parser
-
-
-def _names(text: str, default: Iterable[str]) -> list[str]:
-    """The comma-separated names of ``text``, or ``default`` when it names none."""
-    return [name for name in text.split(",") if name] or list(default)
-
-
-def _effectiveness_command(args: argparse.Namespace) -> str:
-    """The command line that repeats this run (for the JSON and the docs made from it)."""
-    import os
-    import shlex
-
-    python = sys.executable
-    relative = os.path.relpath(python)
-    words = [relative if not relative.startswith("..") else "python", "-m", "kvcache"]
-    words += ["effectiveness", "--impl", args.impl]
-    for flag in ("families", "scenarios", "lookaheads"):
-        if getattr(args, flag):
-            words += [f"--{flag}", getattr(args, flag)]
-    if args.eagle_master_switch != "auto":
-        words += ["--eagle-master-switch", args.eagle_master_switch]
-    for pattern in args.expect_flag:
-        words += ["--expect-flag", pattern]
-    if args.expect_known:
-        words.append("--expect-known")
-    if args.no_table:
-        words.append("--no-table")
-    for flag in ("json", "plot"):
-        if getattr(args, flag):
-            words += [f"--{flag}", getattr(args, flag)]
-    return "PYTHONHASHSEED=0 KVCACHE_PURE=1 " + shlex.join(words)
-
-
-def _cmd_effectiveness(args: argparse.Namespace) -> int:
-    import datetime
-    import json
-
-    from kvcache.kit import effectiveness as eff
-
-    if args.plot:
-        need_matplotlib("--plot")
-    expected = [eff.parse_expectation(text) for text in args.expect_flag]
-    release = eff.subject_release(args.impl)
-    if args.eagle_master_switch == "auto":
-        master = bool(release and eff.switch_on("eagle_master_switch", release))
-        if release is None:
-            print(
-                f"note: the kit cannot tell {args.impl}'s vLLM release; judging with use_eagle "
-                "not gating EAGLE groups (0.25.1's rule; --eagle-master-switch on for 0.30.0+)",
-                file=sys.stderr,
-            )
-    else:
-        master = args.eagle_master_switch == "on"
-    rows = eff.run_suite(
-        args.impl,
-        _names(args.families, eff.SUITE_FAMILIES),
-        _names(args.scenarios, eff.SCENARIOS),
-        master_switch=master,
-        lookaheads=_names(args.lookaheads, eff.LOOKAHEADS),
-    )
-    if not args.no_table:
-        print(eff.format_suite(rows) + "\n")
-    known = eff.known_flags(release) if args.expect_known else []
-    unexpected, unmet = eff.check_flags(rows, expected, [p for p, _ in known])
-    flagged = [row for row in rows if row.flags]
-    unbuilt = sum(bool(row.cannot_build) for row in rows)
-    print(
-        f"{args.impl} (vLLM {release or 'release unknown'}, eagle master switch "
-        f"{'on' if master else 'off'}): {len(rows)} rows, {unbuilt} cannot build or run, "
-        f"{len(flagged)} flagged, {len(flagged) - len(unexpected)} of them expected"
-    )
-    for row in unexpected:
-        print(f"unexpected flag: {row.key}: {'; '.join(row.flags)}")
-    for pattern in unmet:
-        print(f"expected flag not seen: {pattern}")
-    if args.json:
-        data = {
-            "impl": args.impl,
-            "release": release,
-            "eagle_master_switch": master,
-            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
-            "command": _effectiveness_command(args),
-            "rows": [row.to_json() for row in rows],
-        }
-        Path(args.json).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    if args.plot:
-        eff.plot_suite(rows, args.plot, f"{args.impl} (vLLM {release or '?'})")
-    return 1 if unexpected or unmet else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
