@@ -46,7 +46,7 @@ FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(F
 	verify-lane-releases conformance-0.33 upstream-0.33 \
 	upstream-0.33-compiled conformance-0.33-compiled lint typecheck test conformance wheel-check figures \
 	verify upstream proofs traces fuzz fuzz-worker fuzz-dashboard test-kernels bench-kernels \
-	bench mutation clean distclean effectiveness effectiveness-vllm effectiveness-ci
+	bench mutation clean distclean effectiveness effectiveness-vllm effectiveness-ci nano-vllm
 
 setup: $(DEV_STAMP) $(COMPILED_STAMP)
 
@@ -245,6 +245,18 @@ effectiveness-vllm: $(REF_STAMP) $(REF33_STAMP)
 effectiveness-ci: $(DEV_STAMP)
 	@$(EFF) --no-table --impl kvcache --families $(EFF_CI_FAMILIES)
 	@$(EFF) --no-table --impl kvcache-0.33 --families $(EFF_CI_FAMILIES)
+
+# nano-vllm's own block manager on trial at level `hits` (docs/protocol.md): its checkout is
+# fetched at run time into build/nano-vllm (never committed), or taken from NANO_VLLM_SRC.
+NANO_VLLM_URL ?= https://github.com/GeeeekExplorer/nano-vllm
+NANO_VLLM_COMMIT ?= bb823b3
+NANO_VLLM_SRC ?= build/nano-vllm
+nano-vllm: $(REF_STAMP)
+	@test -d $(NANO_VLLM_SRC)/nanovllm || { git clone -q $(NANO_VLLM_URL) $(NANO_VLLM_SRC) && \
+		git -C $(NANO_VLLM_SRC) checkout -q $(NANO_VLLM_COMMIT); }
+	NANO_VLLM_SRC=$(NANO_VLLM_SRC) $(PY) -m kvcache fuzz --compare hits --sequences 300 --census \
+		--census-dir build/nano-vllm-findings --impl examples.nano_vllm_adapter:NanoVllmSubject; \
+		test $$? -le 1
 
 # vLLM 0.25.1's own tests/v1/core, fetched into build/upstream, run unchanged on stock vLLM,
 # with vLLM's core modules served by kvcache (vLLM's objects), and with kvcache's vocabulary too.

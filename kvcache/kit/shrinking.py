@@ -161,13 +161,16 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
     allocation with ``new_computed_blocks="last"`` right after a lookup of that
     request; nothing but the free (a KV producer's ``finalize_partial_tail_offloads``
     before it) once a request finished, nothing after the free; ``free_blocks``
-    only of a popped (or taken copies') handle, once. ``admitted[i]``: call
+    only of a popped (or taken copies') handle, once; computed tokens only where the
+    request holds slots (a status update may not compute more tokens than its
+    allocations since its last admission made room for). ``admitted[i]``: call
     ``i`` is an allocation that succeeded in the original sequence (default: all).
     """
     status: dict[str, str] = {}
     computed: dict[str, int] = {}
     looked_up: set[str] = set()
     allocated: set[str] = set()  # allocated since its status last changed
+    slots: dict[str, int] = {}  # tokens the request's allocations made room for
     freed: set[str] = set()
     popped: set[Any] = set()
     for i, (op, args) in enumerate(calls):
@@ -199,10 +202,13 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
                 return False
             status[rid] = args.get("status", status[rid])
             computed[rid] = args.get("num_computed_tokens", computed[rid])
+            if computed[rid] > slots.get(rid, 0):
+                return False
             looked_up.discard(rid)
             if "status" in args:
                 allocated.discard(rid)
         elif op in ("free", "pop_blocks_for_free"):
+            slots[rid] = 0
             if op == "pop_blocks_for_free":
                 popped.add(args.get("handle"))
             if finished:
@@ -222,6 +228,10 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
             looked_up.discard(rid)
             if admitted is None or admitted[i]:
                 allocated.add(rid)
+                slots[rid] = max(slots.get(rid, 0), computed[rid] + sum(
+                    int(args.get(key) or 0) for key in (
+                        "num_new_computed_tokens", "num_external_computed_tokens",
+                        "num_new_tokens", "num_lookahead_tokens")))  # fmt: skip
     return True
 
 
@@ -321,7 +331,11 @@ def write_counterexample(
     hash_seed = result.run.hash_seed if result.run is not None else "0"
     small = shrink(result.config, calls, subject, reference, hash_seed, shrink_budget_s, make_run)
     header, records = record_reference(
-        result.config, small, reference, hash_seed, make_run,
+        result.config,
+        small,
+        reference,
+        hash_seed,
+        make_run,
         source=f"random sequence: family {result.family}, seed {result.seed}, shrunk",
         note=f"{subject} diverges from {reference} at the last call",
         **extra,

@@ -308,6 +308,12 @@ def test_scheduler_rules_refuse_impossible_call_lists() -> None:
     assert not scheduler_could_make([add, alloc])  # "last" without a lookup
     assert not scheduler_could_make([add, look, alloc, look])  # lookup of an admitted request
     assert not scheduler_could_make([add, look, alloc, run, look])  # of a running one
+    # Computed tokens need slots: none before an allocation, none past what it made
+    # room for, none after a failed one (the shrinker once handed such lists on).
+    assert not scheduler_could_make([add, run])
+    more = ("update_request", {"request_id": "r", "num_computed_tokens": 3})
+    assert not scheduler_could_make([add, look, alloc, more])
+    assert not scheduler_could_make([add, look, alloc, run], [False, False, False, False])
     # The connector lookup (0.33 line) counts as a lookup; the fallback may follow it.
     connector = ("get_computed_blocks_for_connector", {"request_id": "r"})
     assert scheduler_could_make([add, connector, alloc, run])
