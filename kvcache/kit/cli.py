@@ -123,112 +123,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 SIMULATE_PLOT_HELP = (
-    "draw prefix hit rate, preemptions, usage and queue lengths over time to this PNG "
-    "(both implementations overlaid when --impl names two)"
+    "draw to this PNG: at one pool size, prefix hit rate, preemptions, usage and queue "
+    "lengths over time (implementations overlaid); with --pool-sizes, hit rate against "
+    "pool size with the infinite-cache ideal"
 )
 
 
-def describe_layout(workload: Any) -> str:
-    """A workload's pool and groups in a few words: ``1024 blocks, full 16 + swa 16 (w 128)``."""
-    groups = []
-    for group in workload.groups:
-        extra = ""
-        if group.sliding_window:
-            extra = f" (window {group.sliding_window})"
-        elif group.attention_chunk_size:
-            extra = f" (chunk {group.attention_chunk_size})"
-        elif group.kind == "mamba":
-            extra = f" ({group.mamba_cache_mode})"
-        groups.append(f"{group.kind} {group.block_size}{extra}")
-    return f"{workload.num_blocks} blocks, " + " + ".join(groups)
-
-
-def _hit_rate(totals: tuple[int, int, int]) -> float:
-    return totals[0] / max(1, totals[1])
-
-
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from kvcache.kit.adapters import make_impl
-    from kvcache.kit.workloads import make_workload, simulate
+    from kvcache.kit.sweeps import simulate_command
 
-    if args.requests_from or args.pool_sizes or args.num_blocks:
-        from kvcache.kit.streams import simulate_command
-
-        return simulate_command(args)
-    impls = [name for name in args.impl.split(",") if name]
-    if not 1 <= len(impls) <= 2:
-        raise ValueError(f"--impl {args.impl!r}: name one implementation, or two (a,b)")
     if args.plot:
         need_matplotlib("--plot")
-    workload = make_workload(args.workload, args.requests)
-    layout = describe_layout(workload)
-    results = []
-    for impl in impls:
-        result = simulate(workload, make_impl(impl, workload))
-        results.append((impl, result))
-        print(
-            f"{workload.name} on {impl} ({layout}): {len(workload.requests)} requests, "
-            f"{result.steps} steps, {result.preemptions} preemptions, prefix hit rate "
-            f"{result.hit_tokens / max(1, result.prompt_tokens):.3f}, manager time "
-            f"{result.manager_seconds:.3f} s",
-            flush=True,
-        )
-    if len(results) == 2:
-        same = results[0][1].digest == results[1][1].digest
-        print(f"outputs {'identical' if same else 'DIFFER'} ({impls[0]} vs {impls[1]})")
-    for impl, result in results:
-        if len(results) == 2:
-            print(f"-- {impl}")
-        print(
-            f"{'step':>8}{'hit rate':>10}{'preempted':>11}{'usage':>8}{'free':>8}"
-            f"{'running':>9}{'waiting':>9}"
-        )
-        every = max(1, -(-len(result.series) // args.rows))
-        rows = list(zip(result.series, result.totals, strict=True))
-        for (step, usage, free, running, waiting), totals in rows[::every]:
-            print(
-                f"{step:>8}{_hit_rate(totals):>10.3f}{totals[2]:>11}{usage:>8.2f}{free:>8}"
-                f"{running:>9}{waiting:>9}"
-            )
-    if args.plot:
-        _plot_simulation(results, f"{workload.name}: {layout}", args.plot)
-        print(f"plot written to {args.plot}")
-    return 0
+    return simulate_command(args)
 
 
 def _cmd_make_trace(args: argparse.Namespace) -> int:
     from kvcache.kit.streams import make_trace_command
 
     return make_trace_command(args)
-
-
-def _plot_simulation(results: list[tuple[str, Any]], title: str, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
-    for n, (impl, result) in enumerate(results):
-        style = {"linestyle": "-" if n == 0 else "--", "linewidth": 1.5 if n == 0 else 1.2}
-        steps = [s[0] for s in result.series]
-        axes[0].plot(steps, [_hit_rate(t) for t in result.totals], f"C{n}", label=impl, **style)
-        axes[1].plot(steps, [t[2] for t in result.totals], f"C{n}", label=impl, **style)
-        axes[2].plot(steps, [s[1] for s in result.series], f"C{n}", label=impl, **style)
-        for column, what, color in ((3, "running", "C2"), (4, "waiting", "C3")):
-            queue = [s[column] for s in result.series]
-            axes[3].plot(steps, queue, color, label=f"{what} ({impl})", **style)
-    axes[0].set_ylabel("prefix hit rate\n(so far)")
-    axes[1].set_ylabel("preemptions\n(so far)")
-    axes[2].set_ylabel("pool usage")
-    axes[3].set_ylabel("requests")
-    axes[3].set_xlabel("scheduler step")
-    for axis in axes:
-        axis.legend(fontsize="small")
-    fig.suptitle(f"{title} ({' vs '.join(impl for impl, _ in results)})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _layouts() -> list[str]:
@@ -294,14 +206,23 @@ def _trial_options(p: argparse.ArgumentParser, default: str) -> None:
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc).removeprefix("--features: ")) from None
 
-    p.add_argument("--compare", choices=LEVELS, default=None,
-                   help=f"what must match (docs/protocol.md; default {default}): admission "
-                   "(the same calls succeed or fail, free counts), hits (+ hit lengths), "
-                   "sharing (+ block ids up to one renaming), exact (+ ids, events, stats, "
-                   "hashes, states)")
-    p.add_argument("--features", type=features, default=None, metavar="A,B,...",
-                   help="the features the subject supports (default: what it declares, else "
-                   "all); only those are drawn (docs/protocol.md lists them)")
+    p.add_argument(
+        "--compare",
+        choices=LEVELS,
+        default=None,
+        help=f"what must match (docs/protocol.md; default {default}): admission "
+        "(the same calls succeed or fail, free counts), hits (+ hit lengths), "
+        "sharing (+ block ids up to one renaming), exact (+ ids, events, stats, "
+        "hashes, states)",
+    )
+    p.add_argument(
+        "--features",
+        type=features,
+        default=None,
+        metavar="A,B,...",
+        help="the features the subject supports (default: what it declares, else "
+        "all); only those are drawn (docs/protocol.md lists them)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -384,16 +305,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "simulate",
         help="run a workload through the scheduler simulation and report over time",
-        description="Prefix hit rate, preemptions, usage, free blocks and queue lengths "
-        "over time, as a table and (--plot) a chart; --impl a,b runs two implementations "
-        "on the same workload and overlays them.",
+        description="A built-in workload or a request stream (--requests-from) through the "
+        "scheduler loop: per implementation, hit rates against the infinite-cache ideal, "
+        "preemptions, queueing and usage, then step by step (--rows) and, with --plot, a "
+        "chart. --impl a,b,... runs several on the same workload and compares every manager "
+        "result call by call (exit 1 naming the first differing call); --pool-sizes sweeps "
+        "pool sizes.",
     )
     p.add_argument("--workload", default="chat", choices=WORKLOAD_NAMES)
     p.add_argument(
         "--impl",
         default="kvcache",
-        help=IMPL_HELP + "; several comma-separated run side by side and must agree (two "
-        "are overlaid in the plot)",
+        help=IMPL_HELP + "; several comma-separated run side by side and must agree",
     )
     p.add_argument("--requests", type=POSITIVE, default=2000, help="requests in the workload")
     p.add_argument("--rows", type=POSITIVE, default=20, help="table rows to print")
@@ -401,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         default="",
         type=output_path,
-        help=SIMULATE_PLOT_HELP + "; hit rate vs pool size with --requests-from or --pool-sizes",
+        help=SIMULATE_PLOT_HELP,
     )
     add_stream_options(p, sweep_options=True)
     p.set_defaults(func=_cmd_simulate)

@@ -225,7 +225,7 @@ def simulate(
         max_steps: Stop after this many steps even if requests remain.
         check_every: Call ``manager.check_invariants()`` every this many steps (0: never).
         observe: Called with each result that enters the digest, so that two runs
-            can be compared call by call (``kvcache.kit.streams.first_difference``).
+            can be compared call by call (``kvcache.kit.sweeps``).
         progress: Called every 256 steps, for progress lines on long runs.
 
     Returns:

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from kvcache.kit import streams
+from kvcache.kit import streams, sweeps
 from kvcache.kit.cli import main
 from kvcache.kit.streams import StreamError, read_stream, stream_workload
 
@@ -201,7 +201,7 @@ def test_pool_size_sweep_reaches_the_ideal(tmp_path: Path) -> None:
     entries = read_stream(trace, "mooncake", block_tokens=32)
     workload = stream_workload(entries, name="spaced", block_size=16)
     need = streams.min_pool_blocks(workload)
-    result = streams.sweep(workload, [need, 2 * need, 10_000], ["kvcache", "spec"], progress=False)
+    result = sweeps.sweep(workload, [need, 2 * need, 10_000], ["kvcache", "spec"], progress=False)
     assert not result.differences
     rates = [r.hit_rate_first for r in result.rows if r.impl == "kvcache"]
     assert result.ideal > 0.3
@@ -215,14 +215,14 @@ def test_crowded_small_pool_preempts_and_readmits(tmp_path: Path) -> None:
     entries = read_stream(trace, "mooncake", block_tokens=32)
     workload = stream_workload(entries, name="crowded", block_size=16, token_budget=256)
     need = streams.min_pool_blocks(workload)
-    result = streams.sweep(workload, [need, 100_000], ["kvcache"], progress=False)
+    result = sweeps.sweep(workload, [need, 100_000], ["kvcache"], progress=False)
     small, huge = result.rows
     assert small.result.preemptions > 0 and huge.result.preemptions == 0
     assert small.result.prompt_tokens > small.result.first_prompt_tokens  # re-admissions
     assert small.queue_mean_steps > huge.queue_mean_steps > 0
     assert small.usage_peak == 1.0 and huge.usage_peak < 0.1
     assert len(small.result.queue_steps) == len(entries) == small.result.finished
-    assert result.calls > 0 and "crowded" in streams.format_sweep(result)
+    assert result.calls > 0 and "crowded" in sweeps.format_sweep(result)
 
 
 def test_a_planted_bug_is_named_at_its_first_differing_call(
@@ -241,8 +241,8 @@ def test_progress_lines_go_to_stderr_every_5_s(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     clock = iter([100.0, 101.0, 106.0, 107.0])
-    monkeypatch.setattr(streams.time, "monotonic", lambda: next(clock))
-    report = streams._progress_printer("kvcache pool 9", 10)
+    monkeypatch.setattr(sweeps.time, "monotonic", lambda: next(clock))
+    report = sweeps._progress_printer("kvcache pool 9", 10)
     for step in (0, 256, 512, 768):
         report(step, step // 100, 2, 3)
     out, err = capsys.readouterr()
