@@ -233,8 +233,10 @@ class Adapter:
         module: ModuleType | None = getattr(self, "kv_cache_utils", None)
         return module
 
-    def side(self, config: ManagerConfig, hash_seed: str = "0") -> Side:
-        """A fresh side driving this adapter's manager (``kvcache.kit.protocol``: another)."""
+    def side(self, config: ManagerConfig, hash_seed: str = "0", states: bool = True) -> Side:
+        """A fresh side driving this adapter's manager (``kvcache.kit.protocol``: another).
+        ``states``: whether the kit will read its abstract states (an in-process side
+        computes one only when read; a process is told not to send them)."""
         from kvcache.kit.sides import Side  # sides imports this module
 
         return Side(self, config, hash_seed)
@@ -337,12 +339,14 @@ class SpecAdapter(Adapter):
         self.hash_seed = hash_seed
 
     def build_manager(self, config: ManagerConfig) -> Any:
-        kv_cache_config = build_kv_cache_config(
-            self.kv_cache_interface, config, "float16"
+        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        return self.factory(
+            kv_cache_config,
+            **config.manager_kwargs(),
+            caching_hash_algo=config.hash_fn,
+            hash_seed=self.hash_seed,
+            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
         )
-        return self.factory(kv_cache_config, **config.manager_kwargs(),
-                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
-                            prefix_cache_retention_interval=config.prefix_cache_retention_interval)
 
 
 class ProfileAdapter(Adapter):
@@ -405,13 +409,15 @@ class SpecProfileAdapter(SpecAdapter):
         self.hash_seed = hash_seed
 
     def build_manager(self, config: ManagerConfig) -> Any:
-        kv_cache_config = build_kv_cache_config(
-            self.kv_cache_interface, config, "float16"
+        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
+        return self.factory(
+            kv_cache_config,
+            **config.manager_kwargs(),
+            caching_hash_algo=config.hash_fn,
+            hash_seed=self.hash_seed,
+            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+            profile=self.release,
         )
-        return self.factory(kv_cache_config, **config.manager_kwargs(),
-                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
-                            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
-                            profile=self.release)
 
     def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
         blocks, num_computed_tokens = manager.get_computed_blocks(request)

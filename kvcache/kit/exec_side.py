@@ -145,8 +145,9 @@ class ExecProcess:
             raise self.fail(
                 f"the subject exited (status {self.proc.poll()}) before {where}"
             ) from None
-        line = self._read_line(where, max(self.timeout_s, DEFAULT_TIMEOUT_S) if op == "hello"
-                               else self.timeout_s)
+        line = self._read_line(
+            where, max(self.timeout_s, DEFAULT_TIMEOUT_S) if op == "hello" else self.timeout_s
+        )
         try:
             answer = json.loads(line)
         except json.JSONDecodeError:
@@ -216,8 +217,10 @@ def process_for(command: str) -> tuple[ExecProcess, dict[str, Any]]:
     answer = process.request({"op": "hello", "args": {"protocol": PROTOCOL}})
     hello = answer.get("ok")
     if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL:
-        raise process.fail(f"answered hello with {json.dumps(answer)[:160]}; expected "
-                           f'{{"ok": {{"protocol": "{PROTOCOL}", ...}}}}')
+        raise process.fail(
+            f"answered hello with {json.dumps(answer)[:160]}; expected "
+            f'{{"ok": {{"protocol": "{PROTOCOL}", ...}}}}'
+        )
     process.hello = hello
     _PROCESSES[command] = process
     return process, hello
@@ -270,15 +273,16 @@ class ExecAdapter(ProtocolAdapter):
         self.version = hello.get("version")
         self.factory = self.new
 
-    def side(self, config: ManagerConfig, hash_seed: str = "0") -> ExecSide:
-        """A side driving a new manager in the process."""
-        return ExecSide(self, config, hash_seed)
+    def side(self, config: ManagerConfig, hash_seed: str = "0", states: bool = True) -> ExecSide:
+        """A side driving a new manager in the process (sending states if ``states``)."""
+        return ExecSide(self, config, hash_seed, states)
 
-    def new(self, config: ManagerConfig, hash_seed: str) -> ExecManager:
-        """A new manager in the process (``CannotBuild`` when the subject refuses)."""
+    def new(self, config: ManagerConfig, hash_seed: str, states: bool = True) -> ExecManager:
+        """A new manager in the process (``CannotBuild`` when the subject refuses); its
+        answers carry the abstract state only if ``states`` (level ``exact``)."""
         process, _ = process_for(self.command)
         manager = ExecManager(process, next(_MANAGER_IDS))
-        args = {"config": config.to_record(), "hash_seed": hash_seed, "state": True}
+        args = {"config": config.to_record(), "hash_seed": hash_seed, "state": states}
         answer = process.request({"op": "new", "manager": manager.manager, "args": args})
         if "raises" in answer:
             raise CannotBuild(self.name, f"{self.name}: {answer.get('message', '')}"[:300])

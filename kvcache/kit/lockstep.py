@@ -313,6 +313,10 @@ class Stats:
 class Lockstep:
     """Runs each call on the reference and (when given) the subject, and compares."""
 
+    #: Whether the subject's abstract states are read (a level below ``exact`` sets it
+    #: False before building the sides, so a process subject is not asked for them).
+    subject_states: bool = True
+
     def __init__(
         self,
         config: ManagerConfig,
@@ -333,7 +337,7 @@ class Lockstep:
         self.record_state = record_state
         self.judge: Judge | None = None
         if subject is not None:  # CannotBuild propagates: not a divergence
-            self.subject = make_side(subject, config, hash_seed)
+            self.subject = make_side(subject, config, hash_seed, self.subject_states)
             self.judge = make_judge(config, side_line(self.reference), side_line(self.subject))
 
     def header(self, **extra: Any) -> dict[str, Any]:

@@ -41,10 +41,21 @@ CORE_OPS = (
 #: declared (``features.OP_FEATURES``); at level ``exact`` their results are compared
 #: in the trace's canonical form.
 EXACT_OPS = (
-    "pop_blocks_for_free", "free_blocks", "evict_blocks", "reset_prefix_cache",
-    "take_events", "take_new_block_ids", "get_num_common_prefix_blocks", "new_step_starts",
-    "make_prefix_cache_stats", "usage", "get_block_ids", "get_blocks",
-    "get_block_ids_for_computed_tokens", "cache_blocks", "remove_skipped_blocks",
+    "pop_blocks_for_free",
+    "free_blocks",
+    "evict_blocks",
+    "reset_prefix_cache",
+    "take_events",
+    "take_new_block_ids",
+    "get_num_common_prefix_blocks",
+    "new_step_starts",
+    "make_prefix_cache_stats",
+    "usage",
+    "get_block_ids",
+    "get_blocks",
+    "get_block_ids_for_computed_tokens",
+    "cache_blocks",
+    "remove_skipped_blocks",
 )
 
 #: Results that are block ids per group: a subject may answer a list of lists.
@@ -95,12 +106,13 @@ class ProtocolAdapter(Adapter):
     def __init__(self, name: str, factory: Callable[..., Any]) -> None:
         super().__init__(name, factory, getattr(factory, "__version__", None))
 
-    def side(self, config: ManagerConfig, hash_seed: str = "0") -> Side:
+    def side(self, config: ManagerConfig, hash_seed: str = "0", states: bool = True) -> Side:
         """A side driving a new subject through the protocol."""
-        return ProtocolSide(self, config, hash_seed)
+        return ProtocolSide(self, config, hash_seed, states)
 
-    def new(self, config: ManagerConfig, hash_seed: str) -> Any:
-        """A new subject for ``config`` (the factory's errors propagate)."""
+    def new(self, config: ManagerConfig, hash_seed: str, states: bool = True) -> Any:
+        """A new subject for ``config`` (the factory's errors propagate; ``states`` is for
+        process subjects, which send a state with each answer only when asked)."""
         return self.factory(config.to_record(), hash_seed)
 
 
@@ -120,7 +132,13 @@ class ProtocolSide(Side):
     """A side whose manager is a ``Subject`` (or an ``exec:`` process): calls go out
     by op name with the trace's arguments; answers come back as canonical values."""
 
-    def __init__(self, adapter: ProtocolAdapter, config: ManagerConfig, hash_seed: str = "0"):
+    def __init__(
+        self,
+        adapter: ProtocolAdapter,
+        config: ManagerConfig,
+        hash_seed: str = "0",
+        states: bool = True,
+    ):
         # Not Side.__init__: no kvcache vocabulary to build requests or configs with.
         self.adapter = adapter
         self.name = adapter.name
@@ -134,7 +152,7 @@ class ProtocolSide(Side):
         self.chain_module = None
         self.none_hash = None
         try:
-            self.manager = adapter.new(config, hash_seed)
+            self.manager = adapter.new(config, hash_seed, states)
         except (HarnessError, CannotBuild):
             raise
         except Exception as exc:

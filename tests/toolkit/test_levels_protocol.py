@@ -127,6 +127,19 @@ def test_exec_subject_wrapping_kvcache_passes_at_exact(tmp_path: Path) -> None:
     assert not undeclared and result.mismatch is None and result.states_compared
 
 
+@pytest.mark.parametrize(("level", "sent"), [("hits", False), ("exact", True)])
+def test_an_exec_subject_is_asked_for_states_at_exact_only(level: str, sent: bool) -> None:
+    from kvcache.kit.config import GroupConfig, ManagerConfig
+    from kvcache.kit.levels import TrialLockstep
+
+    config = ManagerConfig(num_blocks=16, groups=[GroupConfig("full", 4)], max_model_len=32)
+    run = TrialLockstep(Trial(level), config, EXEC, reference="spec")
+    run.call("add_request", request_id="r", prompt_token_ids=[1, 2, 3, 4, 5], max_tokens=2)
+    run.call("get_computed_blocks", request_id="r")
+    assert run.subject is not None
+    assert (run.subject.raw_state() is not None) is sent
+
+
 def test_exec_planted_bug_is_found_and_shrunk(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
