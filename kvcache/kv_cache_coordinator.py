@@ -288,6 +288,12 @@ class KVCacheCoordinator:
         )
         # Each group's block size in tokens (vLLM 0.33.0's name).
         self.group_block_sizes = tuple(m.block_size for m in self.single_type_managers)
+        # The managers whose blocks are cached: a group outside prefix caching (its
+        # spec says so: a ring buffer, 0.33.0's bounded-replay sliding window) keys
+        # nothing, as in vLLM 0.33.0 (its hit is empty, its hash block may not fit).
+        self.caching_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            m for m in self.single_type_managers if is_prefix_cacheable(m.kv_cache_spec)
+        )
         self.retention_interval = resolve_prefix_cache_retention_interval(
             prefix_cache_retention_interval, scheduler_block_size, kv_cache_config
         )
@@ -482,7 +488,7 @@ class KVCacheCoordinator:
         boundaries = None
         if retention_interval is not None:
             boundaries = self.replay_boundaries(request.num_prompt_tokens)
-        for manager in self.single_type_managers:
+        for manager in self.caching_managers:
             manager.cache_blocks(request, num_computed_tokens, retention_interval, boundaries)
 
     def free(self, request_id: str) -> None:
@@ -920,7 +926,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         if retention_interval is not None:
             boundaries = self.replay_boundaries(request.num_prompt_tokens)
         alignment = 1 if self.enable_partial_hash_hits else self.scheduler_block_size
-        for manager in self.single_type_managers:
+        for manager in self.caching_managers:
             num_tokens = kv_cache_math.num_tokens_to_cache(
                 num_computed_tokens,
                 alignment,

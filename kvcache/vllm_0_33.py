@@ -169,9 +169,7 @@ def with_new_event_fields(events: list[Any]) -> list[Any]:
     """kvcache's events as 0.33.0's (the ``event_new_fields`` switch); others unchanged."""
     out: list[Any] = []
     for event in events:
-        cls = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}.get(
-            type(event).__name__
-        )
+        cls = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}.get(type(event).__name__)
         if cls is None or not dataclasses.is_dataclass(event):
             out.append(event)
             continue
@@ -245,14 +243,20 @@ def get_request_block_hasher(
 
 
 def generate_lookahead_block_hash_extra_keys(
-    request: Request, start_token_idx: int, end_token_idx: int, hash_end_token_idx: int,
+    request: Request,
+    start_token_idx: int,
+    end_token_idx: int,
+    hash_end_token_idx: int,
     start_mm_idx: int,
 ) -> tuple[tuple[Any, ...] | None, int]:
     """0.33.0's extra keys of the block ``[start_token_idx, end_token_idx)`` hashed up
     to ``hash_end_token_idx`` (its lookahead), tagged, and the multimodal index the
     next block starts from (``kvcache.kv_cache_utils.lookahead_extra_keys``)."""
     keys, mm_idx = _utils.lookahead_extra_keys(
-        request, start_token_idx, end_token_idx, hash_end_token_idx - end_token_idx,
+        request,
+        start_token_idx,
+        end_token_idx,
+        hash_end_token_idx - end_token_idx,
         start_mm_idx,
     )
     if keys is not None and PROFILE.tagged_extra_keys:
@@ -404,7 +408,6 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
             prefill_end=prefill_end,
         )
 
-
     @classmethod
     def find_longest_cache_hit(  # type: ignore[override]
         cls,
@@ -447,8 +450,13 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
                 # A fine-grained hit (mamba_fine_grained_hits): kvcache's sub-block
                 # finder, which returns 0.33.0's pair itself.
                 return cls.find_fine_grained_hit(
-                    block_hashes, max_length, kv_cache_group_ids, block_pool,
-                    kv_cache_spec, drop_eagle_block, alignment_tokens,
+                    block_hashes,
+                    max_length,
+                    kv_cache_group_ids,
+                    block_pool,
+                    kv_cache_spec,
+                    drop_eagle_block,
+                    alignment_tokens,
                 )
             block_hashes = _utils.BlockHashListWithBlockSize(
                 block_hashes, hash_block_size, block_size
@@ -483,21 +491,46 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
         return _utils.trim_null_head(blocks) if PROFILE.pop_drops_null_head else blocks
 
 
-class FullAttentionManager(_SingleTypeApi, _managers.FullAttentionManager):  # type: ignore[misc]
+class _NamesTheBuiltClass(type):
+    """The metaclass of the per-kind classes below: ``isinstance(m, <class>)`` also
+    holds for the manager of that kind the coordinator built (kvcache's class, whose
+    methods keep the coordinator's signatures). vLLM 0.33.0's code and tests find a
+    group's manager by class (``isinstance(manager, CrossAttentionManager)`` over
+    ``coordinator.single_type_managers``), so the name this module exports must
+    name what the coordinator holds, as vLLM's does."""
+
+    _built_class: type | None = None  # set on each class below
+
+    def __instancecheck__(cls, instance: object) -> bool:
+        built = cls.__dict__.get("_built_class")
+        return type.__instancecheck__(cls, instance) or (
+            built is not None and isinstance(instance, built)
+        )
+
+
+class FullAttentionManager(  # type: ignore[misc]
+    _SingleTypeApi, _managers.FullAttentionManager, metaclass=_NamesTheBuiltClass
+):
     """vLLM 0.33.0's ``FullAttentionManager`` signatures (``_SingleTypeApi``)."""
 
     _fine_grained_kind = True
 
 
-class SlidingWindowManager(_SingleTypeApi, _managers.SlidingWindowManager):  # type: ignore[misc]
+class SlidingWindowManager(  # type: ignore[misc]
+    _SingleTypeApi, _managers.SlidingWindowManager, metaclass=_NamesTheBuiltClass
+):
     """vLLM 0.33.0's ``SlidingWindowManager`` signatures (``_SingleTypeApi``)."""
 
 
-class ChunkedLocalAttentionManager(_SingleTypeApi, _managers.ChunkedLocalAttentionManager):  # type: ignore[misc]
+class ChunkedLocalAttentionManager(  # type: ignore[misc]
+    _SingleTypeApi, _managers.ChunkedLocalAttentionManager, metaclass=_NamesTheBuiltClass
+):
     """vLLM 0.33.0's ``ChunkedLocalAttentionManager`` signatures (``_SingleTypeApi``)."""
 
 
-class MambaManager(_SingleTypeApi, _managers.MambaManager):  # type: ignore[misc]
+class MambaManager(  # type: ignore[misc]
+    _SingleTypeApi, _managers.MambaManager, metaclass=_NamesTheBuiltClass
+):
     """vLLM 0.33.0's ``MambaManager`` for code that builds one directly (vLLM's own
     tests do): 0.33.0's signatures (``_SingleTypeApi``, which applies ``PROFILE``'s
     switches, the Mamba state switches included)."""
@@ -505,12 +538,27 @@ class MambaManager(_SingleTypeApi, _managers.MambaManager):  # type: ignore[misc
     _fine_grained_kind = True
 
 
-class CrossAttentionManager(_SingleTypeApi, _managers.CrossAttentionManager):  # type: ignore[misc]
+class CrossAttentionManager(  # type: ignore[misc]
+    _SingleTypeApi, _managers.CrossAttentionManager, metaclass=_NamesTheBuiltClass
+):
     """vLLM 0.33.0's ``CrossAttentionManager`` signatures (``_SingleTypeApi``)."""
 
 
-class RSWAManager(_SingleTypeApi, _managers.RSWAManager):  # type: ignore[misc]
+class RSWAManager(  # type: ignore[misc]
+    _SingleTypeApi, _managers.RSWAManager, metaclass=_NamesTheBuiltClass
+):
     """vLLM 0.33.0's ``RSWAManager`` signatures (``_SingleTypeApi``)."""
+
+
+for _cls in (
+    FullAttentionManager,
+    SlidingWindowManager,
+    ChunkedLocalAttentionManager,
+    MambaManager,
+    CrossAttentionManager,
+    RSWAManager,
+):
+    _cls._built_class = _cls.__mro__[2]  # kvcache's class of the kind (after the mixin)
 
 
 # ---------------------------------------------------------------- the manager
@@ -871,9 +919,12 @@ class KVCacheManager(_KVCacheManager):
         this every step; the blocks are not held for the caller."""
         offloads: dict[str, list[tuple[int, int, int]]] = {}
         for manager in self.coordinator.single_type_managers:
-            for request_id, group_id, block, num_tokens in (
-                manager.take_pending_boundary_state_offloads()
-            ):
+            for (
+                request_id,
+                group_id,
+                block,
+                num_tokens,
+            ) in manager.take_pending_boundary_state_offloads():
                 offloads.setdefault(request_id, []).append((group_id, block.block_id, num_tokens))
         return offloads
 

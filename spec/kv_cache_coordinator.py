@@ -193,7 +193,8 @@ class KVCacheCoordinator:
         num_tokens = max(0, num_computed_tokens - self.num_reprefillable_tokens)
         boundaries = self.replay_boundaries(request.num_prompt_tokens)
         for m in self.single_type_managers:
-            m.cache_blocks(request, num_tokens, self.retention_interval, boundaries)
+            if cacheable(m.kv_cache_spec):  # a group outside prefix caching keys nothing
+                m.cache_blocks(request, num_tokens, self.retention_interval, boundaries)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, group by group."""
@@ -356,9 +357,10 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         boundaries = self.replay_boundaries(request.num_prompt_tokens)
         alignment = 1 if self.fine_grained else self.scheduler_block_size
         for m in self.single_type_managers:
-            m.cache_blocks(request, pure.num_tokens_to_cache(
-                num_computed_tokens, alignment, m.block_size, m.use_eagle,
-                self.num_reprefillable_tokens), self.retention_interval, boundaries)
+            if cacheable(m.kv_cache_spec):  # a group outside prefix caching keys nothing
+                m.cache_blocks(request, pure.num_tokens_to_cache(
+                    num_computed_tokens, alignment, m.block_size, m.use_eagle,
+                    self.num_reprefillable_tokens), self.retention_interval, boundaries)
 
     def _hashes_for(self, block_hashes: list[bytes], spec: KVCacheSpec) -> list[bytes]:
         """The request's hashes at the spec's block size."""

@@ -304,6 +304,18 @@ RELEASES: dict[str, Release] = {
             "tests/v1/core/test_swa_inflight_window_free.py",
             "tests/v1/core/test_prefix_replay.py",
             "tests/v1/core/test_mamba_align_chunk_split.py",
+            "tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py",
+            "tests/v1/core/test_scheduler.py",
+            "tests/v1/core/test_async_scheduler.py",
+            "tests/v1/core/test_contiguous_kv_packing.py",
+            "tests/v1/core/test_kv_cache_planning.py",
+            "tests/v1/core/test_kv_cache_config_builder.py",
+            "tests/v1/core/test_priority_preemption_bug.py",
+            "tests/v1/core/test_priority_scheduler_random.py",
+            "tests/v1/core/test_worker_slot_overflow.py",
+            "tests/v1/core/test_output.py",
+            "tests/v1/core/test_encoder_cache_manager.py",
+            "tests/v1/core/test_repetition_detection.py",
         ),
         core_swaps=CORE_SWAPS_0_33,
         fallbacks=FALLBACKS_0_33,
@@ -348,9 +360,7 @@ def fetch_sdist(version: str, dest: Path) -> Path:
             return dest / name
     index = os.environ.get("PIP_INDEX_URL", PyPI.simple_url).rstrip("/")
     session = PipSession()
-    page = session.get(
-        f"{index}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-    )
+    page = session.get(f"{index}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     page.raise_for_status()
     for entry in page.json()["files"]:
         if entry["filename"] in names:
@@ -441,9 +451,7 @@ def run_mode(release: Release, tree: Path, mode: str) -> dict[str, Any]:
         KVCACHE_UPSTREAM_MODE=mode,
         KVCACHE_UPSTREAM_VERSION=release.version,
         KVCACHE_UPSTREAM_REPORT=str(report),
-        PYTHONPATH=os.pathsep.join(
-            [str(tree), str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
-        ),
+        PYTHONPATH=os.pathsep.join([str(tree), str(ROOT), *filter(None, [env.get("PYTHONPATH")])]),
         HF_HOME=str(offline_model_cache()),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
@@ -537,9 +545,7 @@ def judge(release: Release, reports: dict[str, dict[str, Any]]) -> Verdict:
             verdict.problems.append(
                 f"{mode}: {len(verdict.failed[mode])} tests pass on vLLM but not on kvcache"
             )
-    stale = [
-        n for n in known if all(reports[m]["outcomes"].get(n) == "passed" for m in swapped)
-    ]
+    stale = [n for n in known if all(reports[m]["outcomes"].get(n) == "passed" for m in swapped)]
     if stale:
         verdict.problems.append(
             f"{len(stale)} known-failing tests pass now: drop them from known_failing: {stale[:5]}"
