@@ -15,6 +15,7 @@ working).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -79,11 +80,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         results.append(result)
     if args.requests_from:
         from kvcache.kit.streams import workload_from_args
+        from kvcache.kit.sweeps import parse_pool_sizes
 
         stream = workload_from_args(args)
-        result = bench.bench_workload(stream.name, impls, args.repetitions, workload=stream)
-        print(bench.format_workload(result), flush=True)
-        results.append(result)
+        sizes = parse_pool_sizes(args.pool_sizes) if args.pool_sizes else [stream.num_blocks]
+        for size in sizes:  # one table per pool size: the manager's cost depends on it
+            sized = dataclasses.replace(stream, num_blocks=size)
+            name = f"{stream.name}, pool {size}" if args.pool_sizes else stream.name
+            result = bench.bench_workload(name, impls, args.repetitions, workload=sized)
+            print(bench.format_workload(result), flush=True)
+            results.append(result)
+    elif args.pool_sizes:
+        raise ValueError("--pool-sizes: give --requests-from (a stream to run at each size)")
     trace_impls = [i for i in impls if i != "spec"]
     traces: list[Any] = list(args.traces)
     if args.trace_requests:
@@ -299,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", default="", type=output_path, help="write results as JSON to this path"
     )
     p.add_argument("--plot", default="", type=output_path, help="draw a PNG bar chart to this path")
-    add_stream_options(p)
+    add_stream_options(p, sweep_options=True)
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser(

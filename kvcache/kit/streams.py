@@ -617,10 +617,10 @@ def add_stream_options(parser: Any, sweep_options: bool = False) -> None:
             "--pool-sizes",
             default="",
             metavar="A,B,...",
-            help="sweep these pool sizes (blocks): hit rate (first admission, "
-            "all admissions) against the infinite-cache ideal, "
-            "preemptions, queueing delay, usage; --plot draws hit rate "
-            "vs pool size",
+            help="run at each of these pool sizes (blocks): simulate reports hit rates "
+            "(first admission, all admissions) against the infinite-cache ideal, "
+            "preemptions, queueing delay and usage per size (--plot: hit rate vs pool "
+            "size); bench times every size (one table each)",
         )
 
 

@@ -267,6 +267,11 @@ def test_record_and_bench_take_a_stream(tmp_path: Path, capsys: pytest.CaptureFi
     text = capsys.readouterr().out
     assert "== gen-jsonl.jsonl (32 tokens a block): 8 requests" in text and "identical" in text
     assert "== chat" not in text
+    sized = ["bench", "--impls", "kvcache,spec", "--repetitions", "1", *stream]
+    assert main([*sized, "--pool-sizes", "40,400"]) == 0  # one table per pool size
+    text = capsys.readouterr().out
+    assert "32 tokens a block), pool 40: 8 requests" in text
+    assert "32 tokens a block), pool 400: 8 requests" in text
 
 
 @pytest.mark.parametrize(
