@@ -112,7 +112,7 @@ def render(runs: Sequence[Mapping[str, Any]]) -> str:
         *(str(run["command"]) for run in runs),
         "```",
         "",
-        "`--expect-known` expects the flags `KNOWN_FLAGS` (kvcache/kit/effectiveness.py) "
+        "`--expect-known` expects the flags `KNOWN_FLAGS` (kvcache/kit/effectiveness_report.py) "
         "lists for the subject's release line, each with its reason; any other flagged row "
         "fails the run, and so does a known flag no row shows any more. "
         "`make effectiveness-ci` runs four families on kvcache's two lines.",
