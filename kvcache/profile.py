@@ -291,14 +291,36 @@ class Profile:
             or release_key(s.earliest) <= key < release_key(s.since)
         )
 
+    def with_switches(self, **values: bool) -> Profile:
+        """This profile with the named switches set to ``values`` (the kit explains a
+        difference by the switch whose value reproduces it: ``kvcache.kit.explain``).
+
+        Raises:
+            ValueError: naming an argument that is no switch.
+        """
+        unknown = sorted(set(values) - set(_SWITCH_NAMES))
+        if unknown:
+            raise ValueError(f"{unknown[0]}=...: not a switch of Profile ({len(SWITCHES)} exist)")
+        copy = object.__new__(Profile)
+        copy.release = self.release
+        for name in _SWITCH_NAMES:
+            setattr(copy, name, bool(values.get(name, getattr(self, name))))
+        return copy
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Profile) and other.release == self.release
+        return (
+            isinstance(other, Profile)
+            and other.release == self.release
+            and other.switches() == self.switches()
+        )
 
     def __hash__(self) -> int:
-        return hash(self.release)
+        return hash((self.release, tuple(self.switches().values())))
 
     def __repr__(self) -> str:
-        return f"Profile({self.release!r})"
+        release = Profile(self.release).switches()
+        changed = [f", {k}={v}" for k, v in self.switches().items() if release[k] != v]
+        return f"Profile({self.release!r}{''.join(changed)})"
 
 
 def resolve_profile(profile: Profile | str | None) -> Profile:

@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcache.kit.config import ManagerConfig
-from kvcache.kit.ledger import REFERENCE_LINE, Judge, release_line_of
+from kvcache.kit.explain import Explainer, explain_outcome, explain_state, profile_release
+from kvcache.kit.ledger import REFERENCE_LINE, Judge, Judgement, release_line_of
 from kvcache.kit.sides import HarnessError, Side, make_side
 from kvcache.kit.trace import canon_state, make_header, results_equal, short, state_diff
+
+Outcome = dict[str, Any]
 
 # ---------------------------------------------------------------- outcomes
 
@@ -238,6 +241,24 @@ def side_line(side: Side) -> str:
     return line or REFERENCE_LINE
 
 
+def side_release(side: Side) -> str | None:
+    """The release whose profile a side behaves like: the installed vLLM's version, a
+    profile adapter's line's newest release, None for the 0.25.1 line's sides."""
+    if side.adapter.name == "vllm":
+        return profile_release(side.adapter.version)
+    line: str | None = getattr(side.adapter, "release_line", None)
+    return profile_release(line) if line else None
+
+
+def explainable_release(side: Side) -> str | None:
+    """``side_release`` for a side whose differences kvcache may explain
+    (``kvcache.kit.explain``); None for kvcache's and the spec's own sides, which
+    kvcache replaying itself would explain whatever they do, bugs included."""
+    if side.adapter.name.startswith(("kvcache", "spec")):
+        return None
+    return side_release(side)
+
+
 def make_judge(config: ManagerConfig, expected_line: str, actual_line: str) -> Judge | None:
     """A ledger judge when the two sides are of different release lines, else None."""
     if expected_line == actual_line:
@@ -336,9 +357,14 @@ class Lockstep:
         self.stats = stats if stats is not None else Stats()
         self.record_state = record_state
         self.judge: Judge | None = None
+        self.explainer: Explainer | None = None
         if subject is not None:  # CannotBuild propagates: not a divergence
             self.subject = make_side(subject, config, hash_seed, self.subject_states)
             self.judge = make_judge(config, side_line(self.reference), side_line(self.subject))
+            newer = self.subject if self.judge and self.judge.old_is_expected else self.reference
+            release = explainable_release(newer) if self.judge is not None else None
+            if release is not None:
+                self.explainer = Explainer(config, hash_seed, release)
 
     def header(self, **extra: Any) -> dict[str, Any]:
         """The trace header of the reference's records."""
@@ -372,6 +398,11 @@ class Lockstep:
                 judgement = self.judge.outcome(
                     op, args, expected, actual, lambda e, a: compare_outcomes(e, a)[0]
                 )
+                if not judgement.ok and not judgement.known:
+                    explained = explain_outcome(
+                        self.explainer, self.judge, self._calls(), expected, actual
+                    )
+                    judgement = Judgement(False, explained)
                 if not judgement.ok:
                     raise Mismatch(
                         index,
@@ -399,6 +430,9 @@ class Lockstep:
         if self.record_state and state is not None and op != "add_request":
             record["state"] = state
         return expected
+
+    def _calls(self) -> list[tuple[str, Mapping[str, Any]]]:
+        return [(r["op"], r["args"]) for r in self.records]
 
     def ok(self, op: str, **args: Any) -> Any:
         """A call the reference must accept; returns its result."""
@@ -438,6 +472,10 @@ class Lockstep:
                     if judgement.ok:
                         self.stats.known.update(judgement.known)
                     known = judgement.known if not judgement.ok else ()
+                    if diff and not known:
+                        known = explain_state(
+                            self.explainer, self.judge, self._calls(), expected, observed
+                        )
             free_ref = self.reference.num_free_blocks()
             free_sub = self.subject.num_free_blocks()
             if free_ref != free_sub:

@@ -12,10 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcache.kit.ledger import REFERENCE_LINE, release_line_of
+from kvcache.kit.explain import Explainer, explain_outcome, explain_state, profile_release
+from kvcache.kit.ledger import REFERENCE_LINE, Judgement, release_line_of
 from kvcache.kit.lockstep import (
     Mismatch,
     compare_outcomes,
+    explainable_release,
     make_judge,
     outcome,
     outcome_part,
@@ -82,6 +84,14 @@ def replay_trace(trace: Trace, impl: str, side: Side | None = None) -> ReplayRes
             entry = cannot_build_entry(trace.config, exc, impl)
             return ReplayResult(None, 0, False, cannot_build=str(exc), cannot_build_known=entry)
     judge = make_judge(trace.config, trace_line(trace), side_line(side))
+    explainer = None
+    if judge is not None:
+        info = trace.header.get("recorded_with") or {}
+        recorded = info.get("version") if info.get("impl") == "vllm" else None
+        # A trace kvcache recorded is not explained by kvcache (it would explain itself).
+        newer = explainable_release(side) if judge.old_is_expected else profile_release(recorded)
+        explainer = Explainer(trace.config, trace.hash_seed, newer) if newer else None
+    calls: list[tuple[str, Mapping[str, Any]]] = []
     result = ReplayResult(None, 0, False)
 
     def stop(mismatch: Mismatch, index: int, record: Mapping[str, Any]) -> ReplayResult:
@@ -97,6 +107,7 @@ def replay_trace(trace: Trace, impl: str, side: Side | None = None) -> ReplayRes
 
     for index, record in enumerate(trace.records):
         op, args = record["op"], record["args"]
+        calls.append((op, args))
         expected: dict[str, Any] = {k: record[k] for k in ("ok", "raises") if k in record}
         try:
             actual = outcome(side, op, args)
@@ -115,6 +126,10 @@ def replay_trace(trace: Trace, impl: str, side: Side | None = None) -> ReplayRes
                 result.known.update(judgement.known)
                 ok = True
             else:
+                if not judgement.known:
+                    judgement = Judgement(
+                        False, explain_outcome(explainer, judge, calls, expected, actual)
+                    )
                 mismatch = Mismatch(
                     index,
                     op,
@@ -151,6 +166,8 @@ def replay_trace(trace: Trace, impl: str, side: Side | None = None) -> ReplayRes
                 if judgement.ok:
                     result.known.update(judgement.known)
                 known = () if judgement.ok else judgement.known
+                if diff and not known:
+                    known = explain_state(explainer, judge, calls, record["state"], observed)
         free_queue = record["state"].get("free_queue")
         if isinstance(free_queue, list) and len(free_queue) != side.num_free_blocks():
             diff.append(
