@@ -10,9 +10,11 @@ else is imported) puts ``PureSourceFinder`` first on ``sys.meta_path`` when
 - ``KVCACHE_PURE=1`` asks for the sources (``KVCACHE_SELF_CHECK=1`` too), or
 - the compiled modules are stale: the sources no longer match the digest the
   build recorded in ``_compiled.sha256`` (a warning says so; rebuild with
-  ``make setup``).
+  ``make setup``), or
+- there are none (or not all of them).
 
-Otherwise the compiled modules load as usual. One process holds one build
+Otherwise the compiled modules load as usual, and with them the C extensions
+(``C_EXTENSIONS``), which the sources never use. One process holds one build
 (``kvcache.COMPILED`` says which), except for ``import_pure_copy``, which the
 benchmark uses to time both builds in one process.
 
@@ -50,6 +52,13 @@ through the compiled managers as they do through the pure ones (drop-in). So doe
 ``hisparse`` (vLLM 0.33.0's HiSparse managers, whose argument order differs from the
 compiled base class's: see its docstring)."""
 
+C_EXTENSIONS = ("_blockhash",)
+"""C extension modules built with the compiled core (``kvcache/<name>.c``, no Python
+source): ``_blockhash``, the keyless sha256 block-hash chain (``kv_cache_utils``).
+They load only with the compiled core, never with the sources (``PureSourceFinder``
+refuses them: the pure build is pure Python), and their C sources are part of the
+compiled build's digest (``source_digest``), so a stale one is not used either."""
+
 PURE_ENV = "KVCACHE_PURE"
 """Set to 1 to import the pure-Python sources even where a compiled build exists."""
 
@@ -64,11 +73,14 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def source_digest(package_dir: Path = PACKAGE_DIR) -> str:
-    """SHA-256 over the core modules' names and source bytes."""
+    """SHA-256 over the core modules' and the C extensions' names and source bytes."""
     digest = hashlib.sha256()
     for name in CORE_MODULES:
         digest.update(name.encode() + b"\0")
         digest.update((package_dir / f"{name}.py").read_bytes())
+    for name in C_EXTENSIONS:
+        digest.update(f"{name}.c".encode() + b"\0")
+        digest.update((package_dir / f"{name}.c").read_bytes())
     return digest.hexdigest()
 
 
@@ -85,9 +97,9 @@ def compiled_is_current(package_dir: Path = PACKAGE_DIR) -> bool:
     """Whether the compiled modules were built from the sources as they are now."""
     try:
         recorded = (package_dir / DIGEST_FILE).read_text().strip()
-    except OSError:
+        return recorded == source_digest(package_dir)
+    except OSError:  # no digest, or a source missing (an install without the C source)
         return False
-    return recorded == source_digest(package_dir)
 
 
 class PureSourceFinder(importlib.abc.MetaPathFinder):
@@ -107,8 +119,13 @@ class PureSourceFinder(importlib.abc.MetaPathFinder):
         Every ``kvcache.<name>`` with a ``<name>.py`` source is taken, not only
         ``CORE_MODULES``: an extension left from an older build of a module that is
         no longer compiled must not be picked up either.
+
+        Raises:
+            ModuleNotFoundError: for the ``C_EXTENSIONS``, which the sources do without.
         """
         package, _, name = fullname.rpartition(".")
+        if package == "kvcache" and name in C_EXTENSIONS:
+            raise ModuleNotFoundError(f"{fullname}: not with the pure build", name=fullname)
         if package != "kvcache" or not (self.package_dir / f"{name}.py").is_file():
             return None
         return importlib.util.spec_from_file_location(
@@ -125,10 +142,13 @@ def select_build() -> None:
     """Arrange for the core modules to load from the build chosen (module docstring)."""
     if any(os.environ.get(env, "0") not in ("", "0") for env in (PURE_ENV, SELF_CHECK_ENV)):
         _use_sources()
-    elif has_compiled_modules() and not compiled_is_current():
+    elif not has_compiled_modules():
+        _use_sources()  # the pure install: no C extension left from a build loads either
+    elif not compiled_is_current():
         warnings.warn(
-            "kvcache: the compiled build is stale (kvcache/*.py changed since it was "
-            "built); importing the pure-Python sources. Rebuild with `make setup`.",
+            "kvcache: the compiled build is stale (kvcache/*.py or kvcache/*.c changed "
+            "since it was built); importing the pure-Python sources. Rebuild with "
+            "`make setup`.",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -150,7 +170,8 @@ def import_pure_copy() -> dict[str, ModuleType]:
     one process (``kvcache.kit.bench``); nothing else should need it.
     """
     package = sys.modules["kvcache"]
-    names = [f"kvcache.{name}" for name in CORE_MODULES]
+    # The C extensions too: the copy must not find the loaded build's in sys.modules.
+    names = [f"kvcache.{name}" for name in (*CORE_MODULES, *C_EXTENSIONS)]
     saved_modules = {name: sys.modules.pop(name) for name in names if name in sys.modules}
     saved_attrs = {
         name: package.__dict__.pop(name) for name in CORE_MODULES if name in package.__dict__

@@ -121,6 +121,68 @@ def xxhash_cbor(input: Any) -> bytes:
     return _xxh3_128(cbor2.dumps(input, canonical=True))
 
 
+Sha256Chain: TypeAlias = Callable[[object, Sequence[int], int, int, int], list[bytes] | None]
+"""``kvcache._blockhash.sha256_chain``'s signature: ``(parent, tokens, start, stop,
+block_size)``, the hashes of the blocks of ``tokens[start:stop]`` or None."""
+
+
+def _load_sha256_chain() -> Sha256Chain | None:
+    """``sha256_chain`` of the C extension ``kvcache/_blockhash.c``, or None.
+
+    The extension writes the pickle of a keyless block (``(parent, tokens, None)``)
+    itself and digests it with OpenSSL: one call for a request's chain of blocks,
+    where ``sha256`` costs a ``pickle.dumps`` and a ``hashlib`` object a block. It
+    loads only with the compiled build (``kvcache._builds.C_EXTENSIONS``); and it is
+    used only if its hashes equal ``sha256``'s on every token width and both parent
+    encodings here (a Python whose pickle wrote these tuples differently would
+    make it disagree: then a warning, and ``sha256`` hashes every block).
+    """
+    try:
+        from kvcache._blockhash import sha256_chain
+    except ImportError:
+        return None
+    tokens = (0, 255, 256, 65535, 65536, -1, 2**31 - 1, -(2**31), 7, 8, 9, 10)
+    for first_parent, block_size in ((b"\x01" * 32, 1), (b"", 3), (b"\x02" * 300, 4), (b"", 12)):
+        expected: list[bytes] = []
+        parent = first_parent
+        for start in range(0, len(tokens), block_size):
+            parent = sha256((parent, tokens[start : start + block_size], None))
+            expected.append(parent)
+        if sha256_chain(first_parent, tokens, 0, len(tokens), block_size) != expected:
+            import warnings
+
+            warnings.warn(
+                "kvcache._blockhash disagrees with pickle + hashlib here; not used",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+    return sha256_chain
+
+
+_sha256_chain: Sha256Chain | None = _load_sha256_chain()
+"""The keyless sha256 chain in one C call, None without the extension (the pure
+build). Read from the module's namespace by each new request hasher (also in the
+compiled build), so a test may set it to None."""
+
+
+def _is_pickle_sha256(hash_fn: Callable[[Any], HashValue]) -> bool:
+    """Whether ``hash_fn`` is ``sha256(pickle.dumps(x, 5))``: kvcache's ``sha256``, or
+    vLLM's (``vllm.utils.hashing.sha256``, pickle's highest protocol: 5) when it
+    agrees with kvcache's on a block (a wrapper of either is neither: it may count
+    its calls)."""
+    if hash_fn is sha256:
+        return True
+    code = getattr(hash_fn, "__code__", None)
+    if not (
+        getattr(hash_fn, "__module__", None) == "vllm.utils.hashing"
+        and getattr(code, "co_name", None) == "sha256"
+    ):
+        return False
+    probe = (b"\x03" * 32, (1, 300, 70000, -1), None)
+    return hash_fn(probe) == sha256(probe)
+
+
 _HASH_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {
     "sha256": sha256,
     "sha256_cbor": sha256_cbor,
@@ -362,6 +424,10 @@ def get_request_block_hasher(
     if not isinstance(hash_block_size, int) or hash_block_size <= 0:
         raise ValueError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
     lookahead = check_num_hash_lookahead_tokens(num_hash_lookahead_tokens)
+    # Keyless blocks without lookahead hash as one C call where the compiled build
+    # has the extension (``_load_sha256_chain``): the bytes ``hash_block_tokens``
+    # digests, so the same hashes.
+    chain = _sha256_chain if not lookahead and _is_pickle_sha256(caching_hash_fn) else None
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
         # HashValue, not BlockHash: read and made without a bytes check (see there).
@@ -370,19 +436,8 @@ def get_request_block_hasher(
         num_tokens = request.num_tokens - lookahead  # a block's lookahead must exist
         if start + hash_block_size > num_tokens:
             return []
-        # Blocks completed after the first call can only touch the last MM item.
-        mm_idx = 0 if start == 0 else -1
-        if mm_keys_by_window and start > 0:
-            mm_idx = first_mm_feature_ending_after(request, start)
         parent: HashValue | None = block_hashes[-1] if block_hashes else None
         tokens = request.all_token_ids
-        # The tokens of every block hashed now, as one tuple: each block's tuple is a
-        # slice of it (one copy, where slicing the token list and converting each
-        # slice made two; vLLM's ``ConstantList`` slices in Python code, too).
-        first = start
-        window = tuple(
-            tokens[first : first + (num_tokens - first) // hash_block_size * hash_block_size]
-        )
         # NOTE: a request without isolation keys has no extra keys in any block;
         # checking that once saves the per-block call (most requests).
         keyless = not (
@@ -390,6 +445,25 @@ def get_request_block_hasher(
             or request.lora_request
             or request.cache_salt
             or getattr(request, "prompt_embeds", None) is not None
+        )
+        if chain is not None and keyless:
+            # None where the extension does not encode the input exactly (a token
+            # that is no int of 32 bits, a parent that is not bytes): the loop below.
+            chained = chain(
+                parent if parent else NONE_HASH, tokens, start, num_tokens, hash_block_size
+            )
+            if chained is not None:
+                return cast(list[BlockHash], chained)
+        # Blocks completed after the first call can only touch the last MM item.
+        mm_idx = 0 if start == 0 else -1
+        if mm_keys_by_window and start > 0:
+            mm_idx = first_mm_feature_ending_after(request, start)
+        # The tokens of every block hashed now, as one tuple: each block's tuple is a
+        # slice of it (one copy, where slicing the token list and converting each
+        # slice made two; vLLM's ``ConstantList`` slices in Python code, too).
+        first = start
+        window = tuple(
+            tokens[first : first + (num_tokens - first) // hash_block_size * hash_block_size]
         )
         new_hashes: list[HashValue] = []
         while start + hash_block_size <= num_tokens:

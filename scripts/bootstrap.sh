@@ -6,8 +6,9 @@
 # (on failure: the log's tail and the step that failed). Touches STAMP on
 # success, so make runs each layer once.
 #   dev        python3 -m venv .venv; pip install -e '.[dev]'
-#   compiled   the mypyc build of kvcache's core, in place (setup.py build_ext
-#              --inplace); writes STAMP, kvcache/_compiled.sha256, itself
+#   compiled   the mypyc build of kvcache's core and the C extension
+#              kvcache._blockhash, in place (setup.py build_ext --inplace);
+#              writes STAMP, kvcache/_compiled.sha256, itself
 #   reference  CPU torch and triton (the kernels extra), vLLM 0.25.1 without its
 #              GPU dependencies, plus the few packages `import vllm.v1.core` needs
 #   reference-0.33  a venv of its own, .venv-0.33: vLLM 0.33.0 without its GPU
@@ -99,7 +100,7 @@ compiled)
         echo "compiled: FAILED, no compiled modules were built (a C compiler is needed; log: $log)"
         exit 1
     fi
-    summary="mypyc-compiled kvcache core in kvcache/*.so"
+    summary="mypyc-compiled kvcache core and kvcache._blockhash in kvcache/*.so"
     ;;
 reference)
     step "CPU torch" pip_install torch==2.13.0

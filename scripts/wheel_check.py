@@ -14,10 +14,10 @@ new user, outside this repository's ``.venv`` and its editable install:
    do), kvcache and kvcache_spec both read the one release table
    (``kvcache_spec/releases.toml``), ``import transformers.activations`` works
    (transformers probes a top-level ``kernels`` package at import),
-   ``kvcache.COMPILED`` is true where a C compiler exists, the README's first
-   example runs as printed, and the
-   ``kvcache`` command answers ``--help`` and fuzzes against the installed
-   oracle.
+   ``kvcache.COMPILED`` is true where a C compiler exists (and the compiled
+   build has the C extension ``kvcache._blockhash``), the README's first
+   example runs as printed, and the ``kvcache`` command answers ``--help`` and
+   fuzzes against the installed oracle.
 
 Each check prints one line; the first failure exits 1 naming it. The venv is
 reused when it already holds this wheel's digest (``--fresh`` rebuilds it).
@@ -134,6 +134,7 @@ ours = {name: str(s.origin) for name, s in found.items()
 print(json.dumps({
     "kvcache": kvcache.__file__,
     "compiled": kvcache.COMPILED,
+    "blockhash": kvcache.kv_cache_utils._sha256_chain is not None,
     "shadowed": ours,
     "kvcache_spec": importlib.util.find_spec("kvcache_spec") is not None,
     "kvcache_kernels": importlib.util.find_spec("kvcache_kernels") is not None,
@@ -172,7 +173,10 @@ def check(python: Path, with_transformers: bool) -> list[str]:
         has_cc = shutil.which(compiler.split()[0]) is not None
         if has_cc and not probe["compiled"]:
             raise CheckFailed(f"a C compiler ({compiler}) exists but kvcache.COMPILED is False")
-        lines.append(f"kvcache.COMPILED: {probe['compiled']} (C compiler: {has_cc})")
+        if probe["compiled"] and not probe["blockhash"]:
+            raise CheckFailed("the compiled build has no kvcache._blockhash (OpenSSL's headers?)")
+        lines.append(f"kvcache.COMPILED: {probe['compiled']} (C compiler: {has_cc}); "
+                     f"keyless sha256 chains in C: {probe['blockhash']}")
         if with_transformers:
             if probe["triton"]:
                 raise CheckFailed("triton is in the wheel venv: the check needs it absent")

@@ -194,7 +194,9 @@ def pytest_configure(config: Any) -> None:
 
 # kvcache names that compiled code looks up at each call (module variables, not
 # functions), so that a patch takes effect on both builds.
-PATCHABLE_WHEN_COMPILED = frozenset({("kvcache.kv_cache_utils", "tensor_data")})
+PATCHABLE_WHEN_COMPILED = frozenset(
+    {("kvcache.kv_cache_utils", "tensor_data"), ("kvcache.kv_cache_utils", "_sha256_chain")}
+)
 
 
 class CheckedMonkeyPatch(pytest.MonkeyPatch):
