@@ -17,13 +17,13 @@ BENCH_STAMP := $(VENV)/.stamp-bench
 MUTATION_STAMP := $(VENV)/.stamp-mutation
 # The mypyc-compiled core (setup.py, kvcache/_builds.py): rebuilt when a core source changes.
 CORE_SOURCES := $(filter-out kvcache/__init__.py kvcache/__main__.py kvcache/_builds.py,\
-	$(wildcard kvcache/*.py))
+	$(wildcard kvcache/*.py)) kvcache/_blockhash.c
 COMPILED_STAMP := kvcache/_compiled.sha256
 # The compiled pass of `make verify`: the same test files, fewer Hypothesis examples.
 # The drop-in checks too: the compiled build is the default one, and vLLM hands it its own objects.
 COMPILED_TESTS := tests/stateful tests/conformance tests/reliability tests/scheduler \
 	tests/unit/test_vllm_objects.py tests/unit/test_prompt_embeds.py tests/unit/test_kv_events_wire.py \
-	tests/unit/test_partial_hits_tail.py
+	tests/unit/test_partial_hits_tail.py tests/unit/test_blockhash_ext.py tests/unit/test_request_hashing_vs_vllm.py
 
 LINT_PATHS := spec kvcache tests proofs kernels scripts examples
 TYPED_PATHS := spec kvcache kernels proofs examples
