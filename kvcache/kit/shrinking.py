@@ -228,11 +228,43 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
             looked_up.discard(rid)
             if admitted is None or admitted[i]:
                 allocated.add(rid)
-                slots[rid] = max(slots.get(rid, 0), computed[rid] + sum(
-                    int(args.get(key) or 0) for key in (
-                        "num_new_computed_tokens", "num_external_computed_tokens",
-                        "num_new_tokens", "num_lookahead_tokens")))  # fmt: skip
+                made = computed[rid] + sum(int(args.get(key) or 0) for key in _SLOT_ARGS)
+                slots[rid] = max(slots.get(rid, 0), made)
     return True
+
+
+def unbacked_updates(calls: Sequence[Call], admitted: Sequence[bool] | None = None) -> list[int]:
+    """Indices of the ``update_request`` calls that set more computed tokens than the
+    request's allocations since its last free made room for (``scheduler_could_make``
+    refuses them): what removing an allocation strands. The shrinker drops them with
+    the allocation, as the step they record never ran."""
+    slots: dict[str, int] = {}
+    computed: dict[str, int] = {}
+    stranded = []
+    for i, (op, args) in enumerate(calls):
+        rid = str(args.get("request_id"))
+        if op == "update_request" and "num_computed_tokens" in args:
+            if args["num_computed_tokens"] > slots.get(rid, 0):
+                stranded.append(i)
+                continue
+            computed[rid] = args["num_computed_tokens"]
+        elif op in ("free", "pop_blocks_for_free"):
+            slots[rid] = computed[rid] = 0
+        elif op == "allocate_slots" and (admitted is None or admitted[i]):
+            made = computed.get(rid, 0) + sum(
+                int(args.get(key) or 0) for key in _SLOT_ARGS
+            )
+            slots[rid] = max(slots.get(rid, 0), made)
+    return stranded
+
+
+#: The ``allocate_slots`` counts that make room past the computed tokens.
+_SLOT_ARGS = (
+    "num_new_computed_tokens",
+    "num_external_computed_tokens",
+    "num_new_tokens",
+    "num_lookahead_tokens",
+)
 
 
 def same_failure(a: Mismatch, b: Mismatch) -> bool:
@@ -278,6 +310,12 @@ def shrink(
             candidate = records[:i] + records[i + chunk :]
             candidate_raised = raised[:i] + raised[i + chunk :]
             candidate_admitted = admitted[:i] + admitted[i + chunk :]
+            stranded = set(unbacked_updates(candidate, candidate_admitted))
+            if stranded:  # an allocation went: so do the steps it made room for
+                keep = [j for j in range(len(candidate)) if j not in stranded]
+                candidate = [candidate[j] for j in keep]
+                candidate_raised = [candidate_raised[j] for j in keep]
+                candidate_admitted = [candidate_admitted[j] for j in keep]
             if not scheduler_could_make(candidate, candidate_admitted):
                 i += chunk
                 continue

@@ -212,7 +212,8 @@ def test_nano_style_manager_judged_at_hits_with_its_features(tmp_path: Path) -> 
     assert found.failure is not None and found.failure.mismatch is not None
     assert set(found.stats.layouts) == {"full"}
     assert found.counterexample is not None
-    assert found.counterexample_calls <= min(20, found.stats.calls // 2)  # shrunk
+    # shrunk, to a sequence a scheduler could make (no step without its allocation)
+    assert found.counterexample_calls <= min(30, found.stats.calls * 2 // 3)
     trace = read_trace(found.counterexample)
     assert feat.trace_features(trace.config, trace.records) <= {"full"}
     # the differences the design has (docs/protocol.md): the whole prompt reserved at
