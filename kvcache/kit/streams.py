@@ -178,6 +178,21 @@ def _number_field(obj: dict[str, Any], name: str, where: str) -> float:
     return float(value)
 
 
+def _id_list_field(obj: dict[str, Any], name: str, where: str) -> list[int]:
+    """Field ``name``: a non-empty list of integers >= 0 (block ids, token ids)."""
+    ids = obj.get(name)
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    ):
+        raise StreamError(
+            f"{where}: field {name!r}: expected a non-empty list of integers >= 0, "
+            f"got {str(ids)[:80]}"
+        )
+    return ids
+
+
 def _scaled(length: int, block_tokens: int) -> int:
     return max(1, -(-length * block_tokens // MOONCAKE_BLOCK_TOKENS))
 
@@ -201,16 +216,7 @@ def parse_mooncake_line(
     timestamp = _number_field(obj, "timestamp", where)
     input_length = _int_field(obj, "input_length", where, 1)
     output_length = _int_field(obj, "output_length", where, 1)
-    ids = obj.get("hash_ids")
-    if (
-        not isinstance(ids, list)
-        or not ids
-        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
-    ):
-        raise StreamError(
-            f"{where}: field 'hash_ids': expected a non-empty list of integers >= 0, "
-            f"got {str(ids)[:80]}"
-        )
+    ids = _id_list_field(obj, "hash_ids", where)
     blocks = -(-input_length // MOONCAKE_BLOCK_TOKENS)
     if len(ids) != blocks:
         raise StreamError(
@@ -256,16 +262,7 @@ def parse_jsonl_line(
     if ("prompt_token_ids" in obj) == ("prompt_length" in obj):
         raise StreamError(f"{where}: give exactly one of 'prompt_token_ids' and 'prompt_length'")
     if "prompt_token_ids" in obj:
-        ids = obj["prompt_token_ids"]
-        if (
-            not isinstance(ids, list)
-            or not ids
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-        ):
-            raise StreamError(
-                f"{where}: field 'prompt_token_ids': expected a non-empty list of integers "
-                f">= 0, got {str(ids)[:80]}"
-            )
+        ids = _id_list_field(obj, "prompt_token_ids", where)
         if "prefix_ids" in obj:
             raise StreamError(f"{where}: field 'prefix_ids' goes with 'prompt_length' only")
         explicit = tuple(ids)
