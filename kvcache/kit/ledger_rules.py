@@ -584,6 +584,33 @@ class ShorterHitMambaEagle(Rule):
         return not covers(old, o) and covers(new, n)
 
 
+class LookupAssertsBesideWindow(Rule):
+    """A lookup the new side refuses with ``AssertionError`` where the old side answers,
+    in a layout that turns fine-grained hits on (an 'align' Mamba group whose block
+    is larger than the hash block) beside a sliding-window group whose block is not
+    the hash block: its manager asserts that a hit is block-aligned."""
+
+    def recognise(
+        self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
+    ) -> bool:
+        config = ctx.config
+        hash_block = config.hash_block_size
+        fine_grained = any(
+            g.kind == "mamba" and g.mamba_cache_mode == "align" and g.block_size > hash_block
+            for g in config.groups
+        )
+        window = any(
+            g.kind == "sliding_window" and g.block_size != hash_block for g in config.groups
+        )
+        return (
+            op.startswith("get_computed_blocks")
+            and new.get("raises") == "AssertionError"
+            and "raises" not in old
+            and fine_grained
+            and window
+        )
+
+
 class MmOutputBlockHash(Rule):
     def recognise(
         self, ctx: Context, op: str, args: Mapping[str, Any], old: Outcome, new: Outcome
