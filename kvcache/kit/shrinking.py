@@ -170,7 +170,6 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
     computed: dict[str, int] = {}
     looked_up: set[str] = set()
     allocated: set[str] = set()  # allocated since its status last changed
-    slots: dict[str, int] = {}  # tokens the request's allocations made room for
     freed: set[str] = set()
     popped: set[Any] = set()
     for i, (op, args) in enumerate(calls):
@@ -202,13 +201,10 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
                 return False
             status[rid] = args.get("status", status[rid])
             computed[rid] = args.get("num_computed_tokens", computed[rid])
-            if computed[rid] > slots.get(rid, 0):
-                return False
             looked_up.discard(rid)
             if "status" in args:
                 allocated.discard(rid)
         elif op in ("free", "pop_blocks_for_free"):
-            slots[rid] = 0
             if op == "pop_blocks_for_free":
                 popped.add(args.get("handle"))
             if finished:
@@ -228,9 +224,7 @@ def scheduler_could_make(calls: Sequence[Call], admitted: Sequence[bool] | None 
             looked_up.discard(rid)
             if admitted is None or admitted[i]:
                 allocated.add(rid)
-                made = computed[rid] + sum(int(args.get(key) or 0) for key in _SLOT_ARGS)
-                slots[rid] = max(slots.get(rid, 0), made)
-    return True
+    return not unbacked_updates(calls, admitted)
 
 
 def unbacked_updates(calls: Sequence[Call], admitted: Sequence[bool] | None = None) -> list[int]:
