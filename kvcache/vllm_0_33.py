@@ -169,7 +169,9 @@ def with_new_event_fields(events: list[Any]) -> list[Any]:
     """kvcache's events as 0.33.0's (the ``event_new_fields`` switch); others unchanged."""
     out: list[Any] = []
     for event in events:
-        cls = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}.get(type(event).__name__)
+        cls = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}.get(
+            type(event).__name__
+        )
         if cls is None or not dataclasses.is_dataclass(event):
             out.append(event)
             continue
@@ -243,20 +245,14 @@ def get_request_block_hasher(
 
 
 def generate_lookahead_block_hash_extra_keys(
-    request: Request,
-    start_token_idx: int,
-    end_token_idx: int,
-    hash_end_token_idx: int,
+    request: Request, start_token_idx: int, end_token_idx: int, hash_end_token_idx: int,
     start_mm_idx: int,
 ) -> tuple[tuple[Any, ...] | None, int]:
     """0.33.0's extra keys of the block ``[start_token_idx, end_token_idx)`` hashed up
     to ``hash_end_token_idx`` (its lookahead), tagged, and the multimodal index the
     next block starts from (``kvcache.kv_cache_utils.lookahead_extra_keys``)."""
     keys, mm_idx = _utils.lookahead_extra_keys(
-        request,
-        start_token_idx,
-        end_token_idx,
-        hash_end_token_idx - end_token_idx,
+        request, start_token_idx, end_token_idx, hash_end_token_idx - end_token_idx,
         start_mm_idx,
     )
     if keys is not None and PROFILE.tagged_extra_keys:
@@ -408,6 +404,7 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
             prefill_end=prefill_end,
         )
 
+
     @classmethod
     def find_longest_cache_hit(  # type: ignore[override]
         cls,
@@ -450,13 +447,8 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
                 # A fine-grained hit (mamba_fine_grained_hits): kvcache's sub-block
                 # finder, which returns 0.33.0's pair itself.
                 return cls.find_fine_grained_hit(
-                    block_hashes,
-                    max_length,
-                    kv_cache_group_ids,
-                    block_pool,
-                    kv_cache_spec,
-                    drop_eagle_block,
-                    alignment_tokens,
+                    block_hashes, max_length, kv_cache_group_ids, block_pool,
+                    kv_cache_spec, drop_eagle_block, alignment_tokens,
                 )
             block_hashes = _utils.BlockHashListWithBlockSize(
                 block_hashes, hash_block_size, block_size
@@ -919,12 +911,9 @@ class KVCacheManager(_KVCacheManager):
         this every step; the blocks are not held for the caller."""
         offloads: dict[str, list[tuple[int, int, int]]] = {}
         for manager in self.coordinator.single_type_managers:
-            for (
-                request_id,
-                group_id,
-                block,
-                num_tokens,
-            ) in manager.take_pending_boundary_state_offloads():
+            for request_id, group_id, block, num_tokens in (
+                manager.take_pending_boundary_state_offloads()
+            ):
                 offloads.setdefault(request_id, []).append((group_id, block.block_id, num_tokens))
         return offloads
 

@@ -339,14 +339,12 @@ class SpecAdapter(Adapter):
         self.hash_seed = hash_seed
 
     def build_manager(self, config: ManagerConfig) -> Any:
-        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
-        return self.factory(
-            kv_cache_config,
-            **config.manager_kwargs(),
-            caching_hash_algo=config.hash_fn,
-            hash_seed=self.hash_seed,
-            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+        kv_cache_config = build_kv_cache_config(
+            self.kv_cache_interface, config, "float16"
         )
+        return self.factory(kv_cache_config, **config.manager_kwargs(),
+                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
+                            prefix_cache_retention_interval=config.prefix_cache_retention_interval)
 
 
 class ProfileAdapter(Adapter):
@@ -409,15 +407,13 @@ class SpecProfileAdapter(SpecAdapter):
         self.hash_seed = hash_seed
 
     def build_manager(self, config: ManagerConfig) -> Any:
-        kv_cache_config = build_kv_cache_config(self.kv_cache_interface, config, "float16")
-        return self.factory(
-            kv_cache_config,
-            **config.manager_kwargs(),
-            caching_hash_algo=config.hash_fn,
-            hash_seed=self.hash_seed,
-            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
-            profile=self.release,
+        kv_cache_config = build_kv_cache_config(
+            self.kv_cache_interface, config, "float16"
         )
+        return self.factory(kv_cache_config, **config.manager_kwargs(),
+                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
+                            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+                            profile=self.release)
 
     def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
         blocks, num_computed_tokens = manager.get_computed_blocks(request)

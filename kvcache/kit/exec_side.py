@@ -145,9 +145,8 @@ class ExecProcess:
             raise self.fail(
                 f"the subject exited (status {self.proc.poll()}) before {where}"
             ) from None
-        line = self._read_line(
-            where, max(self.timeout_s, DEFAULT_TIMEOUT_S) if op == "hello" else self.timeout_s
-        )
+        line = self._read_line(where, max(self.timeout_s, DEFAULT_TIMEOUT_S) if op == "hello"
+                               else self.timeout_s)
         try:
             answer = json.loads(line)
         except json.JSONDecodeError:
@@ -217,10 +216,8 @@ def process_for(command: str) -> tuple[ExecProcess, dict[str, Any]]:
     answer = process.request({"op": "hello", "args": {"protocol": PROTOCOL}})
     hello = answer.get("ok")
     if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL:
-        raise process.fail(
-            f"answered hello with {json.dumps(answer)[:160]}; expected "
-            f'{{"ok": {{"protocol": "{PROTOCOL}", ...}}}}'
-        )
+        raise process.fail(f"answered hello with {json.dumps(answer)[:160]}; expected "
+                           f'{{"ok": {{"protocol": "{PROTOCOL}", ...}}}}')
     process.hello = hello
     _PROCESSES[command] = process
     return process, hello

@@ -42,12 +42,8 @@ from kvcache.kit.trace import Trace, canon_state, short
 LEVELS = feat.LEVELS
 
 #: Results that are block ids per group (a list per group), by op.
-BLOCK_TABLE_OPS = (
-    "allocate_slots",
-    "get_block_ids",
-    "get_blocks",
-    "get_block_ids_for_computed_tokens",
-)
+BLOCK_TABLE_OPS = ("allocate_slots", "get_block_ids", "get_blocks",
+                   "get_block_ids_for_computed_tokens")
 LOOKUPS = ("get_computed_blocks", "get_computed_blocks_for_connector")
 
 
@@ -99,11 +95,8 @@ class Renaming:
             if block in self.forward:
                 out.append(self.forward[block])
             elif isinstance(block, int) and 0 <= block < num_blocks:
-                spares = (
-                    b
-                    for b in [block, *range(num_blocks)]
-                    if b not in self.backward and b not in out
-                )
+                spares = (b for b in [block, *range(num_blocks)]
+                          if b not in self.backward and b not in out)
                 out.append(next(spares, block))
             else:
                 out.append(block)
@@ -132,14 +125,10 @@ class Renaming:
         if bound == actual:
             return "", ""
         if bound is None:
-            return (
-                f"{path}: the subject's block {actual} stands for reference block "
-                f"{self.backward[actual]}, here for {expected}"
-            ), "renamed"
-        return (
-            f"{path}: reference block {expected} is the subject's {bound}, here {actual}",
-            "renamed",
-        )
+            return (f"{path}: the subject's block {actual} stands for reference block "
+                    f"{self.backward[actual]}, here for {expected}"), "renamed"
+        return f"{path}: reference block {expected} is the subject's {bound}, here {actual}", \
+            "renamed"
 
 
 class LevelComparer:
@@ -152,20 +141,15 @@ class LevelComparer:
         self.rank = LEVELS.index(level)
         self.renaming = Renaming()
 
-    def compare(
-        self, op: str, expected: Mapping[str, Any], actual: Mapping[str, Any]
-    ) -> tuple[str, str]:
+    def compare(self, op: str, expected: Mapping[str, Any], actual: Mapping[str, Any]
+                ) -> tuple[str, str]:
         """``("", "")`` when the outcomes agree at this level, else (detail, way)."""
         if ("raises" in expected) != ("raises" in actual):
             e = f"raises {expected['raises']}" if "raises" in expected else "result"
-            a = (
-                f"raises {actual['raises']}: {actual.get('message')}"
-                if "raises" in actual
+            a = f"raises {actual['raises']}: {actual.get('message')}" if "raises" in actual \
                 else f"result {short(actual.get('ok'), 200)}"
-            )
-            return f"expected {e}, got {a}", "raises " + (
-                "missing" if "raises" in expected else "extra"
-            )
+            return f"expected {e}, got {a}", "raises " + ("missing" if "raises" in expected
+                                                          else "extra")
         if "raises" in expected:
             return "", ""
         e_ok, a_ok = expected.get("ok"), actual.get("ok")
@@ -173,18 +157,15 @@ class LevelComparer:
             got = "no blocks (None)" if a_ok is None else f"blocks {short(a_ok, 200)}"
             want = "no blocks (None)" if e_ok is None else f"blocks {short(e_ok, 200)}"
             return f"expected {want}, got {got}", "result: " + (
-                "none" if a_ok is None else "allocated"
-            )
+                "none" if a_ok is None else "allocated")
         if op == "get_num_free_blocks" and e_ok != a_ok:
             return f"expected {e_ok} free blocks, got {a_ok}", "result: free blocks"
         if op in LOOKUPS and self.rank >= LEVELS.index("hits"):
             e_hit, a_hit = _hit(e_ok), _hit(a_ok)
             if e_hit != a_hit:
                 how = "greater" if (a_hit or 0) > (e_hit or 0) else "less"
-                return (
-                    f"expected a hit of {e_hit} tokens, got {a_hit}",
-                    f"result.num_computed_tokens: {how}",
-                )
+                return (f"expected a hit of {e_hit} tokens, got {a_hit}",
+                        f"result.num_computed_tokens: {how}")
         ids: tuple[Any, Any] | None = None
         if op in LOOKUPS and isinstance(e_ok, dict) and isinstance(a_ok, dict):
             ids = _groups(e_ok.get("block_ids")), _groups(a_ok.get("block_ids"))
@@ -197,11 +178,9 @@ class LevelComparer:
         elif ids is not None:
             why, how = self.renaming.match(ids[0], ids[1], "block ids")
             if why:
-                return (
-                    f"{why} (ids compared up to one renaming kept for the sequence): "
-                    f"expected {short(e_ok, 200)}, got {short(a_ok, 200)}",
-                    "sharing: " + how,
-                )
+                return (f"{why} (ids compared up to one renaming kept for the sequence): "
+                        f"expected {short(e_ok, 200)}, got {short(a_ok, 200)}",
+                        "sharing: " + how)
         return "", ""
 
     def subject_args(self, op: str, args: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -334,12 +313,9 @@ class TrialLockstep(Lockstep):
             if free_ref != free_sub:
                 how = "greater" if free_sub > free_ref else "less"
                 raise Mismatch(
-                    index,
-                    op,
-                    args or {},
+                    index, op, args or {},
                     f"free blocks after the call: expected {free_ref}, got {free_sub}",
-                    part="state:free_blocks",
-                    way=f"free_blocks: {how}",
+                    part="state:free_blocks", way=f"free_blocks: {how}",
                 )
         return None
 
@@ -364,9 +340,8 @@ def replay_at(trace: Trace, impl: str, trial: Trial) -> tuple[ReplayResult, set[
     return replay_side(trace.records, side, comparer), set()
 
 
-def replay_side(
-    records: Sequence[Mapping[str, Any]], side: Side, comparer: LevelComparer
-) -> ReplayResult:
+def replay_side(records: Sequence[Mapping[str, Any]], side: Side, comparer: LevelComparer
+                ) -> ReplayResult:
     """Replay recorded calls on ``side``, comparing at ``comparer``'s level: outcomes,
     and free counts where a record holds the reference's state."""
     result = ReplayResult(None, 0, False)
@@ -390,9 +365,8 @@ def replay_side(
                 way = "free_blocks: " + ("greater" if free_sub > free_ref else "less")
         if detail:
             part = "state:free_blocks" if way.startswith("free") else "result"
-            result.mismatch = Mismatch(
-                index, op, args, detail, state, side.state(), part=part, way=way
-            )
+            result.mismatch = Mismatch(index, op, args, detail, state, side.state(),
+                                       part=part, way=way)
             result.num_replayed = index
             return result
     result.num_replayed = len(records)
@@ -431,10 +405,8 @@ def trial_lines(outcome: Any) -> list[str]:
     if not trial.features >= feat.ALL_FEATURES:
         lines.append(f"declared features: {', '.join(sorted(trial.features))}")
     exercised = outcome.features_exercised
-    lines.append(
-        "features exercised: "
-        + (", ".join(f"{k} x{n}" for k, n in sorted(exercised.items())) or "core calls only")
-    )
+    lines.append("features exercised: " + (
+        ", ".join(f"{k} x{n}" for k, n in sorted(exercised.items())) or "core calls only"))
     left = sorted(trial.features - set(exercised) - set(feat.KIND_FEATURES))
     if left:
         lines.append(f"declared but not exercised: {', '.join(left)}")

@@ -41,21 +41,10 @@ CORE_OPS = (
 #: declared (``features.OP_FEATURES``); at level ``exact`` their results are compared
 #: in the trace's canonical form.
 EXACT_OPS = (
-    "pop_blocks_for_free",
-    "free_blocks",
-    "evict_blocks",
-    "reset_prefix_cache",
-    "take_events",
-    "take_new_block_ids",
-    "get_num_common_prefix_blocks",
-    "new_step_starts",
-    "make_prefix_cache_stats",
-    "usage",
-    "get_block_ids",
-    "get_blocks",
-    "get_block_ids_for_computed_tokens",
-    "cache_blocks",
-    "remove_skipped_blocks",
+    "pop_blocks_for_free", "free_blocks", "evict_blocks", "reset_prefix_cache",
+    "take_events", "take_new_block_ids", "get_num_common_prefix_blocks", "new_step_starts",
+    "make_prefix_cache_stats", "usage", "get_block_ids", "get_blocks",
+    "get_block_ids_for_computed_tokens", "cache_blocks", "remove_skipped_blocks",
 )
 
 #: Results that are block ids per group: a subject may answer a list of lists.
@@ -132,13 +121,8 @@ class ProtocolSide(Side):
     """A side whose manager is a ``Subject`` (or an ``exec:`` process): calls go out
     by op name with the trace's arguments; answers come back as canonical values."""
 
-    def __init__(
-        self,
-        adapter: ProtocolAdapter,
-        config: ManagerConfig,
-        hash_seed: str = "0",
-        states: bool = True,
-    ):
+    def __init__(self, adapter: ProtocolAdapter, config: ManagerConfig, hash_seed: str = "0",
+                 states: bool = True):
         # Not Side.__init__: no kvcache vocabulary to build requests or configs with.
         self.adapter = adapter
         self.name = adapter.name

@@ -409,8 +409,7 @@ class Side:
         with self.timing:
             copies, retained = self.manager.take_kv_cache_block_copies()
         pairs = [
-            [int(c.src_block_id), int(c.dst_block_id)]
-            if hasattr(c, "src_block_id")
+            [int(c.src_block_id), int(c.dst_block_id)] if hasattr(c, "src_block_id")
             else [int(c[0]), int(c[1])]
             for c in copies
         ]
@@ -424,7 +423,8 @@ class Side:
         with self.timing:
             offloads = self.manager.take_boundary_state_offloads()
         return {
-            rid: [[int(g), int(b), int(n)] for g, b, n in offloads[rid]] for rid in sorted(offloads)
+            rid: [[int(g), int(b), int(n)] for g, b, n in offloads[rid]]
+            for rid in sorted(offloads)
         }
 
     def op_finalize_partial_tail_offloads(self, args: Mapping[str, Any]) -> Any:
@@ -605,7 +605,9 @@ def resolve_adapter(name: str) -> Adapter:
     return Adapter(name, target, getattr(module, "__version__", None))
 
 
-def make_side(name: str, config: ManagerConfig, hash_seed: str = "0", states: bool = True) -> Side:
+def make_side(
+    name: str, config: ManagerConfig, hash_seed: str = "0", states: bool = True
+) -> Side:
     """A fresh side for implementation ``name`` (see ``resolve_adapter``); ``states``:
     whether its abstract states will be read (below level ``exact`` they are not)."""
     return resolve_adapter(name).side(config, hash_seed, states)
