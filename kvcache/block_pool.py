@@ -39,9 +39,9 @@ from kvcache.kv_events import (
     LookaheadBlockStored,
     in_vocabulary,
 )
+from kvcache.profile import Profile, resolve_profile
 
 if TYPE_CHECKING:
-    from kvcache.profile import Profile
     from kvcache.request import Request
 
 
@@ -247,6 +247,9 @@ class BlockPool:
             kvcache's dataclasses. A manager sets it when it is built from vLLM's
             objects (``kv_events.built_from_vllm``), so vLLM's publisher can send
             its events; each pool keeps the vocabulary it was built with.
+        profile: Keyword only: the release whose pool switches it follows
+            (``kvcache.profile``; None: the default release). It reads
+            ``mm_keys_by_window`` and ``event_session_id``, under those names.
 
     vLLM 0.33.0's HiSparse additions (used only by HiSparse layouts): ``unpin_blocks``
     (a reference dropped while the block stays readable until the pool reuses it,
@@ -265,6 +268,7 @@ class BlockPool:
         medium: str = MEDIUM_GPU,
         *,
         vllm_events: bool = False,
+        profile: Profile | None = None,
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
@@ -285,14 +289,16 @@ class BlockPool:
         self.vllm_events = vllm_events
         self.kv_event_queue: list[KVCacheEvent] = []
         self.metrics_collector: Any = metrics_collector
-        # The mm_keys_by_window switch (kvcache.profile), set by the KVCacheManager.
-        self.mm_keys_by_window = False
+        # The release this pool and every manager built over it follow.
+        profile = resolve_profile(profile)
+        self.profile = profile
+        self.mm_keys_by_window = profile.mm_keys_by_window
         # Tokens after each block its hash covers (vLLM 0.33.0's lookahead hashing; 0
         # in 0.25.1), set by the KVCacheManager: events report them and key the window.
         self.num_hash_lookahead_tokens = 0
-        # The event_session_id switch (kvcache.profile): BlockStored events are vLLM
-        # 0.33.0's (kvcache.vllm_0_33.BlockStored) and carry the request's session_id.
-        self.event_session_id = False
+        # BlockStored events are vLLM 0.33.0's (kvcache.vllm_0_33.BlockStored) and
+        # carry the request's session_id.
+        self.event_session_id = profile.event_session_id
         self.medium = medium
         # HiSparse (vLLM 0.33.0): block id -> what to tell when the pool hands out
         # that block again (blocks released with unpin_blocks), ...
@@ -301,12 +307,6 @@ class BlockPool:
         # take_events drains the queue in place), and those pools.
         self._queue_shared = False
         self._sharing_pools: list[BlockPool] = []
-
-    def apply_profile(self, profile: Profile) -> None:
-        """Take the release switches the pool reads (``mm_keys_by_window``,
-        ``event_session_id``) from ``profile`` (``kvcache.profile``)."""
-        self.mm_keys_by_window = profile.mm_keys_by_window
-        self.event_session_id = profile.event_session_id
 
     # ------------------------------------------------------------ lookups
 

@@ -22,6 +22,7 @@ from kvcache.kv_cache_interface import (
     is_dcp_sharded,
     is_prefix_cacheable,
     is_spec_kind,
+    needs_kv_cache_zeroing,
 )
 from kvcache.kv_cache_math import cdiv
 from kvcache.kv_cache_utils import (
@@ -32,9 +33,11 @@ from kvcache.kv_cache_utils import (
     trim_null_head,
 )
 from kvcache.kv_events import built_from_vllm
+from kvcache.profile import Profile, resolve_profile
 from kvcache.single_type_kv_cache_manager import (
     CrossAttentionManager,
     FullAttentionManager,
+    MambaManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
@@ -213,11 +216,6 @@ class KVCacheCoordinator:
         dcp_world_size: Decode context parallel size (each group's block spans
             ``block_size * dcp * pcp`` tokens; one group only under caching).
         pcp_world_size: Prefill context parallel size (likewise).
-        pcp_not_scaled: The ``pcp_not_scaled`` switch (``kvcache.profile``): a block
-            spans ``block_size * dcp`` tokens.
-        dcp_sharded_geometry: The ``dcp_sharded_geometry`` switch: only sharded
-            specs take the world sizes (``group_world_sizes``), and several
-            caching groups accept context parallelism by 0.33.0's rules.
         scheduler_block_size: Scheduling granularity, a multiple of every group's
             block size and of ``hash_block_size``.
         hash_block_size: Granularity of request block hashes.
@@ -225,6 +223,22 @@ class KVCacheCoordinator:
         prefix_cache_retention_interval: Sparse caching of sliding-window and Mamba
             groups (``resolve_prefix_cache_retention_interval``); by default read from
             ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``, as vLLM does.
+        profile: Keyword only: the vLLM release to follow (``kvcache.profile``;
+            None: the default release), handed on to the pool, which every group's
+            manager is built over. The coordinator reads its own switches under
+            their names: ``pcp_not_scaled`` (a block spans ``block_size * dcp``
+            tokens), ``dcp_sharded_geometry`` (only sharded specs take the world
+            sizes, ``group_world_sizes``, and several caching groups accept context
+            parallelism by 0.33.0's rules), ``pop_drops_null_head``,
+            ``trim_every_full_group``, ``eagle_peek_to_hashed_length``,
+            ``mamba_no_eagle_margin``, ``retention_replay_boundaries``; and at
+            construction ``eagle_master_switch`` (without ``use_eagle`` no group is
+            an EAGLE group), ``mamba_align_only``, ``mamba_prompt_tail_state`` and,
+            in hybrid layouts, ``mamba_fine_grained_hits``.
+
+    Raises:
+        AssertionError: a Mamba group caching outside 'align' mode under
+            ``mamba_align_only`` (vLLM 0.33.0 asserts too).
     """
 
     def __init__(
@@ -242,8 +256,7 @@ class KVCacheCoordinator:
         metrics_collector: Any = None,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
-        pcp_not_scaled: bool = False,
-        dcp_sharded_geometry: bool = False,
+        profile: Profile | None = None,
     ) -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size != 0 or any(
@@ -258,6 +271,8 @@ class KVCacheCoordinator:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.scheduler_block_size = scheduler_block_size
+        profile = resolve_profile(profile)
+        self.profile = profile
         self.block_pool = BlockPool(
             num_gpu_blocks=kv_cache_config.num_blocks,
             enable_caching=enable_caching,
@@ -265,13 +280,20 @@ class KVCacheCoordinator:
             enable_kv_cache_events=enable_kv_cache_events,
             metrics_collector=metrics_collector,
             vllm_events=built_from_vllm(kv_cache_config),  # vLLM's config: vLLM's events
+            profile=profile,
         )
         self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:
             # No group is marked: treat them all as EAGLE groups.
             self.eagle_group_ids = set(range(len(groups)))
-        self.pcp_not_scaled = pcp_not_scaled
-        self.dcp_sharded_geometry = dcp_sharded_geometry
+        elif profile.eagle_master_switch and not use_eagle:
+            # The groups' marks count only under use_eagle.
+            self.eagle_group_ids = set()
+        self.pcp_not_scaled = profile.pcp_not_scaled
+        self.dcp_sharded_geometry = profile.dcp_sharded_geometry
+        # Whether fresh blocks are reported for zeroing depends on the layout too
+        # (vLLM 0.33.0's KVCacheConfig.needs_kv_cache_zeroing): each manager is told.
+        self.needs_kv_cache_zeroing = needs_kv_cache_zeroing(kv_cache_config)
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             self._build_manager(
                 g.kv_cache_spec,
@@ -297,14 +319,14 @@ class KVCacheCoordinator:
         self.retention_interval = resolve_prefix_cache_retention_interval(
             prefix_cache_retention_interval, scheduler_block_size, kv_cache_config
         )
-        # Release-profile switches (kvcache.profile), set by the KVCacheManager.
-        self.pop_drops_null_head = False
-        self.trim_every_full_group = False
-        self.eagle_peek_to_hashed_length = False
-        self.mamba_no_eagle_margin = False
+        self.pop_drops_null_head = profile.pop_drops_null_head
+        self.trim_every_full_group = profile.trim_every_full_group
+        self.eagle_peek_to_hashed_length = profile.eagle_peek_to_hashed_length
+        self.mamba_no_eagle_margin = profile.mamba_no_eagle_margin
+        self.retention_replay_boundaries = profile.retention_replay_boundaries
         # mamba_fine_grained_hits in effect (vLLM 0.33.0's name; hybrid layouts only).
         self.enable_partial_hash_hits = False
-        self.retention_replay_boundaries = False
+        self._check_mamba_groups(use_eagle)
         # Computed tokens a multi-module drafter re-prefills, so not cached yet (vLLM
         # 0.33.0's num_prefill_lookahead - 1; 0 in 0.25.1), set by the KVCacheManager.
         self.num_reprefillable_tokens = 0
@@ -351,9 +373,33 @@ class KVCacheCoordinator:
             dcp_world_size=dcp,
             pcp_world_size=1 if self.pcp_not_scaled else pcp,
             scheduler_block_size=scheduler_block_size,
+            needs_kv_cache_zeroing=self.needs_kv_cache_zeroing,
         )
         manager.pcp_world_size = pcp
         return manager
+
+    def _check_mamba_groups(self, use_eagle: bool) -> None:
+        """The release's Mamba rules that depend on the whole layout: refuse a Mamba
+        group caching outside 'align' under ``mamba_align_only``; under
+        ``mamba_prompt_tail_state`` with ``use_eagle`` the prompt-tail state and the
+        prefill checkpoints drop one hash block, as EAGLE's replay does (vLLM 0.33.0's
+        coordinator sets the managers' ``drop_eagle_checkpoint_block`` likewise).
+
+        Raises:
+            AssertionError: a Mamba group in mode 'all' or 'none' with caching on
+                under ``mamba_align_only`` (vLLM 0.33.0 asserts too).
+        """
+        profile = self.profile
+        for manager in self.single_type_managers:
+            if not isinstance(manager, MambaManager):
+                continue
+            mode = manager.mamba_cache_mode
+            if profile.mamba_align_only and manager.enable_caching and mode != "align":
+                raise AssertionError(
+                    f"mamba_cache_mode={mode!r} with prefix caching on: under "
+                    f"{profile!r} Mamba groups cache only in 'align' mode"
+                )
+            manager.drop_eagle_checkpoint_block = profile.mamba_prompt_tail_state and use_eagle
 
     def get_num_blocks_to_allocate(
         self,
@@ -560,16 +606,6 @@ class KVCacheCoordinator:
         for manager in self.single_type_managers:
             manager.new_step_starts()
 
-    def clear_eagle_groups(self) -> None:
-        """Make no group an EAGLE group (the ``eagle_master_switch`` switch with
-        ``use_eagle`` off: groups marked ``is_eagle_group`` drop no hit block then)."""
-        self.eagle_group_ids = set()
-        for manager in self.single_type_managers:
-            manager.use_eagle = False
-        self._eagle_groups_changed()
-
-    def _eagle_groups_changed(self) -> None:
-        """Recompute what depends on ``eagle_group_ids`` (subclasses that cache it)."""
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -590,8 +626,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         metrics_collector: Any = None,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
-        pcp_not_scaled: bool = False,
-        dcp_sharded_geometry: bool = False,
+        profile: Profile | None = None,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -606,8 +641,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
-            pcp_not_scaled=pcp_not_scaled,
-            dcp_sharded_geometry=dcp_sharded_geometry,
+            profile=profile,
         )
         self.num_single_type_manager = len(self.single_type_managers)
 
@@ -641,8 +675,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         metrics_collector: Any = None,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
-        pcp_not_scaled: bool = False,
-        dcp_sharded_geometry: bool = False,
+        profile: Profile | None = None,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -657,8 +690,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
-            pcp_not_scaled=pcp_not_scaled,
-            dcp_sharded_geometry=dcp_sharded_geometry,
+            profile=profile,
         )
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
@@ -680,9 +712,9 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 f"{self.block_size} of the only KV-cache group (its spec's block size "
                 f"{self.kv_cache_spec.block_size} times dcp_world_size={dcp_world_size} "
                 f"and pcp_world_size={pcp_world_size}"
-                + (", which does not scale blocks)" if pcp_not_scaled else ")")
+                + (", which does not scale blocks)" if self.pcp_not_scaled else ")")
             )
-            if pcp_not_scaled or dcp_sharded_geometry:
+            if self.pcp_not_scaled or self.dcp_sharded_geometry:
                 raise AssertionError(message)  # vLLM 0.33.0 asserts
             raise ValueError(message)
         manager.use_eagle = 0 in self.eagle_group_ids
@@ -692,14 +724,11 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         # kinds' finders still get the pcp size they refuse.
         self._lookup_pcp_world_size = (
             1
-            if pcp_not_scaled and issubclass(self._manager_cls, FullAttentionManager)
+            if self.pcp_not_scaled and issubclass(self._manager_cls, FullAttentionManager)
             else pcp_world_size
         )
         self._drop_eagle_block = 0 in self.eagle_group_ids
         self._group_ids = [0]
-
-    def _eagle_groups_changed(self) -> None:
-        self._drop_eagle_block = 0 in self.eagle_group_ids
 
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
@@ -786,8 +815,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         metrics_collector: Any = None,
         *,
         prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
-        pcp_not_scaled: bool = False,
-        dcp_sharded_geometry: bool = False,
+        profile: Profile | None = None,
     ) -> None:
         super().__init__(
             kv_cache_config,
@@ -802,10 +830,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
-            pcp_not_scaled=pcp_not_scaled,
-            dcp_sharded_geometry=dcp_sharded_geometry,
+            profile=profile,
         )
-        if dcp_sharded_geometry:
+        if self.dcp_sharded_geometry:
             check_hybrid_context_parallel(kv_cache_config, dcp_world_size, pcp_world_size)
         elif dcp_world_size != 1 or pcp_world_size != 1:
             raise ContextParallelError(
@@ -829,9 +856,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             )
         self.num_uncached_common_prefix_tokens = 0
         self.verify_and_split_kv_cache_groups()
-
-    def _eagle_groups_changed(self) -> None:
-        self.verify_and_split_kv_cache_groups()
+        if self.profile.mamba_fine_grained_hits:
+            self.enable_fine_grained_hits()
 
     @property
     def _cache_hit_alignment_tokens(self) -> int:
@@ -1147,8 +1173,7 @@ def get_kv_cache_coordinator(
     metrics_collector: Any = None,
     *,
     prefix_cache_retention_interval: int | str | None = RETENTION_FROM_ENV,
-    pcp_not_scaled: bool = False,
-    dcp_sharded_geometry: bool = False,
+    profile: Profile | None = None,
 ) -> KVCacheCoordinator:
     """Pick the coordinator for this config (see the module docstring).
 
@@ -1175,8 +1200,7 @@ def get_kv_cache_coordinator(
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
-            pcp_not_scaled=pcp_not_scaled,
-            dcp_sharded_geometry=dcp_sharded_geometry,
+            profile=profile,
         )
     if len(kv_cache_config.kv_cache_groups) == 1:
         return UnitaryKVCacheCoordinator(
@@ -1192,8 +1216,7 @@ def get_kv_cache_coordinator(
             hash_block_size,
             metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
-            pcp_not_scaled=pcp_not_scaled,
-            dcp_sharded_geometry=dcp_sharded_geometry,
+            profile=profile,
         )
     return HybridKVCacheCoordinator(
         kv_cache_config,
@@ -1208,6 +1231,5 @@ def get_kv_cache_coordinator(
         hash_block_size,
         metrics_collector,
         prefix_cache_retention_interval=prefix_cache_retention_interval,
-        pcp_not_scaled=pcp_not_scaled,
-        dcp_sharded_geometry=dcp_sharded_geometry,
+        profile=profile,
     )

@@ -14,7 +14,6 @@ from mypy_extensions import mypyc_attr
 
 from kvcache.kv_cache_coordinator import (
     RETENTION_FROM_ENV,
-    HybridKVCacheCoordinator,
     get_kv_cache_coordinator,
     has_windowed_group,
     resolve_prefix_cache_retention_interval,
@@ -26,8 +25,6 @@ from kvcache.kv_cache_interface import (
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
     is_spec_kind,
-    needs_kv_cache_zeroing,
-    records_blocks_for_zeroing,
 )
 from kvcache.kv_cache_math import admits, cdiv
 from kvcache.kv_cache_utils import KVCacheBlock, check_num_hash_lookahead_tokens
@@ -35,7 +32,6 @@ from kvcache.kv_events import BlockStored, KVCacheEvent
 from kvcache.metrics import PrefixCacheStats
 from kvcache.profile import Profile, resolve_profile
 from kvcache.request import Request, RequestStatus
-from kvcache.single_type_kv_cache_manager import MambaManager
 
 logger = logging.getLogger(__name__)
 
@@ -365,8 +361,7 @@ class KVCacheManager:
             hash_block_size=hash_block_size,
             metrics_collector=metrics_collector,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
-            pcp_not_scaled=self.profile.pcp_not_scaled,
-            dcp_sharded_geometry=self.profile.dcp_sharded_geometry,
+            profile=self.profile,
         )
         if zero_retention_ignored:
             self.coordinator.retention_interval = 0  # only full / chunked groups: no effect
@@ -396,7 +391,10 @@ class KVCacheManager:
         # set by the drop-in (kvcache.vllm_0_33) for one call.
         self.skip_zeroing_group_ids: tuple[int, ...] = ()
         self.stats_at_admission = self.profile.stats_at_admission
-        self._apply_profile()
+        self.adopt_computed_without_new_tokens = self.profile.adopt_computed_without_new_tokens
+        self.free_on_processed_tokens = self.profile.free_on_processed_tokens
+        self.cascade_always_zero = self.profile.cascade_always_zero
+        self.mamba_prefill_checkpoints = self.profile.mamba_prefill_checkpoints
         self.block_pool.num_hash_lookahead_tokens = self.num_hash_lookahead_tokens
         self.coordinator.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
         if os.environ.get(SELF_CHECK_ENV, "0") not in ("", "0"):
@@ -671,60 +669,6 @@ class KVCacheManager:
         ``Request.num_in_flight_tokens``; 0 for a request without it)."""
         in_flight: int = getattr(request, "num_in_flight_tokens", 0) or 0
         return max(0, total_computed_tokens - in_flight)
-
-    def _apply_profile(self) -> None:
-        """Copy the profile's switches into the manager, its coordinator and its
-        single-type managers, where the points of difference read them."""
-        profile = self.profile
-        self.adopt_computed_without_new_tokens = profile.adopt_computed_without_new_tokens
-        self.free_on_processed_tokens = profile.free_on_processed_tokens
-        self.cascade_always_zero = profile.cascade_always_zero
-        self.mamba_prefill_checkpoints = profile.mamba_prefill_checkpoints
-        coordinator = self.coordinator
-        coordinator.pop_drops_null_head = profile.pop_drops_null_head
-        coordinator.trim_every_full_group = profile.trim_every_full_group
-        coordinator.eagle_peek_to_hashed_length = profile.eagle_peek_to_hashed_length
-        coordinator.mamba_no_eagle_margin = profile.mamba_no_eagle_margin
-        coordinator.retention_replay_boundaries = profile.retention_replay_boundaries
-        coordinator.block_pool.apply_profile(profile)
-        for manager in coordinator.single_type_managers:
-            manager.apply_profile(profile)
-        if profile.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
-            coordinator.clear_eagle_groups()
-        zeroing = needs_kv_cache_zeroing(self.kv_cache_config)
-        if profile.new_block_ids_zeroing_only and not zeroing:
-            for manager in coordinator.single_type_managers:
-                manager.stop_tracking_new_block_ids()
-        if profile.zero_every_attention_group and zeroing:
-            for manager in coordinator.single_type_managers:
-                if records_blocks_for_zeroing(manager.kv_cache_spec):
-                    manager._tracks_new_block_ids = True
-        self._apply_mamba_profile(profile)
-        if profile.mamba_fine_grained_hits and isinstance(coordinator, HybridKVCacheCoordinator):
-            coordinator.enable_fine_grained_hits()
-
-    def _apply_mamba_profile(self, profile: Profile) -> None:
-        """The Mamba switches: refuse a Mamba group that caches outside 'align'
-        (``mamba_align_only``), and set each Mamba manager's prompt-tail EAGLE drop
-        (``mamba_prompt_tail_state`` with ``use_eagle``; the managers' own switches
-        come from their ``apply_profile``).
-
-        Raises:
-            AssertionError: a Mamba group in mode 'all' or 'none' with caching on
-                under ``mamba_align_only`` (vLLM 0.33.0 asserts there too).
-        """
-        managers = self.coordinator.single_type_managers
-        for manager in managers:
-            if not isinstance(manager, MambaManager):
-                continue
-            if profile.mamba_align_only and manager.enable_caching:
-                mode = manager.mamba_cache_mode
-                if mode != "align":
-                    raise AssertionError(
-                        f"mamba_cache_mode={mode!r} with prefix caching on: under "
-                        f"{profile!r} Mamba groups cache only in 'align' mode"
-                    )
-            manager.drop_eagle_checkpoint_block = profile.mamba_prompt_tail_state and self.use_eagle
 
     def _reject_allocate_args(self, request: Request, **counts: int) -> None:
         """Raise the ValueError for bad ``allocate_slots`` counts (see there)."""

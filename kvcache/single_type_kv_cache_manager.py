@@ -123,6 +123,11 @@ class SingleTypeKVCacheManager:
         pcp_world_size: Prefill context parallel size (scales ``block_size``).
         max_admission_blocks_per_request: Admission cap for groups that recycle
             blocks (None: no cap).
+        needs_kv_cache_zeroing: Keyword only (vLLM 0.33.0's argument): whether the
+            layout zeroes fresh blocks, which decides with the release whether the
+            group reports them (``tracks_new_block_ids``).
+        profile: Keyword only: the release whose switches the manager reads, under
+            their own names (``kvcache.profile``); None: its pool's release.
     """
 
     #: Whether the kind finds hits ending inside a block (``find_fine_grained_hit``;
@@ -146,6 +151,9 @@ class SingleTypeKVCacheManager:
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
         max_admission_blocks_per_request: int | None = None,
+        *,
+        needs_kv_cache_zeroing: bool = False,
+        profile: Profile | None = None,
     ) -> None:
         check_world_size("dcp_world_size", dcp_world_size)
         check_world_size("pcp_world_size", pcp_world_size)
@@ -170,44 +178,34 @@ class SingleTypeKVCacheManager:
             type(self).get_num_skipped_tokens is (SingleTypeKVCacheManager.get_num_skipped_tokens)
             and type(self).remove_skipped_blocks is SingleTypeKVCacheManager.remove_skipped_blocks
         )
-        # Only attention groups that keep every token report fresh ids for zeroing
-        # (vLLM tests the exact class: subclasses such as sink attention do not).
-        self._tracks_new_block_ids = spec_exact_class_name(kv_cache_spec) in _TRACKING_SPECS
-        # The partial_prompt_tail_entries switch (kvcache.profile); full attention only.
-        self.caches_partial_prompt_tail = False
+        # The release's switches this manager reads, under their names (kvcache.profile):
+        # by default the release of the pool it is built over.
+        if profile is None:
+            profile = block_pool.profile
+        self.profile = profile
+        self._tracks_new_block_ids = tracks_new_block_ids(
+            kv_cache_spec, profile, needs_kv_cache_zeroing
+        )
+        # Full attention (and its variants) only.
+        self.partial_prompt_tail_entries = profile.partial_prompt_tail_entries
         # Where hits may end (vLLM 0.33.0's name): the scheduler block, or the hash
         # block under mamba_fine_grained_hits (set by the hybrid coordinator).
         self.cache_hit_alignment_tokens = scheduler_block_size
-        # The partial_hit_copy_on_write switch (kvcache.profile): a hit ending inside
-        # a block is copied on write. Per request, the index and block of the hit's
-        # last block until allocate_new_blocks copies it; the (source, copy) pairs
-        # until take_pending_cow_copies.
-        self.copies_partial_hits = False
+        # A hit ending inside a block is copied on write. Per request, the index and
+        # block of the hit's last block until allocate_new_blocks copies it; the
+        # (source, copy) pairs until take_pending_cow_copies.
+        self.partial_hit_copy_on_write = profile.partial_hit_copy_on_write
         self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
         self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
-        # The shared_prefix_junctions switch: under sparse retention also keep the
-        # tail before the request's shared_prefix_boundary (vLLM 0.33.0's Request).
-        self.keeps_shared_prefix_junction = False
-        # The cache_within_hashed_tokens switch (kvcache.profile).
-        self.caches_within_hashed_tokens = False
-        # The external_blocks_floor_zero switch (kvcache.profile).
-        self.external_blocks_floor_zero = False
+        # Under sparse retention also keep the tail before the request's
+        # shared_prefix_boundary (vLLM 0.33.0's Request).
+        self.shared_prefix_junctions = profile.shared_prefix_junctions
+        self.cache_within_hashed_tokens = profile.cache_within_hashed_tokens
+        self.external_blocks_floor_zero = profile.external_blocks_floor_zero
         # Boundary states handed to a KV connector (vLLM 0.33.0): (request id, group
         # id, block, tokens its state covers), until take_pending_boundary_state_offloads.
         # Only Mamba 'align' under mamba_prefill_checkpoints records any.
         self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
-
-    def apply_profile(self, profile: Profile) -> None:
-        """Take the release switches this manager reads from ``profile``
-        (``kvcache.profile``): ``cache_within_hashed_tokens``,
-        ``external_blocks_floor_zero``, ``partial_hit_copy_on_write`` and
-        ``shared_prefix_junctions``. Kinds with switches of their own override this
-        and call the base class first. ``KVCacheManager`` calls it on every manager
-        it builds; the 0.33 drop-in's managers call it at construction."""
-        self.caches_within_hashed_tokens = profile.cache_within_hashed_tokens
-        self.external_blocks_floor_zero = profile.external_blocks_floor_zero
-        self.copies_partial_hits = profile.partial_hit_copy_on_write
-        self.keeps_shared_prefix_junction = profile.shared_prefix_junctions
 
     # ------------------------------------------------------------ sizing
 
@@ -236,7 +234,7 @@ class SingleTypeKVCacheManager:
             num_tokens_main_model: ``num_tokens`` without lookahead (spec decode).
             apply_admission_cap: Apply the per-request admission cap (admission gate only).
             num_local_computed_tokens: Computed plus hit tokens (vLLM 0.33.0's argument):
-                under ``copies_partial_hits`` a hit ending inside a block needs one
+                under ``partial_hit_copy_on_write`` a hit ending inside a block needs one
                 more block, its copy.
             prefill_end: Where the request's prefill ends (vLLM 0.33.0's argument; 0:
                 anywhere): only Mamba prefill checkpoints read it.
@@ -264,7 +262,7 @@ class SingleTypeKVCacheManager:
         for block in new_computed_blocks[first_kept:]:
             if block.ref_cnt == 0 and not block.is_null:
                 num_evictable += 1
-        if self.copies_partial_hits and self._has_partial_local_hit(
+        if self.partial_hit_copy_on_write and self._has_partial_local_hit(
             new_computed_blocks, num_local_computed_tokens
         ):
             num_new_blocks += 1
@@ -304,7 +302,7 @@ class SingleTypeKVCacheManager:
         req_blocks.extend([self._null_block] * num_skipped_blocks)
         req_blocks.extend(new_computed_blocks)
         self.num_cached_block[request_id] = len(req_blocks)
-        if self.copies_partial_hits and self._has_partial_local_hit(
+        if self.partial_hit_copy_on_write and self._has_partial_local_hit(
             new_computed_blocks, num_local_computed_tokens
         ):
             # The hit's last block is shared and only partly this request's: the next
@@ -350,7 +348,7 @@ class SingleTypeKVCacheManager:
     ) -> list[KVCacheBlock]:
         """Append fresh blocks until the request has ``num_tokens`` slots.
 
-        Under ``copies_partial_hits`` a hit that ended inside a block first gets
+        Under ``partial_hit_copy_on_write`` a hit that ended inside a block first gets
         that block replaced by a fresh copy (``_copy_partial_hit``).
 
         Returns:
@@ -410,19 +408,6 @@ class SingleTypeKVCacheManager:
         """Whether this group reports its newly allocated block ids (for zeroing)."""
         return self._tracks_new_block_ids
 
-    def set_needs_kv_cache_zeroing(self, needs_kv_cache_zeroing: bool) -> None:
-        """vLLM 0.33.0's rule for which groups report new block ids: with zeroing,
-        every attention kind but a circular buffer; without it, none
-        (``records_blocks_for_zeroing``)."""
-        self._tracks_new_block_ids = needs_kv_cache_zeroing and records_blocks_for_zeroing(
-            self.kv_cache_spec
-        )
-
-    def stop_tracking_new_block_ids(self) -> None:
-        """Record no new block ids from now on (the ``new_block_ids_zeroing_only``
-        switch of a layout that needs no zeroing)."""
-        self._tracks_new_block_ids = False
-
     def take_new_block_ids(self) -> list[int]:
         """Return and clear the ids allocated since the last call."""
         ids, self.new_block_ids = self.new_block_ids, []
@@ -442,18 +427,18 @@ class SingleTypeKVCacheManager:
         Under sparse retention (``retention_interval`` not None) windowed kinds keep
         the tails before ``replay_boundaries`` (token positions a replay of the prompt
         resumes at, chosen by the coordinator; None: 0.25.1's ``num_prompt_tokens - 1``)
-        and, with ``keeps_shared_prefix_junction``, before the request's
+        and, with ``shared_prefix_junctions``, before the request's
         ``shared_prefix_boundary`` (one block lower too for an EAGLE group)."""
         request_id = request.request_id
         num_cached_blocks = self.num_cached_block.get(request_id, 0)
-        if self.caches_within_hashed_tokens:  # a block's hash may wait for its lookahead
+        if self.cache_within_hashed_tokens:  # a block's hash may wait for its lookahead
             num_hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
             num_tokens = min(num_tokens, num_hashed_tokens)
         num_full_blocks = num_tokens // self.block_size
         if num_cached_blocks >= num_full_blocks:
             return
         boundaries: Sequence[int] | None = replay_boundaries
-        if retention_interval is not None and self.keeps_shared_prefix_junction:
+        if retention_interval is not None and self.shared_prefix_junctions:
             junction: int = getattr(request, "shared_prefix_boundary", 0) or 0
             if junction:
                 if boundaries is None:
@@ -604,11 +589,6 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     supports_fine_grained_hash_lookup: ClassVar[bool] = True
 
-    def apply_profile(self, profile: Profile) -> None:
-        """The base class's switches, and ``partial_prompt_tail_entries``."""
-        SingleTypeKVCacheManager.apply_profile(self, profile)
-        self.caches_partial_prompt_tail = profile.partial_prompt_tail_entries
-
     @classmethod
     def find_longest_cache_hit(
         cls,
@@ -709,10 +689,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         retention_interval: int | None = None,
         replay_boundaries: Sequence[int] | None = None,
     ) -> None:
-        """Cache the full blocks, then (``caches_partial_prompt_tail``) the prompt's
+        """Cache the full blocks, then (``partial_prompt_tail_entries``) the prompt's
         tail that ends inside a block."""
         super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
-        if self.caches_partial_prompt_tail:
+        if self.partial_prompt_tail_entries:
             self.cache_partial_prompt_tail(request, num_tokens)
 
     def cache_partial_prompt_tail(self, request: Request, num_tokens: int) -> None:
@@ -779,6 +759,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
         max_admission_blocks_per_request: int | None = None,
+        *,
+        needs_kv_cache_zeroing: bool = False,
+        profile: Profile | None = None,
     ) -> None:
         # NOTE: explicit arguments, not **kwargs: mypyc-compiled code forwarding
         # **kwargs to super().__init__ passes them wrongly.
@@ -791,6 +774,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             dcp_world_size,
             pcp_world_size,
             max_admission_blocks_per_request,
+            needs_kv_cache_zeroing=needs_kv_cache_zeroing,
+            profile=profile,
         )
         self.sliding_window = kv_cache_spec.sliding_window
 
@@ -928,6 +913,9 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
         max_admission_blocks_per_request: int | None = None,
+        *,
+        needs_kv_cache_zeroing: bool = False,
+        profile: Profile | None = None,
     ) -> None:
         # NOTE: explicit arguments, not **kwargs: mypyc-compiled code forwarding
         # **kwargs to super().__init__ passes them wrongly.
@@ -940,6 +928,8 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
             dcp_world_size,
             pcp_world_size,
             max_admission_blocks_per_request,
+            needs_kv_cache_zeroing=needs_kv_cache_zeroing,
+            profile=profile,
         )
         self.attention_chunk_size = kv_cache_spec.attention_chunk_size
 
@@ -1008,6 +998,9 @@ class MambaManager(SingleTypeKVCacheManager):
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
         max_admission_blocks_per_request: int | None = None,
+        *,
+        needs_kv_cache_zeroing: bool = False,
+        profile: Profile | None = None,
     ) -> None:
         # NOTE: explicit arguments, not **kwargs: mypyc-compiled code forwarding
         # **kwargs to super().__init__ passes them wrongly.
@@ -1020,59 +1013,48 @@ class MambaManager(SingleTypeKVCacheManager):
             dcp_world_size,
             pcp_world_size,
             max_admission_blocks_per_request,
+            needs_kv_cache_zeroing=needs_kv_cache_zeroing,
+            profile=profile,
         )
         self.cached_blocks_this_step: set[BlockHash] = set()
         self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
         self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
         self.last_state_block_idx: dict[str, int] = {}
         self._allocated_block_reqs: set[str] = set()
-        # Release switches (kvcache.profile), set by apply_profile.
-        self.frees_processed_states = False
-        self.caps_new_state_blocks = False
-        self.caches_prompt_tail_state = False
+        # The release's Mamba switches (kvcache.profile).
+        profile = self.profile
+        self.mamba_frees_processed_states = profile.mamba_frees_processed_states
+        self.mamba_caps_new_state_blocks = profile.mamba_caps_new_state_blocks
+        self.mamba_prompt_tail_state = profile.mamba_prompt_tail_state
         # vLLM 0.33.0's name: the prompt-tail state and the prefill checkpoints drop
         # one hash block, as EAGLE's replay does (the manager's use_eagle, with the
         # mamba_prompt_tail_state switch; vLLM's own tests set it directly).
         self.drop_eagle_checkpoint_block = False
         # The mamba_prefill_checkpoints switch, and whether this group takes
         # checkpoints (the switch, 'align' mode and checkpoint blocks in the spec).
-        self.makes_prefill_checkpoints = False
-        self.has_prefill_checkpoint_blocks = False
+        self.mamba_prefill_checkpoints = profile.mamba_prefill_checkpoints
+        self.has_prefill_checkpoint_blocks = (
+            self.mamba_prefill_checkpoints
+            and self.mamba_cache_mode == "align"
+            and getattr(kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
+        )
         # Per request: the prefill checkpoint (token position, block index) the last
         # sizing reserved, until the next sizing or the request is freed.
         self._checkpoints: dict[str, tuple[int, int]] = {}
         # Boundary-state offloads (vLLM 0.33.0, with mamba_prefill_checkpoints): record
         # each state this group caches for a KV connector, and per request its own
         # partial prompt-tail state (block, tokens) until a copy or its end hands it on.
-        self.offers_boundary_states = False
+        self.offers_boundary_states = (
+            self.mamba_prefill_checkpoints and self.mamba_cache_mode == "align"
+        )
         self._producer_partial_tail_reqs: dict[str, tuple[KVCacheBlock, int]] = {}
         # vLLM 0.33.0's enable_mamba_shared_prefix_checkpoint, narrowed by the 0.33
         # drop-in's manager (EAGLE, fine-grained hits, no re-prefilled tail): also key
         # the state at the request's shared_prefix_boundary inside its prompt.
         self.shared_prefix_checkpoint = False
-        # Align mode under frees_processed_states: per request, the block index
+        # Align mode under mamba_frees_processed_states: per request, the block index
         # below which every skipped state has been retired (freed or null).
         self._num_retired_blocks: dict[str, int] = {}
-
-    def apply_profile(self, profile: Profile) -> None:
-        """The base class's switches, and the Mamba state switches
-        (``mamba_frees_processed_states``, ``mamba_caps_new_state_blocks``,
-        ``mamba_prompt_tail_state``, ``mamba_prefill_checkpoints``).
-        ``drop_eagle_checkpoint_block`` depends on the manager's EAGLE setting and is
-        set by ``KVCacheManager``."""
-        SingleTypeKVCacheManager.apply_profile(self, profile)
-        self.frees_processed_states = profile.mamba_frees_processed_states
-        self.caps_new_state_blocks = profile.mamba_caps_new_state_blocks
-        self.caches_prompt_tail_state = profile.mamba_prompt_tail_state
-        self.makes_prefill_checkpoints = profile.mamba_prefill_checkpoints
-        self.offers_boundary_states = (
-            profile.mamba_prefill_checkpoints and self.mamba_cache_mode == "align"
-        )
-        self.has_prefill_checkpoint_blocks = (
-            profile.mamba_prefill_checkpoints
-            and self.mamba_cache_mode == "align"
-            and getattr(self.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
-        )
 
     @classmethod
     def find_longest_cache_hit(
@@ -1174,11 +1156,11 @@ class MambaManager(SingleTypeKVCacheManager):
 
         NOTE: as in vLLM 0.25.1, ``num_speculative_blocks`` is subtracted from the
         token count so possibly-rejected draft tokens never free a needed state.
-        Under ``frees_processed_states`` (0.33.0) the caller's count is the
+        Under ``mamba_frees_processed_states`` (0.33.0) the caller's count is the
         processed tokens already, nothing is subtracted, and align mode retires
         skipped states past null gaps (``_retire_skipped_states``).
         """
-        if self.frees_processed_states:
+        if self.mamba_frees_processed_states:
             num_computed_tokens = total_computed_tokens
             if self.mamba_cache_mode == "align":
                 self._retire_skipped_states(request_id, num_computed_tokens)
@@ -1197,7 +1179,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 blocks[idx] = self._null_block
 
     def _retire_skipped_states(self, request_id: str, num_computed_tokens: int) -> None:
-        """Align mode under ``frees_processed_states``: free every live state before
+        """Align mode under ``mamba_frees_processed_states``: free every live state before
         the latest, from where the last call stopped, right to left, skipping the
         null gaps prefill leaves between states (0.25.1's scan stops at the first
         null), and remember how far the retirement got."""
@@ -1234,7 +1216,7 @@ class MambaManager(SingleTypeKVCacheManager):
     ) -> int:
         """As the base class, plus speculative blocks; align mode needs at most
         one new state (plus speculative blocks on first prefill), and one more for
-        the copy of a state that ends inside its block (``copies_partial_hits``: a
+        the copy of a state that ends inside its block (``partial_hit_copy_on_write``: a
         hit there, or the request's own prompt-tail entry). A hit on a state
         cached this step reports more blocks than the pool has, deferring the
         request to the next step.
@@ -1273,7 +1255,7 @@ class MambaManager(SingleTypeKVCacheManager):
             request_id in self._allocated_block_reqs,
         )
         checkpoint_block = 0
-        if self.makes_prefill_checkpoints:
+        if self.mamba_prefill_checkpoints:
             position = 0
             if self.has_prefill_checkpoint_blocks:
                 position = self._prefill_checkpoint(
@@ -1286,11 +1268,11 @@ class MambaManager(SingleTypeKVCacheManager):
                     self._checkpoints[request_id] = (position, column)
                 elif self._checkpoints:
                     self._checkpoints.pop(request_id, None)
-        if self.caps_new_state_blocks and num_new_blocks > 0:
+        if self.mamba_caps_new_state_blocks and num_new_blocks > 0:
             num_new_blocks = self._capped_new_state_blocks(
                 request_id, num_tokens_main_model, len(new_computed_blocks), checkpoint_block
             )
-        if self.copies_partial_hits and (
+        if self.partial_hit_copy_on_write and (
             request_id in self._partial_hit_reqs
             or self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens)
         ):
@@ -1303,7 +1285,7 @@ class MambaManager(SingleTypeKVCacheManager):
     def _capped_new_state_blocks(
         self, request_id: str, num_tokens_main_model: int, num_hits: int, checkpoint_block: int
     ) -> int:
-        """Under ``caps_new_state_blocks`` (0.33.0): align mode's shortfall capped at
+        """Under ``mamba_caps_new_state_blocks`` (0.33.0): align mode's shortfall capped at
         one state block (plus a prefill checkpoint's block, and the speculative
         blocks on the first allocation), where 0.25.1 reports the cap itself
         whenever anything is short."""
@@ -1317,7 +1299,7 @@ class MambaManager(SingleTypeKVCacheManager):
     def _new_state_blocks_with_copy(
         self, request_id: str, num_tokens_main_model: int, num_hits: int, checkpoint_block: int
     ) -> int:
-        """Under ``copies_partial_hits``: align mode's shortfall (at least 0) plus the
+        """Under ``partial_hit_copy_on_write``: align mode's shortfall (at least 0) plus the
         copy of a state ending inside its block, capped at two blocks (plus a
         prefill checkpoint's block, and the speculative blocks on the first
         allocation)."""
@@ -1380,7 +1362,7 @@ class MambaManager(SingleTypeKVCacheManager):
         previous speculative blocks forward, and records the previous state's
         index so ``remove_skipped_blocks`` frees it one step later.
 
-        Under ``copies_partial_hits`` a state ending inside its block also gets a
+        Under ``partial_hit_copy_on_write`` a state ending inside its block also gets a
         fresh copy: a new request's hit block is replaced by it (as the base
         class), while a running request's own prompt-tail entry moves to it (the
         request keeps writing into its block; the copy is hittable next step).
@@ -1398,7 +1380,7 @@ class MambaManager(SingleTypeKVCacheManager):
         partial = self._partial_hit_reqs.pop(request_id, None) if self._partial_hit_reqs else None
         checkpoint_block = int(bool(self._checkpoints) and request_id in self._checkpoints)
         if num_required_blocks <= len(req_blocks) and partial is None and not checkpoint_block:
-            if self.frees_processed_states:  # 0.33.0: allocated, even with nothing new
+            if self.mamba_frees_processed_states:  # 0.33.0: allocated, even with nothing new
                 self._allocated_block_reqs.add(request_id)
             return []
         prev_len = len(req_blocks)
@@ -1461,15 +1443,15 @@ class MambaManager(SingleTypeKVCacheManager):
         """Align mode: move the speculative block at ``block_idx`` to the table's end
         (it becomes the next step's scratch block) and leave the null block in its place.
 
-        Under ``frees_processed_states`` (0.33.0) the block must be writable by this
+        Under ``mamba_frees_processed_states`` (0.33.0) the block must be writable by this
         request alone: not the null block, one reference, no hash.
 
         Raises:
-            AssertionError: under ``frees_processed_states``, the block at
+            AssertionError: under ``mamba_frees_processed_states``, the block at
                 ``block_idx`` is shared, cached or null (vLLM 0.33.0 asserts).
         """
         block = req_blocks[block_idx]
-        if self.frees_processed_states and (
+        if self.mamba_frees_processed_states and (
             block.is_null or block.ref_cnt != 1 or block._hash is not None
         ):
             raise AssertionError(
@@ -1514,7 +1496,7 @@ class MambaManager(SingleTypeKVCacheManager):
         before = self.num_cached_block.get(request.request_id, 0)
         super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
         after = self.num_cached_block.get(request.request_id, 0)
-        if self.caches_prompt_tail_state and self.mamba_cache_mode == "align":
+        if self.mamba_prompt_tail_state and self.mamba_cache_mode == "align":
             key = self._cache_partial_tail_block(request, num_tokens, retention_interval)
             if key is not None:
                 self.cached_blocks_this_step.add(get_block_hash(key))
@@ -1595,13 +1577,13 @@ class MambaManager(SingleTypeKVCacheManager):
     def _cache_prompt_tail_state(
         self, request: Request, num_tokens: int
     ) -> BlockHashWithGroupId | None:
-        """Under ``caches_prompt_tail_state`` (0.33.0, 'align'): when ``num_tokens``
+        """Under ``mamba_prompt_tail_state`` (0.33.0, 'align'): when ``num_tokens``
         is the prompt's last reusable hash boundary, key the state block holding it
         there unless it already is (a state the pool lost, e.g. by ``evict_blocks``,
         is keyed again). The boundary leaves one token for the logits (or the
         lookahead tokens its hash covers, when more), or with EAGLE one whole hash
         block less. A boundary inside a block is keyed only under
-        ``copies_partial_hits``: the request then counts the block as not cached yet
+        ``partial_hit_copy_on_write``: the request then counts the block as not cached yet
         and its next allocation moves the entry to a copy. With
         ``shared_prefix_checkpoint`` the request's shared-prefix junction is keyed
         the same way (``_is_shared_prefix_junction``)."""
@@ -1619,7 +1601,7 @@ class MambaManager(SingleTypeKVCacheManager):
             self.shared_prefix_checkpoint and self._is_shared_prefix_junction(request, num_tokens)
         ):
             return None
-        if inside and not self.copies_partial_hits:
+        if inside and not self.partial_hit_copy_on_write:
             return None
         blocks = self.req_to_blocks[request.request_id]
         block_idx = cdiv(num_tokens, self.block_size) - 1
@@ -1751,6 +1733,9 @@ class RSWAManager(FullAttentionManager):
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
         max_admission_blocks_per_request: int | None = None,
+        *,
+        needs_kv_cache_zeroing: bool = False,
+        profile: Profile | None = None,
     ) -> None:
         # NOTE: explicit arguments, not **kwargs (mypyc forwards **kwargs wrongly).
         super().__init__(
@@ -1762,6 +1747,8 @@ class RSWAManager(FullAttentionManager):
             dcp_world_size,
             pcp_world_size,
             max_admission_blocks_per_request,
+            needs_kv_cache_zeroing=needs_kv_cache_zeroing,
+            profile=profile,
         )
         self.rswa_window: int = cast(Any, kv_cache_spec).rswa_window
 
@@ -1861,6 +1848,8 @@ class CircularBufferManager(FullAttentionManager):
         pcp_world_size: int = 1,
         max_admission_blocks_per_request: int | None = None,
         needs_kv_cache_zeroing: bool = False,
+        *,
+        profile: Profile | None = None,
     ) -> None:
         # NOTE: explicit arguments, not **kwargs (mypyc forwards **kwargs wrongly).
         super().__init__(
@@ -1872,6 +1861,8 @@ class CircularBufferManager(FullAttentionManager):
             dcp_world_size,
             pcp_world_size,
             max_admission_blocks_per_request,
+            needs_kv_cache_zeroing=needs_kv_cache_zeroing,
+            profile=profile,
         )
         self._tracks_new_block_ids = False
 
@@ -1963,7 +1954,24 @@ class CircularBufferManager(FullAttentionManager):
 _TRACKING_SPECS = frozenset(
     {"FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec", "HiddenStateCacheSpec"}
 )
-"""Spec classes whose groups report newly allocated block ids (for zeroing)."""
+"""Spec classes whose groups report newly allocated block ids (0.25.1's rule)."""
+
+
+def tracks_new_block_ids(
+    kv_cache_spec: KVCacheSpec, profile: Profile, needs_kv_cache_zeroing: bool
+) -> bool:
+    """Whether a group of ``kv_cache_spec`` reports its newly allocated block ids
+    (for zeroing) under ``profile``: in 0.25.1 the groups of the exact spec classes
+    ``_TRACKING_SPECS``, whatever the layout; under ``new_block_ids_zeroing_only``
+    none when the layout ``needs_kv_cache_zeroing`` is False; under
+    ``zero_every_attention_group`` every attention kind but a ring buffer when it
+    is True (``records_blocks_for_zeroing``)."""
+    by_class = spec_exact_class_name(kv_cache_spec) in _TRACKING_SPECS
+    if needs_kv_cache_zeroing and profile.zero_every_attention_group:
+        return by_class or records_blocks_for_zeroing(kv_cache_spec)
+    if not needs_kv_cache_zeroing and profile.new_block_ids_zeroing_only:
+        return False
+    return by_class
 
 _MANAGER_FOR_SPEC: dict[str, type[SingleTypeKVCacheManager]] = {
     "FullAttentionSpec": FullAttentionManager,

@@ -337,9 +337,8 @@ class BlockPool(_block_pool.BlockPool):
             )
         super().__init__(
             num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events,
-            metrics_collector, medium, vllm_events=vllm_events,
+            metrics_collector, medium, vllm_events=vllm_events, profile=PROFILE,
         )  # fmt: skip
-        self.apply_profile(PROFILE)
         self.num_hash_lookahead_tokens = lookahead
 
 
@@ -347,8 +346,8 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
     """vLLM 0.33.0's single-type manager signatures over kvcache's managers (a mixin
     in front of each manager class below): the constructor's
     ``needs_kv_cache_zeroing``, ``get_num_blocks_to_allocate``'s
-    ``num_local_computed_tokens`` and ``prefill_end``, and the 0.33.0 profile's
-    per-manager switches (the manager's ``apply_profile``)."""
+    ``num_local_computed_tokens`` and ``prefill_end``; built with the 0.33.0
+    profile, whose per-manager switches it reads."""
 
     # Kinds whose 0.33.0 hits may end inside a block (fine-grained hits).
     _fine_grained_kind = False
@@ -374,9 +373,9 @@ class _SingleTypeApi(_managers.SingleTypeKVCacheManager):
             dcp_world_size,
             pcp_world_size,
             max_admission_blocks_per_request,
+            needs_kv_cache_zeroing=needs_kv_cache_zeroing,
+            profile=PROFILE,
         )
-        self.set_needs_kv_cache_zeroing(needs_kv_cache_zeroing)
-        self.apply_profile(PROFILE)
 
     def get_num_blocks_to_allocate(  # type: ignore[override]
         self,
@@ -524,8 +523,8 @@ class MambaManager(  # type: ignore[misc]
     _SingleTypeApi, _managers.MambaManager, metaclass=_NamesTheBuiltClass
 ):
     """vLLM 0.33.0's ``MambaManager`` for code that builds one directly (vLLM's own
-    tests do): 0.33.0's signatures (``_SingleTypeApi``, which applies ``PROFILE``'s
-    switches, the Mamba state switches included)."""
+    tests do): 0.33.0's signatures and switches, the Mamba state switches
+    included (``_SingleTypeApi``)."""
 
     _fine_grained_kind = True
 

@@ -76,7 +76,7 @@ class NoJunctionTails(ProfileAdapter):
     def build_manager(self, config: ManagerConfig) -> Any:
         manager = super().build_manager(config)
         for group_manager in manager.coordinator.single_type_managers:
-            group_manager.keeps_shared_prefix_junction = False
+            group_manager.shared_prefix_junctions = False
         return manager
 
 

@@ -140,7 +140,7 @@ def test_0_25_1_refuses_the_checkpoint_fields(blocks: int, alignment: int | None
         manager("0.25.1", mamba_spec(blocks, alignment))
     assert "0.25.1" in str(info.value)
     mamba = manager("0.25.1", mamba_spec(0, None)).coordinator.single_type_managers[1]
-    assert mamba._checkpoints == {} and not mamba.makes_prefill_checkpoints
+    assert mamba._checkpoints == {} and not mamba.mamba_prefill_checkpoints
 
 
 def test_admission_estimate_counts_the_checkpoint_block() -> None:
@@ -196,12 +196,12 @@ def test_spec_fields_validation_merge_and_memory() -> None:
     assert mamba_spec(3, 16).max_memory_usage_bytes(Cfg) == page
 
 
-def test_every_manager_switch_comes_from_apply_profile() -> None:
-    """A drop-in manager built on its own gets the same switches as one a
+def test_every_manager_switch_comes_from_its_pool_profile() -> None:
+    """A drop-in manager built on its own (over a 0.33.0 pool) reads the same switches as one a
     KVCacheManager builds; 0.25.1's managers have every one off."""
-    names = ("caches_within_hashed_tokens", "external_blocks_floor_zero",
-             "copies_partial_hits", "keeps_shared_prefix_junction", "frees_processed_states",
-             "caps_new_state_blocks", "caches_prompt_tail_state", "makes_prefill_checkpoints",
+    names = ("cache_within_hashed_tokens", "external_blocks_floor_zero",
+             "partial_hit_copy_on_write", "shared_prefix_junctions", "mamba_frees_processed_states",
+             "mamba_caps_new_state_blocks", "mamba_prompt_tail_state", "mamba_prefill_checkpoints",
              "has_prefill_checkpoint_blocks", "offers_boundary_states")
     inside = manager("0.33.0", mamba_spec()).coordinator.single_type_managers[1]
     alone = v33.MambaManager(mamba_spec(), v33.BlockPool(8, True, HBS), True, 0, MBS)
@@ -213,7 +213,7 @@ def test_every_manager_switch_comes_from_apply_profile() -> None:
     full = v33.FullAttentionManager(FullAttentionSpec(
         block_size=HBS, num_kv_heads=1, head_size=1, dtype="float32"),
         v33.BlockPool(8, True, HBS), True, 0, HBS)
-    assert full.caches_partial_prompt_tail is Profile("0.33.0").partial_prompt_tail_entries
+    assert full.partial_prompt_tail_entries is Profile("0.33.0").partial_prompt_tail_entries
 
 
 @pytest.mark.parametrize("use_eagle", [False, True])

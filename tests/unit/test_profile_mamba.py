@@ -192,7 +192,8 @@ def test_drop_in_mamba_manager_has_the_0_33_state_switches() -> None:
     direct = v33.MambaManager(mamba_spec("align"), pool, True, 0, BS)
     built = build("kvcache", config(mamba_spec("align")), "0.33.0").coordinator
     via_manager = built.single_type_managers[0]
-    for name in ("frees_processed_states", "caps_new_state_blocks", "caches_prompt_tail_state"):
+    for name in ("mamba_frees_processed_states", "mamba_caps_new_state_blocks",
+                 "mamba_prompt_tail_state"):
         assert getattr(direct, name) is getattr(via_manager, name) is True, name
     old, committed, running = pool.get_new_blocks(3)
     direct.req_to_blocks["r"] = [old, pool.null_block, committed, running]
