@@ -264,10 +264,24 @@ class Profile:
             raise ValueError(
                 f"release={release!r}: kvcache has profiles for {', '.join(RELEASES)}"
             )
-        self.release = release
+        object.__setattr__(self, "release", release)
         key = release_key(release)
         for switch in SWITCHES:
-            setattr(self, switch.name, release_key(switch.since) <= key)
+            object.__setattr__(self, switch.name, release_key(switch.since) <= key)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(
+            f"Profile is frozen: {name}={value!r} cannot be set on {self!r} "
+            "(with_switches returns a changed copy)"
+        )
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Profile is frozen: {name} cannot be deleted")
+
+    def __reduce__(self) -> tuple[object, tuple[str, dict[str, bool]]]:
+        # Pickling (the compiled proofs pickle whole states) rebuilds through the
+        # constructor, not by setting attributes.
+        return _profile_from, (self.release, self.switches())
 
     def switches(self) -> dict[str, bool]:
         """Every switch's value, by name (for reports and tests)."""
@@ -302,9 +316,9 @@ class Profile:
         if unknown:
             raise ValueError(f"{unknown[0]}=...: not a switch of Profile ({len(SWITCHES)} exist)")
         copy = object.__new__(Profile)
-        copy.release = self.release
+        object.__setattr__(copy, "release", self.release)
         for name in _SWITCH_NAMES:
-            setattr(copy, name, bool(values.get(name, getattr(self, name))))
+            object.__setattr__(copy, name, bool(values.get(name, getattr(self, name))))
         return copy
 
     def __eq__(self, other: object) -> bool:
@@ -321,6 +335,11 @@ class Profile:
         release = Profile(self.release).switches()
         changed = [f", {k}={v}" for k, v in self.switches().items() if release[k] != v]
         return f"Profile({self.release!r}{''.join(changed)})"
+
+
+def _profile_from(release: str, switches: dict[str, bool]) -> Profile:
+    """The profile of ``release`` with ``switches`` (unpickling a ``Profile``)."""
+    return Profile(release).with_switches(**switches)
 
 
 def resolve_profile(profile: Profile | str | None) -> Profile:

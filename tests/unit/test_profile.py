@@ -118,6 +118,22 @@ def test_default_profile_is_0_25_1_with_every_switch_off() -> None:
     assert KVCacheManager(full_config(), 64, BS, BS).profile == Profile("0.25.1")
 
 
+def test_a_profile_is_frozen_and_every_layer_reads_the_one_given() -> None:
+    """One channel: a layer gets the profile when built and nobody can change it after,
+    so the manager, its coordinator, its block pool and every single-type manager see
+    the same switch values for their whole life (pickling keeps them too)."""
+    profile = Profile("0.29.0").with_switches(pop_drops_null_head=True)
+    with pytest.raises(AttributeError, match="Profile is frozen: pop_drops_null_head=False"):
+        profile.pop_drops_null_head = False  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="Profile is frozen: release"):
+        del profile.release
+    assert profile.pop_drops_null_head and pickle.loads(pickle.dumps(profile)) == profile
+    manager = KVCacheManager(full_config(), 64, BS, BS, profile=profile)
+    layers = [manager, manager.coordinator, manager.block_pool,
+              *manager.coordinator.single_type_managers]
+    assert all(layer.profile is profile for layer in layers)
+
+
 def test_unknown_release_is_rejected_by_name() -> None:
     with pytest.raises(ValueError, match=r"release='0\.30\.1': kvcache has profiles for "
                        r"0\.25\.1, 0\.26\.0, .*0\.29\.0, .*0\.33\.0"):
