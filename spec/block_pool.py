@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from .profile import Profile
 from .vocab import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -40,6 +41,10 @@ class BlockPool:
     ``reuse_watchers[b]`` (vLLM 0.33.0's ``unpin_blocks``) is told once when block b,
     released but still read, is handed out again or the cache is reset. ``medium``
     names the pool's memory in its events (a HiSparse host pool's is ``"CPU"``).
+    ``profile`` is the release whose switches it reads under their own names
+    (``tagged_extra_keys``, ``mm_keys_by_window``, ``none_hash_fixed_seed``,
+    ``event_session_id``); ``num_hash_lookahead_tokens`` (0.33.0's argument) is how
+    many tokens after each block its hash covers.
 
     Invariants (``check_invariants``): a block is in ``free_queue`` iff its ref count is
     0 and it is not block 0; the queue has no duplicates; no ref count is negative;
@@ -48,18 +53,11 @@ class BlockPool:
     never cached.
     """
 
-    # Release switches (spec/profile.py), set by the KVCacheManager.
-    tagged_extra_keys = False
-    mm_keys_by_window = False
-    # 0.33.0's lookahead hashing: tokens after each block its hash covers (set by the
-    # KVCacheManager; 0 in 0.25.1).
-    num_hash_lookahead_tokens = 0
-    event_session_id = False
-
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector: Any = None,
                  caching_hash_algo: str = "sha256", hash_seed: str | None = None,
-                 medium: str = MEDIUM_GPU) -> None:
+                 medium: str = MEDIUM_GPU, *, profile: Profile | None = None,
+                 num_hash_lookahead_tokens: int = 0) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}")
         if metrics_collector is not None:
@@ -68,10 +66,13 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
         self.enable_kv_cache_events = enable_kv_cache_events
+        self.profile = Profile() if profile is None else profile
+        self.num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
         self.hash_fn = get_hash_fn(caching_hash_algo)
         # hash_seed None: the process's PYTHONHASHSEED, as vLLM reads it (unset: random)
         self.none_hash = none_hash(self.hash_fn, os.getenv("PYTHONHASHSEED")
-                                   if hash_seed is None else hash_seed)
+                                   if hash_seed is None else hash_seed,
+                                   fixed_default_seed=self.profile.none_hash_fixed_seed)
         self.null_block = NULL_BLOCK
         self.ref_cnt = [0] * num_gpu_blocks
         self.free_queue = list(range(1, num_gpu_blocks))  # block 0 was taken as the null block
@@ -87,7 +88,8 @@ class BlockPool:
         """The request's block hashes, computed by the spec from its tokens and keys
         (never read from the request), at ``block_size`` (default: the hash block size)."""
         hashes = request_block_hashes(request, self.hash_block_size, self.hash_fn, self.none_hash,
-                                      self.tagged_extra_keys, self.mm_keys_by_window,
+                                      self.profile.tagged_extra_keys,
+                                      self.profile.mm_keys_by_window,
                                       self.num_hash_lookahead_tokens)
         if block_size is None or block_size == self.hash_block_size:
             return hashes
@@ -165,11 +167,12 @@ class BlockPool:
         """A BlockStored; under lookahead hashing 0.33.0's, which also lists the tokens
         after each block that its hash covers; under event_session_id 0.33.0's, with
         the request's ``session_id``."""
-        if self.num_hash_lookahead_tokens or self.event_session_id:
+        session = self.profile.event_session_id
+        if self.num_hash_lookahead_tokens or session:
             return BlockStored033(
                 **fields,
                 lookahead_token_ids=lookahead_token_ids if self.num_hash_lookahead_tokens else None,
-                session_id=getattr(request, "session_id", None) if self.event_session_id else None)
+                session_id=getattr(request, "session_id", None) if session else None)
         return BlockStored(**fields)
 
     def emit_cached_block_events(self, request: Request, num_cached_blocks: int,
@@ -226,7 +229,7 @@ class BlockPool:
             start = (n - 1) * hbs
             # As vLLM: past the first block the multimodal scan starts at the last item.
             first_mm = max(len(request.mm_features) - 1, 0) if start > 0 else 0
-            if self.mm_keys_by_window:  # 0.33.0: every item of the window
+            if self.profile.mm_keys_by_window:  # 0.33.0: every item of the window
                 first_mm = 0
             lora, la = request.lora_request, self.num_hash_lookahead_tokens
             self.kv_event_queue.append(self._block_stored(

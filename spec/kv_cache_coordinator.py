@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from . import pure
 from .block_pool import BlockPool
+from .profile import Profile
 from .single_type_kv_cache_manager import (
     CircularBufferManager,
     CrossAttentionManager,
@@ -17,7 +18,16 @@ from .single_type_kv_cache_manager import (
     check_no_hits,
     get_manager_for_kv_cache_spec,
 )
-from .vocab import KVCacheConfig, KVCacheSpec, Request, cacheable, coarsen, is_a, is_dcp_sharded
+from .vocab import (
+    KVCacheConfig,
+    KVCacheSpec,
+    Request,
+    cacheable,
+    coarsen,
+    is_a,
+    is_dcp_sharded,
+    needs_kv_cache_zeroing,
+)
 
 
 def group_role(group: object) -> str | None:
@@ -42,6 +52,12 @@ class KVCacheCoordinator:
     times the group's ``context_parallel``: dcp * pcp in 0.25.1. In 0.33.0 pcp no
     longer counts (``pcp_not_scaled``) and only sharded specs count at all
     (``dcp_sharded_geometry``): Mamba and replicated drafts keep their block size.
+
+    ``profile`` is the release whose switches the coordinator, its pool and its
+    managers read, each under its own name (spec/profile.py).
+    ``num_hash_lookahead_tokens`` and ``num_prefill_lookahead`` are 0.33.0's lookahead
+    arguments (0: none): the pool's hashes cover that many tokens after each block, and
+    caching leaves out the last ``num_prefill_lookahead - 1`` computed tokens.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
@@ -50,7 +66,9 @@ class KVCacheCoordinator:
                  hash_block_size: int, caching_hash_algo: str = "sha256",
                  hash_seed: str | None = None, dcp_world_size: int = 1,
                  pcp_world_size: int = 1, *, prefix_cache_retention_interval: int | None = None,
-                 pcp_not_scaled: bool = False, dcp_sharded_geometry: bool = False) -> None:
+                 profile: Profile | None = None, num_hash_lookahead_tokens: int = 0,
+                 num_prefill_lookahead: int = 0) -> None:
+        self.profile = p = Profile() if profile is None else profile
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size or any(
                 scheduler_block_size % g.kv_cache_spec.block_size for g in groups):
@@ -62,38 +80,41 @@ class KVCacheCoordinator:
         self.scheduler_block_size = scheduler_block_size
         self.hash_block_size = hash_block_size
         self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, hash_block_size,
-                                    enable_kv_cache_events, None, caching_hash_algo, hash_seed)
+                                    enable_kv_cache_events, None, caching_hash_algo, hash_seed,
+                                    profile=p, num_hash_lookahead_tokens=num_hash_lookahead_tokens)
         self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(groups)))
+        if p.eagle_master_switch and not use_eagle:  # without use_eagle no group drops a block
+            self.eagle_group_ids = set()
         self.dcp_world_size, self.pcp_world_size = dcp_world_size, pcp_world_size
-        self.geometry_0_33 = pcp_not_scaled or dcp_sharded_geometry
-        scale = dcp_world_size * (1 if pcp_not_scaled else pcp_world_size)
-        context_parallel = [scale if not dcp_sharded_geometry or is_dcp_sharded(g.kv_cache_spec)
-                            else 1 for g in groups]
-        if enable_caching and len(groups) > 1 and dcp_sharded_geometry:
+        scale = dcp_world_size * (1 if p.pcp_not_scaled else pcp_world_size)
+        context_parallel = [scale if not p.dcp_sharded_geometry
+                            or is_dcp_sharded(g.kv_cache_spec) else 1 for g in groups]
+        if enable_caching and len(groups) > 1 and p.dcp_sharded_geometry:
             self._check_hybrid_context_parallel()
         elif enable_caching and max(*context_parallel, pcp_world_size) > 1 and (
                 len(groups) > 1 or not is_a(groups[0].kv_cache_spec, "FullAttentionSpec")):
             raise NotImplementedError("context parallelism with prefix caching: one full-"
                                       "attention group only (vLLM asserts for the rest)")
-        self.num_reprefillable_tokens = 0  # 0.33.0's prefill lookahead, set by the manager
+        self.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
+        zeroing = needs_kv_cache_zeroing(kv_cache_config)
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(g.kv_cache_spec, max_num_batched_tokens, max_model_len,
                                           self.block_pool, enable_caching, i, scheduler_block_size,
-                                          context_parallel[i], group_role(g))
+                                          context_parallel[i], group_role(g), profile=p,
+                                          needs_kv_cache_zeroing=zeroing, use_eagle=use_eagle)
             for i, g in enumerate(groups))
         self.retention_interval = prefix_cache_retention_interval
-        if self.retention_interval is not None:
+        # retention_zero_without_window (0.33.0): 0 is accepted, and ignored, without a
+        # sliding-window or Mamba group (0.25.1 refuses any interval there).
+        ignored_zero = (p.retention_zero_without_window and self.retention_interval == 0
+                        and not any(is_a(g.kv_cache_spec, "SlidingWindowSpec")
+                                    or is_a(g.kv_cache_spec, "MambaSpec") for g in groups))
+        if self.retention_interval is not None and not ignored_zero:
             self._check_retention_interval(self.retention_interval)
+        self.fine_grained = False  # mamba_fine_grained_hits in effect (hybrid only)
         self._init_groups()
-
-    # Release switches (spec/profile.py), set by the KVCacheManager.
-    trim_every_full_group = False
-    eagle_peek_to_hashed_length = False
-    mamba_no_eagle_margin = False
-    fine_grained = False  # mamba_fine_grained_hits in effect (hybrid only)
-    retention_replay_boundaries = False
 
     def _check_hybrid_context_parallel(self) -> None:
         """0.33.0's rule for several caching groups: under dcp each is full attention or
@@ -181,7 +202,7 @@ class KVCacheCoordinator:
         """Where replays of the prompt resume, whose tails sparse retention keeps: one
         token short of the prompt, or (retention_replay_boundaries, 0.33.0) the EAGLE
         rule of ``pure.replay_boundaries`` when some group is an EAGLE group."""
-        if self.retention_replay_boundaries:
+        if self.profile.retention_replay_boundaries:
             return pure.replay_boundaries(num_prompt_tokens, self.scheduler_block_size,
                                           bool(self.eagle_group_ids))
         return (num_prompt_tokens - 1,)
@@ -269,7 +290,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         if self.enable_caching and self.hash_block_size != self.block_size:
             message = (f"hash_block_size={self.hash_block_size} must equal the block size "
                        f"{self.block_size} of the only group")
-            raise AssertionError(message) if self.geometry_0_33 else ValueError(message)
+            geometry_0_33 = self.profile.pcp_not_scaled or self.profile.dcp_sharded_geometry
+            raise AssertionError(message) if geometry_0_33 else ValueError(message)
         self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
 
     def find_longest_cache_hit(self, block_hashes: list[bytes], max_cache_hit_length: int
@@ -331,6 +353,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         for sg in self.attention_groups:
             for group_id in sg.group_ids:
                 self.single_type_managers[group_id].use_eagle = sg.use_eagle
+        if self.profile.mamba_fine_grained_hits:
+            self.enable_fine_grained_hits()
 
     def enable_fine_grained_hits(self) -> None:
         """mamba_fine_grained_hits: hits end on hash-block boundaries when a Mamba 'align'
@@ -400,11 +424,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                              and issubclass(manager_cls, (FullAttentionManager, MambaManager)))
                 max_length = curr_length
                 # 0.33.0: no peek past the candidate for Mamba (its finder never drops)
-                if drop_eagle_block and not (self.mamba_no_eagle_margin
+                if drop_eagle_block and not (self.profile.mamba_no_eagle_margin
                                              and is_a(spec, "MambaSpec")):
                     margin = hbs if sub_block else spec.block_size
                     max_length = min(curr_length + margin, max_cache_hit_length
-                                     if not self.eagle_peek_to_hashed_length  # 0.33.0
+                                     if not self.profile.eagle_peek_to_hashed_length  # 0.33.0
                                      else len(block_hashes) * hbs)
                 pool = self.single_type_managers[group_ids[0]].block_pool
                 if sub_block:
@@ -435,7 +459,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             for group_id in first.group_ids:
                 if (first_hits := hit_blocks[group_id]) is not None:
                     del first_hits[self._num_hit_blocks(hit_length, first.spec.block_size):]
-        if self.trim_every_full_group:  # 0.33.0: every full-attention spec, not the first only
+        if self.profile.trim_every_full_group:  # 0.33.0: every full-attention spec
             for sg in self.attention_groups:
                 if is_a(sg.spec, "FullAttentionSpec") and not sg.manager_cls.retains_longer_hit:
                     for group_id in sg.group_ids:
@@ -464,7 +488,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             sub_block = (self.fine_grained and spec.block_size > hbs
                          and issubclass(manager_cls, (FullAttentionManager, MambaManager)))
             max_length = max_cache_hit_length
-            if use_eagle and self.eagle_peek_to_hashed_length and not is_a(spec, "MambaSpec"):
+            peek = use_eagle and self.profile.eagle_peek_to_hashed_length
+            if peek and not is_a(spec, "MambaSpec"):
                 max_length = min(max_length + (hbs if sub_block else spec.block_size),
                                  len(block_hashes) * hbs)
             pool = self.single_type_managers[group_ids[0]].block_pool
@@ -488,11 +513,10 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
                              enable_kv_cache_events: bool, scheduler_block_size: int,
                              hash_block_size: int, caching_hash_algo: str = "sha256",
                              hash_seed: str | None = None, dcp_world_size: int = 1,
-                             pcp_world_size: int = 1, *,
-                             prefix_cache_retention_interval: int | None = None,
-                             pcp_not_scaled: bool = False, dcp_sharded_geometry: bool = False
-                             ) -> KVCacheCoordinator:
-    """No-prefix-cache when caching is off, else unitary for one group, hybrid for more."""
+                             pcp_world_size: int = 1, **release: Any) -> KVCacheCoordinator:
+    """No-prefix-cache when caching is off, else unitary for one group, hybrid for more;
+    ``release``: the coordinator's keyword arguments (the retention interval, the
+    profile, the lookahead arguments)."""
     cls: type[KVCacheCoordinator] = HybridKVCacheCoordinator
     if not enable_caching:
         cls = KVCacheCoordinatorNoPrefixCache
@@ -500,6 +524,4 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
         cls = UnitaryKVCacheCoordinator
     return cls(kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle, enable_caching,
                enable_kv_cache_events, scheduler_block_size, hash_block_size, caching_hash_algo,
-               hash_seed, dcp_world_size, pcp_world_size,
-               prefix_cache_retention_interval=prefix_cache_retention_interval,
-               pcp_not_scaled=pcp_not_scaled, dcp_sharded_geometry=dcp_sharded_geometry)
+               hash_seed, dcp_world_size, pcp_world_size, **release)

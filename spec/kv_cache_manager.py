@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,8 +41,6 @@ from .vocab import (
     event_kind,
     event_sliding_window,
     is_a,
-    needs_kv_cache_zeroing,
-    none_hash,
     pool_key,
 )
 
@@ -186,24 +183,14 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
         self.log_stats = log_stats
-        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        # retention_zero_without_window (0.33.0): 0 is accepted, and ignored, without a
-        # sliding-window or Mamba group (0.25.1 refuses any interval there).
-        ignored_zero = (self.profile.retention_zero_without_window
-                        and prefix_cache_retention_interval == 0
-                        and not any(is_a(g.kv_cache_spec, "SlidingWindowSpec")
-                                    or is_a(g.kv_cache_spec, "MambaSpec")
-                                    for g in kv_cache_config.kv_cache_groups))
+        self.prefix_cache_stats = self._new_stats() if log_stats else None
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config, max_model_len, self.max_num_batched_tokens, use_eagle,
             enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
             caching_hash_algo, hash_seed, dcp_world_size, pcp_world_size,
-            prefix_cache_retention_interval=None if ignored_zero
-            else prefix_cache_retention_interval,
-            pcp_not_scaled=self.profile.pcp_not_scaled,
-            dcp_sharded_geometry=self.profile.dcp_sharded_geometry)
-        if ignored_zero:
-            self.coordinator.retention_interval = 0
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
+            profile=self.profile, num_hash_lookahead_tokens=int(num_hash_lookahead_tokens),
+            num_prefill_lookahead=num_prefill_lookahead)
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         # vLLM 0.33.0: groups whose hits outlive the common hit (the HiSparse source);
@@ -220,58 +207,11 @@ class KVCacheManager:
             for g in kv_cache_config.kv_cache_groups)
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool)
-        self._apply_profile(hash_seed)
-        self.block_pool.num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
-        self.coordinator.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
-
-    def _apply_profile(self, hash_seed: str | None) -> None:
-        """Set the profile's switches on the coordinator, managers and pool."""
-        p, coordinator, pool = self.profile, self.coordinator, self.block_pool
-        pool.tagged_extra_keys = p.tagged_extra_keys
-        pool.mm_keys_by_window = p.mm_keys_by_window
-        pool.event_session_id = p.event_session_id
-        if p.none_hash_fixed_seed and hash_seed is None and os.getenv("PYTHONHASHSEED") is None:
-            pool.none_hash = none_hash(pool.hash_fn, None, fixed_default_seed=True)
-        coordinator.trim_every_full_group = p.trim_every_full_group
-        coordinator.eagle_peek_to_hashed_length = p.eagle_peek_to_hashed_length
-        coordinator.mamba_no_eagle_margin = p.mamba_no_eagle_margin
-        coordinator.retention_replay_boundaries = p.retention_replay_boundaries
-        if p.eagle_master_switch and not self.use_eagle and coordinator.eagle_group_ids:
-            coordinator.eagle_group_ids = set()  # without use_eagle no group drops a block
-            coordinator._init_groups()
-        zeroing = needs_kv_cache_zeroing(self.kv_cache_config)
-        for m in coordinator.single_type_managers:
-            m.records_new_block_ids = not (p.new_block_ids_zeroing_only and not zeroing)
-            m.external_blocks_floor_zero = p.external_blocks_floor_zero
-            # Full attention's subclasses too (R-SWA, sink): vLLM 0.33.0's inherit it.
-            m.caches_partial_prompt_tail = (p.partial_prompt_tail_entries
-                                            and isinstance(m, FullAttentionManager))
-            m.keeps_shared_prefix_junction = p.shared_prefix_junctions
-            m.caches_within_hashed_tokens = p.cache_within_hashed_tokens
-        for m in coordinator.single_type_managers:
-            m.zeroes_any_attention_kind = (
-                p.zero_every_attention_group and zeroing and is_a(m.kv_cache_spec, "AttentionSpec")
-                and not is_a(m.kv_cache_spec, "CircularBufferSpec"))
-            if not isinstance(m, MambaManager):
-                continue
-            if p.mamba_align_only and m.enable_caching and m.mamba_cache_mode != "align":
-                raise AssertionError(f"mamba_cache_mode={m.mamba_cache_mode!r} with prefix "
-                                     "caching on: this release caches Mamba only in 'align'")
-            m.frees_processed_states = p.mamba_frees_processed_states
-            m.caps_new_state_blocks = p.mamba_caps_new_state_blocks
-            m.caches_prompt_tail_state = p.mamba_prompt_tail_state
-            m.prompt_tail_drops_eagle = p.mamba_prompt_tail_state and self.use_eagle
-            m.has_checkpoint_blocks = (
-                p.mamba_prefill_checkpoints and m.mamba_cache_mode == "align"
-                and getattr(m.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0)
-            m.offers_boundary_states = (p.mamba_prefill_checkpoints
-                                        and m.mamba_cache_mode == "align")
-        for m in coordinator.single_type_managers:
-            m.copies_partial_hits = p.partial_hit_copy_on_write
-        if p.mamba_fine_grained_hits and isinstance(coordinator, HybridKVCacheCoordinator):
-            coordinator.enable_fine_grained_hits()
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats = self._new_stats()
+        if self.profile.mamba_align_only and enable_caching:
+            for m in self.coordinator.single_type_managers:
+                if isinstance(m, MambaManager) and m.mamba_cache_mode != "align":
+                    raise AssertionError(f"mamba_cache_mode={m.mamba_cache_mode!r} with prefix "
+                                         "caching on: this release caches Mamba only in 'align'")
 
     def _new_stats(self) -> PrefixCacheStats:
         """Empty stats, of 0.33.0's class under stats_hits_by_source."""

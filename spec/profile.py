@@ -80,24 +80,34 @@ MODELLED = frozenset(SWITCHES)
 
 
 class Profile:
-    """One release's switches, as attributes (``profile.<name>``, a switch of the table).
+    """One release's switches, as attributes (``profile.<name>``, a switch of the table);
+    frozen once built. ``switches`` turns named switches on or off against the release
+    (a profile no release has, for tests that flip one switch).
 
     Raises ValueError for a release the spec has no profile for, naming the argument
-    and the releases it has.
+    and the releases it has, or for a switch the table does not name.
     """
 
-    def __init__(self, release: str = DEFAULT_RELEASE) -> None:
+    def __init__(self, release: str = DEFAULT_RELEASE, **switches: bool) -> None:
         if release not in ON:
             raise ValueError(
                 f"release={release!r}: the spec has profiles for {', '.join(RELEASES)}"
             )
+        unknown = sorted(set(switches) - set(SWITCHES))
+        if unknown:
+            raise ValueError(f"{unknown}: no switch of {TABLE_PATH.name}")
         self.release = release
-        self.on = ON[release]
+        self.on = frozenset(name for name in SWITCHES
+                            if switches.get(name, name in ON[release]))
+        self.__dict__.update(self.switches())  # plain attributes: read on every step
 
     def __getattr__(self, name: str) -> bool:
-        if name in SINCE:
-            return name in self.on
-        raise AttributeError(name)
+        raise AttributeError(name)  # every switch is set above; this types them for mypy
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if "on" in self.__dict__:
+            raise AttributeError(f"Profile is frozen: cannot set {name!r}")
+        super().__setattr__(name, value)
 
     def switches(self) -> dict[str, bool]:
         """Every switch's value, by name."""

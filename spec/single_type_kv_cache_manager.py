@@ -7,8 +7,9 @@ from typing import Any
 
 from . import pure
 from .block_pool import NULL_BLOCK, BlockPool
+from .profile import Profile
 from .pure import cdiv
-from .vocab import MEDIUM_CPU, KVCacheSpec, Request, admission_cap, cacheable
+from .vocab import MEDIUM_CPU, KVCacheSpec, Request, admission_cap, cacheable, is_a
 
 ZEROED_SPECS = ("FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec",
                 "HiddenStateCacheSpec")
@@ -16,6 +17,19 @@ ZEROED_SPECS = ("FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec",
 
 Hits = tuple[list[int], ...]
 """Per group of a lookup, the hit block ids (NULL_BLOCK where skipped)."""
+
+
+def records_new_block_ids(kv_cache_spec: KVCacheSpec, profile: Profile,
+                          needs_kv_cache_zeroing: bool) -> bool:
+    """Whether a group reports its fresh blocks for zeroing: full attention and MLA
+    (exact classes, as vLLM tests them), or, under ``zero_every_attention_group`` in a
+    layout that zeroes, every attention kind but a ring buffer; under
+    ``new_block_ids_zeroing_only`` none where the layout needs no zeroing."""
+    if profile.new_block_ids_zeroing_only and not needs_kv_cache_zeroing:
+        return False
+    return type(kv_cache_spec).__name__ in ZEROED_SPECS or (
+        profile.zero_every_attention_group and needs_kv_cache_zeroing
+        and is_a(kv_cache_spec, "AttentionSpec") and not is_a(kv_cache_spec, "CircularBufferSpec"))
 
 
 def check_no_hits(request_id: str, new_computed_blocks: Sequence[int]) -> None:
@@ -63,14 +77,6 @@ class SingleTypeKVCacheManager:
     blocks further in); every cached-block count belongs to a table.
     """
 
-    # Release switches (spec/profile.py), set by the KVCacheManager.
-    records_new_block_ids = True
-    caches_partial_prompt_tail = False
-    caches_within_hashed_tokens = False
-    zeroes_any_attention_kind = False  # zero_every_attention_group, beside Mamba
-    copies_partial_hits = False  # partial_hit_copy_on_write
-    keeps_shared_prefix_junction = False  # shared_prefix_junctions
-    external_blocks_floor_zero = False
     # vLLM 0.33.0: a group whose hit outlives the hybrid hit (the HiSparse source):
     # the coordinator's trims leave it, allocate_slots cuts it to what it adopts.
     retains_longer_hit = False
@@ -78,7 +84,12 @@ class SingleTypeKVCacheManager:
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
                  max_admission_blocks_per_request: int | None = None,
-                 context_parallel: int = 1) -> None:
+                 context_parallel: int = 1, *, profile: Profile | None = None,
+                 needs_kv_cache_zeroing: bool = False, use_eagle: bool = False) -> None:
+        # The release whose switches this group reads, under their own names: by
+        # default its pool's. ``needs_kv_cache_zeroing``: the layout's (0.33.0's
+        # zeroing switches); ``use_eagle``: the engine's flag (Mamba's prompt tail).
+        self.profile = block_pool.profile if profile is None else profile
         self.kv_cache_spec = kv_cache_spec
         # Context parallelism (dcp * pcp ranks) spreads a block's tokens over the ranks.
         self.block_size = kv_cache_spec.block_size * context_parallel
@@ -93,7 +104,9 @@ class SingleTypeKVCacheManager:
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.new_block_ids: list[int] = []
-        # copies_partial_hits: per request, (index, block) of a hit block to copy at the
+        self.records_new_block_ids = records_new_block_ids(kv_cache_spec, self.profile,
+                                                           needs_kv_cache_zeroing)
+        # partial_hit_copy_on_write: per request, (index, block) of a hit block to copy at the
         # next allocation; the (source, copy) pairs queued for the worker.
         self.partial_hit_reqs: dict[str, tuple[int, int]] = {}
         self.pending_copies: list[tuple[int, int]] = []
@@ -103,8 +116,8 @@ class SingleTypeKVCacheManager:
         return self.req_to_blocks.setdefault(request_id, [])
 
     def _ends_inside_block(self, hits: Sequence[int], num_local_computed_tokens: int) -> bool:
-        """Under ``copies_partial_hits``: whether a hit ends inside its last block."""
-        return (self.copies_partial_hits and len(hits) > 0
+        """Under ``partial_hit_copy_on_write``: whether a hit ends inside its last block."""
+        return (self.profile.partial_hit_copy_on_write and len(hits) > 0
                 and num_local_computed_tokens % self.block_size != 0)
 
     def _num_evictable(self, blocks: Sequence[int]) -> int:
@@ -117,7 +130,7 @@ class SingleTypeKVCacheManager:
                                    num_local_computed_tokens: int = 0, prefill_end: int = 0
                                    ) -> int:
         """Free blocks needed to give the request ``num_tokens`` slots and take its hits
-        (one more for the copy of a hit ending inside a block, ``copies_partial_hits``;
+        (one more for the copy of a hit ending inside a block, ``partial_hit_copy_on_write``;
         ``num_local_computed_tokens``: computed plus hit tokens; ``prefill_end``: read by
         Mamba's prefill checkpoints only)."""
         num_required = pure.num_required_blocks(
@@ -173,16 +186,13 @@ class SingleTypeKVCacheManager:
         if num_external_computed_tokens > 0:
             req_blocks = self._blocks_of(request_id)
             num_new = cdiv(num_total, self.block_size) - len(req_blocks)
-            if self.external_blocks_floor_zero:  # it may hold more already (draft slots)
+            if self.profile.external_blocks_floor_zero:  # it may hold more already (draft slots)
                 num_new = max(num_new, 0)
             self._append_new(req_blocks, num_new, record_for_zeroing)
 
     def reports_new_blocks(self) -> bool:
-        """Whether this group reports its fresh blocks for zeroing: full attention and
-        MLA (exact classes, as vLLM tests them), or, under ``zero_every_attention_group``
-        beside Mamba, every attention kind; never where the layout needs no zeroing."""
-        return self.records_new_block_ids and (
-            type(self.kv_cache_spec).__name__ in ZEROED_SPECS or self.zeroes_any_attention_kind)
+        """Whether this group reports its fresh blocks for zeroing (``records_new_block_ids``)."""
+        return self.records_new_block_ids
 
     def _append_new(self, req_blocks: list[int], num_blocks: int,
                     record_for_zeroing: bool = True) -> list[int]:
@@ -234,11 +244,11 @@ class SingleTypeKVCacheManager:
         """Cache the request's full blocks among its first ``num_tokens`` tokens (those
         the group's mask keeps, for the coordinator's ``retention_interval`` and replay
         ``boundaries``; None: one token short of the prompt). With
-        ``keeps_shared_prefix_junction`` the request's ``shared_prefix_boundary`` is a
+        ``shared_prefix_junctions`` the request's ``shared_prefix_boundary`` is a
         boundary too (and one block below it for an EAGLE group)."""
         rid = request.request_id
         num_cached = self.num_cached_block.get(rid, 0)
-        if self.caches_within_hashed_tokens:  # only blocks the request has hashes for
+        if self.profile.cache_within_hashed_tokens:  # only blocks the request has hashes for
             hbs = self.block_pool.hash_block_size
             num_tokens = min(num_tokens, len(self.block_pool.block_hashes(request)) * hbs)
         num_full = num_tokens // self.block_size
@@ -246,7 +256,7 @@ class SingleTypeKVCacheManager:
             return
         kept = [request.num_prompt_tokens - 1] if boundaries is None else list(boundaries)
         junction = getattr(request, "shared_prefix_boundary", 0)
-        if self.keeps_shared_prefix_junction and junction:
+        if self.profile.shared_prefix_junctions and junction:
             kept += [junction, junction - self.block_size] if self.use_eagle else [junction]
         mask = self.reachable_block_mask(num_cached, num_full, retention_interval, kept)
         self.block_pool.cache_full_blocks(request, self._blocks_of(rid), num_cached, num_full,
@@ -378,7 +388,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         it falls inside a block and within ``num_tokens``."""
         super().cache_blocks(request, num_tokens, retention_interval, boundaries)
         hbs = self.block_pool.hash_block_size
-        if not self.caches_partial_prompt_tail or self.block_size == hbs:
+        if not self.profile.partial_prompt_tail_entries or self.block_size == hbs:
             return
         limit = request.num_prompt_tokens - (0 if self.use_eagle else 1)
         boundary = min(limit // hbs, len(self.block_pool.block_hashes(request))) * hbs
@@ -486,12 +496,12 @@ class SinkFullAttentionManager(FullAttentionManager):
     """
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
-                 kv_cache_group_id: int, dcp_world_size: int = 1, pcp_world_size: int = 1
-                 ) -> None:
+                 kv_cache_group_id: int, dcp_world_size: int = 1, pcp_world_size: int = 1,
+                 **switches: Any) -> None:
         # vLLM's base class takes dcp_world_size as scheduler_block_size and
         # pcp_world_size as its dcp_world_size: only the latter scales the block.
         super().__init__(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
-                         dcp_world_size, None, pcp_world_size)
+                         dcp_world_size, None, pcp_world_size, **switches)
         sink_len = kv_cache_spec.sink_len
         if not isinstance(sink_len, int) or sink_len <= 0 or sink_len % self.block_size:
             raise ValueError(f"sink_len={sink_len!r} must be a positive multiple of "
@@ -600,24 +610,23 @@ class MambaManager(SingleTypeKVCacheManager):
     its offers (its blocks may go to another request).
     """
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any) -> None:
-        super().__init__(kv_cache_spec, *args)
+    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
         self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
         self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
         self.cached_blocks_this_step: set[bytes] = set()
         self.last_state_block_idx: dict[str, int] = {}
         self._allocated_block_reqs: set[str] = set()
-        self.num_retired_blocks: dict[str, int] = {}  # align, frees_processed_states
-        # Release switches (spec/profile.py), set by the KVCacheManager.
-        self.frees_processed_states = False
-        self.caps_new_state_blocks = False
-        self.caches_prompt_tail_state = False
-        self.prompt_tail_drops_eagle = False
-        self.has_checkpoint_blocks = False  # mamba_prefill_checkpoints, align, blocks > 0
+        self.num_retired_blocks: dict[str, int] = {}  # align, mamba_frees_processed_states
+        p, align = self.profile, self.mamba_cache_mode == "align"
+        # mamba_prompt_tail_state with the engine's use_eagle: the tail drops a block
+        self.prompt_tail_drops_eagle = p.mamba_prompt_tail_state and kwargs.get("use_eagle", False)
+        self.has_checkpoint_blocks = (p.mamba_prefill_checkpoints and align and getattr(
+            kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0)
         self.checkpoint_alignment: int | None = getattr(
             kv_cache_spec, "prefill_checkpoint_alignment", None)
         self.checkpoints: dict[str, tuple[int, int]] = {}
-        self.offers_boundary_states = False  # mamba_prefill_checkpoints, align
+        self.offers_boundary_states = p.mamba_prefill_checkpoints and align
         self.offers: list[tuple[str, int, int, int]] = []
         self.producer_tails: dict[str, tuple[int, int]] = {}
 
@@ -656,7 +665,7 @@ class MambaManager(SingleTypeKVCacheManager):
         """As the base class, plus speculative blocks. A hit on a state cached this step
         needs ``num_gpu_blocks + 1`` blocks: more than can be free, so it waits a step.
         In align mode a state ending inside its block (a hit there, or the request's own
-        prompt-tail entry; ``copies_partial_hits``) needs one block more, its copy, and so
+        prompt-tail entry; ``partial_hit_copy_on_write``) needs one block more, its copy, and so
         does a prefill checkpoint (``checkpoint_position``), which a call other than the
         admission estimate (``apply_admission_cap``) records for the allocation."""
         if (len(new_computed_blocks) and self.block_pool.block_hash.get(new_computed_blocks[-1])
@@ -686,7 +695,7 @@ class MambaManager(SingleTypeKVCacheManager):
         num_held = len(self._blocks_of(request_id))
         shortfall = (cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
                      - len(new_computed_blocks) - num_held)
-        if self.caps_new_state_blocks and num_new > 0:  # the shortfall, at most the cap
+        if self.profile.mamba_caps_new_state_blocks and num_new > 0:  # the shortfall, capped
             num_new = min(num_new + checkpoint, shortfall)
         if request_id in self.partial_hit_reqs or self._ends_inside_block(
                 new_computed_blocks, num_local_computed_tokens):
@@ -740,7 +749,7 @@ class MambaManager(SingleTypeKVCacheManager):
         partial = self.partial_hit_reqs.pop(request_id, None)
         checkpoint = 1 if request_id in self.checkpoints else 0
         if num_required <= num_held and partial is None and not checkpoint:
-            if self.frees_processed_states:  # 0.33.0: counts as allocated all the same
+            if self.profile.mamba_frees_processed_states:  # 0.33.0: counts as allocated
                 self._allocated_block_reqs.add(request_id)
             return []
         allocated_before = request_id in self._allocated_block_reqs
@@ -793,7 +802,7 @@ class MambaManager(SingleTypeKVCacheManager):
                      retention_interval: int | None = None,
                      boundaries: Sequence[int] | None = None) -> None:
         """As the base class; remember the keys cached in this step. With
-        ``caches_prompt_tail_state`` (0.33.0, align) also key the state block at the
+        ``mamba_prompt_tail_state`` (0.33.0, align) also key the state block at the
         prompt's last reusable hash boundary when caching reaches exactly there and the
         block is not keyed there already (e.g. after ``evict_blocks``); a request with a
         prefill checkpoint keys (or unkeys) its checkpoint block instead
@@ -803,13 +812,13 @@ class MambaManager(SingleTypeKVCacheManager):
         super().cache_blocks(request, num_tokens, retention_interval, boundaries)
         num_cached_after = self.num_cached_block.get(rid, 0)
         hbs = self.block_pool.hash_block_size
-        inside = num_tokens % self.block_size != 0  # only with copies_partial_hits
+        inside = num_tokens % self.block_size != 0  # only with partial_hit_copy_on_write
         if self.mamba_cache_mode == "align" and rid in self.checkpoints:
             key = self.cache_checkpoint(request, retention_interval)
             if key is not None:
                 self.cached_blocks_this_step.add(key)
-        elif (self.caches_prompt_tail_state and self.mamba_cache_mode == "align"
-                and num_tokens > 0 and (not inside or self.copies_partial_hits)
+        elif (self.profile.mamba_prompt_tail_state and self.mamba_cache_mode == "align"
+                and num_tokens > 0 and (not inside or self.profile.partial_hit_copy_on_write)
                 and num_tokens == pure.mamba_prompt_tail_boundary(
                     request.num_prompt_tokens, hbs, self.prompt_tail_drops_eagle,
                     self.block_pool.num_hash_lookahead_tokens)):
@@ -895,11 +904,11 @@ class MambaManager(SingleTypeKVCacheManager):
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         """As the base class, and in align mode free the previous step's state block."""
-        if not self.frees_processed_states:
+        if not self.profile.mamba_frees_processed_states:
             # NOTE: like vLLM 0.25.1, subtract a block count from a token count, for
             # rejected drafts.
             total_computed_tokens = max(0, total_computed_tokens - self.num_speculative_blocks)
-        if self.frees_processed_states and self.mamba_cache_mode == "align":
+        if self.profile.mamba_frees_processed_states and self.mamba_cache_mode == "align":
             self._retire_skipped_states(request_id, total_computed_tokens)
         else:
             super().remove_skipped_blocks(request_id, total_computed_tokens)
@@ -996,11 +1005,9 @@ class HiSparseSourceManager(FullAttentionManager):
         device = self.block_pool
         host = BlockPool(num_blocks, self.enable_caching and cacheable(self.kv_cache_spec),
                          device.hash_block_size, device.enable_kv_cache_events,
-                         medium=MEDIUM_CPU)
+                         medium=MEDIUM_CPU, profile=device.profile,
+                         num_hash_lookahead_tokens=device.num_hash_lookahead_tokens)
         host.hash_fn, host.none_hash = device.hash_fn, device.none_hash
-        for switch in ("tagged_extra_keys", "mm_keys_by_window", "num_hash_lookahead_tokens",
-                       "event_session_id"):
-            setattr(host, switch, getattr(device, switch))
         host.share_event_queue(device)
         self.block_pool = host
 
@@ -1069,8 +1076,8 @@ class HiSparseHotManager(SingleTypeKVCacheManager):
 
     coordinator: Any = None
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any) -> None:
-        super().__init__(kv_cache_spec, *args)
+    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
         self.blocks_per_request: int = kv_cache_spec.blocks_per_request
         if not isinstance(self.blocks_per_request, int) or self.blocks_per_request <= 0:
             raise ValueError(f"blocks_per_request={self.blocks_per_request!r} must be a "
@@ -1151,8 +1158,8 @@ class HiSparseResidentManager(SingleTypeKVCacheManager):
 
     coordinator: Any = None
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any) -> None:
-        super().__init__(kv_cache_spec, *args)
+    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, *args, **kwargs)
         cap = self.max_admission_blocks_per_request
         if not isinstance(cap, int) or cap <= 0:
             raise ValueError(f"max_admission_blocks_per_request={cap!r}: a resident group "
@@ -1296,11 +1303,12 @@ ROLE_MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
 def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_tokens: int,
                                   max_model_len: int, block_pool: BlockPool, enable_caching: bool,
                                   kv_cache_group_id: int, scheduler_block_size: int,
-                                  context_parallel: int = 1, role: str | None = None
-                                  ) -> SingleTypeKVCacheManager:
+                                  context_parallel: int = 1, role: str | None = None,
+                                  **switches: Any) -> SingleTypeKVCacheManager:
     """The manager of the group's role (vLLM 0.33.0's ``KVCacheGroupSpec.role``), else
     of the spec's kind; windowed kinds get their admission cap. NotImplementedError for
-    unmodelled spec types and for cross attention with caching."""
+    unmodelled spec types and for cross attention with caching. ``switches``: the
+    manager's keyword arguments (``profile``, ``needs_kv_cache_zeroing``, ``use_eagle``)."""
     manager_cls = ROLE_MANAGER_CLASSES.get(role or "") or MANAGER_CLASSES.get(
         type(kv_cache_spec).__name__)
     if manager_cls is None:
@@ -1313,4 +1321,4 @@ def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_to
         raise NotImplementedError("prefix caching with a cross-attention group")
     cap = admission_cap(kv_cache_spec, max_num_batched_tokens, max_model_len)
     return manager_cls(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
-                       scheduler_block_size, cap, context_parallel)
+                       scheduler_block_size, cap, context_parallel, **switches)

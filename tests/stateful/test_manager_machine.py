@@ -498,8 +498,8 @@ class ManagerMachine(RuleBasedStateMachine):
         'none' Mamba group so flagged beside full attention; after the full group's
         block was evicted, the lookup hit 2 tokens holding no full-attention block,
         on real vLLM 0.25.1 too."""
-        coordinator = self.spec.coordinator
-        return not getattr(coordinator, "mamba_no_eagle_margin", True) and any(
+        profile = getattr(self.spec, "profile", None)
+        return not getattr(profile, "mamba_no_eagle_margin", True) and any(
             g.kind == "mamba" and (g.eagle or self.spec.use_eagle) for g in lookup.groups
         )
 

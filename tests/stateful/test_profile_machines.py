@@ -93,12 +93,11 @@ class DropInManager(vllm_0_33.KVCacheManager):
 
 def spec_profile_with(flipped: str | None) -> spec_profile.Profile:
     """The spec's 0.33.0 profile, with switch ``flipped`` (if any) set to 0.25.1's value."""
-    profile = spec_profile.Profile(RELEASE)
-    if flipped is not None:
-        if flipped not in spec_profile.SWITCHES:
-            raise ValueError(f"flipped={flipped!r} is no switch of spec/profile.py")
-        profile.on = profile.on ^ {flipped}
-    return profile
+    if flipped is None:
+        return spec_profile.Profile(RELEASE)
+    if flipped not in spec_profile.SWITCHES:
+        raise ValueError(f"flipped={flipped!r} is no switch of spec/profile.py")
+    return spec_profile.Profile(RELEASE, **{flipped: flipped not in spec_profile.ON[RELEASE]})
 
 
 def machine_class(
