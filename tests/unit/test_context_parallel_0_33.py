@@ -195,8 +195,7 @@ def test_kvcache_with_a_geometry_switch_off_is_caught(
     (the spec keeps 0.33.0's) differs in the context-parallel families."""
     family = "hybrid-dcp" if switch == "dcp_sharded_geometry" else "full-dcp"
     assert mismatches(family, 12) == 0  # control
-    mutant = Profile("0.33.0")
-    setattr(mutant, switch, False)
+    mutant = Profile("0.33.0").with_switches(**{switch: False})
     monkeypatch.setattr(v33, "PROFILE", mutant)
     assert mismatches(family, 12) > 0, f"{switch} off in kvcache was not caught"
 

@@ -44,8 +44,7 @@ def test_a_0_25_1_side_gets_no_0_33_fields() -> None:
 def test_kvcache_with_the_switch_off_is_caught(
     switch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mutant = Profile("0.33.0")
-    setattr(mutant, switch, False)
+    mutant = Profile("0.33.0").with_switches(**{switch: False})
     monkeypatch.setattr(v33, "PROFILE", mutant)
     assert run("full+swa", "kvcache-0.33", "spec-0.33", 8)[1] > 0, f"{switch} off not caught"
 
