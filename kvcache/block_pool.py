@@ -107,10 +107,18 @@ class BlockHashToBlockMap:
 
     def insert_raw(self, group_id: int, h: BlockHash, block: KVCacheBlock) -> None:
         """Add ``block`` under hash ``h`` of group ``group_id``."""
-        m = self.group_map(group_id)
-        if h not in m:
-            m[h] = block
-        else:
+        self.insert_into(self.group_map(group_id), group_id, h, block)
+
+    def insert_into(
+        self, m: dict[BlockHash, KVCacheBlock], group_id: int, h: BlockHash, block: KVCacheBlock
+    ) -> None:
+        """``insert_raw`` into ``m``, group ``group_id``'s map (``group_map``), which a
+        caller caching many blocks of one group looks up once."""
+        # NOTE: one dict operation (hash, probe, store) where the key is new, the
+        # common case; the size tells whether it was.
+        num_hashes = len(m)
+        m.setdefault(h, block)
+        if len(m) == num_hashes:
             self.extras[group_id].setdefault(h, {})[block.block_id] = block
 
     def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
@@ -126,7 +134,8 @@ class BlockHashToBlockMap:
         if first is None:
             return None
         extras = self.extras[group_id]
-        younger = extras.get(h)
+        # NOTE: a group's extras are mostly empty (duplicates are rare): then no lookup.
+        younger = extras.get(h) if extras else None
         if first.block_id == block_id:
             if younger:
                 # Promote the next oldest duplicate (an emptied ``younger`` stays: the
@@ -135,7 +144,8 @@ class BlockHashToBlockMap:
                 m[h] = younger.pop(next_id)
             else:
                 del m[h]
-                extras.pop(h, None)
+                if younger is not None:
+                    del extras[h]
             return first
         if younger is None:
             return None
@@ -373,7 +383,8 @@ class BlockPool:
                 f"only {len(block_hashes)} block hashes"
             )
         new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
-        insert = self.cached_block_hash_to_block.insert_raw
+        cache = self.cached_block_hash_to_block
+        group_map = cache.group_map(kv_cache_group_id)
         events = self.enable_kv_cache_events
         stored: list[ExternalBlockHash] = []
         for i, blk in enumerate(new_full_blocks):
@@ -391,7 +402,7 @@ class BlockPool:
             blk._hash = h
             blk._group_id = kv_cache_group_id
             blk._block_hash_num_tokens = num_hash_tokens
-            insert(kv_cache_group_id, h, blk)
+            cache.insert_into(group_map, kv_cache_group_id, h, blk)
             if events:
                 stored.append(maybe_convert_block_hash(h))
         if events:
