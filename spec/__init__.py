@@ -27,13 +27,7 @@ Release differences (vLLM 0.25.1, the default, and 0.33.0) are named switches of
 """
 
 from .block_pool import NULL_BLOCK, BlockPool
-from .kv_cache_coordinator import (
-    HybridKVCacheCoordinator,
-    KVCacheCoordinator,
-    KVCacheCoordinatorNoPrefixCache,
-    UnitaryKVCacheCoordinator,
-    get_kv_cache_coordinator,
-)
+from .kv_cache_coordinator import KVCacheCoordinator
 from .kv_cache_manager import KVCacheBlocks, KVCacheManager
 from .single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
@@ -53,8 +47,7 @@ from .single_type_kv_cache_manager import (
 __all__ = [
     "NULL_BLOCK", "BlockPool", "ChunkedLocalAttentionManager", "CrossAttentionManager",
     "FullAttentionManager", "HiSparseHotManager", "HiSparseResidentManager",
-    "HiSparseSourceManager", "HybridKVCacheCoordinator", "KVCacheBlocks", "KVCacheCoordinator",
-    "KVCacheCoordinatorNoPrefixCache", "KVCacheManager", "MambaManager", "RSWAManager",
-    "SingleTypeKVCacheManager", "SinkFullAttentionManager", "SlidingWindowManager",
-    "UnitaryKVCacheCoordinator", "get_kv_cache_coordinator", "get_manager_for_kv_cache_spec",
+    "HiSparseSourceManager", "KVCacheBlocks", "KVCacheCoordinator", "KVCacheManager",
+    "MambaManager", "RSWAManager", "SingleTypeKVCacheManager", "SinkFullAttentionManager",
+    "SlidingWindowManager", "get_manager_for_kv_cache_spec",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from . import pure
 from .block_pool import BlockPool
@@ -95,8 +95,9 @@ class KVCacheCoordinator:
             self._check_hybrid_context_parallel()
         elif enable_caching and max(*context_parallel, pcp_world_size) > 1 and (
                 len(groups) > 1 or not is_a(groups[0].kv_cache_spec, "FullAttentionSpec")):
-            raise NotImplementedError("context parallelism with prefix caching: one full-"
-                                      "attention group only (vLLM asserts for the rest)")
+            raise NotImplementedError("hybrid layouts and kinds other than full attention do "
+                                      "not support context parallelism with prefix caching "
+                                      "(vLLM asserts)")
         self.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
         zeroing = needs_kv_cache_zeroing(kv_cache_config)
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
@@ -143,7 +144,70 @@ class KVCacheCoordinator:
                              f"and a multiple of scheduler_block_size={self.scheduler_block_size}")
 
     def _init_groups(self) -> None:
-        """Coordinator-specific checks and EAGLE flags, run at the end of ``__init__``."""
+        """The groups a lookup searches (``attention_groups``: equal specs bundled, full
+        attention first) and each group's EAGLE flag; caching off searches none.
+
+        One group is looked up as vLLM's single-group coordinator does (rule
+        ``one-group``): hashed at its own block size, searched even outside prefix
+        caching (a ring's search finds nothing). Several groups need at least two
+        distinct specs, hashed at a common finer ``hash_block_size`` that divides
+        every block size of a caching group (larger blocks read it through
+        ``vocab.coarsen``); a ring buffer (vLLM 0.33.0) is never searched but counts
+        as a distinct spec."""
+        self.attention_groups: list[SpecGroup] = []
+        if not self.enable_caching:
+            return
+        groups = self.kv_cache_config.kv_cache_groups
+        managers = self.single_type_managers
+        if len(groups) == 1:
+            m = managers[0]
+            if self.hash_block_size != m.block_size:
+                message = (f"hash_block_size={self.hash_block_size} must equal the block size "
+                           f"{m.block_size} of the only group")
+                geometry_0_33 = self.profile.pcp_not_scaled or self.profile.dcp_sharded_geometry
+                raise AssertionError(message) if geometry_0_33 else ValueError(message)
+            self.attention_groups.append(SpecGroup(
+                lookup_spec(groups[0].kv_cache_spec, m), [0], type(m), 0 in self.eagle_group_ids))
+        else:
+            self._bundle_groups()
+        for sg in self.attention_groups:
+            for group_id in sg.group_ids:
+                managers[group_id].use_eagle = sg.use_eagle
+        if len(groups) > 1 and self.profile.mamba_fine_grained_hits:
+            self.enable_fine_grained_hits()
+
+    def _bundle_groups(self) -> None:
+        """Several groups: the hybrid layout's checks, and its caching groups bundled by
+        equal spec (and manager kind) into ``attention_groups``, full attention first."""
+        # A ring buffer (vLLM 0.33.0) takes no part in prefix caching: not hashed, never
+        # searched (its hit stays empty); it still counts as a distinct spec.
+        groups = self.kv_cache_config.kv_cache_groups
+        if any(m.block_size % self.hash_block_size
+               for g, m in zip(groups, self.single_type_managers, strict=True)
+               if cacheable(g.kv_cache_spec)):
+            raise ValueError(f"hash_block_size={self.hash_block_size} must divide every block size")
+        scratch = [g.kv_cache_spec for g in groups if not cacheable(g.kv_cache_spec)]
+        num_scratch = len([s for i, s in enumerate(scratch) if s not in scratch[:i]])
+        for i, (g, m) in enumerate(zip(groups, self.single_type_managers, strict=True)):
+            if not cacheable(g.kv_cache_spec):
+                continue
+            use_eagle = i in self.eagle_group_ids
+            for idx, sg in enumerate(self.attention_groups):
+                # equal specs of different managers (a HiSparse source and its indexer
+                # group) search different pools: not bundled
+                if groups[sg.group_ids[0]].kv_cache_spec == g.kv_cache_spec and (
+                        sg.manager_cls is type(m)):
+                    sg.group_ids.append(i)
+                    self.attention_groups[idx] = sg._replace(use_eagle=sg.use_eagle or use_eagle)
+                    break
+            else:
+                self.attention_groups.append(
+                    SpecGroup(lookup_spec(g.kv_cache_spec, m), [i], type(m), use_eagle))
+        if len(self.attention_groups) + num_scratch < 2:
+            raise ValueError(f"{len(groups)} KV-cache groups need >= 2 distinct specs with caching")
+        if not self.attention_groups:
+            raise ValueError("every KV-cache group is a ring buffer: nothing to look up")
+        self.attention_groups.sort(key=lambda sg: not is_a(sg.spec, "FullAttentionSpec"))
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: tuple[Sequence[int], ...],
@@ -207,16 +271,6 @@ class KVCacheCoordinator:
                                           bool(self.eagle_group_ids))
         return (num_prompt_tokens - 1,)
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Cache the request's full blocks among its first ``num_computed_tokens`` tokens,
-        but the last ``num_reprefillable_tokens`` (0.33.0's prefill lookahead: a
-        multi-module drafter computes them again)."""
-        num_tokens = max(0, num_computed_tokens - self.num_reprefillable_tokens)
-        boundaries = self.replay_boundaries(request.num_prompt_tokens)
-        for m in self.single_type_managers:
-            if cacheable(m.kv_cache_spec):  # a group outside prefix caching keys nothing
-                m.cache_blocks(request, num_tokens, self.retention_interval, boundaries)
-
     def free(self, request_id: str) -> None:
         """Release the request's blocks, group by group."""
         for m in self.single_type_managers:
@@ -227,7 +281,10 @@ class KVCacheCoordinator:
         return [b for m in self.single_type_managers for b in m.pop_blocks_for_free(request_id)]
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Per group, the leading blocks shared by every request with a table."""
+        """Per group, the leading blocks shared by every request with a table (caching
+        off: 0 per group, and, unlike the managers, no table entry is created)."""
+        if not self.enable_caching:
+            return [0] * len(self.single_type_managers)
         return [m.get_num_common_prefix_blocks(running_request_id)
                 for m in self.single_type_managers]
 
@@ -254,107 +311,10 @@ class KVCacheCoordinator:
         """The request's tables (the live lists, as vLLM returns them); [] when unknown."""
         return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
 
-    def find_longest_cache_hit(self, block_hashes: list[bytes], max_cache_hit_length: int
-                               ) -> tuple[Hits, int]:
-        """Per-group hit blocks and the hit length in tokens."""
-        raise NotImplementedError
-
     def new_step_starts(self) -> None:
         """Tell every manager a scheduler step begins."""
         for m in self.single_type_managers:
             m.new_step_starts()
-
-
-class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
-    """Prefix caching off: any number of groups, never a hit, no common prefix."""
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """0 per group (and, unlike the managers, no table entry is created)."""
-        return [0] * len(self.single_type_managers)
-
-    def find_longest_cache_hit(self, block_hashes: list[bytes], max_cache_hit_length: int
-                               ) -> tuple[Hits, int]:
-        """No hit."""
-        return tuple([] for _ in self.single_type_managers), 0
-
-
-class UnitaryKVCacheCoordinator(KVCacheCoordinator):
-    """Exactly one group, hashed at its own block size; hits align to that size."""
-
-    def _init_groups(self) -> None:
-        self.kv_cache_spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = self.single_type_managers[0].block_size
-        # The hit search works in blocks of the manager's block size.
-        self.lookup_spec = self.kv_cache_spec if self.block_size == self.kv_cache_spec.block_size \
-            else self.kv_cache_spec.copy_with_new_block_size(self.block_size)
-        if self.enable_caching and self.hash_block_size != self.block_size:
-            message = (f"hash_block_size={self.hash_block_size} must equal the block size "
-                       f"{self.block_size} of the only group")
-            geometry_0_33 = self.profile.pcp_not_scaled or self.profile.dcp_sharded_geometry
-            raise AssertionError(message) if geometry_0_33 else ValueError(message)
-        self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
-
-    def find_longest_cache_hit(self, block_hashes: list[bytes], max_cache_hit_length: int
-                               ) -> tuple[Hits, int]:
-        """The group's longest hit."""
-        hits = self.single_type_managers[0].find_longest_cache_hit(
-            block_hashes, max_cache_hit_length, [0], self.block_pool, self.lookup_spec,
-            0 in self.eagle_group_ids, self.block_size)
-        return hits, len(hits[0]) * self.block_size
-
-
-class SpecGroup(NamedTuple):
-    """Groups with equal specs, searched together; EAGLE if any member is."""
-
-    spec: KVCacheSpec
-    group_ids: list[int]
-    manager_cls: type[SingleTypeKVCacheManager]
-    use_eagle: bool
-
-
-class HybridKVCacheCoordinator(KVCacheCoordinator):
-    """At least two distinct specs, hashed at a common finer ``hash_block_size``; larger
-    blocks read them through ``vocab.coarsen``. Hits and caching align to
-    ``scheduler_block_size``; ``attention_groups`` lists the distinct specs, full
-    attention first."""
-
-    def _init_groups(self) -> None:
-        # A ring buffer (vLLM 0.33.0) takes no part in prefix caching: not hashed, never
-        # searched (its hit stays empty); it still counts as a distinct spec.
-        groups = self.kv_cache_config.kv_cache_groups
-        if any(m.block_size % self.hash_block_size
-               for g, m in zip(groups, self.single_type_managers, strict=True)
-               if cacheable(g.kv_cache_spec)):
-            raise ValueError(f"hash_block_size={self.hash_block_size} must divide every block size")
-        self.attention_groups: list[SpecGroup] = []
-        scratch = [g.kv_cache_spec for g in groups if not cacheable(g.kv_cache_spec)]
-        num_scratch = len([s for i, s in enumerate(scratch) if s not in scratch[:i]])
-        for i, (g, m) in enumerate(zip(groups, self.single_type_managers, strict=True)):
-            if not cacheable(g.kv_cache_spec):
-                continue
-            use_eagle = i in self.eagle_group_ids
-            for idx, sg in enumerate(self.attention_groups):
-                # equal specs of different managers (a HiSparse source and its indexer
-                # group) search different pools: not bundled
-                if groups[sg.group_ids[0]].kv_cache_spec == g.kv_cache_spec and (
-                        sg.manager_cls is type(m)):
-                    sg.group_ids.append(i)
-                    self.attention_groups[idx] = sg._replace(use_eagle=sg.use_eagle or use_eagle)
-                    break
-            else:  # searched in blocks of the manager's size (the spec's, or its dcp multiple)
-                lookup_spec = g.kv_cache_spec if m.block_size == g.kv_cache_spec.block_size \
-                    else g.kv_cache_spec.copy_with_new_block_size(m.block_size)
-                self.attention_groups.append(SpecGroup(lookup_spec, [i], type(m), use_eagle))
-        if len(self.attention_groups) + num_scratch < 2:
-            raise ValueError(f"{len(groups)} KV-cache groups need >= 2 distinct specs with caching")
-        if not self.attention_groups:
-            raise ValueError("every KV-cache group is a ring buffer: nothing to look up")
-        self.attention_groups.sort(key=lambda sg: not is_a(sg.spec, "FullAttentionSpec"))
-        for sg in self.attention_groups:
-            for group_id in sg.group_ids:
-                self.single_type_managers[group_id].use_eagle = sg.use_eagle
-        if self.profile.mamba_fine_grained_hits:
-            self.enable_fine_grained_hits()
 
     def enable_fine_grained_hits(self) -> None:
         """mamba_fine_grained_hits: hits end on hash-block boundaries when a Mamba 'align'
@@ -375,16 +335,23 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 m.cache_hit_alignment_tokens = hbs
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Cache up to the last ``scheduler_block_size`` boundary (EAGLE groups one block
-        further, since their hits look one block past a boundary); with fine-grained hits
-        nothing is rounded (an EAGLE group still leaves out the re-prefilled tokens)."""
+        """Cache the full blocks among the first ``num_computed_tokens`` tokens but the
+        last ``num_reprefillable_tokens`` (0.33.0's prefill lookahead: a multi-module
+        drafter computes them again). Several groups cache up to the last
+        ``scheduler_block_size`` boundary (EAGLE groups one block further, since their
+        hits look one block past a boundary; they alone leave out the re-prefilled
+        tokens); with fine-grained hits nothing is rounded. One group caches every full
+        block (rule ``one-group``)."""
         boundaries = self.replay_boundaries(request.num_prompt_tokens)
         alignment = 1 if self.fine_grained else self.scheduler_block_size
+        one_group = max(0, num_computed_tokens - self.num_reprefillable_tokens)
         for m in self.single_type_managers:
             if cacheable(m.kv_cache_spec):  # a group outside prefix caching keys nothing
-                m.cache_blocks(request, pure.num_tokens_to_cache(
-                    num_computed_tokens, alignment, m.block_size, m.use_eagle,
-                    self.num_reprefillable_tokens), self.retention_interval, boundaries)
+                m.cache_blocks(request, one_group if len(self.single_type_managers) == 1
+                               else pure.num_tokens_to_cache(
+                                   num_computed_tokens, alignment, m.block_size, m.use_eagle,
+                                   self.num_reprefillable_tokens),
+                               self.retention_interval, boundaries)
 
     def _hashes_for(self, block_hashes: list[bytes], spec: KVCacheSpec) -> list[bytes]:
         """The request's hashes at the spec's block size."""
@@ -394,7 +361,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(self, block_hashes: list[bytes], max_cache_hit_length: int
                                ) -> tuple[Hits, int]:
-        """Shrink a candidate length until every spec accepts it (a fixed point).
+        """Per-group hit blocks and the hit length in tokens: shrink a candidate length
+        until every spec accepts it (a fixed point); caching off: no hit.
+
+        One group (rule ``one-group``) is searched once, its hits aligned to its own
+        block, an EAGLE group never looking past ``max_cache_hit_length``.
 
         Full attention is searched once, then only rounded down to its block size; with
         one other spec a single round suffices. An EAGLE spec searches one block further
@@ -406,10 +377,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         multiples of the hash block: full attention and Mamba with larger blocks find hits
         ending inside a block, and their EAGLE look-ahead is one hash block.
         """
+        if not self.enable_caching:
+            return tuple([] for _ in self.single_type_managers), 0
         hit_blocks: list[list[int] | None] = [None] * len(self.single_type_managers)
         hit_length, longest_hit_length = max_cache_hit_length, 0
-        is_simple_hybrid = len(self.attention_groups) == 2 and is_a(
-            self.attention_groups[0].spec, "FullAttentionSpec")
+        one_group = len(self.single_type_managers) == 1
+        single_round = one_group or (len(self.attention_groups) == 2 and is_a(
+            self.attention_groups[0].spec, "FullAttentionSpec"))
         eagle_verified: set[int] = set()  # specs whose EAGLE drop holds at the current length
         hbs = self.hash_block_size
         while True:
@@ -427,9 +401,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 if drop_eagle_block and not (self.profile.mamba_no_eagle_margin
                                              and is_a(spec, "MambaSpec")):
                     margin = hbs if sub_block else spec.block_size
-                    max_length = min(curr_length + margin, max_cache_hit_length
-                                     if not self.profile.eagle_peek_to_hashed_length  # 0.33.0
-                                     else len(block_hashes) * hbs)
+                    peek = self.profile.eagle_peek_to_hashed_length and not one_group  # 0.33.0
+                    max_length = min(curr_length + margin, len(block_hashes) * hbs if peek
+                                     else max_cache_hit_length)
                 pool = self.single_type_managers[group_ids[0]].block_pool
                 if sub_block:
                     hits, new_length = manager_cls.find_fine_grained_hit(
@@ -438,8 +412,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 else:
                     hits = manager_cls.find_longest_cache_hit(
                         self._hashes_for(block_hashes, spec), max_length, group_ids,
-                        pool, spec, drop_eagle_block,
-                        hbs if self.fine_grained else self.scheduler_block_size)
+                        pool, spec, drop_eagle_block, spec.block_size if one_group
+                        else hbs if self.fine_grained else self.scheduler_block_size)
                     new_length = len(hits[0]) * spec.block_size
                 if drop_eagle_block:
                     eagle_verified.add(idx)
@@ -452,7 +426,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if curr_length >= hit_length:
                 break
             hit_length = curr_length
-            if is_simple_hybrid:
+            if single_round:
                 break
         first = self.attention_groups[0]
         if is_a(first.spec, "FullAttentionSpec") and not first.manager_cls.retains_longer_hit:
@@ -508,20 +482,18 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         return tuple(hit_blocks), tuple(hit_lengths)
 
 
-def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
-                             max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
-                             enable_kv_cache_events: bool, scheduler_block_size: int,
-                             hash_block_size: int, caching_hash_algo: str = "sha256",
-                             hash_seed: str | None = None, dcp_world_size: int = 1,
-                             pcp_world_size: int = 1, **release: Any) -> KVCacheCoordinator:
-    """No-prefix-cache when caching is off, else unitary for one group, hybrid for more;
-    ``release``: the coordinator's keyword arguments (the retention interval, the
-    profile, the lookahead arguments)."""
-    cls: type[KVCacheCoordinator] = HybridKVCacheCoordinator
-    if not enable_caching:
-        cls = KVCacheCoordinatorNoPrefixCache
-    elif len(kv_cache_config.kv_cache_groups) == 1:
-        cls = UnitaryKVCacheCoordinator
-    return cls(kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle, enable_caching,
-               enable_kv_cache_events, scheduler_block_size, hash_block_size, caching_hash_algo,
-               hash_seed, dcp_world_size, pcp_world_size, **release)
+class SpecGroup(NamedTuple):
+    """Groups with equal specs, searched together; EAGLE if any member is."""
+
+    spec: KVCacheSpec
+    group_ids: list[int]
+    manager_cls: type[SingleTypeKVCacheManager]
+    use_eagle: bool
+
+
+def lookup_spec(kv_cache_spec: KVCacheSpec, manager: SingleTypeKVCacheManager) -> KVCacheSpec:
+    """The spec a group is searched by: blocks of its manager's size (the spec's, or
+    its context-parallel multiple)."""
+    if manager.block_size == kv_cache_spec.block_size:
+        return kv_cache_spec
+    return kv_cache_spec.copy_with_new_block_size(manager.block_size)

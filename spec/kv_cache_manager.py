@@ -10,11 +10,7 @@ from typing import Any, Literal, overload
 
 from . import effectiveness, pure
 from .block_pool import NULL_BLOCK, BlockPool
-from .kv_cache_coordinator import (
-    HybridKVCacheCoordinator,
-    get_kv_cache_coordinator,
-    group_role,
-)
+from .kv_cache_coordinator import KVCacheCoordinator, group_role
 from .profile import Profile, resolve_profile
 from .pure import cdiv
 from .single_type_kv_cache_manager import (
@@ -184,7 +180,7 @@ class KVCacheManager:
         self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.prefix_cache_stats = self._new_stats() if log_stats else None
-        self.coordinator = get_kv_cache_coordinator(
+        self.coordinator = KVCacheCoordinator(
             kv_cache_config, max_model_len, self.max_num_batched_tokens, use_eagle,
             enable_caching, enable_kv_cache_events, scheduler_block_size, hash_block_size,
             caching_hash_algo, hash_seed, dcp_world_size, pcp_world_size,
@@ -308,7 +304,7 @@ class KVCacheManager:
         diverged. Records nothing (stats come at admission, no "full" report events)."""
         coordinator = self.coordinator
         groups = self.kv_cache_config.kv_cache_groups
-        if isinstance(coordinator, HybridKVCacheCoordinator) and any(
+        if self.enable_caching and len(groups) > 1 and any(
                 is_a(g.kv_cache_spec, "MambaSpec") for g in groups):
             first = coordinator.attention_groups[0]
             if is_a(first.spec, "FullAttentionSpec"):
