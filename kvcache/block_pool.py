@@ -69,11 +69,14 @@ class BlockHashToBlockMap:
     ``extras[g][hash]`` exists (possibly empty) from the second block cached under a
     hash until the hash has no block left: that is when vLLM's map holds a
     ``{block_id: block}`` dict rather than a bare block, which ``_cache`` shows.
+    ``num_extras`` counts those hashes over all groups: while it is 0 (duplicates
+    are rare) removing a block looks no duplicates map up.
     """
 
     def __init__(self) -> None:
         self.group_maps: dict[int, dict[BlockHash, KVCacheBlock]] = {}
         self.extras: dict[int, dict[BlockHash, dict[int, KVCacheBlock]]] = {}
+        self.num_extras = 0
 
     def group_map(self, group_id: int) -> dict[BlockHash, KVCacheBlock]:
         """The (hash -> oldest block) map of one group, created on first use."""
@@ -119,7 +122,23 @@ class BlockHashToBlockMap:
         num_hashes = len(m)
         m.setdefault(h, block)
         if len(m) == num_hashes:
-            self.extras[group_id].setdefault(h, {})[block.block_id] = block
+            self.younger_blocks(group_id, h)[block.block_id] = block
+
+    def younger_blocks(self, group_id: int, h: BlockHash) -> dict[int, KVCacheBlock]:
+        """The duplicates map of hash ``h`` in group ``group_id`` (oldest first,
+        by block id), created empty if the hash has none: the hash then holds vLLM's
+        dict form until its last block leaves."""
+        extras = self.extras[group_id]
+        younger = extras.get(h)
+        if younger is None:
+            younger = extras[h] = {}
+            self.num_extras += 1
+        return younger
+
+    def drop_younger_blocks(self, group_id: int, h: BlockHash) -> None:
+        """Forget hash ``h``'s duplicates map in group ``group_id``, if it has one."""
+        if self.extras[group_id].pop(h, None) is not None:
+            self.num_extras -= 1
 
     def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
         """Remove block ``block_id`` from ``key``; return it, or None if absent."""
@@ -133,9 +152,8 @@ class BlockHashToBlockMap:
         first = m.get(h)
         if first is None:
             return None
-        extras = self.extras[group_id]
-        # NOTE: a group's extras are mostly empty (duplicates are rare): then no lookup.
-        younger = extras.get(h) if extras else None
+        # NOTE: duplicates are rare: while there are none, no lookup.
+        younger = self.extras[group_id].get(h) if self.num_extras else None
         if first.block_id == block_id:
             if younger:
                 # Promote the next oldest duplicate (an emptied ``younger`` stays: the
@@ -145,7 +163,7 @@ class BlockHashToBlockMap:
             else:
                 del m[h]
                 if younger is not None:
-                    del extras[h]
+                    self.drop_younger_blocks(group_id, h)
             return first
         if younger is None:
             return None
@@ -204,7 +222,7 @@ class _VllmCacheView(MutableMapping[BlockHashWithGroupId, _CacheEntry]):
         for block in blocks:
             self._owner.insert_raw(group_id, h, block)
         if isinstance(value, dict) and blocks:
-            self._owner.extras[group_id].setdefault(h, {})
+            self._owner.younger_blocks(group_id, h)
 
     def __delitem__(self, key: BlockHashWithGroupId) -> None:
         group_id, h = get_group_id(key), get_block_hash(key)
@@ -212,7 +230,7 @@ class _VllmCacheView(MutableMapping[BlockHashWithGroupId, _CacheEntry]):
         if m is None or h not in m:
             raise KeyError(key)
         del m[h]
-        self._owner.extras[group_id].pop(h, None)
+        self._owner.drop_younger_blocks(group_id, h)
 
     def __iter__(self) -> Iterator[BlockHashWithGroupId]:
         for group_id, m in self._owner.group_maps.items():
@@ -395,13 +413,13 @@ class BlockPool:
             if blk._hash is not None:
                 # NOTE: the one valid re-cache is promoting a block cached under a
                 # shorter partial entry to its full-block hash: its old keys go.
-                num_tokens = blk._block_hash_num_tokens
-                if num_tokens is None or num_tokens >= num_hash_tokens:
+                num_tokens = blk._hash_num_tokens
+                if num_tokens == 0 or num_tokens >= num_hash_tokens:
                     raise ValueError(f"block {blk.block_id} is already cached")
                 self._evict(blk)
             blk._hash = h
             blk._group_id = kv_cache_group_id
-            blk._block_hash_num_tokens = num_hash_tokens
+            blk._hash_num_tokens = num_hash_tokens
             cache.insert_into(group_map, kv_cache_group_id, h, blk)
             if events:
                 stored.append(maybe_convert_block_hash(h))

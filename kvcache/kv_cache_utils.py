@@ -287,6 +287,12 @@ def hash_block_tokens(
     return hash_function((parent, tuple(curr_block_token_ids), extra_keys))
 
 
+def request_num_tokens(request: Request) -> int:
+    """``Request.num_tokens``, prompt plus output tokens: the property's body,
+    here so that it is compiled (it reads ``_all_token_ids`` on every call)."""
+    return len(request._all_token_ids)
+
+
 def need_extra_keys(request: Request) -> bool:
     """Whether the request's blocks carry extra hash keys (MM, LoRA or salt)."""
     return (
@@ -721,14 +727,17 @@ class KVCacheBlock:
 
     NOTE: the hash and group id are stored apart and ``block_hash`` packs them
     on access, so the hot paths (hit search, caching, freeing) never build
-    the packed key.
+    the packed key. The tokens the hash covers are a plain int (0: none, read
+    as None through ``_block_hash_num_tokens``): compiled, an ``int | None``
+    field is a boxed object, allocated for every block cached and freed on
+    every eviction.
     """
 
     block_id: int
     ref_cnt: int = 0
     _hash: BlockHash | None = None
     _group_id: int = 0
-    _block_hash_num_tokens: int | None = None
+    _hash_num_tokens: int = 0
     is_null: bool = False
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
@@ -750,6 +759,15 @@ class KVCacheBlock:
         """Number of prefix tokens the cached hash covers."""
         return self._block_hash_num_tokens
 
+    @property
+    def _block_hash_num_tokens(self) -> int | None:
+        """vLLM 0.33.0's field: the tokens the cached hash covers, None if unknown."""
+        return self._hash_num_tokens or None
+
+    @_block_hash_num_tokens.setter
+    def _block_hash_num_tokens(self, num_tokens: int | None) -> None:
+        self._hash_num_tokens = num_tokens or 0
+
     def set_block_hash(
         self, block_hash: BlockHashWithGroupId, num_tokens: int | None = None
     ) -> None:
@@ -762,7 +780,7 @@ class KVCacheBlock:
     def reset_hash(self) -> None:
         """Forget the hash (the block was evicted from the prefix cache)."""
         self._hash = None
-        self._block_hash_num_tokens = None
+        self._hash_num_tokens = 0
 
     def __repr__(self) -> str:
         return (
@@ -830,7 +848,8 @@ class FreeKVCacheBlockQueue:
         head = self.fake_free_list_head
         block = head.next_free_block
         out = []
-        for _ in range(n):
+        # NOTE: a named counter: compiled, ``_`` is boxed on every iteration.
+        for i in range(n):  # noqa: B007
             assert block is not None
             out.append(block)
             nxt = block.next_free_block
