@@ -79,7 +79,7 @@ class HiSparseSourceManager(FullAttentionManager):
 
     def take_new_block_ids(self) -> list[int]:
         """Nothing (host blocks are not zeroed); forgets what was recorded."""
-        self.new_block_ids = []
+        self.new_blocks = []
         return []
 
     def bind_host_pool(self, num_blocks: int) -> None:

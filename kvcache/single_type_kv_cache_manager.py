@@ -170,7 +170,10 @@ class SingleTypeKVCacheManager:
         self._max_admission_blocks_per_request = max_admission_blocks_per_request
         self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
         self.num_cached_block: dict[str, int] = {}
-        self.new_block_ids: list[int] = []
+        # The blocks allocated since the last take_new_block_ids, in order: their
+        # ids (``new_block_ids``) are made when asked for (compiled, a block's id
+        # is an unboxed int, and boxing it allocates).
+        self.new_blocks: list[KVCacheBlock] = []
         self._null_block = block_pool.null_block
         self.use_eagle = False
         # Whether get_num_skipped_tokens is always 0 (lets callers skip the call).
@@ -341,7 +344,7 @@ class SingleTypeKVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         if self._tracks_new_block_ids and record_for_zeroing:
-            self.new_block_ids.extend(b.block_id for b in new_blocks)
+            self.new_blocks.extend(new_blocks)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
@@ -359,7 +362,7 @@ class SingleTypeKVCacheManager:
             block_idx, source = self._partial_hit_reqs.pop(request_id)
             copy = self.block_pool.get_new_blocks(1)[0]
             self._copy_partial_hit(request_id, block_idx, source, copy)
-            self.new_block_ids.append(copy.block_id)
+            self.new_blocks.append(copy)
             copies.append(copy)
         req_blocks = self.req_to_blocks[request_id]
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks)
@@ -368,7 +371,7 @@ class SingleTypeKVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         if self._tracks_new_block_ids:
-            self.new_block_ids.extend([b.block_id for b in new_blocks])
+            self.new_blocks.extend(new_blocks)
         return copies + new_blocks if copies else new_blocks
 
     def _copy_partial_hit(
@@ -408,10 +411,15 @@ class SingleTypeKVCacheManager:
         """Whether this group reports its newly allocated block ids (for zeroing)."""
         return self._tracks_new_block_ids
 
+    @property
+    def new_block_ids(self) -> list[int]:
+        """The ids of the blocks allocated since the last ``take_new_block_ids``."""
+        return [b.block_id for b in self.new_blocks]
+
     def take_new_block_ids(self) -> list[int]:
         """Return and clear the ids allocated since the last call."""
-        ids, self.new_block_ids = self.new_block_ids, []
-        return ids
+        blocks, self.new_blocks = self.new_blocks, []
+        return [b.block_id for b in blocks]
 
     # ------------------------------------------------------------ caching
 

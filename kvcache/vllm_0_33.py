@@ -886,7 +886,7 @@ class KVCacheManager(_KVCacheManager):
         for manager in managers:
             held = manager.req_to_blocks.get(request_id, [])
             start = start_token // manager.block_size
-            manager.new_block_ids.extend(b.block_id for b in held[start:])
+            manager.new_blocks.extend(held[start:])
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
         """The copy-on-write copies queued since the last call (``partial_hit_copy_on_write``:
