@@ -30,24 +30,14 @@ from .block_pool import NULL_BLOCK, BlockPool
 from .kv_cache_coordinator import KVCacheCoordinator
 from .kv_cache_manager import KVCacheBlocks, KVCacheManager
 from .single_type_kv_cache_manager import (
-    ChunkedLocalAttentionManager,
-    CrossAttentionManager,
-    FullAttentionManager,
-    HiSparseHotManager,
-    HiSparseResidentManager,
-    HiSparseSourceManager,
-    MambaManager,
-    RSWAManager,
+    KINDS,
+    KindRules,
     SingleTypeKVCacheManager,
-    SinkFullAttentionManager,
-    SlidingWindowManager,
     get_manager_for_kv_cache_spec,
+    sink_manager,
 )
 
 __all__ = [
-    "NULL_BLOCK", "BlockPool", "ChunkedLocalAttentionManager", "CrossAttentionManager",
-    "FullAttentionManager", "HiSparseHotManager", "HiSparseResidentManager",
-    "HiSparseSourceManager", "KVCacheBlocks", "KVCacheCoordinator", "KVCacheManager",
-    "MambaManager", "RSWAManager", "SingleTypeKVCacheManager", "SinkFullAttentionManager",
-    "SlidingWindowManager", "get_manager_for_kv_cache_spec",
+    "KINDS", "NULL_BLOCK", "BlockPool", "KVCacheBlocks", "KVCacheCoordinator", "KVCacheManager",
+    "KindRules", "SingleTypeKVCacheManager", "get_manager_for_kv_cache_spec", "sink_manager",
 ]

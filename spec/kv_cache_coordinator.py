@@ -9,13 +9,13 @@ from . import pure
 from .block_pool import BlockPool
 from .profile import Profile
 from .single_type_kv_cache_manager import (
-    CircularBufferManager,
-    CrossAttentionManager,
-    FullAttentionManager,
+    MAMBA,
     Hits,
-    MambaManager,
+    KindRules,
     SingleTypeKVCacheManager,
     check_no_hits,
+    find_fine_grained_hit,
+    find_longest_cache_hit,
     get_manager_for_kv_cache_spec,
 )
 from .vocab import (
@@ -167,7 +167,7 @@ class KVCacheCoordinator:
                 geometry_0_33 = self.profile.pcp_not_scaled or self.profile.dcp_sharded_geometry
                 raise AssertionError(message) if geometry_0_33 else ValueError(message)
             self.attention_groups.append(SpecGroup(
-                lookup_spec(groups[0].kv_cache_spec, m), [0], type(m), 0 in self.eagle_group_ids))
+                lookup_spec(groups[0].kv_cache_spec, m), [0], m.rules, 0 in self.eagle_group_ids))
         else:
             self._bundle_groups()
         for sg in self.attention_groups:
@@ -178,7 +178,7 @@ class KVCacheCoordinator:
 
     def _bundle_groups(self) -> None:
         """Several groups: the hybrid layout's checks, and its caching groups bundled by
-        equal spec (and manager kind) into ``attention_groups``, full attention first."""
+        equal spec (and kind) into ``attention_groups``, full attention first."""
         # A ring buffer (vLLM 0.33.0) takes no part in prefix caching: not hashed, never
         # searched (its hit stays empty); it still counts as a distinct spec.
         groups = self.kv_cache_config.kv_cache_groups
@@ -193,16 +193,16 @@ class KVCacheCoordinator:
                 continue
             use_eagle = i in self.eagle_group_ids
             for idx, sg in enumerate(self.attention_groups):
-                # equal specs of different managers (a HiSparse source and its indexer
+                # equal specs of different kinds (a HiSparse source and its indexer
                 # group) search different pools: not bundled
                 if groups[sg.group_ids[0]].kv_cache_spec == g.kv_cache_spec and (
-                        sg.manager_cls is type(m)):
+                        sg.rules is m.rules):
                     sg.group_ids.append(i)
                     self.attention_groups[idx] = sg._replace(use_eagle=sg.use_eagle or use_eagle)
                     break
             else:
                 self.attention_groups.append(
-                    SpecGroup(lookup_spec(g.kv_cache_spec, m), [i], type(m), use_eagle))
+                    SpecGroup(lookup_spec(g.kv_cache_spec, m), [i], m.rules, use_eagle))
         if len(self.attention_groups) + num_scratch < 2:
             raise ValueError(f"{len(groups)} KV-cache groups need >= 2 distinct specs with caching")
         if not self.attention_groups:
@@ -223,7 +223,7 @@ class KVCacheCoordinator:
             prefill_end = 0
         num_blocks = 0
         for i, m in enumerate(self.single_type_managers):
-            if isinstance(m, CrossAttentionManager):
+            if m.rules.encoder:
                 num_blocks += m.get_num_blocks_to_allocate(
                     request_id, num_encoder_tokens, [], 0, num_encoder_tokens, apply_admission_cap)
             else:
@@ -259,7 +259,7 @@ class KVCacheCoordinator:
                             num_encoder_tokens: int = 0) -> tuple[list[int], ...]:
         """Give the request ``num_tokens`` slots in every group; return the new ids."""
         return tuple(m.allocate_new_blocks(
-            request_id, num_encoder_tokens if isinstance(m, CrossAttentionManager) else num_tokens,
+            request_id, num_encoder_tokens if m.rules.encoder else num_tokens,
             num_tokens_main_model) for m in self.single_type_managers)
 
     def replay_boundaries(self, num_prompt_tokens: int) -> tuple[int, ...]:
@@ -323,13 +323,11 @@ class KVCacheCoordinator:
         attention (or a variant), Mamba, or hashed at its own block size (a ring buffer,
         outside prefix caching, takes no part)."""
         hbs = self.hash_block_size
-        fine_kinds = (FullAttentionManager, MambaManager)
-        if any(isinstance(m, MambaManager) and m.mamba_cache_mode == "align"
+        if any(m.rules is MAMBA and m.kv_cache_spec.mamba_cache_mode == "align"
                and (m.block_size > hbs or (self.dcp_world_size > 1 and m.block_size == hbs))
                for m in self.single_type_managers) and all(
-                (isinstance(m, fine_kinds) and not isinstance(m, CircularBufferManager))
-                or m.block_size == hbs or not cacheable(m.kv_cache_spec)
-                for m in self.single_type_managers):
+                m.rules.fine_hit is not None or m.block_size == hbs
+                or not cacheable(m.kv_cache_spec) for m in self.single_type_managers):
             self.fine_grained = True
             for m in self.single_type_managers:
                 m.cache_hit_alignment_tokens = hbs
@@ -388,14 +386,14 @@ class KVCacheCoordinator:
         hbs = self.hash_block_size
         while True:
             curr_length = hit_length
-            for idx, (spec, group_ids, manager_cls, use_eagle) in enumerate(self.attention_groups):
+            for idx, (spec, group_ids, rules, use_eagle) in enumerate(self.attention_groups):
                 if is_a(spec, "FullAttentionSpec") and hit_blocks[group_ids[0]] is not None:
                     if not self.fine_grained:  # (fine: within the full hit already)
                         curr_length = curr_length // spec.block_size * spec.block_size
                     continue
                 drop_eagle_block = use_eagle and idx not in eagle_verified
                 sub_block = (self.fine_grained and spec.block_size > hbs
-                             and issubclass(manager_cls, (FullAttentionManager, MambaManager)))
+                             and rules.fine_hit is not None)
                 max_length = curr_length
                 # 0.33.0: no peek past the candidate for Mamba (its finder never drops)
                 if drop_eagle_block and not (self.profile.mamba_no_eagle_margin
@@ -406,12 +404,12 @@ class KVCacheCoordinator:
                                      else max_cache_hit_length)
                 pool = self.single_type_managers[group_ids[0]].block_pool
                 if sub_block:
-                    hits, new_length = manager_cls.find_fine_grained_hit(
-                        block_hashes, max_length, group_ids, pool, spec,
+                    hits, new_length = find_fine_grained_hit(
+                        rules, block_hashes, max_length, group_ids, pool, spec,
                         drop_eagle_block, hbs)
                 else:
-                    hits = manager_cls.find_longest_cache_hit(
-                        self._hashes_for(block_hashes, spec), max_length, group_ids,
+                    hits = find_longest_cache_hit(
+                        rules, self._hashes_for(block_hashes, spec), max_length, group_ids,
                         pool, spec, drop_eagle_block, spec.block_size if one_group
                         else hbs if self.fine_grained else self.scheduler_block_size)
                     new_length = len(hits[0]) * spec.block_size
@@ -429,13 +427,13 @@ class KVCacheCoordinator:
             if single_round:
                 break
         first = self.attention_groups[0]
-        if is_a(first.spec, "FullAttentionSpec") and not first.manager_cls.retains_longer_hit:
+        if is_a(first.spec, "FullAttentionSpec") and not first.rules.retains_longer_hit:
             for group_id in first.group_ids:
                 if (first_hits := hit_blocks[group_id]) is not None:
                     del first_hits[self._num_hit_blocks(hit_length, first.spec.block_size):]
         if self.profile.trim_every_full_group:  # 0.33.0: every full-attention spec
             for sg in self.attention_groups:
-                if is_a(sg.spec, "FullAttentionSpec") and not sg.manager_cls.retains_longer_hit:
+                if is_a(sg.spec, "FullAttentionSpec") and not sg.rules.retains_longer_hit:
                     for group_id in sg.group_ids:
                         if (full_hits := hit_blocks[group_id]) is not None:
                             del full_hits[self._num_hit_blocks(hit_length, sg.spec.block_size):]
@@ -458,9 +456,9 @@ class KVCacheCoordinator:
         hit_blocks: list[list[int]] = [[] for _ in self.single_type_managers]
         hit_lengths = [0] * len(self.single_type_managers)
         hbs = self.hash_block_size
-        for spec, group_ids, manager_cls, use_eagle in self.attention_groups:
+        for spec, group_ids, rules, use_eagle in self.attention_groups:
             sub_block = (self.fine_grained and spec.block_size > hbs
-                         and issubclass(manager_cls, (FullAttentionManager, MambaManager)))
+                         and rules.fine_hit is not None)
             max_length = max_cache_hit_length
             peek = use_eagle and self.profile.eagle_peek_to_hashed_length
             if peek and not is_a(spec, "MambaSpec"):
@@ -468,11 +466,11 @@ class KVCacheCoordinator:
                                  len(block_hashes) * hbs)
             pool = self.single_type_managers[group_ids[0]].block_pool
             if sub_block:
-                hits, length = manager_cls.find_fine_grained_hit(
-                    block_hashes, max_length, group_ids, pool, spec, use_eagle, hbs)
+                hits, length = find_fine_grained_hit(
+                    rules, block_hashes, max_length, group_ids, pool, spec, use_eagle, hbs)
             else:
-                hits = manager_cls.find_longest_cache_hit(
-                    self._hashes_for(block_hashes, spec), max_length, group_ids,
+                hits = find_longest_cache_hit(
+                    rules, self._hashes_for(block_hashes, spec), max_length, group_ids,
                     pool, spec, use_eagle,
                     hbs if self.fine_grained else self.scheduler_block_size)
                 length = len(hits[0]) * spec.block_size
@@ -483,11 +481,11 @@ class KVCacheCoordinator:
 
 
 class SpecGroup(NamedTuple):
-    """Groups with equal specs, searched together; EAGLE if any member is."""
+    """Groups with equal specs (and kind), searched together; EAGLE if any member is."""
 
     spec: KVCacheSpec
     group_ids: list[int]
-    manager_cls: type[SingleTypeKVCacheManager]
+    rules: KindRules
     use_eagle: bool
 
 

@@ -13,18 +13,7 @@ from .block_pool import NULL_BLOCK, BlockPool
 from .kv_cache_coordinator import KVCacheCoordinator, group_role
 from .profile import Profile, resolve_profile
 from .pure import cdiv
-from .single_type_kv_cache_manager import (
-    ChunkedLocalAttentionManager,
-    CircularBufferManager,
-    CrossAttentionManager,
-    FullAttentionManager,
-    HiSparseResidentManager,
-    MambaManager,
-    RSWAManager,
-    SingleTypeKVCacheManager,
-    SinkFullAttentionManager,
-    SlidingWindowManager,
-)
+from .single_type_kv_cache_manager import HISPARSE_RESIDENT, MAMBA, MambaManager
 from .vocab import (
     BlockRemoved033,
     BlockStored,
@@ -39,14 +28,6 @@ from .vocab import (
     is_a,
     pool_key,
 )
-
-#: Each manager's row in ``spec.effectiveness.KINDS`` (its resume rule).
-RESUME_KIND: dict[type[SingleTypeKVCacheManager], str] = {
-    FullAttentionManager: "full", RSWAManager: "rswa", SinkFullAttentionManager: "sink",
-    CircularBufferManager: "circular", SlidingWindowManager: "sliding_window",
-    ChunkedLocalAttentionManager: "chunked_local", MambaManager: "mamba",
-    CrossAttentionManager: "cross_attention",
-}  # fmt: skip
 
 WATERMARKED = ("WAITING", "PREEMPTED")
 """Statuses (by name) whose admission keeps the watermark free."""
@@ -205,9 +186,10 @@ class KVCacheManager:
             tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool)
         if self.profile.mamba_align_only and enable_caching:
             for m in self.coordinator.single_type_managers:
-                if isinstance(m, MambaManager) and m.mamba_cache_mode != "align":
-                    raise AssertionError(f"mamba_cache_mode={m.mamba_cache_mode!r} with prefix "
-                                         "caching on: this release caches Mamba only in 'align'")
+                if m.rules is MAMBA and m.kv_cache_spec.mamba_cache_mode != "align":
+                    mode = m.kv_cache_spec.mamba_cache_mode
+                    raise AssertionError(f"mamba_cache_mode={mode!r} with prefix caching on: "
+                                         "this release caches Mamba only in 'align'")
 
     def _new_stats(self) -> PrefixCacheStats:
         """Empty stats, of 0.33.0's class under stats_hits_by_source."""
@@ -234,7 +216,7 @@ class KVCacheManager:
         managers = self.coordinator.single_type_managers
         groups = []
         for m in managers:
-            kind = RESUME_KIND.get(type(m))
+            kind = m.rules.resume
             if kind is None or len(self.coordinator.pools()) > 1:
                 return None
             spec = m.kv_cache_spec
@@ -566,7 +548,7 @@ class KVCacheManager:
                 if m.block_pool is not pool:
                     continue
                 m.check_invariants()
-                if isinstance(m, HiSparseResidentManager):
+                if m.rules is HISPARSE_RESIDENT:
                     continue  # its table may name blocks reused since (see the class)
                 assert all(0 < b < pool.num_gpu_blocks for b in m.new_block_ids)
                 for ids in m.req_to_blocks.values():

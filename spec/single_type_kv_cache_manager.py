@@ -1,8 +1,15 @@
-"""Per-group managers: the bookkeeping of the base class, one subclass per group kind."""
+"""Per-group managers: one class, driven by its kind's row of rules (``KINDS``).
+
+A row (``KindRules``) says, as pure functions of the layer spec and plain values,
+what the kind skips, how a lookup finds its hit, which blocks it caches, and which of
+the shared flow's steps it takes part in. ``SingleTypeKVCacheManager`` is that flow,
+written once: admission count, allocation, free, caching and the hit search.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import pure
@@ -63,8 +70,264 @@ def hit_blocks(block_hashes: Sequence[bytes], first: int, num_blocks: int,
     return hits
 
 
+# ---------------------------------------------------------------- the rules of each kind
+# Hit searches: (the hashes up to max_length, which are cached, max_length, spec,
+# drop the EAGLE block, alignment in tokens) -> (first, num_blocks): the hit is
+# num_blocks blocks, null before first.
+HitSearch = Callable[[Sequence[bytes], Container[bytes], int, KVCacheSpec, bool, int],
+                     tuple[int, int]]
+# Fine-grained searches (mamba_fine_grained_hits): (hashes per hash block, max_length,
+# group ids, pool, spec, drop the EAGLE block, hash block size) -> (hits, length).
+FineHitSearch = Callable[[Sequence[bytes], int, list[int], BlockPool, KVCacheSpec, bool, int],
+                         tuple[Hits, int]]
+# Which of blocks [start, end) caching keys: (spec, start, end, block size, hit
+# alignment, retention interval, replay boundaries, EAGLE) -> mask (None: all).
+CacheMask = Callable[[KVCacheSpec, int, int, int, int, int | None, Sequence[int], bool],
+                     list[bool] | None]
+
+
+def full_attention_hit(block_hashes: Sequence[bytes], cached: Container[bytes], max_length: int,
+                       spec: KVCacheSpec, drop_eagle_block: bool, alignment: int
+                       ) -> tuple[int, int]:
+    """The leading cached run, less the EAGLE block, aligned."""
+    return 0, pure.full_attention_hit_num_blocks(
+        block_hashes, cached, max_length // spec.block_size, drop_eagle_block, spec.block_size,
+        alignment)
+
+
+def no_hit(block_hashes: Sequence[bytes], cached: Container[bytes], max_length: int,
+           spec: KVCacheSpec, drop_eagle_block: bool, alignment: int) -> tuple[int, int]:
+    """A kind outside prefix caching (a ring buffer) hits nothing."""
+    return 0, 0
+
+
+def window_blocks_for_hit(spec: KVCacheSpec, use_eagle: bool) -> int:
+    """Contiguous cached blocks a sliding-window hit needs; EAGLE one more, dropped."""
+    return pure.num_contiguous_blocks_for_hit(spec.sliding_window, spec.block_size, use_eagle)
+
+
+def sliding_window_hit(block_hashes: Sequence[bytes], cached: Container[bytes], max_length: int,
+                       spec: KVCacheSpec, drop_eagle_block: bool, alignment: int
+                       ) -> tuple[int, int]:
+    """The last cached run filling a window and ending where an aligned hit can; a
+    shorter run from block 0 also counts."""
+    return pure.sliding_window_hit_range(
+        block_hashes, cached, max_length // spec.block_size,
+        window_blocks_for_hit(spec, drop_eagle_block), drop_eagle_block, spec.block_size,
+        alignment)
+
+
+def chunked_local_hit(block_hashes: Sequence[bytes], cached: Container[bytes], max_length: int,
+                      spec: KVCacheSpec, drop_eagle_block: bool, alignment: int
+                      ) -> tuple[int, int]:
+    """Nulls before the chunk of token ``max_length``, then the chunk's cached blocks.
+    NotImplementedError with an EAGLE drop or an alignment other than the block."""
+    if drop_eagle_block or spec.block_size != alignment:
+        raise NotImplementedError("chunked local attention hits need no EAGLE drop and "
+                                  f"block_size={spec.block_size} == alignment {alignment}")
+    return pure.chunked_local_hit_range(block_hashes, cached, max_length,
+                                        spec.attention_chunk_size, spec.block_size)
+
+
+def mamba_hit(block_hashes: Sequence[bytes], cached: Container[bytes], max_length: int,
+              spec: KVCacheSpec, drop_eagle_block: bool, alignment: int) -> tuple[int, int]:
+    """The last cached state on an aligned boundary, nulls before it (never an EAGLE
+    drop: draft models have no Mamba layers)."""
+    num_blocks = pure.mamba_hit_num_blocks(block_hashes, cached, max_length // spec.block_size,
+                                           spec.block_size, alignment)
+    return max(num_blocks - 1, 0), num_blocks
+
+
+def full_attention_fine_hit(block_hashes: Sequence[bytes], max_length: int, group_ids: list[int],
+                            pool: BlockPool, spec: KVCacheSpec, drop_eagle_block: bool,
+                            hash_block_size: int) -> tuple[Hits, int]:
+    """The leading cached blocks, then the longest cached hash-block prefix inside the
+    next block; EAGLE drops one hash block."""
+    scale = spec.block_size // hash_block_size
+    ends = [(i + 1) * scale - 1 for i in range(max_length // spec.block_size)]
+    num_blocks = 0
+    while num_blocks < len(ends) and ends[num_blocks] < len(block_hashes) and (
+            pool.get_cached_block(block_hashes[ends[num_blocks]], group_ids) is not None):
+        num_blocks += 1
+    hit_ends = ends[:num_blocks]
+    length = num_blocks * spec.block_size
+    first = num_blocks * scale
+    for i in reversed(range(first, min(first + scale - 1, max_length // hash_block_size,
+                                       len(block_hashes)))):
+        if pool.get_cached_block(block_hashes[i], group_ids) is not None:
+            hit_ends.append(i)
+            length = (i + 1) * hash_block_size
+            break
+    if drop_eagle_block and length > 0:
+        length -= hash_block_size
+    hit_ends = hit_ends[:cdiv(length, spec.block_size)]
+    return hit_blocks([block_hashes[i] for i in hit_ends], 0, len(hit_ends), group_ids,
+                      pool), length
+
+
+def mamba_fine_hit(block_hashes: Sequence[bytes], max_length: int, group_ids: list[int],
+                   pool: BlockPool, spec: KVCacheSpec, drop_eagle_block: bool,
+                   hash_block_size: int) -> tuple[Hits, int]:
+    """The last state cached at any hash boundary within ``max_length``, nulls before
+    its block."""
+    for i in reversed(range(min(max_length // hash_block_size, len(block_hashes)))):
+        hits = pool.get_cached_block(block_hashes[i], group_ids)
+        if hits is not None:
+            nulls = [NULL_BLOCK] * (i // (spec.block_size // hash_block_size))
+            return tuple([*nulls, b] for b in hits), (i + 1) * hash_block_size
+    return tuple([] for _ in group_ids), 0
+
+
+def sliding_window_mask(spec: KVCacheSpec, start: int, end: int, block_size: int,
+                        alignment: int, retention_interval: int | None,
+                        boundaries: Sequence[int], use_eagle: bool) -> list[bool] | None:
+    """Only the window's blocks before each alignment boundary (shifted by one block
+    with EAGLE) can serve a hit; with a retention interval, before each of its
+    boundaries (none for 0) and each replay boundary instead."""
+    num_needed = window_blocks_for_hit(spec, use_eagle)
+    if retention_interval is not None:
+        return pure.sliding_window_retention_mask(start, end, num_needed, block_size, alignment,
+                                                  retention_interval, boundaries, use_eagle)
+    return pure.sliding_window_reachable_mask(start, end, num_needed, alignment // block_size,
+                                              use_eagle)
+
+
+def mamba_mask(spec: KVCacheSpec, start: int, end: int, block_size: int, alignment: int,
+               retention_interval: int | None, boundaries: Sequence[int], use_eagle: bool
+               ) -> list[bool] | None:
+    """Every state, unless a retention interval keeps only those on its boundaries and
+    at the replay boundaries."""
+    if retention_interval is None:
+        return None
+    return pure.mamba_retention_mask(start, end, block_size, alignment, retention_interval,
+                                     boundaries)
+
+
+@dataclass(frozen=True)
+class KindRules:
+    """One group kind: a row of ``KINDS``.
+
+    ``name``: vLLM's manager class for the kind; ``resume``: its row in
+    ``spec.effectiveness.KINDS`` (None: not judged). ``skipped_tokens(spec, n)``: the
+    leading tokens no longer read once ``n`` are computed. ``hit``: its hit search
+    (None: the kind refuses prefix caching); ``fine_hit``: its search for hits ending
+    inside a block (``mamba_fine_grained_hits``; None: none). ``cache_mask``: which
+    blocks caching keys (None: every full block). ``common_prefix``: whether blocks
+    held by every request count as a common prefix (full attention).
+    ``prompt_tail``: whether 0.26.0+ keys the prompt's last hash boundary inside a
+    block (``partial_prompt_tail_entries``). ``frees_gap``: R-SWA frees the gap
+    between prompt and decode window, not a prefix. ``ring``: one block per request,
+    never hit or cached. ``encoder``: sized by the encoder tokens, refusing hits and
+    caching. ``sink``: blocks reserved for sink tokens at construction.
+    ``retains_longer_hit``: vLLM 0.33.0's HiSparse source, whose hit outlives the
+    common hit (the coordinator's trims leave it; allocate_slots cuts it)."""
+
+    name: str
+    resume: str | None
+    skipped_tokens: Callable[[KVCacheSpec, int], int]
+    hit: HitSearch | None
+    fine_hit: FineHitSearch | None = None
+    cache_mask: CacheMask | None = None
+    common_prefix: bool = False
+    prompt_tail: bool = False
+    frees_gap: bool = False
+    ring: bool = False
+    encoder: bool = False
+    sink: bool = False
+    retains_longer_hit: bool = False
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        """Pickled (and copied) as its name: a row is one object (``is`` compares rows)."""
+        return row_named, (self.name,)
+
+
+def nothing_skipped(spec: KVCacheSpec, num_computed_tokens: int) -> int:
+    """Full attention reads every token."""
+    return pure.num_skipped_tokens_full_attention(num_computed_tokens)
+
+
+def before_window(spec: KVCacheSpec, num_computed_tokens: int) -> int:
+    """Sliding window: the tokens before the next token's window."""
+    return pure.num_skipped_tokens_sliding_window(num_computed_tokens, spec.sliding_window)
+
+
+def before_chunk(spec: KVCacheSpec, num_computed_tokens: int) -> int:
+    """Chunked local attention: the tokens of the chunks before the next token's."""
+    return pure.num_skipped_tokens_chunked_local(num_computed_tokens, spec.attention_chunk_size)
+
+
+def before_last(spec: KVCacheSpec, num_computed_tokens: int) -> int:
+    """Mamba: every token but the last (only the latest state is read)."""
+    return pure.num_skipped_tokens_mamba(num_computed_tokens)
+
+
+FULL = KindRules("FullAttentionManager", "full", nothing_skipped, full_attention_hit,
+                 full_attention_fine_hit, common_prefix=True, prompt_tail=True)
+RSWA = replace(FULL, name="RSWAManager", resume="rswa", frees_gap=True)
+SINK = replace(FULL, name="SinkFullAttentionManager", resume="sink", sink=True)
+RING = replace(FULL, name="CircularBufferManager", resume="circular", hit=no_hit,
+               fine_hit=None, ring=True)
+SLIDING_WINDOW = KindRules("SlidingWindowManager", "sliding_window", before_window,
+                           sliding_window_hit, cache_mask=sliding_window_mask)
+CHUNKED_LOCAL = KindRules("ChunkedLocalAttentionManager", "chunked_local", before_chunk,
+                          chunked_local_hit)
+CROSS = KindRules("CrossAttentionManager", "cross_attention", nothing_skipped, None,
+                  encoder=True)
+MAMBA = KindRules("MambaManager", "mamba", before_last, mamba_hit, mamba_fine_hit, mamba_mask)
+HISPARSE_SOURCE = replace(FULL, name="HiSparseSourceManager", resume=None,
+                          retains_longer_hit=True)
+HISPARSE_HOT = KindRules("HiSparseHotManager", None, nothing_skipped, None)
+HISPARSE_RESIDENT = KindRules("HiSparseResidentManager", None, nothing_skipped, None)
+
+KINDS: dict[str, KindRules] = {
+    "FullAttentionSpec": FULL, "TQFullAttentionSpec": FULL, "MLAAttentionSpec": FULL,
+    "HiddenStateCacheSpec": FULL, "RSWASpec": RSWA, "SinkFullAttentionSpec": SINK,
+    "CircularBufferSpec": RING, "SlidingWindowSpec": SLIDING_WINDOW,
+    "SlidingWindowMLASpec": SLIDING_WINDOW, "ChunkedLocalAttentionSpec": CHUNKED_LOCAL,
+    "CrossAttentionSpec": CROSS, "MambaSpec": MAMBA, "HiSparseHotSpec": HISPARSE_HOT,
+    "HiSparseResidentSpec": HISPARSE_RESIDENT,
+}  # fmt: skip
+"""Each modelled layer-spec class's row, by class name (exact class only)."""
+
+ROWS = {rules.name: rules for rules in (*KINDS.values(), HISPARSE_SOURCE)}
+"""Every row, by name."""
+
+
+def row_named(name: str) -> KindRules:
+    """The row called ``name`` (``KindRules.__reduce__``)."""
+    return ROWS[name]
+
+ROLE_KINDS: dict[str, KindRules] = {"hisparse_source": HISPARSE_SOURCE}
+"""vLLM 0.33.0's group roles with a row of their own (before the spec class)."""
+
+
+def find_longest_cache_hit(rules: KindRules, block_hashes: Sequence[bytes], max_length: int,
+                           group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                           drop_eagle_block: bool, alignment_tokens: int) -> Hits:
+    """Per group, the kind's longest hit of at most ``max_length`` tokens cached in all
+    ``group_ids``, ending on a multiple of ``alignment_tokens``; EAGLE drops its last
+    block. NotImplementedError for a kind outside prefix caching."""
+    if rules.hit is None:
+        raise NotImplementedError(f"{rules.name} does not support prefix caching")
+    block_hashes = block_hashes[:max(max_length, 0) // kv_cache_spec.block_size]
+    first, num_blocks = rules.hit(block_hashes, CachedInAllGroups(pool, group_ids), max_length,
+                                  kv_cache_spec, drop_eagle_block, alignment_tokens)
+    return hit_blocks(block_hashes, first, num_blocks, group_ids, pool)
+
+
+def find_fine_grained_hit(rules: KindRules, block_hashes: Sequence[bytes], max_length: int,
+                          group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                          drop_eagle_block: bool, hash_block_size: int) -> tuple[Hits, int]:
+    """A hit that may end inside a block, and its length (full attention and Mamba,
+    ``block_hashes`` per hash block)."""
+    if rules.fine_hit is None:
+        raise NotImplementedError(f"{rules.name} finds no hits inside a block")
+    return rules.fine_hit(block_hashes, max_length, group_ids, pool, kv_cache_spec,
+                          drop_eagle_block, hash_block_size)
+
+
 class SingleTypeKVCacheManager:
-    """Block tables of one KV-cache group.
+    """Block tables of one KV-cache group, following its kind's row (``rules``).
 
     ``req_to_blocks[r][i]`` holds tokens ``[i*block_size, (i+1)*block_size)`` of request
     r, NULL_BLOCK where attention skips them. vLLM keeps the tables in a defaultdict,
@@ -73,22 +336,22 @@ class SingleTypeKVCacheManager:
     ``new_block_ids`` collects fresh full-attention ids until taken.
 
     Invariants (``check_invariants``): no table holds a block twice; NULL_BLOCK entries
-    are a prefix of each table (skipped positions; Mamba's align mode also nulls
-    blocks further in); every cached-block count belongs to a table.
+    are a prefix of each table (skipped positions; R-SWA's gap and Mamba's align mode
+    also null blocks further in); every cached-block count belongs to a table.
     """
-
-    # vLLM 0.33.0: a group whose hit outlives the hybrid hit (the HiSparse source):
-    # the coordinator's trims leave it, allocate_slots cuts it to what it adopts.
-    retains_longer_hit = False
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
                  max_admission_blocks_per_request: int | None = None,
                  context_parallel: int = 1, *, profile: Profile | None = None,
-                 needs_kv_cache_zeroing: bool = False, use_eagle: bool = False) -> None:
+                 needs_kv_cache_zeroing: bool = False, use_eagle: bool = False,
+                 rules: KindRules | None = None) -> None:
         # The release whose switches this group reads, under their own names: by
         # default its pool's. ``needs_kv_cache_zeroing``: the layout's (0.33.0's
         # zeroing switches); ``use_eagle``: the engine's flag (Mamba's prompt tail).
+        # ``rules``: the kind's row, by default the spec class's in KINDS.
+        self.rules = KINDS[type(kv_cache_spec).__name__] if rules is None else rules
+        self.retains_longer_hit = self.rules.retains_longer_hit
         self.profile = block_pool.profile if profile is None else profile
         self.kv_cache_spec = kv_cache_spec
         # Context parallelism (dcp * pcp ranks) spreads a block's tokens over the ranks.
@@ -110,6 +373,23 @@ class SingleTypeKVCacheManager:
         # next allocation; the (source, copy) pairs queued for the worker.
         self.partial_hit_reqs: dict[str, tuple[int, int]] = {}
         self.pending_copies: list[tuple[int, int]] = []
+        if self.rules.sink:
+            self.sink_blocks = self._reserve_sink_blocks()
+
+    def _reserve_sink_blocks(self) -> list[int]:
+        """Sink tokens: ``sink_len // block_size`` blocks leave the front of the free
+        queue for good (ref count 0, counted as used)."""
+        sink_len, pool = self.kv_cache_spec.sink_len, self.block_pool
+        if not isinstance(sink_len, int) or sink_len <= 0 or sink_len % self.block_size:
+            raise ValueError(f"sink_len={sink_len!r} must be a positive multiple of "
+                             f"block_size={self.block_size}")
+        num_sink_blocks = sink_len // self.block_size
+        if num_sink_blocks > len(pool.free_queue):
+            raise ValueError(f"sink_len={sink_len} needs {num_sink_blocks} free blocks, "
+                             f"the pool has {len(pool.free_queue)}")
+        sink_blocks = pool.free_queue[:num_sink_blocks]
+        del pool.free_queue[:num_sink_blocks]
+        return sink_blocks
 
     def _blocks_of(self, request_id: str) -> list[int]:
         """The request's table, created empty if unknown (vLLM's defaultdict read)."""
@@ -124,6 +404,12 @@ class SingleTypeKVCacheManager:
         """Blocks that touching them takes out of the free queue."""
         return sum(self.block_pool.ref_cnt[b] == 0 and b != NULL_BLOCK for b in blocks)
 
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens no longer read once ``num_computed_tokens`` are computed."""
+        return self.rules.skipped_tokens(self.kv_cache_spec, num_computed_tokens)
+
+    # ------------------------------------------------------------ allocation
+
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[int], total_computed_tokens: int,
                                    num_tokens_main_model: int, apply_admission_cap: bool = False,
@@ -132,7 +418,9 @@ class SingleTypeKVCacheManager:
         """Free blocks needed to give the request ``num_tokens`` slots and take its hits
         (one more for the copy of a hit ending inside a block, ``partial_hit_copy_on_write``;
         ``num_local_computed_tokens``: computed plus hit tokens; ``prefill_end``: read by
-        Mamba's prefill checkpoints only)."""
+        Mamba's prefill checkpoints only). A ring needs its one block once."""
+        if self.rules.ring:
+            return 0 if self.req_to_blocks.get(request_id) else 1
         num_required = pure.num_required_blocks(
             num_tokens, self.block_size,
             self.max_admission_blocks_per_request if apply_admission_cap else None)
@@ -151,7 +439,15 @@ class SingleTypeKVCacheManager:
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
                                   num_local_computed_tokens: int,
                                   num_external_computed_tokens: int) -> None:
-        """Give a request without blocks its hits (touched), nulls where skipped."""
+        """Give a request without blocks its hits (touched), nulls where skipped (a ring
+        has no hits; cross attention refuses them)."""
+        if self.rules.ring:
+            return
+        if self.rules.encoder:
+            if len(new_computed_blocks):
+                raise ValueError(f"new_computed_blocks={list(new_computed_blocks)} for "
+                                 "cross attention")
+            return
         req_blocks = self._blocks_of(request_id)
         if req_blocks:
             raise ValueError(f"request_id={request_id!r} already holds blocks {req_blocks}; "
@@ -177,7 +473,13 @@ class SingleTypeKVCacheManager:
                                           num_external_computed_tokens: int,
                                           record_for_zeroing: bool = True) -> None:
         """Allocate blocks for the tokens a KV connector computed, unless skipped; an
-        async load that writes them (not ``record_for_zeroing``) needs no zeroing."""
+        async load that writes them (not ``record_for_zeroing``) needs no zeroing. A
+        ring takes its block; cross attention loads nothing."""
+        if self.rules.ring:
+            self._claim_ring_block(request_id)
+            return
+        if self.rules.encoder:
+            return
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_tokens = self.get_num_skipped_tokens(num_total)
         if num_skipped_tokens > 0:
@@ -204,10 +506,21 @@ class SingleTypeKVCacheManager:
             self.new_block_ids.extend(new_ids)
         return new_ids
 
+    def _claim_ring_block(self, request_id: str) -> list[int]:
+        """A ring's one block, taken at the request's first allocation or load."""
+        req_blocks = self._blocks_of(request_id)
+        if req_blocks:
+            return []
+        new_ids = self.block_pool.get_new_blocks(1)
+        req_blocks.extend(new_ids)
+        return new_ids
+
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
                             ) -> list[int]:
         """Append fresh blocks until the request has ``num_tokens`` slots; return them. A
         pending partial hit first gets its copy (returned first, recorded for zeroing)."""
+        if self.rules.ring:
+            return self._claim_ring_block(request_id)
         copies = []
         if request_id in self.partial_hit_reqs:
             index, source = self.partial_hit_reqs.pop(request_id)
@@ -238,38 +551,69 @@ class SingleTypeKVCacheManager:
         ids, self.new_block_ids = self.new_block_ids, []
         return ids
 
+    # ------------------------------------------------------------ caching
+
     def cache_blocks(self, request: Request, num_tokens: int,
                      retention_interval: int | None = None,
                      boundaries: Sequence[int] | None = None) -> None:
         """Cache the request's full blocks among its first ``num_tokens`` tokens (those
-        the group's mask keeps, for the coordinator's ``retention_interval`` and replay
+        the kind's mask keeps, for the coordinator's ``retention_interval`` and replay
         ``boundaries``; None: one token short of the prompt). With
         ``shared_prefix_junctions`` the request's ``shared_prefix_boundary`` is a
-        boundary too (and one block below it for an EAGLE group)."""
+        boundary too (and one block below it for an EAGLE group). A ring caches
+        nothing; cross attention refuses."""
+        if self.rules.ring:
+            return
+        if self.rules.encoder:
+            raise ValueError("cross-attention blocks are never cached")
         rid = request.request_id
-        num_cached = self.num_cached_block.get(rid, 0)
+        num_cached, num_keyed = self.num_cached_block.get(rid, 0), num_tokens
         if self.profile.cache_within_hashed_tokens:  # only blocks the request has hashes for
             hbs = self.block_pool.hash_block_size
-            num_tokens = min(num_tokens, len(self.block_pool.block_hashes(request)) * hbs)
-        num_full = num_tokens // self.block_size
-        if num_cached >= num_full:
+            num_keyed = min(num_tokens, len(self.block_pool.block_hashes(request)) * hbs)
+        num_full = num_keyed // self.block_size
+        if num_cached < num_full:
+            kept = [request.num_prompt_tokens - 1] if boundaries is None else list(boundaries)
+            junction = getattr(request, "shared_prefix_boundary", 0)
+            if self.profile.shared_prefix_junctions and junction:
+                kept += [junction, junction - self.block_size] if self.use_eagle else [junction]
+            mask = self.reachable_block_mask(num_cached, num_full, retention_interval, kept)
+            self.block_pool.cache_full_blocks(request, self._blocks_of(rid), num_cached,
+                                              num_full, self.block_size,
+                                              self.kv_cache_group_id, mask)
+            self.num_cached_block[rid] = num_full
+        if self.rules.prompt_tail and self.profile.partial_prompt_tail_entries:
+            self._cache_prompt_tail(request, num_tokens)
+
+    def _cache_prompt_tail(self, request: Request, num_tokens: int) -> None:
+        """partial_prompt_tail_entries (0.33.0): key the block holding the prompt's last
+        reachable hash boundary as a partial entry: the boundary of
+        ``num_prompt_tokens - 1`` tokens (the whole prompt for EAGLE), when it falls
+        inside a block and within ``num_tokens``."""
+        hbs = self.block_pool.hash_block_size
+        if self.block_size == hbs:
             return
-        kept = [request.num_prompt_tokens - 1] if boundaries is None else list(boundaries)
-        junction = getattr(request, "shared_prefix_boundary", 0)
-        if self.profile.shared_prefix_junctions and junction:
-            kept += [junction, junction - self.block_size] if self.use_eagle else [junction]
-        mask = self.reachable_block_mask(num_cached, num_full, retention_interval, kept)
-        self.block_pool.cache_full_blocks(request, self._blocks_of(rid), num_cached, num_full,
-                                          self.block_size, self.kv_cache_group_id, mask)
-        self.num_cached_block[rid] = num_full
+        limit = request.num_prompt_tokens - (0 if self.use_eagle else 1)
+        boundary = min(limit // hbs, len(self.block_pool.block_hashes(request))) * hbs
+        blocks = self._blocks_of(request.request_id)
+        if (0 < boundary <= num_tokens and boundary % self.block_size
+                and boundary // self.block_size < len(blocks)):
+            self.block_pool.cache_partial_block(request, blocks[boundary // self.block_size],
+                                                boundary, self.kv_cache_group_id, self.block_size)
 
     def reachable_block_mask(self, start_block: int, end_block: int,
                              retention_interval: int | None = None,
                              boundaries: Sequence[int] = ()) -> list[bool] | None:
-        """Which of the blocks to cache a hit can ever use (None: all). A retention
-        interval (not None) thins them out further, keeping what a replay resuming at
-        one of ``boundaries`` reads: see the windowed kinds."""
-        return None
+        """Which of the blocks to cache a hit can ever use (None: all), by the kind's
+        ``cache_mask``: a retention interval (not None) thins them out further, keeping
+        what a replay resuming at one of ``boundaries`` reads."""
+        if self.rules.cache_mask is None:
+            return None
+        return self.rules.cache_mask(self.kv_cache_spec, start_block, end_block,
+                                     self.block_size, self.cache_hit_alignment_tokens,
+                                     retention_interval, boundaries, self.use_eagle)
+
+    # ------------------------------------------------------------ free
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
         """Forget the request; return its blocks in allocation order, still referenced."""
@@ -282,28 +626,22 @@ class SingleTypeKVCacheManager:
         self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
-        """Leading blocks shared by every request (0: only full attention shares)."""
-        return 0
-
-    @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
-        """Per group, the longest hit of at most ``max_length`` tokens cached in all groups,
-        a multiple of ``alignment_tokens``; EAGLE drops its last block."""
-        raise NotImplementedError(f"{cls.__name__} does not support prefix caching")
-
-    @classmethod
-    def find_fine_grained_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                              group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                              drop_eagle_block: bool, hash_block_size: int
-                              ) -> tuple[Hits, int]:
-        """A hit that may end inside a block, and its length: full attention and Mamba."""
-        raise NotImplementedError(f"{cls.__name__} finds no hits inside a block")
+        """Full attention: leading blocks whose ref count equals the number of tables
+        (empty ones count); other kinds share none."""
+        if not self.rules.common_prefix:
+            return 0
+        blocks = self._blocks_of(running_request_id)  # may add a table: count them after
+        num_tables = len(self.req_to_blocks)
+        return next((i for i, b in enumerate(blocks) if self.block_pool.ref_cnt[b] != num_tables),
+                    len(blocks))
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        """Free the blocks attention no longer reads, tail first, leaving nulls."""
+        """Free the blocks attention no longer reads, tail first, leaving nulls: the
+        skipped prefix, or R-SWA's gap (given the prompt length)."""
+        if self.rules.frees_gap:
+            self._free_rswa_gap(request_id, total_computed_tokens, num_prompt_tokens)
+            return
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         if num_skipped_tokens <= 0:
             return
@@ -311,20 +649,35 @@ class SingleTypeKVCacheManager:
         # The scan stops at a null: the rest was nulled by an earlier call.
         start, stop = pure.skipped_blocks_to_free(blocks, NULL_BLOCK,
                                                   num_skipped_tokens // self.block_size)
+        self._null_out(blocks, start, stop)
+
+    def _null_out(self, blocks: list[int], start: int, stop: int) -> None:
+        """Free ``blocks[start:stop]`` right to left and null them."""
         freed = blocks[start:stop][::-1]
         blocks[start:stop] = [NULL_BLOCK] * (stop - start)
         if freed:
             self.block_pool.free_blocks(freed)
 
-    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Leading tokens no longer read once ``num_computed_tokens`` are computed."""
-        return pure.num_skipped_tokens_full_attention(num_computed_tokens)
+    def _free_rswa_gap(self, request_id: str, total_computed_tokens: int,
+                       num_prompt_tokens: int | None) -> None:
+        """R-SWA: free the live blocks wholly between the prompt's last block and the
+        decode window (the last ``rswa_window`` computed tokens); an unknown request or
+        a missing prompt length frees nothing (and adds no table)."""
+        if num_prompt_tokens is None or request_id not in self.req_to_blocks:
+            return
+        blocks = self.req_to_blocks[request_id]
+        first, last = pure.rswa_gap_blocks(num_prompt_tokens, total_computed_tokens,
+                                           self.kv_cache_spec.rswa_window, self.block_size)
+        # The scan stops at a null: the rest of the gap was nulled by an earlier call.
+        start, stop = pure.gap_blocks_to_free(blocks, NULL_BLOCK, first, last)
+        self._null_out(blocks, start, stop)
 
     def new_step_starts(self) -> None:
         """Hook run once per scheduler step."""
 
     def check_invariants(self, nulls_only_leading: bool = True) -> None:
         """Assert the invariants of the class docstring."""
+        nulls_only_leading = nulls_only_leading and not self.rules.frees_gap
         assert set(self.num_cached_block) <= set(self.req_to_blocks)
         for rid, ids in self.req_to_blocks.items():
             held = [b for b in ids if b != NULL_BLOCK]
@@ -334,254 +687,15 @@ class SingleTypeKVCacheManager:
                 f"{rid!r} has a null block after a live one: {ids}")
 
 
-class FullAttentionManager(SingleTypeKVCacheManager):
-    """Full attention: every block is kept until the request ends."""
-
-    @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
-        """Walk the hash chain left to right up to the first miss."""
-        max_num_blocks = max_length // kv_cache_spec.block_size
-        block_hashes = block_hashes[:max_num_blocks]
-        num_blocks = pure.full_attention_hit_num_blocks(
-            block_hashes, CachedInAllGroups(pool, group_ids), max_num_blocks, drop_eagle_block,
-            kv_cache_spec.block_size, alignment_tokens)
-        return hit_blocks(block_hashes, 0, num_blocks, group_ids, pool)
-
-    @classmethod
-    def find_fine_grained_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                              group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                              drop_eagle_block: bool, hash_block_size: int
-                              ) -> tuple[Hits, int]:
-        """With mamba_fine_grained_hits (blocks larger than the hash block): the leading
-        cached blocks, then the longest cached hash-block prefix inside the next block;
-        EAGLE drops one hash block. ``block_hashes`` are per hash block. Returns the
-        hits and their length in tokens."""
-        scale = kv_cache_spec.block_size // hash_block_size
-        ends = [(i + 1) * scale - 1 for i in range(max_length // kv_cache_spec.block_size)]
-        num_blocks = 0
-        while num_blocks < len(ends) and ends[num_blocks] < len(block_hashes) and (
-                pool.get_cached_block(block_hashes[ends[num_blocks]], group_ids) is not None):
-            num_blocks += 1
-        hit_ends = ends[:num_blocks]
-        length = num_blocks * kv_cache_spec.block_size
-        first = num_blocks * scale
-        for i in reversed(range(first, min(first + scale - 1, max_length // hash_block_size,
-                                           len(block_hashes)))):
-            if pool.get_cached_block(block_hashes[i], group_ids) is not None:
-                hit_ends.append(i)
-                length = (i + 1) * hash_block_size
-                break
-        if drop_eagle_block and length > 0:
-            length -= hash_block_size
-        hit_ends = hit_ends[:cdiv(length, kv_cache_spec.block_size)]
-        return hit_blocks([block_hashes[i] for i in hit_ends], 0, len(hit_ends), group_ids,
-                          pool), length
-
-    def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None,
-                     boundaries: Sequence[int] | None = None) -> None:
-        """Cache the full blocks; with partial_prompt_tail_entries (0.33.0), also the block
-        holding the prompt's last reachable hash boundary, as a partial entry: the
-        boundary of ``num_prompt_tokens - 1`` tokens (the whole prompt for EAGLE), when
-        it falls inside a block and within ``num_tokens``."""
-        super().cache_blocks(request, num_tokens, retention_interval, boundaries)
-        hbs = self.block_pool.hash_block_size
-        if not self.profile.partial_prompt_tail_entries or self.block_size == hbs:
-            return
-        limit = request.num_prompt_tokens - (0 if self.use_eagle else 1)
-        boundary = min(limit // hbs, len(self.block_pool.block_hashes(request))) * hbs
-        blocks = self._blocks_of(request.request_id)
-        if (0 < boundary <= num_tokens and boundary % self.block_size
-                and boundary // self.block_size < len(blocks)):
-            self.block_pool.cache_partial_block(request, blocks[boundary // self.block_size],
-                                                boundary, self.kv_cache_group_id, self.block_size)
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
-        """Leading blocks whose ref count equals the number of tables (empty ones count)."""
-        blocks = self._blocks_of(running_request_id)  # may add a table: count them after
-        num_tables = len(self.req_to_blocks)
-        return next((i for i, b in enumerate(blocks) if self.block_pool.ref_cnt[b] != num_tables),
-                    len(blocks))
-
-
-class CircularBufferManager(FullAttentionManager):
-    """A ring buffer (vLLM 0.33.0's ``CircularBufferSpec``): one block per request, taken
-    at its first allocation (or external load) and kept until it is freed; never a hit,
-    never cached, never recorded for zeroing."""
-
-    def _claim_ring_block(self, request_id: str) -> list[int]:
-        req_blocks = self._blocks_of(request_id)
-        if req_blocks:
-            return []
-        new_ids = self.block_pool.get_new_blocks(1)
-        req_blocks.extend(new_ids)
-        return new_ids
-
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence[int], total_computed_tokens: int,
-                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
-                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
-                                   ) -> int:
-        """1 until the request holds its ring block, then 0."""
-        return 0 if self.req_to_blocks.get(request_id) else 1
-
-    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
-                                  num_local_computed_tokens: int,
-                                  num_external_computed_tokens: int) -> None:
-        """Nothing: a ring has no hits."""
-
-    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int,
-                                          record_for_zeroing: bool = True) -> None:
-        """The ring block, for a request a KV connector loads."""
-        self._claim_ring_block(request_id)
-
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
-                            ) -> list[int]:
-        """The ring block on the first allocation; nothing afterwards."""
-        return self._claim_ring_block(request_id)
-
-    def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None,
-                     boundaries: Sequence[int] | None = None) -> None:
-        """Nothing: a ring block is never cached."""
-
-    @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
-        """No hit."""
-        return tuple([] for _ in group_ids)
-
-
-class RSWAManager(FullAttentionManager):
-    """Reference sliding window (R-SWA): full attention, except that the blocks wholly
-    between the prompt's last block and the decode window (the last ``rswa_window``
-    computed tokens) are freed and nulled once passed. Only ``remove_skipped_blocks``
-    differs, and only when it is given the prompt length; tables get nulls in the
-    middle, after the prompt's blocks."""
-
-    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
-                              num_prompt_tokens: int | None = None) -> None:
-        """Free the gap's live blocks tail first, leaving nulls; an unknown request or a
-        missing prompt length frees nothing (and adds no table)."""
-        if num_prompt_tokens is None or request_id not in self.req_to_blocks:
-            return
-        blocks = self.req_to_blocks[request_id]
-        first, last = pure.rswa_gap_blocks(num_prompt_tokens, total_computed_tokens,
-                                           self.kv_cache_spec.rswa_window, self.block_size)
-        # The scan stops at a null: the rest of the gap was nulled by an earlier call.
-        start, stop = pure.gap_blocks_to_free(blocks, NULL_BLOCK, first, last)
-        freed = blocks[start:stop][::-1]
-        blocks[start:stop] = [NULL_BLOCK] * (stop - start)
-        if freed:
-            self.block_pool.free_blocks(freed)
-
-    def check_invariants(self, nulls_only_leading: bool = True) -> None:
-        """As the base class; the gap's nulls sit after the prompt's blocks."""
-        super().check_invariants(False)
-
-
-class SinkFullAttentionManager(FullAttentionManager):
-    """Full attention with sink tokens: on construction ``sink_len // block_size`` blocks
-    leave the front of the free queue for good (``sink_blocks``, ref count 0, counted
-    as used); otherwise full attention.
-
-    Built as vLLM 0.25.1 builds it: the arguments after the group id are
-    ``dcp_world_size`` and ``pcp_world_size``, and the base class gets them as its
-    ``scheduler_block_size`` and its context-parallel size;
-    ``get_manager_for_kv_cache_spec`` cannot build it.
-    """
-
-    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
+def sink_manager(kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, dcp_world_size: int = 1, pcp_world_size: int = 1,
-                 **switches: Any) -> None:
-        # vLLM's base class takes dcp_world_size as scheduler_block_size and
-        # pcp_world_size as its dcp_world_size: only the latter scales the block.
-        super().__init__(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
-                         dcp_world_size, None, pcp_world_size, **switches)
-        sink_len = kv_cache_spec.sink_len
-        if not isinstance(sink_len, int) or sink_len <= 0 or sink_len % self.block_size:
-            raise ValueError(f"sink_len={sink_len!r} must be a positive multiple of "
-                             f"block_size={self.block_size}")
-        num_sink_blocks = sink_len // self.block_size
-        if num_sink_blocks > len(block_pool.free_queue):
-            raise ValueError(f"sink_len={sink_len} needs {num_sink_blocks} free blocks, "
-                             f"the pool has {len(block_pool.free_queue)}")
-        self.sink_blocks = block_pool.free_queue[:num_sink_blocks]
-        del block_pool.free_queue[:num_sink_blocks]
-
-
-class SlidingWindowManager(SingleTypeKVCacheManager):
-    """Sliding window: a token reads the ``sliding_window`` tokens ending at itself."""
-
-    @staticmethod
-    def _num_blocks_for_hit(kv_cache_spec: KVCacheSpec, use_eagle: bool) -> int:
-        """Contiguous hits a window needs; EAGLE matches one more and drops it."""
-        return pure.num_contiguous_blocks_for_hit(kv_cache_spec.sliding_window,
-                                                  kv_cache_spec.block_size, use_eagle)
-
-    @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
-        """Scan right to left for the last run of hits that fills a window and ends where
-        an aligned hit can; a shorter run starting at block 0 also counts. Blocks before
-        the run are null."""
-        max_num_blocks = max_length // kv_cache_spec.block_size
-        block_hashes = block_hashes[:max_num_blocks]
-        first, num_blocks = pure.sliding_window_hit_range(
-            block_hashes, CachedInAllGroups(pool, group_ids), max_num_blocks,
-            cls._num_blocks_for_hit(kv_cache_spec, drop_eagle_block), drop_eagle_block,
-            kv_cache_spec.block_size, alignment_tokens)
-        return hit_blocks(block_hashes, first, num_blocks, group_ids, pool)
-
-    def reachable_block_mask(self, start_block: int, end_block: int,
-                             retention_interval: int | None = None,
-                             boundaries: Sequence[int] = ()) -> list[bool] | None:
-        """Only the window's blocks before each ``scheduler_block_size`` boundary (shifted by
-        one block with EAGLE) can serve a hit; None when that is every block. With a
-        retention interval: before each ``retention_interval`` boundary instead (none
-        for 0), and before each of the replay ``boundaries``."""
-        num_needed = self._num_blocks_for_hit(self.kv_cache_spec, self.use_eagle)
-        if retention_interval is not None:
-            return pure.sliding_window_retention_mask(
-                start_block, end_block, num_needed, self.block_size,
-                self.cache_hit_alignment_tokens, retention_interval, boundaries, self.use_eagle)
-        return pure.sliding_window_reachable_mask(
-            start_block, end_block, num_needed,
-            self.cache_hit_alignment_tokens // self.block_size, self.use_eagle)
-
-    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Tokens before the window of the next token."""
-        return pure.num_skipped_tokens_sliding_window(num_computed_tokens,
-                                                      self.kv_cache_spec.sliding_window)
-
-
-class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
-    """Chunked local attention: a token reads only its own ``attention_chunk_size`` chunk."""
-
-    @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
-        """Blocks before the chunk of token ``max_length`` hit as nulls; the chunk's own
-        blocks are matched left to right."""
-        block_size, chunk_size = kv_cache_spec.block_size, kv_cache_spec.attention_chunk_size
-        if drop_eagle_block or block_size != alignment_tokens:
-            raise NotImplementedError("chunked local attention hits need no EAGLE drop and "
-                                      f"block_size={block_size} == alignment {alignment_tokens}")
-        block_hashes = block_hashes[:max(max_length, 0) // block_size]
-        first, num_blocks = pure.chunked_local_hit_range(
-            block_hashes, CachedInAllGroups(pool, group_ids), max_length, chunk_size, block_size)
-        return hit_blocks(block_hashes, first, num_blocks, group_ids, pool)
-
-    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Tokens of the chunks before the next token's chunk."""
-        return pure.num_skipped_tokens_chunked_local(num_computed_tokens,
-                                                     self.kv_cache_spec.attention_chunk_size)
+                 **switches: Any) -> SingleTypeKVCacheManager:
+    """A sink group's manager, built as vLLM 0.25.1 builds it: its arguments after the
+    group id are ``dcp_world_size`` and ``pcp_world_size``, which land in the
+    ``scheduler_block_size`` and the context-parallel size (only the latter scales the
+    block); ``get_manager_for_kv_cache_spec`` cannot build it."""
+    return SingleTypeKVCacheManager(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
+                                    dcp_world_size, None, pcp_world_size, **switches)
 
 
 class MambaManager(SingleTypeKVCacheManager):
@@ -629,33 +743,6 @@ class MambaManager(SingleTypeKVCacheManager):
         self.offers_boundary_states = p.mamba_prefill_checkpoints and align
         self.offers: list[tuple[str, int, int, int]] = []
         self.producer_tails: dict[str, tuple[int, int]] = {}
-
-    @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                               drop_eagle_block: bool, alignment_tokens: int) -> Hits:
-        """The last cached state ending on an aligned boundary, nulls before it (no EAGLE
-        drop: draft models have no Mamba layers)."""
-        max_num_blocks = max_length // kv_cache_spec.block_size
-        block_hashes = block_hashes[:max_num_blocks]
-        num_blocks = pure.mamba_hit_num_blocks(
-            block_hashes, CachedInAllGroups(pool, group_ids), max_num_blocks,
-            kv_cache_spec.block_size, alignment_tokens)
-        return hit_blocks(block_hashes, max(num_blocks - 1, 0), num_blocks, group_ids, pool)
-
-    @classmethod
-    def find_fine_grained_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                              group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                              drop_eagle_block: bool, hash_block_size: int
-                              ) -> tuple[Hits, int]:
-        """With mamba_fine_grained_hits: the last state cached at any hash boundary within
-        ``max_length``, nulls before its block (``block_hashes`` per hash block)."""
-        for i in reversed(range(min(max_length // hash_block_size, len(block_hashes)))):
-            hits = pool.get_cached_block(block_hashes[i], group_ids)
-            if hits is not None:
-                nulls = [NULL_BLOCK] * (i // (kv_cache_spec.block_size // hash_block_size))
-                return tuple([*nulls, b] for b in hits), (i + 1) * hash_block_size
-        return tuple([] for _ in group_ids), 0
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[int], total_computed_tokens: int,
@@ -786,17 +873,6 @@ class MambaManager(SingleTypeKVCacheManager):
         req_blocks.extend(new_ids)
         self._allocated_block_reqs.add(request_id)
         return returned + new_ids
-
-    def reachable_block_mask(self, start_block: int, end_block: int,
-                             retention_interval: int | None = None,
-                             boundaries: Sequence[int] = ()) -> list[bool] | None:
-        """Every state (None), unless a retention interval thins them out to those on
-        its boundaries and at the replay ``boundaries``."""
-        if retention_interval is None:
-            return None
-        return pure.mamba_retention_mask(start_block, end_block, self.block_size,
-                                         self.cache_hit_alignment_tokens, retention_interval,
-                                         boundaries)
 
     def cache_blocks(self, request: Request, num_tokens: int,
                      retention_interval: int | None = None,
@@ -937,10 +1013,6 @@ class MambaManager(SingleTypeKVCacheManager):
             self.block_pool.free_blocks(freed)
         self.num_retired_blocks[request_id] = stop
 
-    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Every token but the last: only the latest state is read."""
-        return pure.num_skipped_tokens_mamba(num_computed_tokens)
-
     def new_step_starts(self) -> None:
         """States cached in the last step are complete now."""
         self.cached_blocks_this_step.clear()
@@ -948,29 +1020,6 @@ class MambaManager(SingleTypeKVCacheManager):
     def check_invariants(self, nulls_only_leading: bool = True) -> None:
         """As the base class; align mode may null any block before the running state."""
         super().check_invariants(self.mamba_cache_mode != "align")
-
-
-class CrossAttentionManager(SingleTypeKVCacheManager):
-    """Cross attention: blocks for the encoder output, sized by ``num_encoder_tokens``,
-    private to the request and never cached."""
-
-    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
-                                  num_local_computed_tokens: int,
-                                  num_external_computed_tokens: int) -> None:
-        """Nothing to add: cross-attention blocks are never hits."""
-        if len(new_computed_blocks):
-            raise ValueError(f"new_computed_blocks={list(new_computed_blocks)} for cross attention")
-
-    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int,
-                                          record_for_zeroing: bool = True) -> None:
-        """Nothing: a KV connector loads no encoder output."""
-
-    def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None,
-                     boundaries: Sequence[int] | None = None) -> None:
-        """Refused: cross-attention blocks are never cached."""
-        raise ValueError("cross-attention blocks are never cached")
 
 
 # ---------------------------------------------------------------- HiSparse (vLLM 0.33.0)
@@ -990,13 +1039,12 @@ def bound_coordinator(manager: SingleTypeKVCacheManager) -> Any:
     return coordinator
 
 
-class HiSparseSourceManager(FullAttentionManager):
+class HiSparseSourceManager(SingleTypeKVCacheManager):
     """The HiSparse source: full attention over a host pool. Admission counts 0 when
     the host pool can back the pages, else one more than the device pool (admission
     fails); its caching waits for the coordinator (``publish_blocks``); it records
     nothing for zeroing; its copy-on-write pairs go to the coordinator."""
 
-    retains_longer_hit = True
     coordinator: Any = None
 
     def bind_host_pool(self, num_blocks: int) -> None:
@@ -1060,7 +1108,7 @@ class HiSparseSourceManager(FullAttentionManager):
                        retention_interval: int | None = None,
                        replay_boundaries: Sequence[int] | None = None) -> None:
         """Cache as full attention does (the coordinator, once the host copies last)."""
-        FullAttentionManager.cache_blocks(self, request, num_tokens, retention_interval,
+        SingleTypeKVCacheManager.cache_blocks(self, request, num_tokens, retention_interval,
                                           replay_boundaries)
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
@@ -1276,28 +1324,11 @@ class HiSparseResidentManager(SingleTypeKVCacheManager):
         assert set(self.residency_changes) <= set(self.req_to_blocks)
 
 
-MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
-    "FullAttentionSpec": FullAttentionManager,
-    "TQFullAttentionSpec": FullAttentionManager,
-    "MLAAttentionSpec": FullAttentionManager,
-    "HiddenStateCacheSpec": FullAttentionManager,
-    "SlidingWindowSpec": SlidingWindowManager,
-    "SlidingWindowMLASpec": SlidingWindowManager,
-    "ChunkedLocalAttentionSpec": ChunkedLocalAttentionManager,
-    "MambaSpec": MambaManager,
-    "CrossAttentionSpec": CrossAttentionManager,
-    "RSWASpec": RSWAManager,
-    "SinkFullAttentionSpec": SinkFullAttentionManager,
-    "CircularBufferSpec": CircularBufferManager,
-    "HiSparseResidentSpec": HiSparseResidentManager,
-    "HiSparseHotSpec": HiSparseHotManager,
+SUBCLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
+    "MambaManager": MambaManager, "HiSparseSourceManager": HiSparseSourceManager,
+    "HiSparseHotManager": HiSparseHotManager, "HiSparseResidentManager": HiSparseResidentManager,
 }
-"""The manager of each modelled layer-spec class, by class name (exact class only)."""
-
-ROLE_MANAGER_CLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
-    "hisparse_source": HiSparseSourceManager,
-}
-"""vLLM 0.33.0's group roles with a manager of their own (before the spec class)."""
+"""The kinds whose stateful extras still live in a class of their own, by row name."""
 
 
 def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_tokens: int,
@@ -1305,20 +1336,22 @@ def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_to
                                   kv_cache_group_id: int, scheduler_block_size: int,
                                   context_parallel: int = 1, role: str | None = None,
                                   **switches: Any) -> SingleTypeKVCacheManager:
-    """The manager of the group's role (vLLM 0.33.0's ``KVCacheGroupSpec.role``), else
-    of the spec's kind; windowed kinds get their admission cap. NotImplementedError for
-    unmodelled spec types and for cross attention with caching. ``switches``: the
-    manager's keyword arguments (``profile``, ``needs_kv_cache_zeroing``, ``use_eagle``)."""
-    manager_cls = ROLE_MANAGER_CLASSES.get(role or "") or MANAGER_CLASSES.get(
-        type(kv_cache_spec).__name__)
-    if manager_cls is None:
+    """The manager of the group's row: its role's (vLLM 0.33.0's
+    ``KVCacheGroupSpec.role``), else its spec's; windowed kinds get their admission
+    cap. NotImplementedError for unmodelled spec types and for cross attention with
+    caching; TypeError for a sink group, as in vLLM 0.25.1 (``sink_manager``).
+    ``switches``: the manager's keyword arguments (``profile``,
+    ``needs_kv_cache_zeroing``, ``use_eagle``)."""
+    rules = ROLE_KINDS.get(role or "") or KINDS.get(type(kv_cache_spec).__name__)
+    if rules is None:
         raise NotImplementedError(f"no spec manager for {type(kv_cache_spec).__name__}")
-    if manager_cls is SinkFullAttentionManager:
-        # vLLM 0.25.1 passes scheduler_block_size, which this constructor lacks.
+    if rules.sink:
+        # vLLM 0.25.1 passes scheduler_block_size, which the sink constructor lacks.
         raise TypeError("SinkFullAttentionManager.__init__() got an unexpected keyword "
                         "argument 'scheduler_block_size'")
-    if manager_cls is CrossAttentionManager and enable_caching:
+    if rules.encoder and enable_caching:
         raise NotImplementedError("prefix caching with a cross-attention group")
     cap = admission_cap(kv_cache_spec, max_num_batched_tokens, max_model_len)
-    return manager_cls(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
-                       scheduler_block_size, cap, context_parallel, **switches)
+    return SUBCLASSES.get(rules.name, SingleTypeKVCacheManager)(
+        kv_cache_spec, block_pool, enable_caching, kv_cache_group_id, scheduler_block_size, cap,
+        context_parallel, rules=rules, **switches)

@@ -56,12 +56,13 @@ class KindManagerMachine(RuleBasedStateMachine):
             window = data.draw(st.integers(1, 4), label="rswa_window")
             layer = K.RSWASpec(**attn, rswa_window=window)
             self.impl: Any = K.RSWAManager(layer, self.impl_pool, False, 0, block_size)
-            self.spec: Any = spec_managers.RSWAManager(layer, self.spec_pool, False, 0, block_size)
+            self.spec: Any = spec_managers.SingleTypeKVCacheManager(
+                layer, self.spec_pool, False, 0, block_size)
         else:
             num_sink_blocks = data.draw(st.integers(1, min(3, num_blocks - 1)), label="sinks")
             layer = K.SinkFullAttentionSpec(**attn, sink_len=num_sink_blocks * block_size)
             self.impl = K.SinkFullAttentionManager(layer, self.impl_pool, False, 0)
-            self.spec = spec_managers.SinkFullAttentionManager(layer, self.spec_pool, False, 0)
+            self.spec = spec_managers.sink_manager(layer, self.spec_pool, False, 0)
             assert [b.block_id for b in self.impl.sink_blocks] == self.spec.sink_blocks
         note(f"{layer!r} over {num_blocks} blocks")
         self.block_size = block_size

@@ -41,6 +41,12 @@ NUM_STEPS = 60
 HISPARSE = ("HiSparseSourceManager", "HiSparseResidentManager", "HiSparseHotManager")
 
 
+def kind(manager: Any) -> str:
+    """A manager's kind by vLLM's class name: kvcache's class, or the spec's row."""
+    rules = getattr(manager, "rules", None)
+    return rules.name if rules is not None else type(manager).__name__
+
+
 @dataclass
 class RoleGroupSpec(KVCacheGroupSpec):
     """A group with vLLM 0.33.0's ``role`` field."""
@@ -75,9 +81,9 @@ class StandIn:
     def __init__(self, side: World) -> None:
         self.side = side
         managers = side.managers
-        self.source = next(m for m in managers if type(m).__name__ == HISPARSE[0])
-        self.resident_managers = tuple(m for m in managers if type(m).__name__ == HISPARSE[1])
-        self.hot_managers = tuple(m for m in managers if type(m).__name__ == HISPARSE[2])
+        self.source = next(m for m in managers if kind(m) == HISPARSE[0])
+        self.resident_managers = tuple(m for m in managers if kind(m) == HISPARSE[1])
+        self.hot_managers = tuple(m for m in managers if kind(m) == HISPARSE[2])
         self.gpu_pool = side.km.block_pool
         self.log: list[tuple[Any, ...]] = []
         self.publications: dict[str, tuple[Any, int, Any, Any]] = {}
@@ -246,11 +252,11 @@ def observe(side: World) -> dict[str, Any]:
         tables = {r: side.ids(t) for r, t in m.req_to_blocks.items() if t}
         seen[f"tables{g}"] = tables
         seen[f"cached{g}"] = {r: n for r, n in m.num_cached_block.items()}
-        if type(m).__name__ == HISPARSE[1]:
+        if kind(m) == HISPARSE[1]:
             seen[f"rows{g}"] = {r: side.ids(m.get_residency_row(r)) for r in tables}
             seen[f"changes{g}"] = {r: {p: side.bid(b) for p, b in c.items()}
                                    for r, c in m.residency_changes.items() if c}
-        if type(m).__name__ == HISPARSE[2]:
+        if kind(m) == HISPARSE[2]:
             seen[f"hot{g}"] = (sorted(m.hot_required), sorted(r for r in tables if m.has_hot(r)))
     seen["free_count"] = side.km.block_pool.get_num_free_blocks()
     return seen

@@ -178,7 +178,10 @@ def _sides(num_blocks: int, block_size: int, window: int) -> dict[str, tuple[Any
     return {
         "vllm": _vllm_side(num_blocks, block_size, window),
         "kvcache": (pool, K.RSWAManager(ours, pool, False, 0, block_size)),
-        "spec": (spec_pool, spec_managers.RSWAManager(ours, spec_pool, False, 0, block_size)),
+        "spec": (
+            spec_pool,
+            spec_managers.SingleTypeKVCacheManager(ours, spec_pool, False, 0, block_size),
+        ),
     }
 
 
@@ -242,7 +245,7 @@ def _sink_managers(sink_len: int, block_size: int = 4, num_blocks: int = 12) -> 
     for name, make in (
         ("vllm", lambda: SinkFullAttentionManager(theirs, vllm_pool, True, 0)),
         ("kvcache", lambda: K.SinkFullAttentionManager(ours, pool, True, 0)),
-        ("spec", lambda: spec_managers.SinkFullAttentionManager(ours, spec_pool, True, 0)),
+        ("spec", lambda: spec_managers.sink_manager(ours, spec_pool, True, 0)),
     ):
         try:
             out[name] = make()
@@ -314,7 +317,7 @@ def test_sink_manager_pcp_argument_scales_the_block_as_vllm() -> None:
     )
     managers = [
         K.SinkFullAttentionManager(ours, BlockPool(12, True, 4), True, 0, pcp_world_size=2),
-        spec_managers.SinkFullAttentionManager(ours, SpecBlockPool(12, True, 4), True, 0, 1, 2),
+        spec_managers.sink_manager(ours, SpecBlockPool(12, True, 4), True, 0, 1, 2),
     ]
     for manager in managers:
         assert manager.block_size == vllm_manager.block_size == 8
