@@ -13,7 +13,7 @@ from .block_pool import NULL_BLOCK, BlockPool
 from .kv_cache_coordinator import KVCacheCoordinator, group_role
 from .profile import Profile, resolve_profile
 from .pure import cdiv
-from .single_type_kv_cache_manager import HISPARSE_RESIDENT, MAMBA, MambaManager
+from .single_type_kv_cache_manager import HISPARSE_RESIDENT, MAMBA
 from .vocab import (
     BlockRemoved033,
     BlockStored,
@@ -505,9 +505,8 @@ class KVCacheManager:
         state covers), group after group, in the order they were cached."""
         offloads: dict[str, list[tuple[int, int, int]]] = {}
         for m in self.coordinator.single_type_managers:
-            if isinstance(m, MambaManager):
-                for rid, group, block, num_tokens in m.take_boundary_state_offers():
-                    offloads.setdefault(rid, []).append((group, block, num_tokens))
+            for rid, group, block, num_tokens in m.take_boundary_state_offers():
+                offloads.setdefault(rid, []).append((group, block, num_tokens))
         return offloads
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
@@ -516,7 +515,7 @@ class KVCacheManager:
         in_flight = getattr(request, "num_in_flight_tokens", 0) or 0
         tails = [m.finalize_partial_tail(request.request_id, request.num_computed_tokens,
                                          in_flight)
-                 for m in self.coordinator.single_type_managers if isinstance(m, MambaManager)]
+                 for m in self.coordinator.single_type_managers]
         return [tail for tail in tails if tail is not None]
 
     def new_step_starts(self) -> None:

@@ -9,7 +9,7 @@ written once: admission count, allocation, free, caching and the hit search.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import pure
@@ -220,7 +220,11 @@ class KindRules:
     never hit or cached. ``encoder``: sized by the encoder tokens, refusing hits and
     caching. ``sink``: blocks reserved for sink tokens at construction.
     ``retains_longer_hit``: vLLM 0.33.0's HiSparse source, whose hit outlives the
-    common hit (the coordinator's trims leave it; allocate_slots cuts it)."""
+    common hit (the coordinator's trims leave it; allocate_slots cuts it).
+    Mamba's states: ``speculative_blocks``: the spec's ``num_speculative_blocks`` are
+    held beyond the tokens; ``ready_next_step``: a state cached in a step is not a hit
+    before the next (``new_step_starts``); ``align_mode``: the spec's
+    ``mamba_cache_mode`` 'align' holds only the running state (``MambaAlign``)."""
 
     name: str
     resume: str | None
@@ -235,6 +239,9 @@ class KindRules:
     encoder: bool = False
     sink: bool = False
     retains_longer_hit: bool = False
+    speculative_blocks: bool = False
+    ready_next_step: bool = False
+    align_mode: bool = False
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         """Pickled (and copied) as its name: a row is one object (``is`` compares rows)."""
@@ -273,7 +280,8 @@ CHUNKED_LOCAL = KindRules("ChunkedLocalAttentionManager", "chunked_local", befor
                           chunked_local_hit)
 CROSS = KindRules("CrossAttentionManager", "cross_attention", nothing_skipped, None,
                   encoder=True)
-MAMBA = KindRules("MambaManager", "mamba", before_last, mamba_hit, mamba_fine_hit, mamba_mask)
+MAMBA = KindRules("MambaManager", "mamba", before_last, mamba_hit, mamba_fine_hit, mamba_mask,
+                  speculative_blocks=True, ready_next_step=True, align_mode=True)
 HISPARSE_SOURCE = replace(FULL, name="HiSparseSourceManager", resume=None,
                           retains_longer_hit=True)
 HISPARSE_HOT = KindRules("HiSparseHotManager", None, nothing_skipped, None)
@@ -375,6 +383,18 @@ class SingleTypeKVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []
         if self.rules.sink:
             self.sink_blocks = self._reserve_sink_blocks()
+        self.num_speculative_blocks: int = (kv_cache_spec.num_speculative_blocks
+                                            if self.rules.speculative_blocks else 0)
+        # ready_next_step: pool keys cached this step (their states may not be written yet)
+        self.cached_blocks_this_step: set[bytes] = set()
+        self.align: MambaAlign | None = None
+        if self.rules.align_mode and kv_cache_spec.mamba_cache_mode == "align":
+            p = self.profile
+            self.align = MambaAlign(
+                p.mamba_prompt_tail_state and use_eagle, p.mamba_prefill_checkpoints and getattr(
+                    kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0,
+                getattr(kv_cache_spec, "prefill_checkpoint_alignment", None),
+                p.mamba_prefill_checkpoints)
 
     def _reserve_sink_blocks(self) -> list[int]:
         """Sink tokens: ``sink_len // block_size`` blocks leave the front of the free
@@ -418,9 +438,21 @@ class SingleTypeKVCacheManager:
         """Free blocks needed to give the request ``num_tokens`` slots and take its hits
         (one more for the copy of a hit ending inside a block, ``partial_hit_copy_on_write``;
         ``num_local_computed_tokens``: computed plus hit tokens; ``prefill_end``: read by
-        Mamba's prefill checkpoints only). A ring needs its one block once."""
+        Mamba's prefill checkpoints only). A ring needs its one block once. A hit on a
+        state cached this step needs ``num_gpu_blocks + 1`` blocks: more than can be
+        free, so it waits a step (``ready_next_step``)."""
         if self.rules.ring:
             return 0 if self.req_to_blocks.get(request_id) else 1
+        if (self.cached_blocks_this_step and len(new_computed_blocks) and self.block_pool
+                .block_hash.get(new_computed_blocks[-1]) in self.cached_blocks_this_step):
+            return self.block_pool.num_gpu_blocks + 1
+        if self.align is not None:
+            return self._align_num_blocks_to_allocate(
+                request_id, new_computed_blocks, total_computed_tokens, num_tokens_main_model,
+                apply_admission_cap, num_local_computed_tokens, prefill_end)
+        # Speculative blocks: vLLM counts them in the layer's block size, not the
+        # manager's (they differ under context parallelism): it takes more than it counts.
+        num_tokens += self.kv_cache_spec.block_size * self.num_speculative_blocks
         num_required = pure.num_required_blocks(
             num_tokens, self.block_size,
             self.max_admission_blocks_per_request if apply_admission_cap else None)
@@ -521,6 +553,9 @@ class SingleTypeKVCacheManager:
         pending partial hit first gets its copy (returned first, recorded for zeroing)."""
         if self.rules.ring:
             return self._claim_ring_block(request_id)
+        if self.align is not None:
+            return self._align_allocate(request_id, num_tokens_main_model)
+        num_tokens += self.block_size * self.num_speculative_blocks
         copies = []
         if request_id in self.partial_hit_reqs:
             index, source = self.partial_hit_reqs.pop(request_id)
@@ -561,7 +596,8 @@ class SingleTypeKVCacheManager:
         ``boundaries``; None: one token short of the prompt). With
         ``shared_prefix_junctions`` the request's ``shared_prefix_boundary`` is a
         boundary too (and one block below it for an EAGLE group). A ring caches
-        nothing; cross attention refuses."""
+        nothing; cross attention refuses. Mamba remembers the keys cached this step
+        (``ready_next_step``) and offers align-mode states (``MambaAlign``)."""
         if self.rules.ring:
             return
         if self.rules.encoder:
@@ -584,6 +620,16 @@ class SingleTypeKVCacheManager:
             self.num_cached_block[rid] = num_full
         if self.rules.prompt_tail and self.profile.partial_prompt_tail_entries:
             self._cache_prompt_tail(request, num_tokens)
+        if self.align is not None:
+            self._align_cache_state(request, num_tokens, retention_interval)
+        if self.rules.ready_next_step and num_full > num_cached:
+            align = self.align
+            for block_id in self.req_to_blocks[rid][num_cached:num_full]:
+                if (key := self.block_pool.block_hash.get(block_id)) is not None:
+                    self.cached_blocks_this_step.add(key)
+                    if align is not None and align.offers_boundary_states:
+                        align.offers.append((rid, self.kv_cache_group_id, block_id,
+                                             self.block_pool.hash_num_tokens[block_id]))
 
     def _cache_prompt_tail(self, request: Request, num_tokens: int) -> None:
         """partial_prompt_tail_entries (0.33.0): key the block holding the prompt's last
@@ -617,6 +663,8 @@ class SingleTypeKVCacheManager:
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
         """Forget the request; return its blocks in allocation order, still referenced."""
+        if self.align is not None:
+            self.align.forget(request_id)
         self.num_cached_block.pop(request_id, None)
         self.partial_hit_reqs.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, [])
@@ -638,10 +686,22 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         """Free the blocks attention no longer reads, tail first, leaving nulls: the
-        skipped prefix, or R-SWA's gap (given the prompt length)."""
+        skipped prefix, or R-SWA's gap (given the prompt length); Mamba's align mode
+        also the previous step's state block."""
         if self.rules.frees_gap:
             self._free_rswa_gap(request_id, total_computed_tokens, num_prompt_tokens)
             return
+        if self.num_speculative_blocks and not self.profile.mamba_frees_processed_states:
+            # NOTE: like vLLM 0.25.1, subtract a block count from a token count, for
+            # rejected drafts.
+            total_computed_tokens = max(0, total_computed_tokens - self.num_speculative_blocks)
+        if self.align is not None:
+            self._align_remove_skipped(request_id, total_computed_tokens)
+        else:
+            self._free_skipped_prefix(request_id, total_computed_tokens)
+
+    def _free_skipped_prefix(self, request_id: str, total_computed_tokens: int) -> None:
+        """Free the skipped blocks still live, tail first, leaving nulls."""
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         if num_skipped_tokens <= 0:
             return
@@ -673,11 +733,13 @@ class SingleTypeKVCacheManager:
         self._null_out(blocks, start, stop)
 
     def new_step_starts(self) -> None:
-        """Hook run once per scheduler step."""
+        """A scheduler step begins: states cached in the last step are complete now."""
+        self.cached_blocks_this_step.clear()
 
     def check_invariants(self, nulls_only_leading: bool = True) -> None:
         """Assert the invariants of the class docstring."""
-        nulls_only_leading = nulls_only_leading and not self.rules.frees_gap
+        nulls_only_leading = (nulls_only_leading and not self.rules.frees_gap
+                              and self.align is None)
         assert set(self.num_cached_block) <= set(self.req_to_blocks)
         for rid, ids in self.req_to_blocks.items():
             held = [b for b in ids if b != NULL_BLOCK]
@@ -686,112 +748,46 @@ class SingleTypeKVCacheManager:
             assert not nulls_only_leading or len(held) == len(ids) - num_leading_nulls, (
                 f"{rid!r} has a null block after a live one: {ids}")
 
+    # ------------------------------------------------------------ Mamba 'align' mode
 
-def sink_manager(kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
-                 kv_cache_group_id: int, dcp_world_size: int = 1, pcp_world_size: int = 1,
-                 **switches: Any) -> SingleTypeKVCacheManager:
-    """A sink group's manager, built as vLLM 0.25.1 builds it: its arguments after the
-    group id are ``dcp_world_size`` and ``pcp_world_size``, which land in the
-    ``scheduler_block_size`` and the context-parallel size (only the latter scales the
-    block); ``get_manager_for_kv_cache_spec`` cannot build it."""
-    return SingleTypeKVCacheManager(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
-                                    dcp_world_size, None, pcp_world_size, **switches)
-
-
-class MambaManager(SingleTypeKVCacheManager):
-    """Mamba: a request needs only the state after its last computed token.
-
-    Modes "none"/"all": a block per ``block_size`` tokens plus ``num_speculative_blocks``,
-    older states freed as the request advances. Mode "align": only the running state
-    block (+ speculative blocks) is allocated, nulls before it; ``last_state_block_idx[r]``
-    is the state block of r's previous step, freed once passed, and
-    ``_allocated_block_reqs`` the requests given blocks already.
-    ``cached_blocks_this_step`` holds pool keys cached this step: their states may not be
-    written yet, so a hit on one is refused until ``new_step_starts``.
-
-    Prefill checkpoints (``mamba_prefill_checkpoints``, 0.33.0, align mode, a layer with
-    ``num_prefill_checkpoint_blocks`` > 0): a prefill chunk may also leave the state at a
-    reusable position inside it in a block of its own, the one before the chunk's last
-    block. ``checkpoints[r]`` is r's (position, block index) for the chunk being
-    allocated; ``cache_blocks`` keys that block at the position, or unkeys it.
-
-    Boundary-state offloads (``offers_boundary_states``: the same switch, align mode):
-    each state block ``cache_blocks`` leaves keyed among the blocks it caches is offered
-    to a KV connector, ``offers`` (request, group, block, tokens its key covers) until
-    ``take_boundary_state_offers``; a request's own prompt-tail state inside a block is
-    remembered in ``producer_tails[r]`` (block, tokens) and offered when it moves to its
-    copy, or at the request's end (``finalize_partial_tail``). Freeing a request drops
-    its offers (its blocks may go to another request).
-    """
-
-    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
-        super().__init__(kv_cache_spec, *args, **kwargs)
-        self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
-        self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
-        self.cached_blocks_this_step: set[bytes] = set()
-        self.last_state_block_idx: dict[str, int] = {}
-        self._allocated_block_reqs: set[str] = set()
-        self.num_retired_blocks: dict[str, int] = {}  # align, mamba_frees_processed_states
-        p, align = self.profile, self.mamba_cache_mode == "align"
-        # mamba_prompt_tail_state with the engine's use_eagle: the tail drops a block
-        self.prompt_tail_drops_eagle = p.mamba_prompt_tail_state and kwargs.get("use_eagle", False)
-        self.has_checkpoint_blocks = (p.mamba_prefill_checkpoints and align and getattr(
-            kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0)
-        self.checkpoint_alignment: int | None = getattr(
-            kv_cache_spec, "prefill_checkpoint_alignment", None)
-        self.checkpoints: dict[str, tuple[int, int]] = {}
-        self.offers_boundary_states = p.mamba_prefill_checkpoints and align
-        self.offers: list[tuple[str, int, int, int]] = []
-        self.producer_tails: dict[str, tuple[int, int]] = {}
-
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence[int], total_computed_tokens: int,
-                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
-                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
-                                   ) -> int:
-        """As the base class, plus speculative blocks. A hit on a state cached this step
-        needs ``num_gpu_blocks + 1`` blocks: more than can be free, so it waits a step.
-        In align mode a state ending inside its block (a hit there, or the request's own
-        prompt-tail entry; ``partial_hit_copy_on_write``) needs one block more, its copy, and so
-        does a prefill checkpoint (``checkpoint_position``), which a call other than the
-        admission estimate (``apply_admission_cap``) records for the allocation."""
-        if (len(new_computed_blocks) and self.block_pool.block_hash.get(new_computed_blocks[-1])
-                in self.cached_blocks_this_step):
-            return self.block_pool.num_gpu_blocks + 1
-        if self.mamba_cache_mode != "align":
-            # vLLM counts these tokens in the layer's block size, not the manager's (they
-            # differ under context parallelism): then it takes more than it counts.
-            num_tokens += self.kv_cache_spec.block_size * self.num_speculative_blocks
-            return super().get_num_blocks_to_allocate(
-                request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-                num_tokens_main_model, apply_admission_cap, num_local_computed_tokens)
-        # Align mode ignores lookahead tokens (they would break the alignment).
+    def _align_num_blocks_to_allocate(self, request_id: str, new_computed_blocks: Sequence[int],
+                                      total_computed_tokens: int, num_tokens_main_model: int,
+                                      apply_admission_cap: bool, num_local_computed_tokens: int,
+                                      prefill_end: int) -> int:
+        """Only the running state block plus speculative blocks (lookahead tokens would
+        break the alignment). A state ending inside its block (a hit there, or the
+        request's own prompt-tail entry; ``partial_hit_copy_on_write``) needs one block
+        more, its copy, and so does a prefill checkpoint (``_checkpoint_position``),
+        which a call other than the admission estimate (``apply_admission_cap``) records
+        for the allocation."""
+        align, num_spec = self.align, self.num_speculative_blocks
+        assert align is not None
+        allocated = request_id in align.allocated
+        num_held = len(self._blocks_of(request_id))
         num_new = pure.mamba_align_num_new_blocks(
-            num_tokens_main_model, self.block_size, self.num_speculative_blocks,
-            len(new_computed_blocks), len(self._blocks_of(request_id)),
-            request_id in self._allocated_block_reqs)
-        position = self.checkpoint_position(request_id, total_computed_tokens,
-                                            num_tokens_main_model, prefill_end)
+            num_tokens_main_model, self.block_size, num_spec, len(new_computed_blocks),
+            num_held, allocated)
+        position = self._checkpoint_position(request_id, total_computed_tokens,
+                                             num_tokens_main_model, prefill_end)
         checkpoint = 1 if position > 0 else 0
         if not apply_admission_cap:
             if checkpoint:
                 index = cdiv(num_tokens_main_model, self.block_size) - 2
-                self.checkpoints[request_id] = (position, index)
+                align.checkpoints[request_id] = (position, index)
             else:
-                self.checkpoints.pop(request_id, None)
-        num_held = len(self._blocks_of(request_id))
-        shortfall = (cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+                align.checkpoints.pop(request_id, None)
+        shortfall = (cdiv(num_tokens_main_model, self.block_size) + num_spec
                      - len(new_computed_blocks) - num_held)
         if self.profile.mamba_caps_new_state_blocks and num_new > 0:  # the shortfall, capped
             num_new = min(num_new + checkpoint, shortfall)
         if request_id in self.partial_hit_reqs or self._ends_inside_block(
                 new_computed_blocks, num_local_computed_tokens):
-            cap = 2 if request_id in self._allocated_block_reqs else 2 + self.num_speculative_blocks
+            cap = 2 if allocated else 2 + num_spec
             num_new = min(max(shortfall, 0) + 1, cap + checkpoint)
         return num_new + self._num_evictable(new_computed_blocks)
 
-    def checkpoint_position(self, request_id: str, start: int, end: int, prefill_end: int
-                            ) -> int:
+    def _checkpoint_position(self, request_id: str, start: int, end: int, prefill_end: int
+                             ) -> int:
         """Where the chunk computing tokens ``[start, end)`` leaves a prefill checkpoint;
         0 for none. The position is the last reusable hash boundary before the chunk's
         end (``pure.mamba_prompt_tail_boundary`` of ``end``). There is one only with
@@ -800,52 +796,49 @@ class MambaManager(SingleTypeKVCacheManager):
         export (``pure.mamba_checkpoint_exportable``), into a column (the block before
         the chunk's last) that is free for it: not yet in the table, null, or, for a
         request given blocks already, one of its speculative blocks."""
-        if not self.has_checkpoint_blocks or end < prefill_end:
+        align = self.align
+        assert align is not None
+        if not align.has_checkpoint_blocks or end < prefill_end:
             return 0
         position = pure.mamba_prompt_tail_boundary(
-            end, self.cache_hit_alignment_tokens, self.prompt_tail_drops_eagle,
+            end, self.cache_hit_alignment_tokens, align.prompt_tail_drops_eagle,
             self.block_pool.num_hash_lookahead_tokens)
         if not pure.mamba_checkpoint_exportable(start, end, position,
                                                 self.block_pool.hash_block_size,
-                                                self.block_size, self.checkpoint_alignment):
+                                                self.block_size, align.checkpoint_alignment):
             return 0
         column = cdiv(end, self.block_size) - 2
         blocks = self._blocks_of(request_id)
         free_column = (column >= len(blocks) or blocks[column] == NULL_BLOCK
-                       or (request_id in self._allocated_block_reqs
+                       or (request_id in align.allocated
                            and column >= len(blocks) - self.num_speculative_blocks))
         return position if column >= 0 and free_column else 0
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
-                            ) -> list[int]:
-        """As the base class plus speculative blocks; in align mode, nulls up to the new
-        state block, last step's speculative blocks moved up, and the blocks after it.
-        A pending partial state also gets a copy: in place of a new request's hit block,
-        or, for a running request (its own prompt-tail entry), the entry moves onto the
-        copy (hittable from the next step) while the request keeps its block. A recorded
-        prefill checkpoint keeps its column (the block before the new state block) a real
-        block: not nulled, no speculative block moved off it, a new block there if
-        needed, even when the table is long enough already."""
-        num_spec = self.num_speculative_blocks
-        if self.mamba_cache_mode != "align":
-            return super().allocate_new_blocks(
-                request_id, num_tokens + self.block_size * num_spec, num_tokens_main_model)
+    def _align_allocate(self, request_id: str, num_tokens_main_model: int) -> list[int]:
+        """Nulls up to the new state block, last step's speculative blocks moved up, and
+        the blocks after it. A pending partial state also gets a copy: in place of a new
+        request's hit block, or, for a running request (its own prompt-tail entry), the
+        entry moves onto the copy (hittable from the next step) while the request keeps
+        its block. A recorded prefill checkpoint keeps its column (the block before the
+        new state block) a real block: not nulled, no speculative block moved off it, a
+        new block there if needed, even when the table is long enough already."""
+        align, num_spec = self.align, self.num_speculative_blocks
+        assert align is not None
         req_blocks = self._blocks_of(request_id)
         num_required = cdiv(num_tokens_main_model, self.block_size) + num_spec
         num_held = len(req_blocks)
         partial = self.partial_hit_reqs.pop(request_id, None)
-        checkpoint = 1 if request_id in self.checkpoints else 0
+        checkpoint = 1 if request_id in align.checkpoints else 0
         if num_required <= num_held and partial is None and not checkpoint:
             if self.profile.mamba_frees_processed_states:  # 0.33.0: counts as allocated
-                self._allocated_block_reqs.add(request_id)
+                align.allocated.add(request_id)
             return []
-        allocated_before = request_id in self._allocated_block_reqs
+        allocated_before = request_id in align.allocated
         if allocated_before:
-            self.last_state_block_idx[request_id] = num_held - 1 - num_spec
+            align.last_state_block_idx[request_id] = num_held - 1 - num_spec
         elif num_held > 0:  # the last block holds the hit's state
-            self.last_state_block_idx[request_id] = num_held - 1
-        num_skipped = num_required - num_spec - 1
-        num_nulled = num_skipped - checkpoint  # a checkpoint's column stays a real block
+            align.last_state_block_idx[request_id] = num_held - 1
+        num_nulled = num_required - num_spec - 1 - checkpoint  # a checkpoint's column stays
         req_blocks.extend([NULL_BLOCK] * (num_nulled - num_held))
         if allocated_before:
             for i in range(num_held - num_spec, min(num_held, num_nulled)):
@@ -862,81 +855,56 @@ class MambaManager(SingleTypeKVCacheManager):
                 self.block_pool.move_block_hashes(source, copy)
                 self.pending_copies.append((source, copy))
                 self.block_pool.ref_cnt[source] += 1
-                if (tail := self.producer_tails.pop(request_id, None)) is not None:
+                if (tail := align.producer_tails.pop(request_id, None)) is not None:
                     # the request's own prompt-tail state lives on in the copy
-                    self.offers.append((request_id, self.kv_cache_group_id, copy, tail[1]))
+                    align.offers.append((request_id, self.kv_cache_group_id, copy, tail[1]))
                 if (key := self.block_pool.block_hash.get(copy)) is not None:
                     self.cached_blocks_this_step.add(key)  # filled by this step's copy
             else:
                 self._copy_hit_block(request_id, index, source, copy)
                 returned.insert(0, copy)
         req_blocks.extend(new_ids)
-        self._allocated_block_reqs.add(request_id)
+        align.allocated.add(request_id)
         return returned + new_ids
 
-    def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None,
-                     boundaries: Sequence[int] | None = None) -> None:
-        """As the base class; remember the keys cached in this step. With
-        ``mamba_prompt_tail_state`` (0.33.0, align) also key the state block at the
-        prompt's last reusable hash boundary when caching reaches exactly there and the
-        block is not keyed there already (e.g. after ``evict_blocks``); a request with a
-        prefill checkpoint keys (or unkeys) its checkpoint block instead
-        (``cache_checkpoint``)."""
-        rid = request.request_id
-        num_cached_before = self.num_cached_block.get(rid, 0)
-        super().cache_blocks(request, num_tokens, retention_interval, boundaries)
-        num_cached_after = self.num_cached_block.get(rid, 0)
-        hbs = self.block_pool.hash_block_size
-        inside = num_tokens % self.block_size != 0  # only with partial_hit_copy_on_write
-        if self.mamba_cache_mode == "align" and rid in self.checkpoints:
-            key = self.cache_checkpoint(request, retention_interval)
+    def _align_cache_state(self, request: Request, num_tokens: int,
+                           retention_interval: int | None) -> None:
+        """A request with a prefill checkpoint keys (or unkeys) its checkpoint block
+        (``_cache_checkpoint``). Else, under ``mamba_prompt_tail_state`` (0.33.0), key
+        the state block at the prompt's last reusable hash boundary when caching reaches
+        exactly there and the block is not keyed there already (e.g. after
+        ``evict_blocks``)."""
+        align, rid, pool = self.align, request.request_id, self.block_pool
+        assert align is not None
+        if rid in align.checkpoints:
+            key = self._cache_checkpoint(request, retention_interval)
             if key is not None:
                 self.cached_blocks_this_step.add(key)
-        elif (self.profile.mamba_prompt_tail_state and self.mamba_cache_mode == "align"
-                and num_tokens > 0 and (not inside or self.profile.partial_hit_copy_on_write)
+            return
+        inside = num_tokens % self.block_size != 0  # only with partial_hit_copy_on_write
+        if not (self.profile.mamba_prompt_tail_state and num_tokens > 0
+                and (not inside or self.profile.partial_hit_copy_on_write)
                 and num_tokens == pure.mamba_prompt_tail_boundary(
-                    request.num_prompt_tokens, hbs, self.prompt_tail_drops_eagle,
-                    self.block_pool.num_hash_lookahead_tokens)):
-            blocks = self._blocks_of(rid)
-            idx = cdiv(num_tokens, self.block_size) - 1
-            if (idx < len(blocks) and blocks[idx] != NULL_BLOCK
-                    and self.block_pool.hash_num_tokens.get(blocks[idx]) != num_tokens):
-                key = self.block_pool.cache_partial_block(
-                    request, blocks[idx], num_tokens, self.kv_cache_group_id, self.block_size,
-                    any_boundary=True)
-                if key is not None:
-                    self.cached_blocks_this_step.add(key)
-                if key is not None and inside:  # the next allocation moves it to a copy
-                    self.partial_hit_reqs[rid] = (idx, blocks[idx])
-                    self.num_cached_block[rid] = idx
-                    if self.offers_boundary_states:
-                        self.producer_tails[rid] = (blocks[idx], num_tokens)
-        if num_cached_after > num_cached_before:
-            for block_id in self.req_to_blocks[rid][num_cached_before:num_cached_after]:
-                if (key := self.block_pool.block_hash.get(block_id)) is not None:
-                    self.cached_blocks_this_step.add(key)
-                    if self.offers_boundary_states:
-                        self.offers.append((rid, self.kv_cache_group_id, block_id,
-                                            self.block_pool.hash_num_tokens[block_id]))
+                    request.num_prompt_tokens, pool.hash_block_size,
+                    align.prompt_tail_drops_eagle, pool.num_hash_lookahead_tokens)):
+            return
+        blocks = self._blocks_of(rid)
+        idx = cdiv(num_tokens, self.block_size) - 1
+        if (idx < len(blocks) and blocks[idx] != NULL_BLOCK
+                and pool.hash_num_tokens.get(blocks[idx]) != num_tokens):
+            key = pool.cache_partial_block(request, blocks[idx], num_tokens,
+                                           self.kv_cache_group_id, self.block_size,
+                                           any_boundary=True)
+            if key is not None:
+                self.cached_blocks_this_step.add(key)
+            if key is not None and inside:  # the next allocation moves it to a copy
+                self.partial_hit_reqs[rid] = (idx, blocks[idx])
+                self.num_cached_block[rid] = idx
+                if align.offers_boundary_states:
+                    align.producer_tails[rid] = (blocks[idx], num_tokens)
 
-    def take_boundary_state_offers(self) -> list[tuple[str, int, int, int]]:
-        """Drain the offered states: (request, group, block, tokens its key covers)."""
-        offers, self.offers = self.offers, []
-        return offers
-
-    def finalize_partial_tail(self, request_id: str, num_computed_tokens: int,
-                              num_in_flight_tokens: int) -> tuple[int, int, int] | None:
-        """A finishing request's own prompt-tail state inside a block, (group, block,
-        tokens), once, if no later token was computed into its block (nothing in
-        flight, the computed tokens at the tail); else None."""
-        tail = self.producer_tails.pop(request_id, None)
-        if tail is None or num_in_flight_tokens != 0 or num_computed_tokens != tail[1]:
-            return None
-        return self.kv_cache_group_id, tail[0], tail[1]
-
-    def cache_checkpoint(self, request: Request, retention_interval: int | None
-                         ) -> bytes | None:
+    def _cache_checkpoint(self, request: Request, retention_interval: int | None
+                          ) -> bytes | None:
         """Key the request's checkpoint block at the checkpoint's position, dropping the
         block's other keys (its contents are that state now), when a later lookup can
         use it there: it is the prompt's checkpoint (the whole prompt's reusable
@@ -945,13 +913,15 @@ class MambaManager(SingleTypeKVCacheManager):
         ``shared_prefix_boundary``.
         Otherwise unkey the block: the running state overwrites it. The new key, or
         None (unkeyed, or keyed there already)."""
-        position, index = self.checkpoints[request.request_id]
+        align = self.align
+        assert align is not None
+        position, index = align.checkpoints[request.request_id]
         blocks = self._blocks_of(request.request_id)
         assert 0 <= index < len(blocks), (request.request_id, index, len(blocks))
         block = blocks[index]
         prompt_checkpoint = position == pure.mamba_prompt_tail_boundary(
             request.num_prompt_tokens, self.cache_hit_alignment_tokens,
-            self.prompt_tail_drops_eagle, self.block_pool.num_hash_lookahead_tokens)
+            align.prompt_tail_drops_eagle, self.block_pool.num_hash_lookahead_tokens)
         retained = False
         if position % self.block_size == 0:
             state = position // self.block_size - 1  # the block whose state ends there
@@ -967,59 +937,103 @@ class MambaManager(SingleTypeKVCacheManager):
             request, block, position, self.kv_cache_group_id, self.block_size,
             any_boundary=True, replace=True)
 
-    def pop_blocks_for_free(self, request_id: str) -> list[int]:
-        """As the base class; forget the align-mode bookkeeping too."""
-        self._allocated_block_reqs.discard(request_id)
-        self.checkpoints.pop(request_id, None)
-        self.last_state_block_idx.pop(request_id, None)
-        self.num_retired_blocks.pop(request_id, None)
-        self.producer_tails.pop(request_id, None)
-        self.offers = [offer for offer in self.offers if offer[0] != request_id]
-        return super().pop_blocks_for_free(request_id)
+    def take_boundary_state_offers(self) -> list[tuple[str, int, int, int]]:
+        """Drain the offered states: (request, group, block, tokens its key covers)."""
+        if self.align is None:
+            return []
+        offers, self.align.offers = self.align.offers, []
+        return offers
 
-    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
-                              num_prompt_tokens: int | None = None) -> None:
-        """As the base class, and in align mode free the previous step's state block."""
+    def finalize_partial_tail(self, request_id: str, num_computed_tokens: int,
+                              num_in_flight_tokens: int) -> tuple[int, int, int] | None:
+        """A finishing request's own prompt-tail state inside a block, (group, block,
+        tokens), once, if no later token was computed into its block (nothing in
+        flight, the computed tokens at the tail); else None."""
+        tail = None if self.align is None else self.align.producer_tails.pop(request_id, None)
+        if tail is None or num_in_flight_tokens != 0 or num_computed_tokens != tail[1]:
+            return None
+        return self.kv_cache_group_id, tail[0], tail[1]
+
+    def _align_remove_skipped(self, request_id: str, total_computed_tokens: int) -> None:
+        """Free the skipped states (0.33.0: every live state before the latest that an
+        earlier call has not retired, right to left, past null gaps), then the
+        previous step's state block once passed."""
+        align = self.align
+        assert align is not None
         if not self.profile.mamba_frees_processed_states:
-            # NOTE: like vLLM 0.25.1, subtract a block count from a token count, for
-            # rejected drafts.
-            total_computed_tokens = max(0, total_computed_tokens - self.num_speculative_blocks)
-        if self.profile.mamba_frees_processed_states and self.mamba_cache_mode == "align":
-            self._retire_skipped_states(request_id, total_computed_tokens)
-        else:
-            super().remove_skipped_blocks(request_id, total_computed_tokens)
-        idx = self.last_state_block_idx.get(request_id)
-        if (self.mamba_cache_mode == "align" and idx is not None
-                and idx < cdiv(total_computed_tokens, self.block_size) - 1):
+            self._free_skipped_prefix(request_id, total_computed_tokens)
+        elif (num_skipped := self.get_num_skipped_tokens(total_computed_tokens)) > 0:
+            blocks = self._blocks_of(request_id)
+            stop = min(num_skipped // self.block_size, len(blocks))
+            start = align.num_retired_blocks.get(request_id, 0)
+            if start < stop:
+                freed = [b for b in blocks[start:stop][::-1] if b != NULL_BLOCK]
+                blocks[start:stop] = [NULL_BLOCK] * (stop - start)
+                if freed:
+                    self.block_pool.free_blocks(freed)
+                align.num_retired_blocks[request_id] = stop
+        idx = align.last_state_block_idx.get(request_id)
+        if idx is not None and idx < cdiv(total_computed_tokens, self.block_size) - 1:
             blocks = self._blocks_of(request_id)
             if blocks[idx] != NULL_BLOCK:
                 self.block_pool.free_blocks([blocks[idx]])
                 blocks[idx] = NULL_BLOCK
 
-    def _retire_skipped_states(self, request_id: str, total_computed_tokens: int) -> None:
-        """0.33.0's align mode: free every live state before the latest that an earlier
-        call has not retired, right to left, past null gaps; remember how far it got."""
-        num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
-        if num_skipped_tokens <= 0:
-            return
-        blocks = self._blocks_of(request_id)
-        stop = min(num_skipped_tokens // self.block_size, len(blocks))
-        start = self.num_retired_blocks.get(request_id, 0)
-        if start >= stop:
-            return
-        freed = [b for b in blocks[start:stop][::-1] if b != NULL_BLOCK]
-        blocks[start:stop] = [NULL_BLOCK] * (stop - start)
-        if freed:
-            self.block_pool.free_blocks(freed)
-        self.num_retired_blocks[request_id] = stop
 
-    def new_step_starts(self) -> None:
-        """States cached in the last step are complete now."""
-        self.cached_blocks_this_step.clear()
+@dataclass
+class MambaAlign:
+    """Mamba 'align' mode's bookkeeping (a group's ``align``; None for other groups).
 
-    def check_invariants(self, nulls_only_leading: bool = True) -> None:
-        """As the base class; align mode may null any block before the running state."""
-        super().check_invariants(self.mamba_cache_mode != "align")
+    ``allocated``: the requests given blocks already; ``last_state_block_idx[r]``: the
+    state block of r's previous step, freed once passed; ``num_retired_blocks[r]``:
+    how far 0.33.0's retiring of passed states got (``mamba_frees_processed_states``).
+
+    Prefill checkpoints (``mamba_prefill_checkpoints``, 0.33.0, a layer with
+    ``num_prefill_checkpoint_blocks`` > 0: ``has_checkpoint_blocks``): a prefill chunk
+    may also leave the state at a reusable position inside it in a block of its own,
+    the one before the chunk's last block. ``checkpoints[r]`` is r's (position, block
+    index) for the chunk being allocated; caching keys that block at the position, or
+    unkeys it.
+
+    Boundary-state offloads (``offers_boundary_states``: the same switch): each state
+    block caching leaves keyed among the blocks it caches is offered to a KV
+    connector, ``offers`` (request, group, block, tokens its key covers) until
+    ``take_boundary_state_offers``; a request's own prompt-tail state inside a block is
+    remembered in ``producer_tails[r]`` (block, tokens) and offered when it moves to its
+    copy, or at the request's end (``finalize_partial_tail``). Freeing a request drops
+    its offers (its blocks may go to another request).
+    """
+
+    prompt_tail_drops_eagle: bool  # mamba_prompt_tail_state with the engine's use_eagle
+    has_checkpoint_blocks: bool
+    checkpoint_alignment: int | None
+    offers_boundary_states: bool
+    allocated: set[str] = field(default_factory=set)
+    last_state_block_idx: dict[str, int] = field(default_factory=dict)
+    num_retired_blocks: dict[str, int] = field(default_factory=dict)
+    checkpoints: dict[str, tuple[int, int]] = field(default_factory=dict)
+    offers: list[tuple[str, int, int, int]] = field(default_factory=list)
+    producer_tails: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's bookkeeping and its offers."""
+        self.allocated.discard(request_id)
+        for table in (self.checkpoints, self.last_state_block_idx, self.num_retired_blocks,
+                      self.producer_tails):
+            table.pop(request_id, None)
+        self.offers = [offer for offer in self.offers if offer[0] != request_id]
+
+
+def sink_manager(kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
+                 kv_cache_group_id: int, dcp_world_size: int = 1, pcp_world_size: int = 1,
+                 **switches: Any) -> SingleTypeKVCacheManager:
+    """A sink group's manager, built as vLLM 0.25.1 builds it: its arguments after the
+    group id are ``dcp_world_size`` and ``pcp_world_size``, which land in the
+    ``scheduler_block_size`` and the context-parallel size (only the latter scales the
+    block); ``get_manager_for_kv_cache_spec`` cannot build it."""
+    return SingleTypeKVCacheManager(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
+                                    dcp_world_size, None, pcp_world_size, **switches)
+
 
 
 # ---------------------------------------------------------------- HiSparse (vLLM 0.33.0)
@@ -1325,7 +1339,7 @@ class HiSparseResidentManager(SingleTypeKVCacheManager):
 
 
 SUBCLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
-    "MambaManager": MambaManager, "HiSparseSourceManager": HiSparseSourceManager,
+    "HiSparseSourceManager": HiSparseSourceManager,
     "HiSparseHotManager": HiSparseHotManager, "HiSparseResidentManager": HiSparseResidentManager,
 }
 """The kinds whose stateful extras still live in a class of their own, by row name."""

@@ -83,7 +83,7 @@ def test_mamba_align_refuses_a_state_cached_this_step() -> None:
     assert manager.allocate_slots(b, 2, num_hit_tokens, hits).get_block_ids() == ([3, 4],)  # type: ignore[union-attr]
     assert manager.get_block_ids("b") == ([0, 1, 3, 4],)
     mamba = manager.coordinator.single_type_managers[0]
-    assert mamba.last_state_block_idx == {"b": 1}  # type: ignore[attr-defined]
+    assert mamba.align is not None and mamba.align.last_state_block_idx == {"b": 1}
     manager.check_invariants()
 
 
