@@ -215,12 +215,15 @@ class KindRules:
     blocks caching keys (None: every full block). ``common_prefix``: whether blocks
     held by every request count as a common prefix (full attention).
     ``prompt_tail``: whether 0.26.0+ keys the prompt's last hash boundary inside a
-    block (``partial_prompt_tail_entries``). ``frees_gap``: R-SWA frees the gap
-    between prompt and decode window, not a prefix. ``ring``: one block per request,
-    never hit or cached. ``encoder``: sized by the encoder tokens, refusing hits and
-    caching. ``sink``: blocks reserved for sink tokens at construction.
-    ``retains_longer_hit``: vLLM 0.33.0's HiSparse source, whose hit outlives the
-    common hit (the coordinator's trims leave it; allocate_slots cuts it).
+    block (``partial_prompt_tail_entries``). ``keyed``: whether caching keys its
+    blocks. ``frees_gap``: R-SWA frees the gap between prompt and decode window, not a
+    prefix. ``ring``: one block per request, never hit. ``encoder``: sized by the
+    encoder tokens, refusing hits and caching. ``sink``: blocks reserved for sink
+    tokens at construction.
+    HiSparse (vLLM 0.33.0): ``host_pool``: the source, full attention over a host pool
+    whose hit outlives the common hit (the coordinator's trims leave it;
+    allocate_slots cuts it: ``retains_longer_hit``); ``hot_region``: a fixed region
+    per request reading host pages; ``resident_pages``: the device page of each page.
     Mamba's states: ``speculative_blocks``: the spec's ``num_speculative_blocks`` are
     held beyond the tokens; ``ready_next_step``: a state cached in a step is not a hit
     before the next (``new_step_starts``); ``align_mode``: the spec's
@@ -234,11 +237,15 @@ class KindRules:
     cache_mask: CacheMask | None = None
     common_prefix: bool = False
     prompt_tail: bool = False
+    keyed: bool = True
     frees_gap: bool = False
     ring: bool = False
     encoder: bool = False
     sink: bool = False
     retains_longer_hit: bool = False
+    host_pool: bool = False
+    hot_region: bool = False
+    resident_pages: bool = False
     speculative_blocks: bool = False
     ready_next_step: bool = False
     align_mode: bool = False
@@ -273,7 +280,7 @@ FULL = KindRules("FullAttentionManager", "full", nothing_skipped, full_attention
 RSWA = replace(FULL, name="RSWAManager", resume="rswa", frees_gap=True)
 SINK = replace(FULL, name="SinkFullAttentionManager", resume="sink", sink=True)
 RING = replace(FULL, name="CircularBufferManager", resume="circular", hit=no_hit,
-               fine_hit=None, ring=True)
+               fine_hit=None, ring=True, keyed=False)
 SLIDING_WINDOW = KindRules("SlidingWindowManager", "sliding_window", before_window,
                            sliding_window_hit, cache_mask=sliding_window_mask)
 CHUNKED_LOCAL = KindRules("ChunkedLocalAttentionManager", "chunked_local", before_chunk,
@@ -283,9 +290,11 @@ CROSS = KindRules("CrossAttentionManager", "cross_attention", nothing_skipped, N
 MAMBA = KindRules("MambaManager", "mamba", before_last, mamba_hit, mamba_fine_hit, mamba_mask,
                   speculative_blocks=True, ready_next_step=True, align_mode=True)
 HISPARSE_SOURCE = replace(FULL, name="HiSparseSourceManager", resume=None,
-                          retains_longer_hit=True)
-HISPARSE_HOT = KindRules("HiSparseHotManager", None, nothing_skipped, None)
-HISPARSE_RESIDENT = KindRules("HiSparseResidentManager", None, nothing_skipped, None)
+                          retains_longer_hit=True, host_pool=True)
+HISPARSE_HOT = KindRules("HiSparseHotManager", None, nothing_skipped, None, keyed=False,
+                         hot_region=True)
+HISPARSE_RESIDENT = KindRules("HiSparseResidentManager", None, nothing_skipped, None,
+                              keyed=False, resident_pages=True)
 
 KINDS: dict[str, KindRules] = {
     "FullAttentionSpec": FULL, "TQFullAttentionSpec": FULL, "MLAAttentionSpec": FULL,
@@ -345,8 +354,12 @@ class SingleTypeKVCacheManager:
 
     Invariants (``check_invariants``): no table holds a block twice; NULL_BLOCK entries
     are a prefix of each table (skipped positions; R-SWA's gap and Mamba's align mode
-    also null blocks further in); every cached-block count belongs to a table.
+    also null blocks further in); every cached-block count belongs to a table. A
+    HiSparse resident table may name a block the pool gave to another reader since (a
+    dropped page's): only its bookkeeping is checked.
     """
+
+    coordinator: Any = None  # HiSparse: vLLM's HiSparseCoordinator, bound from outside
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, scheduler_block_size: int,
@@ -395,6 +408,20 @@ class SingleTypeKVCacheManager:
                     kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0,
                 getattr(kv_cache_spec, "prefill_checkpoint_alignment", None),
                 p.mamba_prefill_checkpoints)
+        if self.rules.hot_region:
+            self.blocks_per_request: int = kv_cache_spec.blocks_per_request
+            if not isinstance(self.blocks_per_request, int) or self.blocks_per_request <= 0:
+                raise ValueError(f"blocks_per_request={self.blocks_per_request!r} must be a "
+                                 "positive int")
+            self.hot_required: set[str] = set()  # requests to get their region
+        if self.rules.resident_pages:
+            cap = max_admission_blocks_per_request
+            if not isinstance(cap, int) or cap <= 0:
+                raise ValueError(f"max_admission_blocks_per_request={cap!r}: a resident group "
+                                 "needs its admission window")
+            self.window: int = cap
+            # request -> page -> block (NULL_BLOCK: dropped), overlaying the table
+            self.residency_changes: dict[str, dict[int, int]] = {}
 
     def _reserve_sink_blocks(self) -> list[int]:
         """Sink tokens: ``sink_len // block_size`` blocks leave the front of the free
@@ -440,9 +467,25 @@ class SingleTypeKVCacheManager:
         ``num_local_computed_tokens``: computed plus hit tokens; ``prefill_end``: read by
         Mamba's prefill checkpoints only). A ring needs its one block once. A hit on a
         state cached this step needs ``num_gpu_blocks + 1`` blocks: more than can be
-        free, so it waits a step (``ready_next_step``)."""
+        free, so it waits a step (``ready_next_step``). The HiSparse source needs 0 when
+        its host pool has the blocks, else more than the device pool has."""
         if self.rules.ring:
             return 0 if self.req_to_blocks.get(request_id) else 1
+        if self.rules.hot_region:
+            return self._hot_num_blocks_to_allocate(request_id, new_computed_blocks,
+                                                    total_computed_tokens,
+                                                    num_local_computed_tokens)
+        if self.rules.resident_pages:
+            return self._resident_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                apply_admission_cap, num_local_computed_tokens)
+        if self.rules.host_pool:
+            needed = self._num_table_blocks(request_id, num_tokens, new_computed_blocks,
+                                            total_computed_tokens, False,
+                                            num_local_computed_tokens)
+            if needed <= self.block_pool.get_num_free_blocks():
+                return 0
+            return int(self._bound_coordinator().gpu_pool.num_gpu_blocks) + 1
         if (self.cached_blocks_this_step and len(new_computed_blocks) and self.block_pool
                 .block_hash.get(new_computed_blocks[-1]) in self.cached_blocks_this_step):
             return self.block_pool.num_gpu_blocks + 1
@@ -452,7 +495,15 @@ class SingleTypeKVCacheManager:
                 apply_admission_cap, num_local_computed_tokens, prefill_end)
         # Speculative blocks: vLLM counts them in the layer's block size, not the
         # manager's (they differ under context parallelism): it takes more than it counts.
-        num_tokens += self.kv_cache_spec.block_size * self.num_speculative_blocks
+        return self._num_table_blocks(
+            request_id, num_tokens + self.kv_cache_spec.block_size * self.num_speculative_blocks,
+            new_computed_blocks, total_computed_tokens, apply_admission_cap,
+            num_local_computed_tokens)
+
+    def _num_table_blocks(self, request_id: str, num_tokens: int,
+                          new_computed_blocks: Sequence[int], total_computed_tokens: int,
+                          apply_admission_cap: bool, num_local_computed_tokens: int) -> int:
+        """A table's fresh blocks for ``num_tokens`` slots plus its hits' evictable ones."""
         num_required = pure.num_required_blocks(
             num_tokens, self.block_size,
             self.max_admission_blocks_per_request if apply_admission_cap else None)
@@ -472,8 +523,21 @@ class SingleTypeKVCacheManager:
                                   num_local_computed_tokens: int,
                                   num_external_computed_tokens: int) -> None:
         """Give a request without blocks its hits (touched), nulls where skipped (a ring
-        has no hits; cross attention refuses them)."""
+        has no hits; cross attention refuses them). A hot group admits the request (a
+        local hit, or no resident group, needs the region); a resident group makes the
+        host prefix hit host-only pages."""
         if self.rules.ring:
+            return
+        if self.rules.hot_region:
+            check_no_hits(request_id, new_computed_blocks)
+            self._blocks_of(request_id)
+            self.num_cached_block[request_id] = 0
+            if num_local_computed_tokens > 0 or not self._bound_coordinator().resident_managers:
+                self.require_hot(request_id)
+            return
+        if self.rules.resident_pages:
+            check_no_hits(request_id, new_computed_blocks)
+            self._resident_add_hit(request_id, num_local_computed_tokens)
             return
         if self.rules.encoder:
             if len(new_computed_blocks):
@@ -506,12 +570,23 @@ class SingleTypeKVCacheManager:
                                           record_for_zeroing: bool = True) -> None:
         """Allocate blocks for the tokens a KV connector computed, unless skipped; an
         async load that writes them (not ``record_for_zeroing``) needs no zeroing. A
-        ring takes its block; cross attention loads nothing."""
+        ring takes its block; cross attention loads nothing; a hot group needs its
+        region; the HiSparse source tells its coordinator first."""
         if self.rules.ring:
             self._claim_ring_block(request_id)
             return
         if self.rules.encoder:
             return
+        if self.rules.hot_region:
+            self.require_hot(request_id)
+            return
+        if self.rules.resident_pages:
+            self._resident_import(request_id, num_local_computed_tokens,
+                                  num_external_computed_tokens)
+            return
+        if self.rules.host_pool and num_external_computed_tokens > 0:
+            self._bound_coordinator().record_pending_host_import(
+                request_id, num_local_computed_tokens + num_external_computed_tokens)
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_tokens = self.get_num_skipped_tokens(num_total)
         if num_skipped_tokens > 0:
@@ -553,6 +628,8 @@ class SingleTypeKVCacheManager:
         pending partial hit first gets its copy (returned first, recorded for zeroing)."""
         if self.rules.ring:
             return self._claim_ring_block(request_id)
+        if self.rules.hot_region or self.rules.resident_pages:
+            return self._allocate_pages(request_id, num_tokens)
         if self.align is not None:
             return self._align_allocate(request_id, num_tokens_main_model)
         num_tokens += self.block_size * self.num_speculative_blocks
@@ -566,6 +643,21 @@ class SingleTypeKVCacheManager:
         num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
         return copies + (self._append_new(req_blocks, num_new) if num_new > 0 else [])
 
+    def _allocate_pages(self, request_id: str, num_tokens: int) -> list[int]:
+        """HiSparse: a hot group's missing region if required, else nothing (the
+        request is admitted); a resident group's device block per new page."""
+        req_blocks = self._blocks_of(request_id)
+        target = cdiv(num_tokens, self.block_size)
+        if self.rules.hot_region:
+            self.num_cached_block[request_id] = 0
+            if request_id not in self.hot_required:
+                return []
+            target = self.blocks_per_request
+        new_ids = (self.block_pool.get_new_blocks(target - len(req_blocks))
+                   if target > len(req_blocks) else [])
+        req_blocks.extend(new_ids)
+        return new_ids
+
     def _copy_hit_block(self, request_id: str, index: int, source: int, copy: int) -> None:
         """Put ``copy`` in place of hit block ``source`` and queue the copy. Until the
         caller takes the copies both stay held: ``source`` by the request's hit
@@ -577,14 +669,18 @@ class SingleTypeKVCacheManager:
         self.block_pool.ref_cnt[copy] += 1
 
     def take_pending_cow_copies(self) -> list[tuple[int, int]]:
-        """Drain the (source, copy) pairs queued since the last call."""
+        """Drain the (source, copy) pairs queued since the last call (none for the
+        HiSparse source: its host copies are the coordinator's, ``take_host_cow_copies``)."""
+        if self.rules.host_pool:
+            return []
         pending, self.pending_copies = self.pending_copies, []
         return pending
 
     def take_new_block_ids(self) -> list[int]:
-        """Drain the ids allocated since the last call."""
+        """Drain the ids allocated since the last call (none for the HiSparse source:
+        host blocks are never zeroed)."""
         ids, self.new_block_ids = self.new_block_ids, []
-        return ids
+        return [] if self.rules.host_pool else ids
 
     # ------------------------------------------------------------ caching
 
@@ -595,13 +691,24 @@ class SingleTypeKVCacheManager:
         the kind's mask keeps, for the coordinator's ``retention_interval`` and replay
         ``boundaries``; None: one token short of the prompt). With
         ``shared_prefix_junctions`` the request's ``shared_prefix_boundary`` is a
-        boundary too (and one block below it for an EAGLE group). A ring caches
-        nothing; cross attention refuses. Mamba remembers the keys cached this step
+        boundary too (and one block below it for an EAGLE group). Kinds not ``keyed``
+        cache nothing; cross attention refuses; the HiSparse source leaves it to its
+        coordinator (``publish_blocks``). Mamba remembers the keys cached this step
         (``ready_next_step``) and offers align-mode states (``MambaAlign``)."""
-        if self.rules.ring:
+        if not self.rules.keyed:
             return
         if self.rules.encoder:
             raise ValueError("cross-attention blocks are never cached")
+        if self.rules.host_pool:  # the coordinator caches once the host copies last
+            self._bound_coordinator().publish_when_ready(
+                request, num_tokens, retention_interval, replay_boundaries=boundaries)
+            return
+        self._cache_full_blocks(request, num_tokens, retention_interval, boundaries)
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int,
+                           retention_interval: int | None,
+                           boundaries: Sequence[int] | None) -> None:
+        """``cache_blocks`` for a kind whose blocks are keyed here."""
         rid = request.request_id
         num_cached, num_keyed = self.num_cached_block.get(rid, 0), num_tokens
         if self.profile.cache_within_hashed_tokens:  # only blocks the request has hashes for
@@ -662,12 +769,26 @@ class SingleTypeKVCacheManager:
     # ------------------------------------------------------------ free
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
-        """Forget the request; return its blocks in allocation order, still referenced."""
+        """Forget the request; return its blocks in allocation order, still referenced
+        (a HiSparse resident group: its residency row without the leading nulls; the
+        HiSparse source and resident groups tell their coordinator first)."""
         if self.align is not None:
             self.align.forget(request_id)
+        if self.rules.host_pool or self.rules.resident_pages:
+            self._bound_coordinator().free(request_id)
+        if self.rules.hot_region:
+            self.hot_required.discard(request_id)
+        row = self.get_residency_row(request_id) if self.rules.resident_pages else []
+        if self.rules.resident_pages:
+            self.residency_changes.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
         self.partial_hit_reqs.pop(request_id, None)
-        return self.req_to_blocks.pop(request_id, [])
+        blocks = self.req_to_blocks.pop(request_id, [])
+        if self.rules.resident_pages:
+            while row and row[0] == NULL_BLOCK:
+                row.pop(0)
+            return row
+        return blocks
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks tail first, so tails are evicted before heads."""
@@ -741,6 +862,9 @@ class SingleTypeKVCacheManager:
         nulls_only_leading = (nulls_only_leading and not self.rules.frees_gap
                               and self.align is None)
         assert set(self.num_cached_block) <= set(self.req_to_blocks)
+        if self.rules.resident_pages:  # its bookkeeping only (see the class docstring)
+            assert set(self.residency_changes) <= set(self.req_to_blocks)
+            return
         for rid, ids in self.req_to_blocks.items():
             held = [b for b in ids if b != NULL_BLOCK]
             assert len(set(held)) == len(held), f"{rid!r} holds a block twice: {ids}"
@@ -979,6 +1103,137 @@ class SingleTypeKVCacheManager:
                 self.block_pool.free_blocks([blocks[idx]])
                 blocks[idx] = NULL_BLOCK
 
+    # ------------------------------------------------------------ HiSparse (vLLM 0.33.0)
+    # A HiSparse layout: a source group (full attention, role "hisparse_source") whose
+    # blocks live in a host pool of their own (``bind_host_pool``), resident groups (the
+    # pages a request reads from the device) and hot groups (a fixed region a request
+    # takes to read host-only pages). vLLM's HiSparseCoordinator (outside the core, not
+    # modelled) binds itself as the groups' ``coordinator`` and is called back below.
+
+    def _bound_coordinator(self) -> Any:
+        """The HiSparse coordinator; RuntimeError if none is bound yet."""
+        if self.coordinator is None:
+            raise RuntimeError(f"{self.rules.name} (group {self.kv_cache_group_id}) has no "
+                               "HiSparse coordinator bound")
+        return self.coordinator
+
+    def bind_host_pool(self, num_blocks: int) -> None:
+        """The source: use a new host pool of ``num_blocks`` blocks (medium CPU, caching
+        as the group, hashing as the device pool, events into the device pool's queue)."""
+        device = self.block_pool
+        host = BlockPool(num_blocks, self.enable_caching and cacheable(self.kv_cache_spec),
+                         device.hash_block_size, device.enable_kv_cache_events,
+                         medium=MEDIUM_CPU, profile=device.profile,
+                         num_hash_lookahead_tokens=device.num_hash_lookahead_tokens)
+        host.hash_fn, host.none_hash = device.hash_fn, device.none_hash
+        host.share_event_queue(device)
+        self.block_pool = host
+
+    def take_host_cow_copies(self) -> list[tuple[int, int]]:
+        """The source: drain the (source, copy) host block pairs."""
+        pending, self.pending_copies = self.pending_copies, []
+        return pending
+
+    def publish_blocks(self, request: Request, num_tokens: int,
+                       retention_interval: int | None = None,
+                       replay_boundaries: Sequence[int] | None = None) -> None:
+        """The source: cache as full attention does (the coordinator calls it once the
+        host copies last)."""
+        self._cache_full_blocks(request, num_tokens, retention_interval, replay_boundaries)
+
+    def require_hot(self, request_id: str) -> None:
+        """A hot group: the request gets its region at its next allocation."""
+        self.hot_required.add(request_id)
+
+    def has_hot(self, request_id: str) -> bool:
+        """A hot group: whether the request holds its whole region."""
+        return len(self.req_to_blocks.get(request_id, [])) == self.blocks_per_request
+
+    def _hot_num_blocks_to_allocate(self, request_id: str, new_computed_blocks: Sequence[int],
+                                    total_computed_tokens: int,
+                                    num_local_computed_tokens: int) -> int:
+        """The missing region if the request needs it now (an import, a new request with
+        a local hit, or ``require_hot``), else 0."""
+        check_no_hits(request_id, new_computed_blocks)
+        imports = total_computed_tokens > num_local_computed_tokens
+        new_with_hit = num_local_computed_tokens > 0 and request_id not in self.num_cached_block
+        if imports or new_with_hit or request_id in self.hot_required:
+            return max(self.blocks_per_request - len(self.req_to_blocks.get(request_id, [])), 0)
+        return 0
+
+    def _resident_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                         new_computed_blocks: Sequence[int],
+                                         total_computed_tokens: int, apply_admission_cap: bool,
+                                         num_local_computed_tokens: int) -> int:
+        """Device pages still needed for ``num_tokens``: with an import, its last page
+        (if not resident) and the pages past it; else the pages past the host prefix
+        and the table (at most the window's under ``apply_admission_cap``)."""
+        check_no_hits(request_id, new_computed_blocks)
+        num_pages = len(self.req_to_blocks.get(request_id, []))
+        needed = cdiv(num_tokens, self.block_size)
+        if total_computed_tokens > num_local_computed_tokens:
+            imported = cdiv(total_computed_tokens, self.block_size)
+            tail = self.get_resident_page(request_id, imported - 1) is None
+            return int(tail) + max(needed - max(imported, num_pages), 0)
+        if apply_admission_cap:
+            needed = min(needed, self.window)
+        return max(needed - max(num_pages, cdiv(num_local_computed_tokens, self.block_size)), 0)
+
+    def _resident_add_hit(self, request_id: str, num_local_computed_tokens: int) -> None:
+        """The host prefix hit becomes host-only pages; the coordinator is told."""
+        req_blocks = self._blocks_of(request_id)
+        if req_blocks:
+            raise ValueError(f"request_id={request_id!r} already holds pages {req_blocks}")
+        num_pages = cdiv(num_local_computed_tokens, self.block_size)
+        req_blocks.extend([NULL_BLOCK] * num_pages)
+        self.num_cached_block[request_id] = 0
+        self._bound_coordinator().commit_computed_blocks(request_id, num_pages)
+
+    def _resident_import(self, request_id: str, num_local_computed_tokens: int,
+                         num_external_computed_tokens: int) -> None:
+        """Imported pages stay host-only but the last, which gets a writable block
+        unless it is resident."""
+        if num_external_computed_tokens <= 0:
+            raise ValueError(f"num_external_computed_tokens={num_external_computed_tokens}: "
+                             "an import needs tokens")
+        req_blocks = self._blocks_of(request_id)
+        last = (num_local_computed_tokens + num_external_computed_tokens - 1) // self.block_size
+        while len(req_blocks) <= last:
+            req_blocks.append(NULL_BLOCK)
+        if self.get_resident_page(request_id, last) is None:
+            req_blocks[last] = self.block_pool.get_new_blocks(1)[0]
+
+    def adopt_resident_page(self, request_id: str, page: int, block: int) -> bool:
+        """Read host-only ``page`` from ``block`` from now on; False (no change) past
+        the table or if the page is resident."""
+        if page >= len(self.req_to_blocks.get(request_id, [])):
+            return False
+        if self.get_resident_page(request_id, page) is not None:
+            return False
+        self.residency_changes.setdefault(request_id, {})[page] = block
+        return True
+
+    def drop_resident_page(self, request_id: str, page: int) -> int | None:
+        """Stop reading ``page`` from the device; the block it was read from (None if
+        it was host-only)."""
+        block = self.get_resident_page(request_id, page)
+        if block is not None:
+            self.residency_changes.setdefault(request_id, {})[page] = NULL_BLOCK
+        return block
+
+    def get_resident_page(self, request_id: str, page: int) -> int | None:
+        """The block ``page`` is read from; None if host-only or past the table."""
+        row = self.get_residency_row(request_id)
+        if page >= len(row) or row[page] == NULL_BLOCK:
+            return None
+        return row[page]
+
+    def get_residency_row(self, request_id: str, start: int = 0) -> list[int]:
+        """The pages from ``start``, changes applied (host-only: the null block)."""
+        changes = self.residency_changes.get(request_id, {})
+        table = self.req_to_blocks.get(request_id, [])
+        return [changes.get(page, table[page]) for page in range(start, len(table))]
+
 
 @dataclass
 class MambaAlign:
@@ -1036,315 +1291,6 @@ def sink_manager(kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_cachi
 
 
 
-# ---------------------------------------------------------------- HiSparse (vLLM 0.33.0)
-# A HiSparse layout: a source group (full attention, role "hisparse_source") whose
-# blocks live in a host pool of their own (``bind_host_pool``), resident groups (the
-# pages a request reads from the device) and hot groups (a fixed region a request
-# takes to read host-only pages). vLLM's HiSparseCoordinator (outside the core, not
-# modelled) binds itself as each manager's ``coordinator`` and is called back below.
-
-
-def bound_coordinator(manager: SingleTypeKVCacheManager) -> Any:
-    """The manager's HiSparse coordinator; RuntimeError if none is bound yet."""
-    coordinator = getattr(manager, "coordinator", None)
-    if coordinator is None:
-        raise RuntimeError(f"{type(manager).__name__} (group {manager.kv_cache_group_id}) has "
-                           "no HiSparse coordinator bound")
-    return coordinator
-
-
-class HiSparseSourceManager(SingleTypeKVCacheManager):
-    """The HiSparse source: full attention over a host pool. Admission counts 0 when
-    the host pool can back the pages, else one more than the device pool (admission
-    fails); its caching waits for the coordinator (``publish_blocks``); it records
-    nothing for zeroing; its copy-on-write pairs go to the coordinator."""
-
-    coordinator: Any = None
-
-    def bind_host_pool(self, num_blocks: int) -> None:
-        """Use a new host pool of ``num_blocks`` blocks (medium CPU, caching as the
-        group, hashing as the device pool, events into the device pool's queue)."""
-        device = self.block_pool
-        host = BlockPool(num_blocks, self.enable_caching and cacheable(self.kv_cache_spec),
-                         device.hash_block_size, device.enable_kv_cache_events,
-                         medium=MEDIUM_CPU, profile=device.profile,
-                         num_hash_lookahead_tokens=device.num_hash_lookahead_tokens)
-        host.hash_fn, host.none_hash = device.hash_fn, device.none_hash
-        host.share_event_queue(device)
-        self.block_pool = host
-
-    def take_new_block_ids(self) -> list[int]:
-        """Nothing: host blocks are never zeroed."""
-        self.new_block_ids = []
-        return []
-
-    def take_pending_cow_copies(self) -> list[tuple[int, int]]:
-        """Nothing: host copies are the coordinator's (``take_host_cow_copies``)."""
-        return []
-
-    def take_host_cow_copies(self) -> list[tuple[int, int]]:
-        """Drain the (source, copy) host block pairs."""
-        return super().take_pending_cow_copies()
-
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence[int], total_computed_tokens: int,
-                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
-                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
-                                   ) -> int:
-        """0 if the host pool has the blocks, else the device pool's size + 1."""
-        needed = super().get_num_blocks_to_allocate(
-            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-            num_tokens_main_model, False, num_local_computed_tokens)
-        if needed <= self.block_pool.get_num_free_blocks():
-            return 0
-        return int(bound_coordinator(self).gpu_pool.num_gpu_blocks) + 1
-
-    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int,
-                                          record_for_zeroing: bool = True) -> None:
-        """Tell the coordinator of the import first, then take its host blocks."""
-        if num_external_computed_tokens <= 0:
-            return
-        bound_coordinator(self).record_pending_host_import(
-            request_id, num_local_computed_tokens + num_external_computed_tokens)
-        super().allocate_external_computed_blocks(request_id, num_local_computed_tokens,
-                                                  num_external_computed_tokens,
-                                                  record_for_zeroing)
-
-    def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None,
-                     boundaries: Sequence[int] | None = None) -> None:
-        """Leave it to the coordinator (``publish_when_ready``)."""
-        bound_coordinator(self).publish_when_ready(request, num_tokens, retention_interval,
-                                                   replay_boundaries=boundaries)
-
-    def publish_blocks(self, request: Request, num_tokens: int,
-                       retention_interval: int | None = None,
-                       replay_boundaries: Sequence[int] | None = None) -> None:
-        """Cache as full attention does (the coordinator, once the host copies last)."""
-        SingleTypeKVCacheManager.cache_blocks(self, request, num_tokens, retention_interval,
-                                          replay_boundaries)
-
-    def pop_blocks_for_free(self, request_id: str) -> list[int]:
-        """Tell the coordinator (``free``), then forget the request."""
-        bound_coordinator(self).free(request_id)
-        return super().pop_blocks_for_free(request_id)
-
-
-class HiSparseHotManager(SingleTypeKVCacheManager):
-    """A hot group: ``blocks_per_request`` blocks, taken only when the request must
-    read host pages (an import, a new request with a local hit, or ``require_hot``).
-    Never hit, cached or zeroed."""
-
-    coordinator: Any = None
-
-    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
-        super().__init__(kv_cache_spec, *args, **kwargs)
-        self.blocks_per_request: int = kv_cache_spec.blocks_per_request
-        if not isinstance(self.blocks_per_request, int) or self.blocks_per_request <= 0:
-            raise ValueError(f"blocks_per_request={self.blocks_per_request!r} must be a "
-                             "positive int")
-        self.hot_required: set[str] = set()
-
-    def require_hot(self, request_id: str) -> None:
-        """The request gets its region at its next allocation."""
-        self.hot_required.add(request_id)
-
-    def has_hot(self, request_id: str) -> bool:
-        """Whether the request holds its whole region."""
-        return len(self.req_to_blocks.get(request_id, [])) == self.blocks_per_request
-
-    def get_num_required_blocks(self, request_id: str) -> int:
-        """The region's blocks the request lacks."""
-        return max(self.blocks_per_request - len(self.req_to_blocks.get(request_id, [])), 0)
-
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence[int], total_computed_tokens: int,
-                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
-                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
-                                   ) -> int:
-        """The missing region if the request needs it now, else 0 (a running request
-        needs it only after ``require_hot``)."""
-        check_no_hits(request_id, new_computed_blocks)
-        imports = total_computed_tokens > num_local_computed_tokens
-        new_with_hit = num_local_computed_tokens > 0 and request_id not in self.num_cached_block
-        if imports or new_with_hit or request_id in self.hot_required:
-            return self.get_num_required_blocks(request_id)
-        return 0
-
-    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
-                                  num_local_computed_tokens: int,
-                                  num_external_computed_tokens: int) -> None:
-        """Admit the request; a local hit (or no resident group) needs the region."""
-        check_no_hits(request_id, new_computed_blocks)
-        self._blocks_of(request_id)
-        self.num_cached_block[request_id] = 0
-        if num_local_computed_tokens > 0 or not bound_coordinator(self).resident_managers:
-            self.require_hot(request_id)
-
-    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int,
-                                          record_for_zeroing: bool = True) -> None:
-        """An import is read from the host: the request needs the region."""
-        self.require_hot(request_id)
-
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
-                            ) -> list[int]:
-        """The missing region if required, else nothing; the request is admitted."""
-        req_blocks = self._blocks_of(request_id)
-        self.num_cached_block[request_id] = 0
-        if request_id not in self.hot_required:
-            return []
-        num_new = self.blocks_per_request - len(req_blocks)
-        new_ids = self.block_pool.get_new_blocks(num_new) if num_new > 0 else []
-        req_blocks.extend(new_ids)
-        return new_ids
-
-    def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None,
-                     boundaries: Sequence[int] | None = None) -> None:
-        """Nothing: the source caches."""
-
-    def pop_blocks_for_free(self, request_id: str) -> list[int]:
-        """Forget the request, its region request too."""
-        self.hot_required.discard(request_id)
-        return super().pop_blocks_for_free(request_id)
-
-
-class HiSparseResidentManager(SingleTypeKVCacheManager):
-    """A resident group: per request, the device block each page is read from. The
-    table only grows (a host-only page is the null block); ``residency_changes``
-    (request -> page -> block, NULL_BLOCK for a page dropped) overlays it. Never hit,
-    cached or zeroed. The table may name a block the pool gave to another reader since
-    (a dropped page's), so its invariants are only the base's bookkeeping."""
-
-    coordinator: Any = None
-
-    def __init__(self, kv_cache_spec: KVCacheSpec, *args: Any, **kwargs: Any) -> None:
-        super().__init__(kv_cache_spec, *args, **kwargs)
-        cap = self.max_admission_blocks_per_request
-        if not isinstance(cap, int) or cap <= 0:
-            raise ValueError(f"max_admission_blocks_per_request={cap!r}: a resident group "
-                             "needs its admission window")
-        self.window: int = cap
-        self.residency_changes: dict[str, dict[int, int]] = {}
-
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence[int], total_computed_tokens: int,
-                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
-                                   num_local_computed_tokens: int = 0, prefill_end: int = 0
-                                   ) -> int:
-        """Device pages still needed for ``num_tokens``: with an import, its last page
-        (if not resident) and the pages past it; else the pages past the host prefix
-        and the table (at most the window's under ``apply_admission_cap``)."""
-        check_no_hits(request_id, new_computed_blocks)
-        num_pages = len(self.req_to_blocks.get(request_id, []))
-        needed = cdiv(num_tokens, self.block_size)
-        if total_computed_tokens > num_local_computed_tokens:
-            imported = cdiv(total_computed_tokens, self.block_size)
-            tail = self.get_resident_page(request_id, imported - 1) is None
-            return int(tail) + max(needed - max(imported, num_pages), 0)
-        if apply_admission_cap:
-            needed = min(needed, self.window)
-        return max(needed - max(num_pages, cdiv(num_local_computed_tokens, self.block_size)), 0)
-
-    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
-                                  num_local_computed_tokens: int,
-                                  num_external_computed_tokens: int) -> None:
-        """The host prefix hit becomes host-only pages; the coordinator is told."""
-        check_no_hits(request_id, new_computed_blocks)
-        req_blocks = self._blocks_of(request_id)
-        if req_blocks:
-            raise ValueError(f"request_id={request_id!r} already holds pages {req_blocks}")
-        num_pages = cdiv(num_local_computed_tokens, self.block_size)
-        req_blocks.extend([NULL_BLOCK] * num_pages)
-        self.num_cached_block[request_id] = 0
-        bound_coordinator(self).commit_computed_blocks(request_id, num_pages)
-
-    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
-                                          num_external_computed_tokens: int,
-                                          record_for_zeroing: bool = True) -> None:
-        """Imported pages stay host-only but the last, which gets a writable block
-        unless it is resident."""
-        if num_external_computed_tokens <= 0:
-            raise ValueError(f"num_external_computed_tokens={num_external_computed_tokens}: "
-                             "an import needs tokens")
-        req_blocks = self._blocks_of(request_id)
-        last = (num_local_computed_tokens + num_external_computed_tokens - 1) // self.block_size
-        while len(req_blocks) <= last:
-            req_blocks.append(NULL_BLOCK)
-        if self.get_resident_page(request_id, last) is None:
-            req_blocks[last] = self.block_pool.get_new_blocks(1)[0]
-
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
-                            ) -> list[int]:
-        """A device block per new page up to ``num_tokens``."""
-        req_blocks = self._blocks_of(request_id)
-        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
-        new_ids = self.block_pool.get_new_blocks(num_new) if num_new > 0 else []
-        req_blocks.extend(new_ids)
-        return new_ids
-
-    def cache_blocks(self, request: Request, num_tokens: int,
-                     retention_interval: int | None = None,
-                     boundaries: Sequence[int] | None = None) -> None:
-        """Nothing: the source caches."""
-
-    def pop_blocks_for_free(self, request_id: str) -> list[int]:
-        """Tell the coordinator (``free``), forget the request; its residency row
-        without the leading null blocks."""
-        bound_coordinator(self).free(request_id)
-        row = self.get_residency_row(request_id)
-        self.residency_changes.pop(request_id, None)
-        super().pop_blocks_for_free(request_id)
-        while row and row[0] == NULL_BLOCK:
-            row.pop(0)
-        return row
-
-    def adopt_resident_page(self, request_id: str, page: int, block: int) -> bool:
-        """Read host-only ``page`` from ``block`` from now on; False (no change) past
-        the table or if the page is resident."""
-        if page >= len(self.req_to_blocks.get(request_id, [])):
-            return False
-        if self.get_resident_page(request_id, page) is not None:
-            return False
-        self.residency_changes.setdefault(request_id, {})[page] = block
-        return True
-
-    def drop_resident_page(self, request_id: str, page: int) -> int | None:
-        """Stop reading ``page`` from the device; the block it was read from (None if
-        it was host-only)."""
-        block = self.get_resident_page(request_id, page)
-        if block is not None:
-            self.residency_changes.setdefault(request_id, {})[page] = NULL_BLOCK
-        return block
-
-    def get_resident_page(self, request_id: str, page: int) -> int | None:
-        """The block ``page`` is read from; None if host-only or past the table."""
-        row = self.get_residency_row(request_id)
-        if page >= len(row) or row[page] == NULL_BLOCK:
-            return None
-        return row[page]
-
-    def get_residency_row(self, request_id: str, start: int = 0) -> list[int]:
-        """The pages from ``start``, changes applied (host-only: the null block)."""
-        changes = self.residency_changes.get(request_id, {})
-        table = self.req_to_blocks.get(request_id, [])
-        return [changes.get(page, table[page]) for page in range(start, len(table))]
-
-    def check_invariants(self, nulls_only_leading: bool = True) -> None:
-        """The base's bookkeeping only (see the class docstring)."""
-        assert set(self.num_cached_block) <= set(self.req_to_blocks)
-        assert set(self.residency_changes) <= set(self.req_to_blocks)
-
-
-SUBCLASSES: dict[str, type[SingleTypeKVCacheManager]] = {
-    "HiSparseSourceManager": HiSparseSourceManager,
-    "HiSparseHotManager": HiSparseHotManager, "HiSparseResidentManager": HiSparseResidentManager,
-}
-"""The kinds whose stateful extras still live in a class of their own, by row name."""
-
-
 def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_tokens: int,
                                   max_model_len: int, block_pool: BlockPool, enable_caching: bool,
                                   kv_cache_group_id: int, scheduler_block_size: int,
@@ -1366,6 +1312,6 @@ def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_to
     if rules.encoder and enable_caching:
         raise NotImplementedError("prefix caching with a cross-attention group")
     cap = admission_cap(kv_cache_spec, max_num_batched_tokens, max_model_len)
-    return SUBCLASSES.get(rules.name, SingleTypeKVCacheManager)(
+    return SingleTypeKVCacheManager(
         kv_cache_spec, block_pool, enable_caching, kv_cache_group_id, scheduler_block_size, cap,
         context_parallel, rules=rules, **switches)
