@@ -392,27 +392,16 @@ class KVCacheCoordinator:
                         curr_length = curr_length // spec.block_size * spec.block_size
                     continue
                 drop_eagle_block = use_eagle and idx not in eagle_verified
-                sub_block = (self.fine_grained and spec.block_size > hbs
-                             and rules.fine_hit is not None)
                 max_length = curr_length
                 # 0.33.0: no peek past the candidate for Mamba (its finder never drops)
                 if drop_eagle_block and not (self.profile.mamba_no_eagle_margin
                                              and is_a(spec, "MambaSpec")):
-                    margin = hbs if sub_block else spec.block_size
                     peek = self.profile.eagle_peek_to_hashed_length and not one_group  # 0.33.0
-                    max_length = min(curr_length + margin, len(block_hashes) * hbs if peek
-                                     else max_cache_hit_length)
-                pool = self.single_type_managers[group_ids[0]].block_pool
-                if sub_block:
-                    hits, new_length = find_fine_grained_hit(
-                        rules, block_hashes, max_length, group_ids, pool, spec,
-                        drop_eagle_block, hbs)
-                else:
-                    hits = find_longest_cache_hit(
-                        rules, self._hashes_for(block_hashes, spec), max_length, group_ids,
-                        pool, spec, drop_eagle_block, spec.block_size if one_group
-                        else hbs if self.fine_grained else self.scheduler_block_size)
-                    new_length = len(hits[0]) * spec.block_size
+                    max_length = min(curr_length + self._eagle_step(spec, rules),
+                                     len(block_hashes) * hbs if peek else max_cache_hit_length)
+                hits, new_length = self._search(
+                    self.attention_groups[idx], block_hashes, max_length, drop_eagle_block,
+                    spec.block_size if one_group else None)
                 if drop_eagle_block:
                     eagle_verified.add(idx)
                 elif new_length < curr_length:
@@ -426,19 +415,42 @@ class KVCacheCoordinator:
             hit_length = curr_length
             if single_round:
                 break
-        first = self.attention_groups[0]
-        if is_a(first.spec, "FullAttentionSpec") and not first.rules.retains_longer_hit:
-            for group_id in first.group_ids:
-                if (first_hits := hit_blocks[group_id]) is not None:
-                    del first_hits[self._num_hit_blocks(hit_length, first.spec.block_size):]
-        if self.profile.trim_every_full_group:  # 0.33.0: every full-attention spec
-            for sg in self.attention_groups:
-                if is_a(sg.spec, "FullAttentionSpec") and not sg.rules.retains_longer_hit:
-                    for group_id in sg.group_ids:
-                        if (full_hits := hit_blocks[group_id]) is not None:
-                            del full_hits[self._num_hit_blocks(hit_length, sg.spec.block_size):]
+        # The first spec's hits are trimmed; 0.33.0: every full-attention spec's.
+        trimmed = self.attention_groups[:None if self.profile.trim_every_full_group else 1]
+        for sg in trimmed:
+            if is_a(sg.spec, "FullAttentionSpec") and not sg.rules.retains_longer_hit:
+                for group_id in sg.group_ids:
+                    if (full_hits := hit_blocks[group_id]) is not None:
+                        del full_hits[self._num_hit_blocks(hit_length, sg.spec.block_size):]
         self.num_uncached_common_prefix_tokens = longest_hit_length - hit_length
         return tuple(b if b is not None else [] for b in hit_blocks), hit_length
+
+    def _sub_block(self, spec: KVCacheSpec, rules: KindRules) -> bool:
+        """Whether the spec's hits may end inside its blocks: fine-grained hits, blocks
+        larger than the hash block, a kind with a fine-grained search."""
+        return (self.fine_grained and spec.block_size > self.hash_block_size
+                and rules.fine_hit is not None)
+
+    def _eagle_step(self, spec: KVCacheSpec, rules: KindRules) -> int:
+        """How far an EAGLE search looks past its candidate: a block, or a hash block
+        where the spec's hits end inside a block."""
+        return self.hash_block_size if self._sub_block(spec, rules) else spec.block_size
+
+    def _search(self, sg: SpecGroup, block_hashes: list[bytes], max_length: int,
+                drop_eagle_block: bool, alignment: int | None) -> tuple[Hits, int]:
+        """One spec's hits and their length in tokens: its kind's search, ending inside a
+        block where fine-grained hits allow; ``alignment`` None: the scheduler block,
+        or the hash block with fine-grained hits."""
+        spec, group_ids, rules, _ = sg
+        pool = self.single_type_managers[group_ids[0]].block_pool
+        if self._sub_block(spec, rules):
+            return find_fine_grained_hit(rules, block_hashes, max_length, group_ids, pool,
+                                         spec, drop_eagle_block, self.hash_block_size)
+        if alignment is None:
+            alignment = self.hash_block_size if self.fine_grained else self.scheduler_block_size
+        hits = find_longest_cache_hit(rules, self._hashes_for(block_hashes, spec), max_length,
+                                      group_ids, pool, spec, drop_eagle_block, alignment)
+        return hits, len(hits[0]) * spec.block_size
 
     def _num_hit_blocks(self, hit_length: int, block_size: int) -> int:
         """Blocks a hit of ``hit_length`` tokens keeps (fine-grained: also the block it
@@ -455,25 +467,14 @@ class KVCacheCoordinator:
         block) further, up to the hashed tokens (0.25.1: no further)."""
         hit_blocks: list[list[int]] = [[] for _ in self.single_type_managers]
         hit_lengths = [0] * len(self.single_type_managers)
-        hbs = self.hash_block_size
-        for spec, group_ids, rules, use_eagle in self.attention_groups:
-            sub_block = (self.fine_grained and spec.block_size > hbs
-                         and rules.fine_hit is not None)
+        for sg in self.attention_groups:
+            spec, group_ids, rules, use_eagle = sg
             max_length = max_cache_hit_length
             peek = use_eagle and self.profile.eagle_peek_to_hashed_length
             if peek and not is_a(spec, "MambaSpec"):
-                max_length = min(max_length + (hbs if sub_block else spec.block_size),
-                                 len(block_hashes) * hbs)
-            pool = self.single_type_managers[group_ids[0]].block_pool
-            if sub_block:
-                hits, length = find_fine_grained_hit(
-                    rules, block_hashes, max_length, group_ids, pool, spec, use_eagle, hbs)
-            else:
-                hits = find_longest_cache_hit(
-                    rules, self._hashes_for(block_hashes, spec), max_length, group_ids,
-                    pool, spec, use_eagle,
-                    hbs if self.fine_grained else self.scheduler_block_size)
-                length = len(hits[0]) * spec.block_size
+                max_length = min(max_length + self._eagle_step(spec, rules),
+                                 len(block_hashes) * self.hash_block_size)
+            hits, length = self._search(sg, block_hashes, max_length, use_eagle, None)
             for group_id, blocks in zip(group_ids, hits, strict=True):
                 hit_blocks[group_id] = blocks
                 hit_lengths[group_id] = length

@@ -174,7 +174,7 @@ class KVCacheManager:
         # allocate_slots keeps of theirs what the new hits and external tokens cover.
         self.retained_hit_group_ids = tuple(
             i for i, m in enumerate(self.coordinator.single_type_managers)
-            if m.retains_longer_hit)
+            if m.rules.retains_longer_hit)
         self.kv_cache_config = kv_cache_config
         if not watermark >= 0.0:
             raise ValueError(f"watermark must be non-negative, got {watermark!r}")

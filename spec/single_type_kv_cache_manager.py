@@ -372,7 +372,6 @@ class SingleTypeKVCacheManager:
         # zeroing switches); ``use_eagle``: the engine's flag (Mamba's prompt tail).
         # ``rules``: the kind's row, by default the spec class's in KINDS.
         self.rules = KINDS[type(kv_cache_spec).__name__] if rules is None else rules
-        self.retains_longer_hit = self.rules.retains_longer_hit
         self.profile = block_pool.profile if profile is None else profile
         self.kv_cache_spec = kv_cache_spec
         # Context parallelism (dcp * pcp ranks) spreads a block's tokens over the ranks.
