@@ -413,13 +413,17 @@ class SingleTypeKVCacheManager:
 
     @property
     def new_block_ids(self) -> list[int]:
-        """The ids of the blocks allocated since the last ``take_new_block_ids``."""
+        """The ids of the blocks allocated since the last ``take_new_block_ids``.
+
+        A fresh list made from ``new_blocks`` (vLLM keeps the ids themselves):
+        appending to it records nothing; record blocks in ``new_blocks``."""
         return [b.block_id for b in self.new_blocks]
 
     def take_new_block_ids(self) -> list[int]:
         """Return and clear the ids allocated since the last call."""
-        blocks, self.new_blocks = self.new_blocks, []
-        return [b.block_id for b in blocks]
+        ids = self.new_block_ids
+        self.new_blocks = []
+        return ids
 
     # ------------------------------------------------------------ caching
 
