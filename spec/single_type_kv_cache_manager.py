@@ -314,6 +314,7 @@ def row_named(name: str) -> KindRules:
     """The row called ``name`` (``KindRules.__reduce__``)."""
     return ROWS[name]
 
+
 ROLE_KINDS: dict[str, KindRules] = {"hisparse_source": HISPARSE_SOURCE}
 """vLLM 0.33.0's group roles with a row of their own (before the spec class)."""
 
