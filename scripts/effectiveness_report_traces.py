@@ -65,7 +65,8 @@ class Driver:
             return 0
         boundary = int(getattr(side.requests[rid], "shared_prefix_boundary", 0) or 0)
         if not boundary:
-            extra = getattr(side.manager.coordinator, "num_uncached_common_prefix_tokens", 0)
+            layer = getattr(side.manager, "coordinator", side.manager)  # spec: no coordinator
+            extra = getattr(layer, "num_uncached_common_prefix_tokens", 0)
             boundary = hit + int(extra) if int(extra) >= block else 0
         return boundary // block * block if boundary > hit else 0
 

@@ -27,7 +27,6 @@ Release differences (vLLM 0.25.1, the default, and 0.33.0) are named switches of
 """
 
 from .block_pool import NULL_BLOCK, BlockPool
-from .kv_cache_coordinator import KVCacheCoordinator
 from .kv_cache_manager import KVCacheBlocks, KVCacheManager
 from .single_type_kv_cache_manager import (
     KINDS,
@@ -38,6 +37,6 @@ from .single_type_kv_cache_manager import (
 )
 
 __all__ = [
-    "KINDS", "NULL_BLOCK", "BlockPool", "KVCacheBlocks", "KVCacheCoordinator", "KVCacheManager",
+    "KINDS", "NULL_BLOCK", "BlockPool", "KVCacheBlocks", "KVCacheManager",
     "KindRules", "SingleTypeKVCacheManager", "get_manager_for_kv_cache_spec", "sink_manager",
 ]

@@ -50,7 +50,7 @@ def test_refusals() -> None:
         spec.KVCacheManager(config, 64, BS, BS, profile="0.25.1")
     unbound = spec.KVCacheManager(config, 64, BS, BS, profile="0.33.0")
     with pytest.raises(RuntimeError, match="no HiSparse coordinator bound"):
-        unbound.coordinator.single_type_managers[2].add_local_computed_blocks("r", [], 0, 0)
+        unbound.single_type_managers[2].add_local_computed_blocks("r", [], 0, 0)
     side = spec_side(config, True, 8)
     with pytest.raises(NotImplementedError, match="its own pool"):
         side.km.pop_blocks_for_free(object())

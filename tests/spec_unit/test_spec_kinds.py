@@ -82,7 +82,7 @@ def test_mamba_align_refuses_a_state_cached_this_step() -> None:
     manager.new_step_starts()
     assert manager.allocate_slots(b, 2, num_hit_tokens, hits).get_block_ids() == ([3, 4],)  # type: ignore[union-attr]
     assert manager.get_block_ids("b") == ([0, 1, 3, 4],)
-    mamba = manager.coordinator.single_type_managers[0]
+    mamba = manager.single_type_managers[0]
     assert mamba.align is not None and mamba.align.last_state_block_idx == {"b": 1}
     manager.check_invariants()
 
@@ -131,7 +131,7 @@ def test_invariants_catch_a_block_in_two_groups() -> None:
              SlidingWindowSpec(block_size=2, sliding_window=2, **ATTN)]
     manager = make_manager(specs, 10, 2, 2)
     manager.allocate_slots(make_request("a", [1, 2, 3], 2), 3)
-    manager.coordinator.single_type_managers[1].req_to_blocks["a"][0] = 1  # group 0's block
+    manager.single_type_managers[1].req_to_blocks["a"][0] = 1  # group 0's block
     with pytest.raises(AssertionError, match="two groups"):
         manager.check_invariants()
 

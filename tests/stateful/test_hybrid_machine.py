@@ -321,7 +321,7 @@ class HybridMachine(ManagerMachine):
         )
         if self.CHECKPOINTS:  # where the prefill ends, as allocate_slots passes it (0.33.0)
             arguments["prefill_end"] = max(request.num_prompt_tokens, request.num_tokens - 1)
-        spec_num = self.spec.coordinator.get_num_blocks_to_allocate(
+        spec_num = self.spec.get_num_blocks_to_allocate(
             new_computed_blocks=spec_hits.blocks, **arguments
         )
         impl_num = self.impl.coordinator.get_num_blocks_to_allocate(

@@ -195,4 +195,5 @@ def test_0_25_1_profile_refuses_a_ring_group_in_kvcache_and_spec() -> None:
         KVCacheManager(cfg, 64, 8, HASH)
     with pytest.raises(NotImplementedError, match="CircularBufferSpec"):
         spec.KVCacheManager(cfg, 64, 8, HASH)
-    assert spec.KVCacheManager(cfg, 64, 8, HASH, profile="0.33.0").coordinator is not None
+    built = spec.KVCacheManager(cfg, 64, 8, HASH, profile="0.33.0")
+    assert built.single_type_managers[1].rules is spec.KINDS["CircularBufferSpec"]

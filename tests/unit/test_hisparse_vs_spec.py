@@ -211,7 +211,7 @@ class World:
             config, max_model_len=MAX_LEN, scheduler_block_size=BS, hash_block_size=BS,
             max_num_batched_tokens=3 * BS, enable_caching=caching, enable_kv_cache_events=True,
             prefix_cache_retention_interval=None, profile="0.33.0")
-        self.managers = self.km.coordinator.single_type_managers
+        self.managers = getattr(self.km, "coordinator", self.km).single_type_managers
         self.bid = bid
         self.coord = StandIn(self)
         self.coord.source.bind_host_pool(host_blocks)

@@ -64,7 +64,7 @@ def request(rid: str, n: int) -> Request:
 
 def mamba_table(m: Any, rid: str, group: int = -1) -> list[int]:
     """The request's Mamba block ids (0 is the null block), on either implementation."""
-    blocks = m.coordinator.single_type_managers[group].req_to_blocks[rid]
+    blocks = getattr(m, "coordinator", m).single_type_managers[group].req_to_blocks[rid]
     return [b if isinstance(b, int) else b.block_id for b in blocks]
 
 
@@ -87,7 +87,7 @@ def test_mamba_frees_processed_states_retires_past_null_gaps(impl: str) -> None:
     tables = {}
     for release in RELEASES:
         m = build(impl, config(mamba_spec("align")), release)
-        group = m.coordinator.single_type_managers[0]
+        group = getattr(m, "coordinator", m).single_type_managers[0]
         live = m.block_pool.get_new_blocks(3)
         null = m.block_pool.null_block if impl == "kvcache" else NULL_BLOCK
         group.req_to_blocks["a"] = [live[0], null, live[1], null, live[2]]
@@ -154,7 +154,7 @@ def test_mamba_caps_new_state_blocks_reports_the_shortfall(impl: str) -> None:
     counts = {}
     for release in RELEASES:
         m = build(impl, config(mamba_spec("align", num_spec=2)), release)
-        group = m.coordinator.single_type_managers[0]
+        group = getattr(m, "coordinator", m).single_type_managers[0]
         null = m.block_pool.null_block if impl == "kvcache" else NULL_BLOCK
         hits = [null, *m.block_pool.get_new_blocks(1)]
         counts[release] = group.get_num_blocks_to_allocate("x", 8, hits, 8, 8)
