@@ -126,7 +126,6 @@ class BlockPool:
                              f"hashes of request {request.request_id!r}")
         keep = [b != NULL_BLOCK and (block_mask is None or block_mask[i])
                 for i, b in enumerate(new_full_blocks)]
-        new_hashes: list[bytes | int] = []
         for i, block_id in enumerate(new_full_blocks):
             if not keep[i]:
                 continue
@@ -138,42 +137,45 @@ class BlockPool:
                 self._maybe_evict_cached_block(block_id)  # promote a partial entry
             key = pool_key(hashes[num_cached_blocks + i], kv_cache_group_id)
             self._add_key(block_id, key, num_tokens)
-            new_hashes.append(external_hash(hashes[num_cached_blocks + i]))
         if not self.enable_kv_cache_events:
             return
         # NOTE: like vLLM, this reads blocks[i] up to num_full_blocks, so it raises
         # IndexError (after caching) when asked to cache past the request's last block.
-        # Each block's keys cover its window: the block and its lookahead tokens.
-        la = self.num_hash_lookahead_tokens
         stored = [i for i in range(num_cached_blocks, num_full_blocks)
                   if blocks[i] != NULL_BLOCK and keep[i - num_cached_blocks]]
-        extra_keys = [block_extra_keys(request, i * block_size, (i + 1) * block_size + la)
-                      for i in stored]
-        lora = request.lora_request
-        self.kv_event_queue.append(self._block_stored(
-            [list(request.all_token_ids[(i + 1) * block_size:(i + 1) * block_size + la])
-             for i in stored], request,
-            block_hashes=new_hashes,
-            parent_block_hash=(None if num_cached_blocks == 0
-                               else external_hash(hashes[num_cached_blocks - 1])),
-            token_ids=list(request.all_token_ids[num_cached_blocks * block_size:
-                                                 num_full_blocks * block_size]),
-            block_size=block_size, lora_id=lora.adapter_id if lora else None,
-            medium=self.medium, lora_name=lora.lora_name if lora else None,
-            extra_keys=extra_keys or None, group_idx=kv_cache_group_id))
+        self._queue_stored(request, [hashes[i] for i in stored],
+                           hashes[num_cached_blocks - 1] if num_cached_blocks else None,
+                           [i * block_size for i in stored],
+                           (num_cached_blocks * block_size, num_full_blocks * block_size),
+                           block_size, kv_cache_group_id)
 
-    def _block_stored(self, lookahead_token_ids: list[list[int]], request: Request,
-                      **fields: Any) -> Any:
-        """A BlockStored; under lookahead hashing 0.33.0's, which also lists the tokens
-        after each block that its hash covers; under event_session_id 0.33.0's, with
-        the request's ``session_id``."""
+    def _queue_stored(self, request: Request, hashes: list[bytes], parent: bytes | None,
+                      starts: list[int], tokens: tuple[int, int], block_size: int,
+                      group_idx: int, first_mm: int = 0) -> None:
+        """Queue one BlockStored: the blocks of ``block_size`` tokens from each of
+        ``starts``, cached under ``hashes`` chained after ``parent``, carrying the tokens
+        ``[tokens[0], tokens[1])``; each block's extra keys cover the block and its
+        lookahead tokens (the multimodal scan from item ``first_mm``). Under lookahead
+        hashing 0.33.0's class, which also lists those tokens; under event_session_id
+        0.33.0's, with the request's ``session_id``."""
+        ids, la, lora = request.all_token_ids, self.num_hash_lookahead_tokens, request.lora_request
+        fields: dict[str, Any] = dict(
+            block_hashes=[external_hash(h) for h in hashes],
+            parent_block_hash=None if parent is None else external_hash(parent),
+            token_ids=list(ids[tokens[0]:tokens[1]]), block_size=block_size,
+            lora_id=lora.adapter_id if lora else None, medium=self.medium,
+            lora_name=lora.lora_name if lora else None,
+            extra_keys=[block_extra_keys(request, s, s + block_size + la, first_mm)
+                        for s in starts] or None,
+            group_idx=group_idx)
         session = self.profile.event_session_id
-        if self.num_hash_lookahead_tokens or session:
-            return BlockStored033(
-                **fields,
-                lookahead_token_ids=lookahead_token_ids if self.num_hash_lookahead_tokens else None,
-                session_id=getattr(request, "session_id", None) if session else None)
-        return BlockStored(**fields)
+        if la or session:
+            fields["lookahead_token_ids"] = (
+                [list(ids[s + block_size:s + block_size + la]) for s in starts] if la else None)
+            fields["session_id"] = getattr(request, "session_id", None) if session else None
+            self.kv_event_queue.append(BlockStored033(**fields))
+        else:
+            self.kv_event_queue.append(BlockStored(**fields))
 
     def emit_cached_block_events(self, request: Request, num_cached_blocks: int,
                                  block_size: int, kv_cache_group_id: int) -> None:
@@ -182,19 +184,10 @@ class BlockPool:
         without events or hits)."""
         if not self.enable_kv_cache_events or num_cached_blocks == 0:
             return
-        hashes, la = self.block_hashes(request, block_size), self.num_hash_lookahead_tokens
-        lora = request.lora_request
-        self.kv_event_queue.append(self._block_stored(
-            [list(request.all_token_ids[(i + 1) * block_size:(i + 1) * block_size + la])
-             for i in range(num_cached_blocks)], request,
-            block_hashes=[external_hash(h) for h in hashes[:num_cached_blocks]],
-            parent_block_hash=None,
-            token_ids=list(request.all_token_ids[:num_cached_blocks * block_size]),
-            block_size=block_size, lora_id=lora.adapter_id if lora else None,
-            medium=self.medium, lora_name=lora.lora_name if lora else None,
-            extra_keys=[block_extra_keys(request, i * block_size, (i + 1) * block_size + la)
-                        for i in range(num_cached_blocks)],
-            group_idx=kv_cache_group_id))
+        hashes = self.block_hashes(request, block_size)[:num_cached_blocks]
+        self._queue_stored(request, hashes, None,
+                           [i * block_size for i in range(num_cached_blocks)],
+                           (0, num_cached_blocks * block_size), block_size, kv_cache_group_id)
 
     def cache_partial_block(self, request: Request, block: int, num_tokens: int,
                             kv_cache_group_id: int, block_size: int,
@@ -227,20 +220,14 @@ class BlockPool:
         self._add_key(block, key, num_tokens)
         if self.enable_kv_cache_events:
             start = (n - 1) * hbs
-            # As vLLM: past the first block the multimodal scan starts at the last item.
+            # As vLLM: past the first block the multimodal scan starts at the last item;
+            # 0.33.0 (mm_keys_by_window): at every item of the window.
             first_mm = max(len(request.mm_features) - 1, 0) if start > 0 else 0
-            if self.profile.mm_keys_by_window:  # 0.33.0: every item of the window
+            if self.profile.mm_keys_by_window:
                 first_mm = 0
-            lora, la = request.lora_request, self.num_hash_lookahead_tokens
-            self.kv_event_queue.append(self._block_stored(
-                [list(request.all_token_ids[num_tokens:num_tokens + la])], request,
-                block_hashes=[external_hash(hashes[n - 1])],
-                parent_block_hash=external_hash(hashes[n - 2]) if n > 1 else None,
-                token_ids=list(request.all_token_ids[start:num_tokens]),
-                block_size=num_tokens - start, lora_id=lora.adapter_id if lora else None,
-                medium=self.medium, lora_name=lora.lora_name if lora else None,
-                extra_keys=[block_extra_keys(request, start, num_tokens + la, first_mm)],
-                group_idx=kv_cache_group_id))
+            self._queue_stored(request, [hashes[n - 1]], hashes[n - 2] if n > 1 else None,
+                               [start], (start, num_tokens), num_tokens - start,
+                               kv_cache_group_id, first_mm)
         return key
 
     def _add_key(self, block_id: int, key: bytes, num_tokens: int) -> None:

@@ -115,3 +115,20 @@ def test_spec_runs_with_kvcache_and_vllm_blocked() -> None:
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                          cwd=SPEC_DIR.parent, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_spec_mirrors_no_kvcache_layer() -> None:
+    """Beneath ``spec.KVCacheManager`` nothing mirrors a kvcache layer (issue 25): no
+    coordinator class, and one group-manager class whose kinds are rows of ``KINDS``,
+    not subclasses, so a new kind is a new row."""
+    classes = {node.name: path.name for path in SPEC_DIR.glob("*.py")
+               for node in ast.walk(ast.parse(path.read_text(), str(path)))
+               if isinstance(node, ast.ClassDef)}
+    assert not [name for name in classes if "Coordinator" in name], classes
+    managers = sorted(name for name in classes if name.endswith("Manager"))
+    assert managers == ["KVCacheManager", "SingleTypeKVCacheManager"], managers
+    import spec
+
+    kinds = {type(row).__name__ for row in spec.KINDS.values()}
+    assert kinds == {"KindRules"}, kinds
+    assert not spec.SingleTypeKVCacheManager.__subclasses__()
