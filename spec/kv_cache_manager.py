@@ -18,6 +18,7 @@ from .pure import cdiv
 from .single_type_kv_cache_manager import (
     HISPARSE_RESIDENT,
     MAMBA,
+    MAMBA_ALIGN,
     Hits,
     KindRules,
     SingleTypeKVCacheManager,
@@ -367,7 +368,7 @@ class KVCacheManager:
         attention (or a variant), Mamba, or hashed at its own block size (a ring buffer,
         outside prefix caching, takes no part)."""
         hbs = self.hash_block_size
-        if any(m.rules is MAMBA and m.kv_cache_spec.mamba_cache_mode == "align"
+        if any(m.rules is MAMBA_ALIGN
                and (m.block_size > hbs or (self.dcp_world_size > 1 and m.block_size == hbs))
                for m in self.single_type_managers) and all(
                 m.rules.fine_hit is not None or m.block_size == hbs

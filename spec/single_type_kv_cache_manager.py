@@ -203,149 +203,8 @@ def mamba_mask(spec: KVCacheSpec, start: int, end: int, block_size: int, alignme
                                      boundaries)
 
 
-@dataclass(frozen=True)
-class KindRules:
-    """One group kind: a row of ``KINDS``.
-
-    ``name``: vLLM's manager class for the kind; ``resume``: its row in
-    ``spec.effectiveness.KINDS`` (None: not judged). ``skipped_tokens(spec, n)``: the
-    leading tokens no longer read once ``n`` are computed. ``hit``: its hit search
-    (None: the kind refuses prefix caching); ``fine_hit``: its search for hits ending
-    inside a block (``mamba_fine_grained_hits``; None: none). ``cache_mask``: which
-    blocks caching keys (None: every full block). ``common_prefix``: whether blocks
-    held by every request count as a common prefix (full attention).
-    ``prompt_tail``: whether 0.26.0+ keys the prompt's last hash boundary inside a
-    block (``partial_prompt_tail_entries``). ``keyed``: whether caching keys its
-    blocks. ``frees_gap``: R-SWA frees the gap between prompt and decode window, not a
-    prefix. ``ring``: one block per request, never hit. ``encoder``: sized by the
-    encoder tokens, refusing hits and caching. ``sink``: blocks reserved for sink
-    tokens at construction.
-    HiSparse (vLLM 0.33.0): ``host_pool``: the source, full attention over a host pool
-    whose hit outlives the common hit (the coordinator's trims leave it;
-    allocate_slots cuts it: ``retains_longer_hit``); ``hot_region``: a fixed region
-    per request reading host pages; ``resident_pages``: the device page of each page.
-    Mamba's states: ``speculative_blocks``: the spec's ``num_speculative_blocks`` are
-    held beyond the tokens; ``ready_next_step``: a state cached in a step is not a hit
-    before the next (``new_step_starts``); ``align_mode``: the spec's
-    ``mamba_cache_mode`` 'align' holds only the running state (``MambaAlign``)."""
-
-    name: str
-    resume: str | None
-    skipped_tokens: Callable[[KVCacheSpec, int], int]
-    hit: HitSearch | None
-    fine_hit: FineHitSearch | None = None
-    cache_mask: CacheMask | None = None
-    common_prefix: bool = False
-    prompt_tail: bool = False
-    keyed: bool = True
-    frees_gap: bool = False
-    ring: bool = False
-    encoder: bool = False
-    sink: bool = False
-    retains_longer_hit: bool = False
-    host_pool: bool = False
-    hot_region: bool = False
-    resident_pages: bool = False
-    speculative_blocks: bool = False
-    ready_next_step: bool = False
-    align_mode: bool = False
-
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        """Pickled (and copied) as its name: a row is one object (``is`` compares rows)."""
-        return row_named, (self.name,)
-
-
-def nothing_skipped(spec: KVCacheSpec, num_computed_tokens: int) -> int:
-    """Full attention reads every token."""
-    return pure.num_skipped_tokens_full_attention(num_computed_tokens)
-
-
-def before_window(spec: KVCacheSpec, num_computed_tokens: int) -> int:
-    """Sliding window: the tokens before the next token's window."""
-    return pure.num_skipped_tokens_sliding_window(num_computed_tokens, spec.sliding_window)
-
-
-def before_chunk(spec: KVCacheSpec, num_computed_tokens: int) -> int:
-    """Chunked local attention: the tokens of the chunks before the next token's."""
-    return pure.num_skipped_tokens_chunked_local(num_computed_tokens, spec.attention_chunk_size)
-
-
-def before_last(spec: KVCacheSpec, num_computed_tokens: int) -> int:
-    """Mamba: every token but the last (only the latest state is read)."""
-    return pure.num_skipped_tokens_mamba(num_computed_tokens)
-
-
-FULL = KindRules("FullAttentionManager", "full", nothing_skipped, full_attention_hit,
-                 full_attention_fine_hit, common_prefix=True, prompt_tail=True)
-RSWA = replace(FULL, name="RSWAManager", resume="rswa", frees_gap=True)
-SINK = replace(FULL, name="SinkFullAttentionManager", resume="sink", sink=True)
-RING = replace(FULL, name="CircularBufferManager", resume="circular", hit=no_hit,
-               fine_hit=None, ring=True, keyed=False)
-SLIDING_WINDOW = KindRules("SlidingWindowManager", "sliding_window", before_window,
-                           sliding_window_hit, cache_mask=sliding_window_mask)
-CHUNKED_LOCAL = KindRules("ChunkedLocalAttentionManager", "chunked_local", before_chunk,
-                          chunked_local_hit)
-CROSS = KindRules("CrossAttentionManager", "cross_attention", nothing_skipped, None,
-                  encoder=True)
-MAMBA = KindRules("MambaManager", "mamba", before_last, mamba_hit, mamba_fine_hit, mamba_mask,
-                  speculative_blocks=True, ready_next_step=True, align_mode=True)
-HISPARSE_SOURCE = replace(FULL, name="HiSparseSourceManager", resume=None,
-                          retains_longer_hit=True, host_pool=True)
-HISPARSE_HOT = KindRules("HiSparseHotManager", None, nothing_skipped, None, keyed=False,
-                         hot_region=True)
-HISPARSE_RESIDENT = KindRules("HiSparseResidentManager", None, nothing_skipped, None,
-                              keyed=False, resident_pages=True)
-
-KINDS: dict[str, KindRules] = {
-    "FullAttentionSpec": FULL, "TQFullAttentionSpec": FULL, "MLAAttentionSpec": FULL,
-    "HiddenStateCacheSpec": FULL, "RSWASpec": RSWA, "SinkFullAttentionSpec": SINK,
-    "CircularBufferSpec": RING, "SlidingWindowSpec": SLIDING_WINDOW,
-    "SlidingWindowMLASpec": SLIDING_WINDOW, "ChunkedLocalAttentionSpec": CHUNKED_LOCAL,
-    "CrossAttentionSpec": CROSS, "MambaSpec": MAMBA, "HiSparseHotSpec": HISPARSE_HOT,
-    "HiSparseResidentSpec": HISPARSE_RESIDENT,
-}  # fmt: skip
-"""Each modelled layer-spec class's row, by class name (exact class only)."""
-
-ROWS = {rules.name: rules for rules in (*KINDS.values(), HISPARSE_SOURCE)}
-"""Every row, by name."""
-
-
-def row_named(name: str) -> KindRules:
-    """The row called ``name`` (``KindRules.__reduce__``)."""
-    return ROWS[name]
-
-
-ROLE_KINDS: dict[str, KindRules] = {"hisparse_source": HISPARSE_SOURCE}
-"""vLLM 0.33.0's group roles with a row of their own (before the spec class)."""
-
-
-def find_longest_cache_hit(rules: KindRules, block_hashes: Sequence[bytes], max_length: int,
-                           group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                           drop_eagle_block: bool, alignment_tokens: int) -> Hits:
-    """Per group, the kind's longest hit of at most ``max_length`` tokens cached in all
-    ``group_ids``, ending on a multiple of ``alignment_tokens``; EAGLE drops its last
-    block. NotImplementedError for a kind outside prefix caching."""
-    if rules.hit is None:
-        raise NotImplementedError(f"{rules.name} does not support prefix caching")
-    block_hashes = block_hashes[:max(max_length, 0) // kv_cache_spec.block_size]
-    first, num_blocks = rules.hit(block_hashes, CachedInAllGroups(pool, group_ids), max_length,
-                                  kv_cache_spec, drop_eagle_block, alignment_tokens)
-    return hit_blocks(block_hashes, first, num_blocks, group_ids, pool)
-
-
-def find_fine_grained_hit(rules: KindRules, block_hashes: Sequence[bytes], max_length: int,
-                          group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                          drop_eagle_block: bool, hash_block_size: int) -> tuple[Hits, int]:
-    """A hit that may end inside a block, and its length (full attention and Mamba,
-    ``block_hashes`` per hash block)."""
-    if rules.fine_hit is None:
-        raise NotImplementedError(f"{rules.name} finds no hits inside a block")
-    return rules.fine_hit(block_hashes, max_length, group_ids, pool, kv_cache_spec,
-                          drop_eagle_block, hash_block_size)
-
-
 class SingleTypeKVCacheManager:
-    """Block tables of one KV-cache group, following its kind's row (``rules``).
+    """Block tables of one KV-cache group: the flow, each step its row's rule (``rules``).
 
     ``req_to_blocks[r][i]`` holds tokens ``[i*block_size, (i+1)*block_size)`` of request
     r, NULL_BLOCK where attention skips them. vLLM keeps the tables in a defaultdict,
@@ -371,8 +230,8 @@ class SingleTypeKVCacheManager:
         # The release whose switches this group reads, under their own names: by
         # default its pool's. ``needs_kv_cache_zeroing``: the layout's (0.33.0's
         # zeroing switches); ``use_eagle``: the engine's flag (Mamba's prompt tail).
-        # ``rules``: the kind's row, by default the spec class's in KINDS.
-        self.rules = KINDS[type(kv_cache_spec).__name__] if rules is None else rules
+        # ``rules``: the kind's row, by default the spec's (``row_for``).
+        self.rules = row_for(kv_cache_spec) if rules is None else rules
         self.profile = block_pool.profile if profile is None else profile
         self.kv_cache_spec = kv_cache_spec
         # Context parallelism (dcp * pcp ranks) spreads a block's tokens over the ranks.
@@ -394,38 +253,15 @@ class SingleTypeKVCacheManager:
         # next allocation; the (source, copy) pairs queued for the worker.
         self.partial_hit_reqs: dict[str, tuple[int, int]] = {}
         self.pending_copies: list[tuple[int, int]] = []
-        if self.rules.sink:
-            self.sink_blocks = self._reserve_sink_blocks()
-        self.num_speculative_blocks: int = (kv_cache_spec.num_speculative_blocks
-                                            if self.rules.speculative_blocks else 0)
-        # ready_next_step: pool keys cached this step (their states may not be written yet)
+        self.num_speculative_blocks = 0  # Mamba: held beyond the tokens (its rows' setup)
+        # Mamba: pool keys cached this step (their states may not be written yet)
         self.cached_blocks_this_step: set[bytes] = set()
-        self.align: MambaAlign | None = None
-        if self.rules.align_mode and kv_cache_spec.mamba_cache_mode == "align":
-            p = self.profile
-            self.align = MambaAlign(
-                p.mamba_prompt_tail_state and use_eagle, p.mamba_prefill_checkpoints and getattr(
-                    kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0,
-                getattr(kv_cache_spec, "prefill_checkpoint_alignment", None),
-                p.mamba_prefill_checkpoints)
-        if self.rules.hot_region:
-            self.blocks_per_request: int = kv_cache_spec.blocks_per_request
-            if not isinstance(self.blocks_per_request, int) or self.blocks_per_request <= 0:
-                raise ValueError(f"blocks_per_request={self.blocks_per_request!r} must be a "
-                                 "positive int")
-            self.hot_required: set[str] = set()  # requests to get their region
-        if self.rules.resident_pages:
-            cap = max_admission_blocks_per_request
-            if not isinstance(cap, int) or cap <= 0:
-                raise ValueError(f"max_admission_blocks_per_request={cap!r}: a resident group "
-                                 "needs its admission window")
-            self.window: int = cap
-            # request -> page -> block (NULL_BLOCK: dropped), overlaying the table
-            self.residency_changes: dict[str, dict[int, int]] = {}
+        self.align: MambaAlign | None = None  # Mamba 'align' mode's record (its row's setup)
+        self.rules.setup(self, use_eagle)
 
-    def _reserve_sink_blocks(self) -> list[int]:
-        """Sink tokens: ``sink_len // block_size`` blocks leave the front of the free
-        queue for good (ref count 0, counted as used)."""
+    def _reserve_sinks(self, use_eagle: bool) -> None:
+        """Sink tokens: ``sink_len // block_size`` blocks (``sink_blocks``) leave the
+        front of the free queue for good (ref count 0, counted as used)."""
         sink_len, pool = self.kv_cache_spec.sink_len, self.block_pool
         if not isinstance(sink_len, int) or sink_len <= 0 or sink_len % self.block_size:
             raise ValueError(f"sink_len={sink_len!r} must be a positive multiple of "
@@ -434,9 +270,39 @@ class SingleTypeKVCacheManager:
         if num_sink_blocks > len(pool.free_queue):
             raise ValueError(f"sink_len={sink_len} needs {num_sink_blocks} free blocks, "
                              f"the pool has {len(pool.free_queue)}")
-        sink_blocks = pool.free_queue[:num_sink_blocks]
+        self.sink_blocks = pool.free_queue[:num_sink_blocks]
         del pool.free_queue[:num_sink_blocks]
-        return sink_blocks
+
+    def _set_up_states(self, use_eagle: bool) -> None:
+        """Mamba: the spec's ``num_speculative_blocks`` are held beyond the tokens."""
+        self.num_speculative_blocks = self.kv_cache_spec.num_speculative_blocks
+
+    def _set_up_align(self, use_eagle: bool) -> None:
+        """Mamba 'align': speculative blocks, and the mode's record (``MambaAlign``)."""
+        self._set_up_states(use_eagle)
+        p, spec = self.profile, self.kv_cache_spec
+        self.align = MambaAlign(
+            p.mamba_prompt_tail_state and use_eagle, p.mamba_prefill_checkpoints and getattr(
+                spec, "num_prefill_checkpoint_blocks", 0) > 0,
+            getattr(spec, "prefill_checkpoint_alignment", None), p.mamba_prefill_checkpoints)
+
+    def _set_up_hot_region(self, use_eagle: bool) -> None:
+        """A hot group: the spec's region size, and the requests to get their region."""
+        self.blocks_per_request: int = self.kv_cache_spec.blocks_per_request
+        if not isinstance(self.blocks_per_request, int) or self.blocks_per_request <= 0:
+            raise ValueError(f"blocks_per_request={self.blocks_per_request!r} must be a "
+                             "positive int")
+        self.hot_required: set[str] = set()
+
+    def _set_up_residency(self, use_eagle: bool) -> None:
+        """A resident group: its admission window, and the residency overlay."""
+        cap = self.max_admission_blocks_per_request
+        if not isinstance(cap, int) or cap <= 0:
+            raise ValueError(f"max_admission_blocks_per_request={cap!r}: a resident group "
+                             "needs its admission window")
+        self.window: int = cap
+        # request -> page -> block (NULL_BLOCK: dropped), overlaying the table
+        self.residency_changes: dict[str, dict[int, int]] = {}
 
     def _blocks_of(self, request_id: str) -> list[int]:
         """The request's table, created empty if unknown (vLLM's defaultdict read)."""
@@ -465,44 +331,15 @@ class SingleTypeKVCacheManager:
         """Free blocks needed to give the request ``num_tokens`` slots and take its hits
         (one more for the copy of a hit ending inside a block, ``partial_hit_copy_on_write``;
         ``num_local_computed_tokens``: computed plus hit tokens; ``prefill_end``: read by
-        Mamba's prefill checkpoints only). A ring needs its one block once. A hit on a
-        state cached this step needs ``num_gpu_blocks + 1`` blocks: more than can be
-        free, so it waits a step (``ready_next_step``). The HiSparse source needs 0 when
-        its host pool has the blocks, else more than the device pool has."""
-        if self.rules.ring:
-            return 0 if self.req_to_blocks.get(request_id) else 1
-        if self.rules.hot_region:
-            return self._hot_num_blocks_to_allocate(request_id, new_computed_blocks,
-                                                    total_computed_tokens,
-                                                    num_local_computed_tokens)
-        if self.rules.resident_pages:
-            return self._resident_num_blocks_to_allocate(
-                request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-                apply_admission_cap, num_local_computed_tokens)
-        if self.rules.host_pool:
-            needed = self._num_table_blocks(request_id, num_tokens, new_computed_blocks,
-                                            total_computed_tokens, False,
-                                            num_local_computed_tokens)
-            if needed <= self.block_pool.get_num_free_blocks():
-                return 0
-            return int(self._bound_coordinator().gpu_pool.num_gpu_blocks) + 1
-        if (self.cached_blocks_this_step and len(new_computed_blocks) and self.block_pool
-                .block_hash.get(new_computed_blocks[-1]) in self.cached_blocks_this_step):
-            return self.block_pool.num_gpu_blocks + 1
-        if self.align is not None:
-            return self._align_num_blocks_to_allocate(
-                request_id, new_computed_blocks, total_computed_tokens, num_tokens_main_model,
-                apply_admission_cap, num_local_computed_tokens, prefill_end)
-        # Speculative blocks: vLLM counts them in the layer's block size, not the
-        # manager's (they differ under context parallelism): it takes more than it counts.
-        return self._num_table_blocks(
-            request_id, num_tokens + self.kv_cache_spec.block_size * self.num_speculative_blocks,
-            new_computed_blocks, total_computed_tokens, apply_admission_cap,
-            num_local_computed_tokens)
+        Mamba's prefill checkpoints only), by the row's ``num_blocks``."""
+        return self.rules.num_blocks(self, request_id, num_tokens, new_computed_blocks,
+                                     total_computed_tokens, apply_admission_cap,
+                                     num_local_computed_tokens, num_tokens_main_model, prefill_end)
 
     def _num_table_blocks(self, request_id: str, num_tokens: int,
                           new_computed_blocks: Sequence[int], total_computed_tokens: int,
-                          apply_admission_cap: bool, num_local_computed_tokens: int) -> int:
+                          apply_admission_cap: bool, num_local_computed_tokens: int,
+                          *args: Any) -> int:
         """A table's fresh blocks for ``num_tokens`` slots plus its hits' evictable ones."""
         num_required = pure.num_required_blocks(
             num_tokens, self.block_size,
@@ -519,31 +356,44 @@ class SingleTypeKVCacheManager:
         return num_new + self._num_evictable(
             new_computed_blocks[pure.num_skipped_hits(num_skipped, num_held):])
 
+    def _waits_for_state(self, new_computed_blocks: Sequence[int]) -> bool:
+        """Mamba: whether the hit ends on a state cached this step (not written yet)."""
+        return bool(self.cached_blocks_this_step and len(new_computed_blocks) and self.block_pool
+                    .block_hash.get(new_computed_blocks[-1]) in self.cached_blocks_this_step)
+
+    def _num_state_blocks(self, request_id: str, num_tokens: int, hits: Sequence[int],
+                          *args: Any) -> int:
+        """Mamba: the table's blocks plus the speculative ones, which vLLM counts in the
+        layer's block size, not the manager's (they differ under context parallelism:
+        it takes more than it counts). A hit on a state cached this step needs
+        ``num_gpu_blocks + 1`` blocks: more than can be free, so it waits a step."""
+        if self._waits_for_state(hits):
+            return self.block_pool.num_gpu_blocks + 1
+        num_tokens += self.kv_cache_spec.block_size * self.num_speculative_blocks
+        return self._num_table_blocks(request_id, num_tokens, hits, *args)
+
+    def _num_host_blocks(self, request_id: str, num_tokens: int, hits: Sequence[int],
+                         total_computed_tokens: int, apply_admission_cap: bool,
+                         *args: Any) -> int:
+        """The HiSparse source: 0 when its host pool has the blocks (no admission cap),
+        else more than the device pool has."""
+        needed = self._num_table_blocks(request_id, num_tokens, hits, total_computed_tokens,
+                                        False, *args)
+        if needed <= self.block_pool.get_num_free_blocks():
+            return 0
+        return int(self._bound_coordinator().gpu_pool.num_gpu_blocks) + 1
+
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
                                   num_local_computed_tokens: int,
                                   num_external_computed_tokens: int) -> None:
-        """Give a request without blocks its hits (touched), nulls where skipped (a ring
-        has no hits; cross attention refuses them). A hot group admits the request (a
-        local hit, or no resident group, needs the region); a resident group makes the
-        host prefix hit host-only pages."""
-        if self.rules.ring:
-            return
-        if self.rules.hot_region:
-            check_no_hits(request_id, new_computed_blocks)
-            self._blocks_of(request_id)
-            self.num_cached_block[request_id] = 0
-            if num_local_computed_tokens > 0 or not self._bound_coordinator().resident_managers:
-                self.require_hot(request_id)
-            return
-        if self.rules.resident_pages:
-            check_no_hits(request_id, new_computed_blocks)
-            self._resident_add_hit(request_id, num_local_computed_tokens)
-            return
-        if self.rules.encoder:
-            if len(new_computed_blocks):
-                raise ValueError(f"new_computed_blocks={list(new_computed_blocks)} for "
-                                 "cross attention")
-            return
+        """Give a request without blocks its hits, by the row's ``adopt``."""
+        self.rules.adopt(self, request_id, new_computed_blocks, num_local_computed_tokens,
+                         num_external_computed_tokens)
+
+    def _adopt_hits(self, request_id: str, new_computed_blocks: Sequence[int],
+                    num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
+        """The hits (touched), nulls where skipped; a hit ending inside its last block
+        is copied at the next allocation (``partial_hit_copy_on_write``)."""
         req_blocks = self._blocks_of(request_id)
         if req_blocks:
             raise ValueError(f"request_id={request_id!r} already holds blocks {req_blocks}; "
@@ -565,28 +415,24 @@ class SingleTypeKVCacheManager:
             self.partial_hit_reqs[request_id] = (index, new_computed_blocks[-1])
             self.num_cached_block[request_id] = index
 
+    def _nothing(self, *args: Any) -> None:
+        """A step the kind takes no part in (a ring's hits, cross attention's loads)."""
+
+    def _refuse_hits(self, request_id: str, hits: Sequence[int], *args: Any) -> None:
+        if len(hits):  # cross attention
+            raise ValueError(f"new_computed_blocks={list(hits)} for cross attention")
+
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
                                           num_external_computed_tokens: int,
                                           record_for_zeroing: bool = True) -> None:
-        """Allocate blocks for the tokens a KV connector computed, unless skipped; an
-        async load that writes them (not ``record_for_zeroing``) needs no zeroing. A
-        ring takes its block; cross attention loads nothing; a hot group needs its
-        region; the HiSparse source tells its coordinator first."""
-        if self.rules.ring:
-            self._claim_ring_block(request_id)
-            return
-        if self.rules.encoder:
-            return
-        if self.rules.hot_region:
-            self.require_hot(request_id)
-            return
-        if self.rules.resident_pages:
-            self._resident_import(request_id, num_local_computed_tokens,
-                                  num_external_computed_tokens)
-            return
-        if self.rules.host_pool and num_external_computed_tokens > 0:
-            self._bound_coordinator().record_pending_host_import(
-                request_id, num_local_computed_tokens + num_external_computed_tokens)
+        """Allocate blocks for the tokens a KV connector computed, by the row's ``load``;
+        an async load that writes them (not ``record_for_zeroing``) needs no zeroing."""
+        self.rules.load(self, request_id, num_local_computed_tokens,
+                        num_external_computed_tokens, record_for_zeroing)
+
+    def _load_blocks(self, request_id: str, num_local_computed_tokens: int,
+                     num_external_computed_tokens: int, record_for_zeroing: bool) -> None:
+        """Fresh blocks up to the loaded tokens, unless skipped."""
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_tokens = self.get_num_skipped_tokens(num_total)
         if num_skipped_tokens > 0:
@@ -598,6 +444,12 @@ class SingleTypeKVCacheManager:
             if self.profile.external_blocks_floor_zero:  # it may hold more already (draft slots)
                 num_new = max(num_new, 0)
             self._append_new(req_blocks, num_new, record_for_zeroing)
+
+    def _load_host_blocks(self, request_id: str, local: int, external: int, *args: Any) -> None:
+        """The HiSparse source tells its coordinator of an import first."""
+        if external > 0:
+            self._bound_coordinator().record_pending_host_import(request_id, local + external)
+        self._load_blocks(request_id, local, external, *args)
 
     def reports_new_blocks(self) -> bool:
         """Whether this group reports its fresh blocks for zeroing (``records_new_block_ids``)."""
@@ -613,25 +465,26 @@ class SingleTypeKVCacheManager:
             self.new_block_ids.extend(new_ids)
         return new_ids
 
-    def _claim_ring_block(self, request_id: str) -> list[int]:
-        """A ring's one block, taken at the request's first allocation or load."""
-        req_blocks = self._blocks_of(request_id)
-        if req_blocks:
-            return []
-        new_ids = self.block_pool.get_new_blocks(1)
+    def _extend_to(self, req_blocks: list[int], num_blocks: int) -> list[int]:
+        """Fresh blocks until the table holds ``num_blocks``; the new ones."""
+        new_ids = (self.block_pool.get_new_blocks(num_blocks - len(req_blocks))
+                   if num_blocks > len(req_blocks) else [])
         req_blocks.extend(new_ids)
         return new_ids
 
+    def _claim_ring_block(self, request_id: str, *args: Any) -> list[int]:
+        """A ring's one block, taken at the request's first allocation or load."""
+        return self._extend_to(self._blocks_of(request_id), 1)
+
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int
                             ) -> list[int]:
-        """Append fresh blocks until the request has ``num_tokens`` slots; return them. A
-        pending partial hit first gets its copy (returned first, recorded for zeroing)."""
-        if self.rules.ring:
-            return self._claim_ring_block(request_id)
-        if self.rules.hot_region or self.rules.resident_pages:
-            return self._allocate_pages(request_id, num_tokens)
-        if self.align is not None:
-            return self._align_allocate(request_id, num_tokens_main_model)
+        """Give the request ``num_tokens`` slots (the row's ``grow``); the new blocks."""
+        return self.rules.grow(self, request_id, num_tokens, num_tokens_main_model)
+
+    def _grow_table(self, request_id: str, num_tokens: int, *args: Any) -> list[int]:
+        """Append fresh blocks until the request has ``num_tokens`` slots (and the
+        speculative blocks); return them. A pending partial hit first gets its copy
+        (returned first, recorded for zeroing)."""
         num_tokens += self.block_size * self.num_speculative_blocks
         copies = []
         if request_id in self.partial_hit_reqs:
@@ -643,20 +496,17 @@ class SingleTypeKVCacheManager:
         num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
         return copies + (self._append_new(req_blocks, num_new) if num_new > 0 else [])
 
-    def _allocate_pages(self, request_id: str, num_tokens: int) -> list[int]:
-        """HiSparse: a hot group's missing region if required, else nothing (the
-        request is admitted); a resident group's device block per new page."""
+    def _grow_hot_region(self, request_id: str, *args: Any) -> list[int]:
+        """A hot group: the missing region if required, else nothing (it is admitted)."""
         req_blocks = self._blocks_of(request_id)
-        target = cdiv(num_tokens, self.block_size)
-        if self.rules.hot_region:
-            self.num_cached_block[request_id] = 0
-            if request_id not in self.hot_required:
-                return []
-            target = self.blocks_per_request
-        new_ids = (self.block_pool.get_new_blocks(target - len(req_blocks))
-                   if target > len(req_blocks) else [])
-        req_blocks.extend(new_ids)
-        return new_ids
+        self.num_cached_block[request_id] = 0
+        if request_id not in self.hot_required:
+            return []
+        return self._extend_to(req_blocks, self.blocks_per_request)
+
+    def _grow_pages(self, request_id: str, num_tokens: int, *args: Any) -> list[int]:
+        """A resident group: a device block per new page."""
+        return self._extend_to(self._blocks_of(request_id), cdiv(num_tokens, self.block_size))
 
     def _copy_hit_block(self, request_id: str, index: int, source: int, copy: int) -> None:
         """Put ``copy`` in place of hit block ``source`` and queue the copy. Until the
@@ -669,46 +519,43 @@ class SingleTypeKVCacheManager:
         self.block_pool.ref_cnt[copy] += 1
 
     def take_pending_cow_copies(self) -> list[tuple[int, int]]:
-        """Drain the (source, copy) pairs queued since the last call (none for the
-        HiSparse source: its host copies are the coordinator's, ``take_host_cow_copies``)."""
-        if self.rules.host_pool:
-            return []
+        """Drain the (source, copy) pairs queued since the last call (the row's
+        ``take_copies``)."""
+        return self.rules.take_copies(self)
+
+    def _drain_copies(self) -> list[tuple[int, int]]:
+        """The queued pairs, drained (the HiSparse source's are its coordinator's:
+        ``take_host_cow_copies``)."""
         pending, self.pending_copies = self.pending_copies, []
         return pending
 
     def take_new_block_ids(self) -> list[int]:
-        """Drain the ids allocated since the last call (none for the HiSparse source:
-        host blocks are never zeroed)."""
+        """Drain the ids allocated since the last call (the row's ``take_ids``)."""
+        return self.rules.take_ids(self)
+
+    def _drain_ids(self) -> list[int]:
+        """The ids allocated since the last call, drained (the HiSparse source reports
+        none: host blocks are never zeroed)."""
         ids, self.new_block_ids = self.new_block_ids, []
-        return [] if self.rules.host_pool else ids
+        return ids
 
     # ------------------------------------------------------------ caching
 
     def cache_blocks(self, request: Request, num_tokens: int,
                      retention_interval: int | None = None,
                      boundaries: Sequence[int] | None = None) -> None:
-        """Cache the request's full blocks among its first ``num_tokens`` tokens (those
-        the kind's mask keeps, for the coordinator's ``retention_interval`` and replay
-        ``boundaries``; None: one token short of the prompt). With
-        ``shared_prefix_junctions`` the request's ``shared_prefix_boundary`` is a
-        boundary too (and one block below it for an EAGLE group). Kinds not ``keyed``
-        cache nothing; cross attention refuses; the HiSparse source leaves it to its
-        coordinator (``publish_blocks``). Mamba remembers the keys cached this step
-        (``ready_next_step``) and offers align-mode states (``MambaAlign``)."""
-        if not self.rules.keyed:
-            return
-        if self.rules.encoder:
-            raise ValueError("cross-attention blocks are never cached")
-        if self.rules.host_pool:  # the coordinator caches once the host copies last
-            self._bound_coordinator().publish_when_ready(
-                request, num_tokens, retention_interval, replay_boundaries=boundaries)
-            return
-        self._cache_full_blocks(request, num_tokens, retention_interval, boundaries)
+        """Cache the request's full blocks among its first ``num_tokens`` tokens by the
+        row's ``cache`` (those the kind's mask keeps, for the coordinator's
+        ``retention_interval`` and replay ``boundaries``; None: one token short of the
+        prompt). With ``shared_prefix_junctions`` the request's
+        ``shared_prefix_boundary`` is a boundary too (and one block below it for an
+        EAGLE group)."""
+        self.rules.cache(self, request, num_tokens, retention_interval, boundaries)
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int,
-                           retention_interval: int | None,
-                           boundaries: Sequence[int] | None) -> None:
-        """``cache_blocks`` for a kind whose blocks are keyed here."""
+    def _key_full_blocks(self, request: Request, num_tokens: int, retention_interval: int | None,
+                         boundaries: Sequence[int] | None) -> tuple[int, int]:
+        """Key the full blocks the mask keeps (windowed kinds' rule); the cached-block
+        count before and after."""
         rid = request.request_id
         num_cached, num_keyed = self.num_cached_block.get(rid, 0), num_tokens
         if self.profile.cache_within_hashed_tokens:  # only blocks the request has hashes for
@@ -725,18 +572,48 @@ class SingleTypeKVCacheManager:
                                               num_full, self.block_size,
                                               self.kv_cache_group_id, mask)
             self.num_cached_block[rid] = num_full
-        if self.rules.prompt_tail and self.profile.partial_prompt_tail_entries:
+        return num_cached, num_full
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int, *args: Any) -> None:
+        """Full attention: its full blocks, and (0.26.0+) the prompt's tail."""
+        self._key_full_blocks(request, num_tokens, *args)
+        if self.profile.partial_prompt_tail_entries:
             self._cache_prompt_tail(request, num_tokens)
-        if self.align is not None:
-            self._align_cache_state(request, num_tokens, retention_interval)
-        if self.rules.ready_next_step and num_full > num_cached:
-            align = self.align
-            for block_id in self.req_to_blocks[rid][num_cached:num_full]:
-                if (key := self.block_pool.block_hash.get(block_id)) is not None:
-                    self.cached_blocks_this_step.add(key)
-                    if align is not None and align.offers_boundary_states:
-                        align.offers.append((rid, self.kv_cache_group_id, block_id,
-                                             self.block_pool.hash_num_tokens[block_id]))
+
+    def _cache_states(self, request: Request, *args: Any) -> None:
+        """Mamba: its full blocks, remembering the keys cached this step."""
+        self._cached_this_step(request.request_id, *self._key_full_blocks(request, *args), False)
+
+    def _cache_align_states(self, request: Request, num_tokens: int,
+                            retention_interval: int | None, *args: Any) -> None:
+        """Mamba 'align': its full blocks and its state (``_align_cache_state``),
+        remembering the keys cached this step and offering the states."""
+        cached = self._key_full_blocks(request, num_tokens, retention_interval, *args)
+        self._align_cache_state(request, num_tokens, retention_interval)
+        assert self.align is not None
+        self._cached_this_step(request.request_id, *cached, self.align.offers_boundary_states)
+
+    def _cached_this_step(self, rid: str, num_cached: int, num_full: int, offer: bool) -> None:
+        """Remember the keys of blocks ``[num_cached, num_full)`` (not a hit before the
+        next step, ``new_step_starts``); with ``offer``, offer each state."""
+        if num_full <= num_cached:
+            return
+        for block_id in self.req_to_blocks[rid][num_cached:num_full]:
+            if (key := self.block_pool.block_hash.get(block_id)) is not None:
+                self.cached_blocks_this_step.add(key)
+                if offer:
+                    assert self.align is not None
+                    self.align.offers.append((rid, self.kv_cache_group_id, block_id,
+                                              self.block_pool.hash_num_tokens[block_id]))
+
+    def _refuse_caching(self, *args: Any) -> None:
+        raise ValueError("cross-attention blocks are never cached")
+
+    def _publish_when_ready(self, request: Request, num_tokens: int,
+                            retention_interval: int | None, boundaries: Any) -> None:
+        """The HiSparse source: its coordinator caches once the host copies last."""
+        self._bound_coordinator().publish_when_ready(
+            request, num_tokens, retention_interval, replay_boundaries=boundaries)
 
     def _cache_prompt_tail(self, request: Request, num_tokens: int) -> None:
         """partial_prompt_tail_entries (0.33.0): key the block holding the prompt's last
@@ -769,26 +646,40 @@ class SingleTypeKVCacheManager:
     # ------------------------------------------------------------ free
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
-        """Forget the request; return its blocks in allocation order, still referenced
-        (a HiSparse resident group: its residency row without the leading nulls; the
-        HiSparse source and resident groups tell their coordinator first)."""
-        if self.align is not None:
-            self.align.forget(request_id)
-        if self.rules.host_pool or self.rules.resident_pages:
-            self._bound_coordinator().free(request_id)
-        if self.rules.hot_region:
-            self.hot_required.discard(request_id)
-        row = self.get_residency_row(request_id) if self.rules.resident_pages else []
-        if self.rules.resident_pages:
-            self.residency_changes.pop(request_id, None)
+        """Forget the request; its blocks in allocation order, still referenced (the
+        row's ``release``)."""
+        return self.rules.release(self, request_id)
+
+    def _release_table(self, request_id: str) -> list[int]:
+        """Forget the request's table, cached count and pending copy; its blocks. (Mamba
+        'align' and HiSparse first tell their record, coordinator or region.)"""
         self.num_cached_block.pop(request_id, None)
         self.partial_hit_reqs.pop(request_id, None)
-        blocks = self.req_to_blocks.pop(request_id, [])
-        if self.rules.resident_pages:
-            while row and row[0] == NULL_BLOCK:
-                row.pop(0)
-            return row
-        return blocks
+        return self.req_to_blocks.pop(request_id, [])
+
+    def _release_align(self, request_id: str) -> list[int]:
+        assert self.align is not None
+        self.align.forget(request_id)
+        return self._release_table(request_id)
+
+    def _release_host(self, request_id: str) -> list[int]:
+        self._bound_coordinator().free(request_id)
+        return self._release_table(request_id)
+
+    def _release_hot_region(self, request_id: str) -> list[int]:
+        self.hot_required.discard(request_id)
+        return self._release_table(request_id)
+
+    def _release_pages(self, request_id: str) -> list[int]:
+        """A resident group tells its coordinator first; its residency row without the
+        leading nulls."""
+        self._bound_coordinator().free(request_id)
+        row = self.get_residency_row(request_id)
+        self.residency_changes.pop(request_id, None)
+        self._release_table(request_id)
+        while row and row[0] == NULL_BLOCK:
+            row.pop(0)
+        return row
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks tail first, so tails are evicted before heads."""
@@ -806,22 +697,12 @@ class SingleTypeKVCacheManager:
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        """Free the blocks attention no longer reads, tail first, leaving nulls: the
-        skipped prefix, or R-SWA's gap (given the prompt length); Mamba's align mode
-        also the previous step's state block."""
-        if self.rules.frees_gap:
-            self._free_rswa_gap(request_id, total_computed_tokens, num_prompt_tokens)
-            return
-        if self.num_speculative_blocks and not self.profile.mamba_frees_processed_states:
-            # NOTE: like vLLM 0.25.1, subtract a block count from a token count, for
-            # rejected drafts.
-            total_computed_tokens = max(0, total_computed_tokens - self.num_speculative_blocks)
-        if self.align is not None:
-            self._align_remove_skipped(request_id, total_computed_tokens)
-        else:
-            self._free_skipped_prefix(request_id, total_computed_tokens)
+        """Free the blocks attention no longer reads, tail first, leaving nulls (the
+        row's ``drop_skipped``; R-SWA needs the prompt length)."""
+        self.rules.drop_skipped(self, request_id, total_computed_tokens, num_prompt_tokens)
 
-    def _free_skipped_prefix(self, request_id: str, total_computed_tokens: int) -> None:
+    def _free_skipped_prefix(self, request_id: str, total_computed_tokens: int, *args: Any
+                             ) -> None:
         """Free the skipped blocks still live, tail first, leaving nulls."""
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         if num_skipped_tokens <= 0:
@@ -831,6 +712,14 @@ class SingleTypeKVCacheManager:
         start, stop = pure.skipped_blocks_to_free(blocks, NULL_BLOCK,
                                                   num_skipped_tokens // self.block_size)
         self._null_out(blocks, start, stop)
+
+    def _less_drafts(self, total_computed_tokens: int) -> int:
+        """Mamba before 0.26.0 (no ``mamba_frees_processed_states``): like vLLM 0.25.1,
+        the tokens less the speculative block count (a block count from a token count),
+        for rejected drafts."""
+        if self.num_speculative_blocks and not self.profile.mamba_frees_processed_states:
+            return max(0, total_computed_tokens - self.num_speculative_blocks)
+        return total_computed_tokens
 
     def _null_out(self, blocks: list[int], start: int, stop: int) -> None:
         """Free ``blocks[start:stop]`` right to left and null them."""
@@ -858,13 +747,11 @@ class SingleTypeKVCacheManager:
         self.cached_blocks_this_step.clear()
 
     def check_invariants(self, nulls_only_leading: bool = True) -> None:
-        """Assert the invariants of the class docstring."""
-        nulls_only_leading = (nulls_only_leading and not self.rules.frees_gap
-                              and self.align is None)
+        """Assert the invariants of the class docstring (the row's ``check``)."""
+        self.rules.check(self, nulls_only_leading)
+
+    def _check_tables(self, nulls_only_leading: bool) -> None:
         assert set(self.num_cached_block) <= set(self.req_to_blocks)
-        if self.rules.resident_pages:  # its bookkeeping only (see the class docstring)
-            assert set(self.residency_changes) <= set(self.req_to_blocks)
-            return
         for rid, ids in self.req_to_blocks.items():
             held = [b for b in ids if b != NULL_BLOCK]
             assert len(set(held)) == len(held), f"{rid!r} holds a block twice: {ids}"
@@ -872,18 +759,25 @@ class SingleTypeKVCacheManager:
             assert not nulls_only_leading or len(held) == len(ids) - num_leading_nulls, (
                 f"{rid!r} has a null block after a live one: {ids}")
 
+    def _check_residency(self, nulls_only_leading: bool) -> None:
+        assert set(self.num_cached_block) <= set(self.req_to_blocks)
+        assert set(self.residency_changes) <= set(self.req_to_blocks)
+
     # ------------------------------------------------------------ Mamba 'align' mode
 
-    def _align_num_blocks_to_allocate(self, request_id: str, new_computed_blocks: Sequence[int],
-                                      total_computed_tokens: int, num_tokens_main_model: int,
-                                      apply_admission_cap: bool, num_local_computed_tokens: int,
-                                      prefill_end: int) -> int:
+    def _num_align_blocks(self, request_id: str, num_tokens: int,
+                          new_computed_blocks: Sequence[int], total_computed_tokens: int,
+                          apply_admission_cap: bool, num_local_computed_tokens: int,
+                          num_tokens_main_model: int, prefill_end: int) -> int:
         """Only the running state block plus speculative blocks (lookahead tokens would
         break the alignment). A state ending inside its block (a hit there, or the
         request's own prompt-tail entry; ``partial_hit_copy_on_write``) needs one block
         more, its copy, and so does a prefill checkpoint (``_checkpoint_position``),
         which a call other than the admission estimate (``apply_admission_cap``) records
-        for the allocation."""
+        for the allocation. A hit on a state cached this step waits (as
+        ``_num_state_blocks``)."""
+        if self._waits_for_state(new_computed_blocks):
+            return self.block_pool.num_gpu_blocks + 1
         align, num_spec = self.align, self.num_speculative_blocks
         assert align is not None
         allocated = request_id in align.allocated
@@ -938,7 +832,8 @@ class SingleTypeKVCacheManager:
                            and column >= len(blocks) - self.num_speculative_blocks))
         return position if column >= 0 and free_column else 0
 
-    def _align_allocate(self, request_id: str, num_tokens_main_model: int) -> list[int]:
+    def _grow_align(self, request_id: str, num_tokens: int, num_tokens_main_model: int
+                    ) -> list[int]:
         """Nulls up to the new state block, last step's speculative blocks moved up, and
         the blocks after it. A pending partial state also gets a copy: in place of a new
         request's hit block, or, for a running request (its own prompt-tail entry), the
@@ -1078,12 +973,14 @@ class SingleTypeKVCacheManager:
             return None
         return self.kv_cache_group_id, tail[0], tail[1]
 
-    def _align_remove_skipped(self, request_id: str, total_computed_tokens: int) -> None:
-        """Free the skipped states (0.33.0: every live state before the latest that an
-        earlier call has not retired, right to left, past null gaps), then the
-        previous step's state block once passed."""
+    def _free_align_states(self, request_id: str, total_computed_tokens: int,
+                           num_prompt_tokens: int | None) -> None:
+        """Free the skipped states (``_less_drafts``; 0.33.0: every live state before
+        the latest that an earlier call has not retired, right to left, past null
+        gaps), then the previous step's state block once passed."""
         align = self.align
         assert align is not None
+        total_computed_tokens = self._less_drafts(total_computed_tokens)
         if not self.profile.mamba_frees_processed_states:
             self._free_skipped_prefix(request_id, total_computed_tokens)
         elif (num_skipped := self.get_num_skipped_tokens(total_computed_tokens)) > 0:
@@ -1149,9 +1046,10 @@ class SingleTypeKVCacheManager:
         """A hot group: whether the request holds its whole region."""
         return len(self.req_to_blocks.get(request_id, [])) == self.blocks_per_request
 
-    def _hot_num_blocks_to_allocate(self, request_id: str, new_computed_blocks: Sequence[int],
-                                    total_computed_tokens: int,
-                                    num_local_computed_tokens: int) -> int:
+    def _num_hot_blocks(self, request_id: str, num_tokens: int,
+                        new_computed_blocks: Sequence[int], total_computed_tokens: int,
+                        apply_admission_cap: bool, num_local_computed_tokens: int,
+                        *args: Any) -> int:
         """The missing region if the request needs it now (an import, a new request with
         a local hit, or ``require_hot``), else 0."""
         check_no_hits(request_id, new_computed_blocks)
@@ -1161,10 +1059,10 @@ class SingleTypeKVCacheManager:
             return max(self.blocks_per_request - len(self.req_to_blocks.get(request_id, [])), 0)
         return 0
 
-    def _resident_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                         new_computed_blocks: Sequence[int],
-                                         total_computed_tokens: int, apply_admission_cap: bool,
-                                         num_local_computed_tokens: int) -> int:
+    def _num_resident_blocks(self, request_id: str, num_tokens: int,
+                             new_computed_blocks: Sequence[int], total_computed_tokens: int,
+                             apply_admission_cap: bool, num_local_computed_tokens: int,
+                             *args: Any) -> int:
         """Device pages still needed for ``num_tokens``: with an import, its last page
         (if not resident) and the pages past it; else the pages past the host prefix
         and the table (at most the window's under ``apply_admission_cap``)."""
@@ -1179,8 +1077,22 @@ class SingleTypeKVCacheManager:
             needed = min(needed, self.window)
         return max(needed - max(num_pages, cdiv(num_local_computed_tokens, self.block_size)), 0)
 
-    def _resident_add_hit(self, request_id: str, num_local_computed_tokens: int) -> None:
-        """The host prefix hit becomes host-only pages; the coordinator is told."""
+    def _admit_hot(self, request_id: str, new_computed_blocks: Sequence[int],
+                   num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
+        """A hot group admits the request (a local hit, or no resident group, needs
+        the region)."""
+        check_no_hits(request_id, new_computed_blocks)
+        self._blocks_of(request_id)
+        self.num_cached_block[request_id] = 0
+        if num_local_computed_tokens > 0 or not self._bound_coordinator().resident_managers:
+            self.require_hot(request_id)
+
+    def _adopt_host_prefix(self, request_id: str, new_computed_blocks: Sequence[int],
+                           num_local_computed_tokens: int,
+                           num_external_computed_tokens: int) -> None:
+        """A resident group: the host prefix hit becomes host-only pages; the
+        coordinator is told."""
+        check_no_hits(request_id, new_computed_blocks)
         req_blocks = self._blocks_of(request_id)
         if req_blocks:
             raise ValueError(f"request_id={request_id!r} already holds pages {req_blocks}")
@@ -1190,7 +1102,7 @@ class SingleTypeKVCacheManager:
         self._bound_coordinator().commit_computed_blocks(request_id, num_pages)
 
     def _resident_import(self, request_id: str, num_local_computed_tokens: int,
-                         num_external_computed_tokens: int) -> None:
+                         num_external_computed_tokens: int, record_for_zeroing: bool) -> None:
         """Imported pages stay host-only but the last, which gets a writable block
         unless it is resident."""
         if num_external_computed_tokens <= 0:
@@ -1233,6 +1145,181 @@ class SingleTypeKVCacheManager:
         changes = self.residency_changes.get(request_id, {})
         table = self.req_to_blocks.get(request_id, [])
         return [changes.get(page, table[page]) for page in range(start, len(table))]
+
+
+M = SingleTypeKVCacheManager  # the rows' steps are its methods
+
+
+@dataclass(frozen=True)
+class KindRules:
+    """One group kind: a row of ``KINDS``.
+
+    ``name``: vLLM's manager class for the kind; ``resume``: its row in
+    ``spec.effectiveness.KINDS`` (None: not judged). ``skipped_tokens(spec, n)``: the
+    leading tokens no longer read once ``n`` are computed. ``hit``: its hit search
+    (None: the kind refuses prefix caching); ``fine_hit``: its search for hits ending
+    inside a block (``mamba_fine_grained_hits``; None: none). ``cache_mask``: which
+    blocks caching keys (None: every full block). ``common_prefix``: whether blocks
+    held by every request count as a common prefix (full attention). ``encoder``:
+    sized by the encoder tokens. ``retains_longer_hit``: HiSparse's source (vLLM
+    0.33.0), whose hit outlives the common hit (the coordinator's trims leave it;
+    allocate_slots cuts it).
+
+    The flow's steps, manager methods (default: full attention's): ``setup``
+    (construction extras), ``num_blocks`` (``get_num_blocks_to_allocate``), ``adopt``
+    (``add_local_computed_blocks``), ``load`` (``allocate_external_computed_blocks``),
+    ``grow`` (``allocate_new_blocks``), ``take_copies`` (``take_pending_cow_copies``),
+    ``take_ids`` (``take_new_block_ids``), ``cache`` (``cache_blocks``), ``release``
+    (``pop_blocks_for_free``), ``drop_skipped`` (``remove_skipped_blocks``) and
+    ``check`` (``check_invariants``)."""
+
+    name: str
+    resume: str | None
+    skipped_tokens: Callable[[KVCacheSpec, int], int]
+    hit: HitSearch | None
+    fine_hit: FineHitSearch | None = None
+    cache_mask: CacheMask | None = None
+    common_prefix: bool = False
+    encoder: bool = False
+    retains_longer_hit: bool = False
+    setup: Callable[[M, bool], None] = M._nothing
+    num_blocks: Callable[[M, str, int, Sequence[int], int, bool, int, int, int], int] = (
+        M._num_table_blocks)
+    adopt: Callable[[M, str, Sequence[int], int, int], None] = M._adopt_hits
+    load: Callable[[M, str, int, int, bool], object] = M._load_blocks
+    grow: Callable[[M, str, int, int], list[int]] = M._grow_table
+    take_copies: Callable[[M], list[tuple[int, int]]] = M._drain_copies
+    take_ids: Callable[[M], list[int]] = M._drain_ids
+    cache: Callable[[M, Request, int, int | None, Sequence[int] | None], object] = (
+        M._cache_full_blocks)
+    release: Callable[[M, str], list[int]] = M._release_table
+    drop_skipped: Callable[[M, str, int, int | None], None] = M._free_skipped_prefix
+    check: Callable[[M, bool], None] = M._check_tables
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        """Pickled (and copied) as its key in ``ROWS``: a row is one object (``is``
+        compares rows)."""
+        return row_named, (next(key for key, row in ROWS.items() if row is self),)
+
+
+def nothing_skipped(spec: KVCacheSpec, num_computed_tokens: int) -> int:
+    """Full attention reads every token."""
+    return pure.num_skipped_tokens_full_attention(num_computed_tokens)
+
+
+def before_window(spec: KVCacheSpec, num_computed_tokens: int) -> int:
+    """Sliding window: the tokens before the next token's window."""
+    return pure.num_skipped_tokens_sliding_window(num_computed_tokens, spec.sliding_window)
+
+
+def before_chunk(spec: KVCacheSpec, num_computed_tokens: int) -> int:
+    """Chunked local attention: the tokens of the chunks before the next token's."""
+    return pure.num_skipped_tokens_chunked_local(num_computed_tokens, spec.attention_chunk_size)
+
+
+def before_last(spec: KVCacheSpec, num_computed_tokens: int) -> int:
+    """Mamba: every token but the last (only the latest state is read)."""
+    return pure.num_skipped_tokens_mamba(num_computed_tokens)
+
+
+FULL = KindRules("FullAttentionManager", "full", nothing_skipped, full_attention_hit,
+                 full_attention_fine_hit, common_prefix=True)
+RSWA = replace(FULL, name="RSWAManager", resume="rswa", drop_skipped=M._free_rswa_gap,
+               check=lambda m, _: m._check_tables(False))  # nulls inside: the gap
+SINK = replace(FULL, name="SinkFullAttentionManager", resume="sink", setup=M._reserve_sinks)
+RING = replace(FULL, name="CircularBufferManager", resume="circular", hit=no_hit, fine_hit=None,
+               num_blocks=lambda m, r, *_: 0 if m.req_to_blocks.get(r) else 1,  # its one block
+               adopt=M._nothing, load=M._claim_ring_block, grow=M._claim_ring_block,
+               cache=M._nothing)
+SLIDING_WINDOW = KindRules("SlidingWindowManager", "sliding_window", before_window,
+                           sliding_window_hit, cache_mask=sliding_window_mask,
+                           cache=M._key_full_blocks)
+CHUNKED_LOCAL = KindRules("ChunkedLocalAttentionManager", "chunked_local", before_chunk,
+                          chunked_local_hit, cache=M._key_full_blocks)
+CROSS = KindRules("CrossAttentionManager", "cross_attention", nothing_skipped, None,
+                  encoder=True, adopt=M._refuse_hits, load=M._nothing, cache=M._refuse_caching)
+MAMBA = KindRules("MambaManager", "mamba", before_last, mamba_hit, mamba_fine_hit, mamba_mask,
+                  setup=M._set_up_states, num_blocks=M._num_state_blocks,
+                  cache=M._cache_states,
+                  drop_skipped=lambda m, r, n, _: m._free_skipped_prefix(r, m._less_drafts(n)))
+MAMBA_ALIGN = replace(MAMBA, setup=M._set_up_align, num_blocks=M._num_align_blocks,
+                      grow=M._grow_align, cache=M._cache_align_states, release=M._release_align,
+                      drop_skipped=M._free_align_states, check=RSWA.check)
+HISPARSE_SOURCE = replace(FULL, name="HiSparseSourceManager", resume=None,
+                          retains_longer_hit=True, num_blocks=M._num_host_blocks,
+                          load=M._load_host_blocks, take_copies=lambda m: [],
+                          take_ids=lambda m: m._drain_ids() and [],  # host blocks: no zeroing
+                          cache=M._publish_when_ready,
+                          release=M._release_host)
+HISPARSE_HOT = KindRules("HiSparseHotManager", None, nothing_skipped, None,
+                         setup=M._set_up_hot_region, num_blocks=M._num_hot_blocks,
+                         adopt=M._admit_hot, load=lambda m, r, *_: m.require_hot(r),
+                         grow=M._grow_hot_region, cache=M._nothing,
+                         release=M._release_hot_region)
+HISPARSE_RESIDENT = KindRules("HiSparseResidentManager", None, nothing_skipped, None,
+                              setup=M._set_up_residency, num_blocks=M._num_resident_blocks,
+                              adopt=M._adopt_host_prefix, load=M._resident_import,
+                              grow=M._grow_pages, cache=M._nothing, release=M._release_pages,
+                              check=M._check_residency)
+
+KINDS: dict[str, KindRules] = {
+    "FullAttentionSpec": FULL, "TQFullAttentionSpec": FULL, "MLAAttentionSpec": FULL,
+    "HiddenStateCacheSpec": FULL, "RSWASpec": RSWA, "SinkFullAttentionSpec": SINK,
+    "CircularBufferSpec": RING, "SlidingWindowSpec": SLIDING_WINDOW,
+    "SlidingWindowMLASpec": SLIDING_WINDOW, "ChunkedLocalAttentionSpec": CHUNKED_LOCAL,
+    "CrossAttentionSpec": CROSS, "MambaSpec": MAMBA, "HiSparseHotSpec": HISPARSE_HOT,
+    "HiSparseResidentSpec": HISPARSE_RESIDENT,
+}  # fmt: skip
+"""Each modelled layer-spec class's row, by class name (exact class only; ``row_for``
+gives a Mamba spec in 'align' mode ``MAMBA_ALIGN``)."""
+
+ROLE_KINDS: dict[str, KindRules] = {"hisparse_source": HISPARSE_SOURCE}
+"""vLLM 0.33.0's group roles with a row of their own (before the spec class)."""
+
+ROWS = {"FULL": FULL, "RSWA": RSWA, "SINK": SINK, "RING": RING, "CROSS": CROSS,
+        "SLIDING_WINDOW": SLIDING_WINDOW, "CHUNKED_LOCAL": CHUNKED_LOCAL, "MAMBA": MAMBA,
+        "MAMBA_ALIGN": MAMBA_ALIGN, "HISPARSE_SOURCE": HISPARSE_SOURCE,
+        "HISPARSE_HOT": HISPARSE_HOT, "HISPARSE_RESIDENT": HISPARSE_RESIDENT}
+"""Every row, by its name here."""
+
+
+def row_named(name: str) -> KindRules:
+    """The row called ``name`` in ``ROWS`` (``KindRules.__reduce__``)."""
+    return ROWS[name]
+
+
+def row_for(kv_cache_spec: KVCacheSpec, role: str | None = None) -> KindRules:
+    """A group's row: its role's, else its spec class's (Mamba's by its
+    ``mamba_cache_mode``); KeyError if unmodelled."""
+    rules = ROLE_KINDS.get(role or "") or KINDS[type(kv_cache_spec).__name__]
+    if rules is MAMBA and kv_cache_spec.mamba_cache_mode == "align":
+        return MAMBA_ALIGN
+    return rules
+
+
+def find_longest_cache_hit(rules: KindRules, block_hashes: Sequence[bytes], max_length: int,
+                           group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                           drop_eagle_block: bool, alignment_tokens: int) -> Hits:
+    """Per group, the kind's longest hit of at most ``max_length`` tokens cached in all
+    ``group_ids``, ending on a multiple of ``alignment_tokens``; EAGLE drops its last
+    block. NotImplementedError for a kind outside prefix caching."""
+    if rules.hit is None:
+        raise NotImplementedError(f"{rules.name} does not support prefix caching")
+    block_hashes = block_hashes[:max(max_length, 0) // kv_cache_spec.block_size]
+    first, num_blocks = rules.hit(block_hashes, CachedInAllGroups(pool, group_ids), max_length,
+                                  kv_cache_spec, drop_eagle_block, alignment_tokens)
+    return hit_blocks(block_hashes, first, num_blocks, group_ids, pool)
+
+
+def find_fine_grained_hit(rules: KindRules, block_hashes: Sequence[bytes], max_length: int,
+                          group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
+                          drop_eagle_block: bool, hash_block_size: int) -> tuple[Hits, int]:
+    """A hit that may end inside a block, and its length (full attention and Mamba,
+    ``block_hashes`` per hash block)."""
+    if rules.fine_hit is None:
+        raise NotImplementedError(f"{rules.name} finds no hits inside a block")
+    return rules.fine_hit(block_hashes, max_length, group_ids, pool, kv_cache_spec,
+                          drop_eagle_block, hash_block_size)
 
 
 @dataclass
@@ -1290,7 +1377,6 @@ def sink_manager(kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_cachi
                                     dcp_world_size, None, pcp_world_size, **switches)
 
 
-
 def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_tokens: int,
                                   max_model_len: int, block_pool: BlockPool, enable_caching: bool,
                                   kv_cache_group_id: int, scheduler_block_size: int,
@@ -1302,10 +1388,11 @@ def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_to
     caching; TypeError for a sink group, as in vLLM 0.25.1 (``sink_manager``).
     ``switches``: the manager's keyword arguments (``profile``,
     ``needs_kv_cache_zeroing``, ``use_eagle``)."""
-    rules = ROLE_KINDS.get(role or "") or KINDS.get(type(kv_cache_spec).__name__)
-    if rules is None:
-        raise NotImplementedError(f"no spec manager for {type(kv_cache_spec).__name__}")
-    if rules.sink:
+    try:
+        rules = row_for(kv_cache_spec, role)
+    except KeyError:
+        raise NotImplementedError(f"no spec manager for {type(kv_cache_spec).__name__}") from None
+    if rules is SINK:
         # vLLM 0.25.1 passes scheduler_block_size, which the sink constructor lacks.
         raise TypeError("SinkFullAttentionManager.__init__() got an unexpected keyword "
                         "argument 'scheduler_block_size'")
