@@ -1,9 +1,9 @@
 """Per-group managers: one class, driven by its kind's row of rules (``KINDS``).
 
-A row (``KindRules``) says, as pure functions of the layer spec and plain values,
-what the kind skips, how a lookup finds its hit, which blocks it caches, and which of
-the shared flow's steps it takes part in. ``SingleTypeKVCacheManager`` is that flow,
-written once: admission count, allocation, free, caching and the hit search.
+A row (``KindRules``) says what the kind skips, how a lookup finds its hit, which
+blocks it caches, and which rule each step of the flow follows (allocation, free,
+caching), defaulting to full attention's. ``SingleTypeKVCacheManager`` is the flow,
+written once: each public method calls its row's rule.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ Hits = tuple[list[int], ...]
 def records_new_block_ids(kv_cache_spec: KVCacheSpec, profile: Profile,
                           needs_kv_cache_zeroing: bool) -> bool:
     """Whether a group reports its fresh blocks for zeroing: full attention and MLA
-    (exact classes, as vLLM tests them), or, under ``zero_every_attention_group`` in a
-    layout that zeroes, every attention kind but a ring buffer; under
+    (exact classes, as vLLM tests them), or every attention kind but a ring buffer
+    (``zero_every_attention_group`` in a layout that zeroes); under
     ``new_block_ids_zeroing_only`` none where the layout needs no zeroing."""
     if profile.new_block_ids_zeroing_only and not needs_kv_cache_zeroing:
         return False
@@ -71,9 +71,8 @@ def hit_blocks(block_hashes: Sequence[bytes], first: int, num_blocks: int,
 
 
 # ---------------------------------------------------------------- the rules of each kind
-# Hit searches: (the hashes up to max_length, which are cached, max_length, spec,
-# drop the EAGLE block, alignment in tokens) -> (first, num_blocks): the hit is
-# num_blocks blocks, null before first.
+# Hit searches: (the hashes up to max_length, which are cached, max_length, spec, drop
+# the EAGLE block, alignment in tokens) -> (first, num_blocks), nulls before first.
 HitSearch = Callable[[Sequence[bytes], Container[bytes], int, KVCacheSpec, bool, int],
                      tuple[int, int]]
 # Fine-grained searches (mamba_fine_grained_hits): (hashes per hash block, max_length,
@@ -93,12 +92,6 @@ def full_attention_hit(block_hashes: Sequence[bytes], cached: Container[bytes], 
     return 0, pure.full_attention_hit_num_blocks(
         block_hashes, cached, max_length // spec.block_size, drop_eagle_block, spec.block_size,
         alignment)
-
-
-def no_hit(block_hashes: Sequence[bytes], cached: Container[bytes], max_length: int,
-           spec: KVCacheSpec, drop_eagle_block: bool, alignment: int) -> tuple[int, int]:
-    """A kind outside prefix caching (a ring buffer) hits nothing."""
-    return 0, 0
 
 
 def window_blocks_for_hit(spec: KVCacheSpec, use_eagle: bool) -> int:
@@ -207,17 +200,15 @@ class SingleTypeKVCacheManager:
     """Block tables of one KV-cache group: the flow, each step its row's rule (``rules``).
 
     ``req_to_blocks[r][i]`` holds tokens ``[i*block_size, (i+1)*block_size)`` of request
-    r, NULL_BLOCK where attention skips them. vLLM keeps the tables in a defaultdict,
-    so some reads create an empty entry (``_blocks_of``). ``num_cached_block[r]``
-    counts r's leading blocks already cached; having one marks r as running.
-    ``new_block_ids`` collects fresh full-attention ids until taken.
+    r, NULL_BLOCK where attention skips them; some reads create an empty table, as
+    vLLM's defaultdict does (``_blocks_of``). ``num_cached_block[r]`` counts r's leading
+    blocks already cached; having one marks r as running. ``new_block_ids`` collects
+    fresh full-attention ids until taken.
 
     Invariants (``check_invariants``): no table holds a block twice; NULL_BLOCK entries
-    are a prefix of each table (skipped positions; R-SWA's gap and Mamba's align mode
-    also null blocks further in); every cached-block count belongs to a table. A
-    HiSparse resident table may name a block the pool gave to another reader since (a
-    dropped page's): only its bookkeeping is checked.
-    """
+    lead each table (R-SWA's gap and Mamba's align mode null blocks further in too);
+    every cached-block count has a table. (A HiSparse resident table may name a block
+    the pool gave another reader since: only its bookkeeping is checked.)"""
 
     coordinator: Any = None  # HiSparse: vLLM's HiSparseCoordinator, bound from outside
 
@@ -227,10 +218,8 @@ class SingleTypeKVCacheManager:
                  context_parallel: int = 1, *, profile: Profile | None = None,
                  needs_kv_cache_zeroing: bool = False, use_eagle: bool = False,
                  rules: KindRules | None = None) -> None:
-        # The release whose switches this group reads, under their own names: by
-        # default its pool's. ``needs_kv_cache_zeroing``: the layout's (0.33.0's
-        # zeroing switches); ``use_eagle``: the engine's flag (Mamba's prompt tail).
-        # ``rules``: the kind's row, by default the spec's (``row_for``).
+        # ``profile``: the release whose switches it reads (default: its pool's); the
+        # layout's ``needs_kv_cache_zeroing``; the engine's ``use_eagle`` (Mamba's tail).
         self.rules = row_for(kv_cache_spec) if rules is None else rules
         self.profile = block_pool.profile if profile is None else profile
         self.kv_cache_spec = kv_cache_spec
@@ -254,8 +243,7 @@ class SingleTypeKVCacheManager:
         self.partial_hit_reqs: dict[str, tuple[int, int]] = {}
         self.pending_copies: list[tuple[int, int]] = []
         self.num_speculative_blocks = 0  # Mamba: held beyond the tokens (its rows' setup)
-        # Mamba: pool keys cached this step (their states may not be written yet)
-        self.cached_blocks_this_step: set[bytes] = set()
+        self.cached_blocks_this_step: set[bytes] = set()  # Mamba: keys cached this step
         self.align: MambaAlign | None = None  # Mamba 'align' mode's record (its row's setup)
         self.rules.setup(self, use_eagle)
 
@@ -328,10 +316,9 @@ class SingleTypeKVCacheManager:
                                    num_tokens_main_model: int, apply_admission_cap: bool = False,
                                    num_local_computed_tokens: int = 0, prefill_end: int = 0
                                    ) -> int:
-        """Free blocks needed to give the request ``num_tokens`` slots and take its hits
-        (one more for the copy of a hit ending inside a block, ``partial_hit_copy_on_write``;
-        ``num_local_computed_tokens``: computed plus hit tokens; ``prefill_end``: read by
-        Mamba's prefill checkpoints only), by the row's ``num_blocks``."""
+        """Free blocks needed to give the request ``num_tokens`` slots and take its hits,
+        by the row's ``num_blocks`` (``num_local_computed_tokens``: computed plus hit
+        tokens; ``prefill_end``: for Mamba's prefill checkpoints)."""
         return self.rules.num_blocks(self, request_id, num_tokens, new_computed_blocks,
                                      total_computed_tokens, apply_admission_cap,
                                      num_local_computed_tokens, num_tokens_main_model, prefill_end)
@@ -340,7 +327,8 @@ class SingleTypeKVCacheManager:
                           new_computed_blocks: Sequence[int], total_computed_tokens: int,
                           apply_admission_cap: bool, num_local_computed_tokens: int,
                           *args: Any) -> int:
-        """A table's fresh blocks for ``num_tokens`` slots plus its hits' evictable ones."""
+        """A table's fresh blocks for ``num_tokens`` slots plus its hits' evictable ones
+        (and the copy of a hit ending inside a block, ``partial_hit_copy_on_write``)."""
         num_required = pure.num_required_blocks(
             num_tokens, self.block_size,
             self.max_admission_blocks_per_request if apply_admission_cap else None)
@@ -363,10 +351,9 @@ class SingleTypeKVCacheManager:
 
     def _num_state_blocks(self, request_id: str, num_tokens: int, hits: Sequence[int],
                           *args: Any) -> int:
-        """Mamba: the table's blocks plus the speculative ones, which vLLM counts in the
-        layer's block size, not the manager's (they differ under context parallelism:
-        it takes more than it counts). A hit on a state cached this step needs
-        ``num_gpu_blocks + 1`` blocks: more than can be free, so it waits a step."""
+        """Mamba: plus the speculative blocks in the layer's block size (vLLM takes more
+        than it counts under context parallelism); a hit on a state cached this step
+        needs more blocks than can be free: it waits a step."""
         if self._waits_for_state(hits):
             return self.block_pool.num_gpu_blocks + 1
         num_tokens += self.kv_cache_spec.block_size * self.num_speculative_blocks
@@ -379,9 +366,8 @@ class SingleTypeKVCacheManager:
         else more than the device pool has."""
         needed = self._num_table_blocks(request_id, num_tokens, hits, total_computed_tokens,
                                         False, *args)
-        if needed <= self.block_pool.get_num_free_blocks():
-            return 0
-        return int(self._bound_coordinator().gpu_pool.num_gpu_blocks) + 1
+        free = self.block_pool.get_num_free_blocks()
+        return 0 if needed <= free else int(self._bound_coordinator().gpu_pool.num_gpu_blocks) + 1
 
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[int],
                                   num_local_computed_tokens: int,
@@ -466,11 +452,8 @@ class SingleTypeKVCacheManager:
         return new_ids
 
     def _extend_to(self, req_blocks: list[int], num_blocks: int) -> list[int]:
-        """Fresh blocks until the table holds ``num_blocks``; the new ones."""
-        new_ids = (self.block_pool.get_new_blocks(num_blocks - len(req_blocks))
-                   if num_blocks > len(req_blocks) else [])
-        req_blocks.extend(new_ids)
-        return new_ids
+        """Fresh blocks (never zeroed) until the table holds ``num_blocks``; the new ones."""
+        return self._append_new(req_blocks, max(num_blocks - len(req_blocks), 0), False)
 
     def _claim_ring_block(self, request_id: str, *args: Any) -> list[int]:
         """A ring's one block, taken at the request's first allocation or load."""
@@ -482,9 +465,8 @@ class SingleTypeKVCacheManager:
         return self.rules.grow(self, request_id, num_tokens, num_tokens_main_model)
 
     def _grow_table(self, request_id: str, num_tokens: int, *args: Any) -> list[int]:
-        """Append fresh blocks until the request has ``num_tokens`` slots (and the
-        speculative blocks); return them. A pending partial hit first gets its copy
-        (returned first, recorded for zeroing)."""
+        """Fresh blocks for ``num_tokens`` slots and the speculative blocks, after the
+        copy of a pending partial hit (recorded for zeroing)."""
         num_tokens += self.block_size * self.num_speculative_blocks
         copies = []
         if request_id in self.partial_hit_reqs:
@@ -500,13 +482,8 @@ class SingleTypeKVCacheManager:
         """A hot group: the missing region if required, else nothing (it is admitted)."""
         req_blocks = self._blocks_of(request_id)
         self.num_cached_block[request_id] = 0
-        if request_id not in self.hot_required:
-            return []
-        return self._extend_to(req_blocks, self.blocks_per_request)
-
-    def _grow_pages(self, request_id: str, num_tokens: int, *args: Any) -> list[int]:
-        """A resident group: a device block per new page."""
-        return self._extend_to(self._blocks_of(request_id), cdiv(num_tokens, self.block_size))
+        required = request_id in self.hot_required
+        return self._extend_to(req_blocks, self.blocks_per_request) if required else []
 
     def _copy_hit_block(self, request_id: str, index: int, source: int, copy: int) -> None:
         """Put ``copy`` in place of hit block ``source`` and queue the copy. Until the
@@ -519,23 +496,14 @@ class SingleTypeKVCacheManager:
         self.block_pool.ref_cnt[copy] += 1
 
     def take_pending_cow_copies(self) -> list[tuple[int, int]]:
-        """Drain the (source, copy) pairs queued since the last call (the row's
-        ``take_copies``)."""
+        """Drain the (source, copy) pairs queued since the last call (``take_copies``)."""
         return self.rules.take_copies(self)
-
-    def _drain_copies(self) -> list[tuple[int, int]]:
-        """The queued pairs, drained (the HiSparse source's are its coordinator's:
-        ``take_host_cow_copies``)."""
-        pending, self.pending_copies = self.pending_copies, []
-        return pending
 
     def take_new_block_ids(self) -> list[int]:
         """Drain the ids allocated since the last call (the row's ``take_ids``)."""
         return self.rules.take_ids(self)
 
     def _drain_ids(self) -> list[int]:
-        """The ids allocated since the last call, drained (the HiSparse source reports
-        none: host blocks are never zeroed)."""
         ids, self.new_block_ids = self.new_block_ids, []
         return ids
 
@@ -544,18 +512,16 @@ class SingleTypeKVCacheManager:
     def cache_blocks(self, request: Request, num_tokens: int,
                      retention_interval: int | None = None,
                      boundaries: Sequence[int] | None = None) -> None:
-        """Cache the request's full blocks among its first ``num_tokens`` tokens by the
-        row's ``cache`` (those the kind's mask keeps, for the coordinator's
-        ``retention_interval`` and replay ``boundaries``; None: one token short of the
-        prompt). With ``shared_prefix_junctions`` the request's
-        ``shared_prefix_boundary`` is a boundary too (and one block below it for an
-        EAGLE group)."""
+        """Cache the request's full blocks among its first ``num_tokens`` tokens (the
+        row's ``cache``) that the mask keeps for the ``retention_interval`` and replay
+        ``boundaries`` (None: one token short of the prompt; with
+        ``shared_prefix_junctions`` also ``shared_prefix_boundary``, and one block
+        below it for EAGLE)."""
         self.rules.cache(self, request, num_tokens, retention_interval, boundaries)
 
     def _key_full_blocks(self, request: Request, num_tokens: int, retention_interval: int | None,
                          boundaries: Sequence[int] | None) -> tuple[int, int]:
-        """Key the full blocks the mask keeps (windowed kinds' rule); the cached-block
-        count before and after."""
+        """Key the full blocks the mask keeps (windowed kinds' rule); cached before, after."""
         rid = request.request_id
         num_cached, num_keyed = self.num_cached_block.get(rid, 0), num_tokens
         if self.profile.cache_within_hashed_tokens:  # only blocks the request has hashes for
@@ -582,7 +548,7 @@ class SingleTypeKVCacheManager:
 
     def _cache_states(self, request: Request, *args: Any) -> None:
         """Mamba: its full blocks, remembering the keys cached this step."""
-        self._cached_this_step(request.request_id, *self._key_full_blocks(request, *args), False)
+        self._cached_this_step(request.request_id, *self._key_full_blocks(request, *args), None)
 
     def _cache_align_states(self, request: Request, num_tokens: int,
                             retention_interval: int | None, *args: Any) -> None:
@@ -590,21 +556,23 @@ class SingleTypeKVCacheManager:
         remembering the keys cached this step and offering the states."""
         cached = self._key_full_blocks(request, num_tokens, retention_interval, *args)
         self._align_cache_state(request, num_tokens, retention_interval)
-        assert self.align is not None
-        self._cached_this_step(request.request_id, *cached, self.align.offers_boundary_states)
+        align = self.align
+        assert align is not None
+        self._cached_this_step(request.request_id, *cached,
+                               align.offers if align.offers_boundary_states else None)
 
-    def _cached_this_step(self, rid: str, num_cached: int, num_full: int, offer: bool) -> None:
+    def _cached_this_step(self, rid: str, num_cached: int, num_full: int,
+                          offers: list[tuple[str, int, int, int]] | None) -> None:
         """Remember the keys of blocks ``[num_cached, num_full)`` (not a hit before the
-        next step, ``new_step_starts``); with ``offer``, offer each state."""
+        next step, ``new_step_starts``); offer each state to ``offers`` if given."""
         if num_full <= num_cached:
             return
         for block_id in self.req_to_blocks[rid][num_cached:num_full]:
             if (key := self.block_pool.block_hash.get(block_id)) is not None:
                 self.cached_blocks_this_step.add(key)
-                if offer:
-                    assert self.align is not None
-                    self.align.offers.append((rid, self.kv_cache_group_id, block_id,
-                                              self.block_pool.hash_num_tokens[block_id]))
+                if offers is not None:
+                    offers.append((rid, self.kv_cache_group_id, block_id,
+                                   self.block_pool.hash_num_tokens[block_id]))
 
     def _refuse_caching(self, *args: Any) -> None:
         raise ValueError("cross-attention blocks are never cached")
@@ -616,10 +584,9 @@ class SingleTypeKVCacheManager:
             request, num_tokens, retention_interval, replay_boundaries=boundaries)
 
     def _cache_prompt_tail(self, request: Request, num_tokens: int) -> None:
-        """partial_prompt_tail_entries (0.33.0): key the block holding the prompt's last
-        reachable hash boundary as a partial entry: the boundary of
-        ``num_prompt_tokens - 1`` tokens (the whole prompt for EAGLE), when it falls
-        inside a block and within ``num_tokens``."""
+        """partial_prompt_tail_entries: key the block holding the prompt's last hash
+        boundary (of all but its last token; all for EAGLE) as a partial entry, when it
+        falls inside a block and within ``num_tokens``."""
         hbs = self.block_pool.hash_block_size
         if self.block_size == hbs:
             return
@@ -651,8 +618,7 @@ class SingleTypeKVCacheManager:
         return self.rules.release(self, request_id)
 
     def _release_table(self, request_id: str) -> list[int]:
-        """Forget the request's table, cached count and pending copy; its blocks. (Mamba
-        'align' and HiSparse first tell their record, coordinator or region.)"""
+        """Forget the request's table, cached count and pending copy; its blocks."""
         self.num_cached_block.pop(request_id, None)
         self.partial_hit_reqs.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, [])
@@ -671,15 +637,12 @@ class SingleTypeKVCacheManager:
         return self._release_table(request_id)
 
     def _release_pages(self, request_id: str) -> list[int]:
-        """A resident group tells its coordinator first; its residency row without the
-        leading nulls."""
+        """A resident group: its residency row without the leading nulls."""
         self._bound_coordinator().free(request_id)
         row = self.get_residency_row(request_id)
         self.residency_changes.pop(request_id, None)
         self._release_table(request_id)
-        while row and row[0] == NULL_BLOCK:
-            row.pop(0)
-        return row
+        return row[next((i for i, b in enumerate(row) if b != NULL_BLOCK), len(row)):]
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks tail first, so tails are evicted before heads."""
@@ -714,9 +677,8 @@ class SingleTypeKVCacheManager:
         self._null_out(blocks, start, stop)
 
     def _less_drafts(self, total_computed_tokens: int) -> int:
-        """Mamba before 0.26.0 (no ``mamba_frees_processed_states``): like vLLM 0.25.1,
-        the tokens less the speculative block count (a block count from a token count),
-        for rejected drafts."""
+        """Mamba without ``mamba_frees_processed_states``: like vLLM 0.25.1, the tokens
+        less the speculative block count (for rejected drafts)."""
         if self.num_speculative_blocks and not self.profile.mamba_frees_processed_states:
             return max(0, total_computed_tokens - self.num_speculative_blocks)
         return total_computed_tokens
@@ -770,12 +732,11 @@ class SingleTypeKVCacheManager:
                           apply_admission_cap: bool, num_local_computed_tokens: int,
                           num_tokens_main_model: int, prefill_end: int) -> int:
         """Only the running state block plus speculative blocks (lookahead tokens would
-        break the alignment). A state ending inside its block (a hit there, or the
-        request's own prompt-tail entry; ``partial_hit_copy_on_write``) needs one block
-        more, its copy, and so does a prefill checkpoint (``_checkpoint_position``),
-        which a call other than the admission estimate (``apply_admission_cap``) records
-        for the allocation. A hit on a state cached this step waits (as
-        ``_num_state_blocks``)."""
+        break the alignment); one more for the copy of a state ending inside its block
+        (a hit, or the request's own prompt-tail entry; ``partial_hit_copy_on_write``)
+        and for a prefill checkpoint (``_checkpoint_position``; recorded unless this is
+        the admission estimate, ``apply_admission_cap``). A hit on a state cached this
+        step waits."""
         if self._waits_for_state(new_computed_blocks):
             return self.block_pool.num_gpu_blocks + 1
         align, num_spec = self.align, self.num_speculative_blocks
@@ -806,14 +767,12 @@ class SingleTypeKVCacheManager:
 
     def _checkpoint_position(self, request_id: str, start: int, end: int, prefill_end: int
                              ) -> int:
-        """Where the chunk computing tokens ``[start, end)`` leaves a prefill checkpoint;
-        0 for none. The position is the last reusable hash boundary before the chunk's
-        end (``pure.mamba_prompt_tail_boundary`` of ``end``). There is one only with
-        checkpoint blocks, for a chunk reaching ``prefill_end`` (the coordinator passes
-        0 unless retention keeps only the latest state), at a position the layer can
-        export (``pure.mamba_checkpoint_exportable``), into a column (the block before
-        the chunk's last) that is free for it: not yet in the table, null, or, for a
-        request given blocks already, one of its speculative blocks."""
+        """Where the chunk computing tokens ``[start, end)`` leaves a prefill checkpoint
+        (0: none): with checkpoint blocks, for a chunk reaching ``prefill_end`` (0 unless
+        retention keeps only the latest state), the last reusable hash boundary before
+        ``end`` (``pure.mamba_prompt_tail_boundary``) if the layer can export it
+        (``pure.mamba_checkpoint_exportable``) into a free column: the block before the
+        chunk's last, not in the table yet, null, or a running request's speculative one."""
         align = self.align
         assert align is not None
         if not align.has_checkpoint_blocks or end < prefill_end:
@@ -832,15 +791,13 @@ class SingleTypeKVCacheManager:
                            and column >= len(blocks) - self.num_speculative_blocks))
         return position if column >= 0 and free_column else 0
 
-    def _grow_align(self, request_id: str, num_tokens: int, num_tokens_main_model: int
-                    ) -> list[int]:
+    def _grow_align(self, request_id: str, _: int, num_tokens_main_model: int) -> list[int]:
         """Nulls up to the new state block, last step's speculative blocks moved up, and
-        the blocks after it. A pending partial state also gets a copy: in place of a new
-        request's hit block, or, for a running request (its own prompt-tail entry), the
-        entry moves onto the copy (hittable from the next step) while the request keeps
-        its block. A recorded prefill checkpoint keeps its column (the block before the
-        new state block) a real block: not nulled, no speculative block moved off it, a
-        new block there if needed, even when the table is long enough already."""
+        the blocks after it. A pending partial state gets a copy: in place of a new
+        request's hit block, or (a running request's prompt-tail entry) the entry moves
+        onto it, hittable from the next step, while the request keeps its block. A
+        recorded prefill checkpoint keeps its column a real block (not nulled, no
+        speculative block moved off it, a new one if needed, even in a long table)."""
         align, num_spec = self.align, self.num_speculative_blocks
         assert align is not None
         req_blocks = self._blocks_of(request_id)
@@ -888,11 +845,10 @@ class SingleTypeKVCacheManager:
 
     def _align_cache_state(self, request: Request, num_tokens: int,
                            retention_interval: int | None) -> None:
-        """A request with a prefill checkpoint keys (or unkeys) its checkpoint block
-        (``_cache_checkpoint``). Else, under ``mamba_prompt_tail_state`` (0.33.0), key
-        the state block at the prompt's last reusable hash boundary when caching reaches
-        exactly there and the block is not keyed there already (e.g. after
-        ``evict_blocks``)."""
+        """Key (or unkey) a prefill checkpoint (``_cache_checkpoint``); else, under
+        ``mamba_prompt_tail_state``, key the state block at the prompt's last reusable
+        hash boundary when caching reaches exactly there and it is not keyed there yet
+        (e.g. after ``evict_blocks``)."""
         align, rid, pool = self.align, request.request_id, self.block_pool
         assert align is not None
         if rid in align.checkpoints:
@@ -924,14 +880,11 @@ class SingleTypeKVCacheManager:
 
     def _cache_checkpoint(self, request: Request, retention_interval: int | None
                           ) -> bytes | None:
-        """Key the request's checkpoint block at the checkpoint's position, dropping the
-        block's other keys (its contents are that state now), when a later lookup can
-        use it there: it is the prompt's checkpoint (the whole prompt's reusable
-        boundary, ``pure.mamba_prompt_tail_boundary`` of its length), a state the
-        retention interval keeps (on a block boundary), or the request's
-        ``shared_prefix_boundary``.
-        Otherwise unkey the block: the running state overwrites it. The new key, or
-        None (unkeyed, or keyed there already)."""
+        """Key the checkpoint block at its position, dropping its other keys (it holds
+        that state now), when a later lookup can use it: the prompt's checkpoint (its
+        reusable boundary, ``pure.mamba_prompt_tail_boundary``), a state the retention
+        interval keeps, or the request's ``shared_prefix_boundary``; else unkey it (the
+        running state overwrites it). The new key, or None."""
         align = self.align
         assert align is not None
         position, index = align.checkpoints[request.request_id]
@@ -1001,11 +954,10 @@ class SingleTypeKVCacheManager:
                 blocks[idx] = NULL_BLOCK
 
     # ------------------------------------------------------------ HiSparse (vLLM 0.33.0)
-    # A HiSparse layout: a source group (full attention, role "hisparse_source") whose
-    # blocks live in a host pool of their own (``bind_host_pool``), resident groups (the
-    # pages a request reads from the device) and hot groups (a fixed region a request
-    # takes to read host-only pages). vLLM's HiSparseCoordinator (outside the core, not
-    # modelled) binds itself as the groups' ``coordinator`` and is called back below.
+    # A source group (full attention, role "hisparse_source") in a host pool of its own
+    # (``bind_host_pool``), resident groups (the pages a request reads from the device)
+    # and hot groups (a region a request takes to read host-only pages). vLLM's
+    # HiSparseCoordinator (not modelled) binds itself as their ``coordinator``.
 
     def _bound_coordinator(self) -> Any:
         """The HiSparse coordinator; RuntimeError if none is bound yet."""
@@ -1027,15 +979,15 @@ class SingleTypeKVCacheManager:
         self.block_pool = host
 
     def take_host_cow_copies(self) -> list[tuple[int, int]]:
-        """The source: drain the (source, copy) host block pairs."""
+        """The source: drain the (source, copy) host block pairs (any other group: its
+        pairs, the rule ``take_copies``)."""
         pending, self.pending_copies = self.pending_copies, []
         return pending
 
     def publish_blocks(self, request: Request, num_tokens: int,
                        retention_interval: int | None = None,
                        replay_boundaries: Sequence[int] | None = None) -> None:
-        """The source: cache as full attention does (the coordinator calls it once the
-        host copies last)."""
+        """The source: cache as full attention does (once the host copies last)."""
         self._cache_full_blocks(request, num_tokens, retention_interval, replay_boundaries)
 
     def require_hot(self, request_id: str) -> None:
@@ -1046,57 +998,51 @@ class SingleTypeKVCacheManager:
         """A hot group: whether the request holds its whole region."""
         return len(self.req_to_blocks.get(request_id, [])) == self.blocks_per_request
 
-    def _num_hot_blocks(self, request_id: str, num_tokens: int,
-                        new_computed_blocks: Sequence[int], total_computed_tokens: int,
-                        apply_admission_cap: bool, num_local_computed_tokens: int,
-                        *args: Any) -> int:
+    def _num_hot_blocks(self, request_id: str, num_tokens: int, hits: Sequence[int], total: int,
+                        cap: bool, local: int, *args: Any) -> int:
         """The missing region if the request needs it now (an import, a new request with
         a local hit, or ``require_hot``), else 0."""
-        check_no_hits(request_id, new_computed_blocks)
-        imports = total_computed_tokens > num_local_computed_tokens
-        new_with_hit = num_local_computed_tokens > 0 and request_id not in self.num_cached_block
+        check_no_hits(request_id, hits)
+        imports = total > local
+        new_with_hit = local > 0 and request_id not in self.num_cached_block
         if imports or new_with_hit or request_id in self.hot_required:
             return max(self.blocks_per_request - len(self.req_to_blocks.get(request_id, [])), 0)
         return 0
 
-    def _num_resident_blocks(self, request_id: str, num_tokens: int,
-                             new_computed_blocks: Sequence[int], total_computed_tokens: int,
-                             apply_admission_cap: bool, num_local_computed_tokens: int,
-                             *args: Any) -> int:
+    def _num_resident_blocks(self, request_id: str, num_tokens: int, hits: Sequence[int],
+                             total: int, cap: bool, local: int, *args: Any) -> int:
         """Device pages still needed for ``num_tokens``: with an import, its last page
         (if not resident) and the pages past it; else the pages past the host prefix
-        and the table (at most the window's under ``apply_admission_cap``)."""
-        check_no_hits(request_id, new_computed_blocks)
+        and the table (at most the window's under the admission cap)."""
+        check_no_hits(request_id, hits)
         num_pages = len(self.req_to_blocks.get(request_id, []))
         needed = cdiv(num_tokens, self.block_size)
-        if total_computed_tokens > num_local_computed_tokens:
-            imported = cdiv(total_computed_tokens, self.block_size)
+        if total > local:
+            imported = cdiv(total, self.block_size)
             tail = self.get_resident_page(request_id, imported - 1) is None
             return int(tail) + max(needed - max(imported, num_pages), 0)
-        if apply_admission_cap:
+        if cap:
             needed = min(needed, self.window)
-        return max(needed - max(num_pages, cdiv(num_local_computed_tokens, self.block_size)), 0)
+        return max(needed - max(num_pages, cdiv(local, self.block_size)), 0)
 
-    def _admit_hot(self, request_id: str, new_computed_blocks: Sequence[int],
-                   num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
+    def _admit_hot(self, request_id: str, hits: Sequence[int], local: int, *args: Any) -> None:
         """A hot group admits the request (a local hit, or no resident group, needs
         the region)."""
-        check_no_hits(request_id, new_computed_blocks)
+        check_no_hits(request_id, hits)
         self._blocks_of(request_id)
         self.num_cached_block[request_id] = 0
-        if num_local_computed_tokens > 0 or not self._bound_coordinator().resident_managers:
+        if local > 0 or not self._bound_coordinator().resident_managers:
             self.require_hot(request_id)
 
-    def _adopt_host_prefix(self, request_id: str, new_computed_blocks: Sequence[int],
-                           num_local_computed_tokens: int,
-                           num_external_computed_tokens: int) -> None:
+    def _adopt_host_prefix(self, request_id: str, hits: Sequence[int], local: int,
+                           *args: Any) -> None:
         """A resident group: the host prefix hit becomes host-only pages; the
         coordinator is told."""
-        check_no_hits(request_id, new_computed_blocks)
+        check_no_hits(request_id, hits)
         req_blocks = self._blocks_of(request_id)
         if req_blocks:
             raise ValueError(f"request_id={request_id!r} already holds pages {req_blocks}")
-        num_pages = cdiv(num_local_computed_tokens, self.block_size)
+        num_pages = cdiv(local, self.block_size)
         req_blocks.extend([NULL_BLOCK] * num_pages)
         self.num_cached_block[request_id] = 0
         self._bound_coordinator().commit_computed_blocks(request_id, num_pages)
@@ -1110,17 +1056,15 @@ class SingleTypeKVCacheManager:
                              "an import needs tokens")
         req_blocks = self._blocks_of(request_id)
         last = (num_local_computed_tokens + num_external_computed_tokens - 1) // self.block_size
-        while len(req_blocks) <= last:
-            req_blocks.append(NULL_BLOCK)
+        req_blocks.extend([NULL_BLOCK] * (last + 1 - len(req_blocks)))
         if self.get_resident_page(request_id, last) is None:
             req_blocks[last] = self.block_pool.get_new_blocks(1)[0]
 
     def adopt_resident_page(self, request_id: str, page: int, block: int) -> bool:
         """Read host-only ``page`` from ``block`` from now on; False (no change) past
         the table or if the page is resident."""
-        if page >= len(self.req_to_blocks.get(request_id, [])):
-            return False
-        if self.get_resident_page(request_id, page) is not None:
+        if (page >= len(self.req_to_blocks.get(request_id, []))
+                or self.get_resident_page(request_id, page) is not None):
             return False
         self.residency_changes.setdefault(request_id, {})[page] = block
         return True
@@ -1136,9 +1080,7 @@ class SingleTypeKVCacheManager:
     def get_resident_page(self, request_id: str, page: int) -> int | None:
         """The block ``page`` is read from; None if host-only or past the table."""
         row = self.get_residency_row(request_id)
-        if page >= len(row) or row[page] == NULL_BLOCK:
-            return None
-        return row[page]
+        return None if page >= len(row) or row[page] == NULL_BLOCK else row[page]
 
     def get_residency_row(self, request_id: str, start: int = 0) -> list[int]:
         """The pages from ``start``, changes applied (host-only: the null block)."""
@@ -1152,26 +1094,15 @@ M = SingleTypeKVCacheManager  # the rows' steps are its methods
 
 @dataclass(frozen=True)
 class KindRules:
-    """One group kind: a row of ``KINDS``.
-
-    ``name``: vLLM's manager class for the kind; ``resume``: its row in
-    ``spec.effectiveness.KINDS`` (None: not judged). ``skipped_tokens(spec, n)``: the
-    leading tokens no longer read once ``n`` are computed. ``hit``: its hit search
-    (None: the kind refuses prefix caching); ``fine_hit``: its search for hits ending
-    inside a block (``mamba_fine_grained_hits``; None: none). ``cache_mask``: which
-    blocks caching keys (None: every full block). ``common_prefix``: whether blocks
-    held by every request count as a common prefix (full attention). ``encoder``:
-    sized by the encoder tokens. ``retains_longer_hit``: HiSparse's source (vLLM
-    0.33.0), whose hit outlives the common hit (the coordinator's trims leave it;
-    allocate_slots cuts it).
-
-    The flow's steps, manager methods (default: full attention's): ``setup``
-    (construction extras), ``num_blocks`` (``get_num_blocks_to_allocate``), ``adopt``
-    (``add_local_computed_blocks``), ``load`` (``allocate_external_computed_blocks``),
-    ``grow`` (``allocate_new_blocks``), ``take_copies`` (``take_pending_cow_copies``),
-    ``take_ids`` (``take_new_block_ids``), ``cache`` (``cache_blocks``), ``release``
-    (``pop_blocks_for_free``), ``drop_skipped`` (``remove_skipped_blocks``) and
-    ``check`` (``check_invariants``)."""
+    """One group kind: a row of ``KINDS``. ``name``: vLLM's manager class; ``resume``:
+    its row in ``spec.effectiveness.KINDS`` (None: not judged); ``skipped_tokens(spec,
+    n)``: the leading tokens no longer read once ``n`` are computed; ``hit``: its hit
+    search (None: refuses prefix caching); ``fine_hit``: hits ending inside a block;
+    ``cache_mask``: the blocks caching keys (None: all); ``common_prefix``: blocks all
+    requests hold count as a common prefix; ``encoder``: sized by the encoder tokens;
+    ``retains_longer_hit``: HiSparse's source, whose hit outlives the common hit. The
+    rest: the flow's rules, manager methods (default: full attention's), each called
+    by the public method of its step (``setup``: the constructor)."""
 
     name: str
     resume: str | None
@@ -1188,7 +1119,7 @@ class KindRules:
     adopt: Callable[[M, str, Sequence[int], int, int], None] = M._adopt_hits
     load: Callable[[M, str, int, int, bool], object] = M._load_blocks
     grow: Callable[[M, str, int, int], list[int]] = M._grow_table
-    take_copies: Callable[[M], list[tuple[int, int]]] = M._drain_copies
+    take_copies: Callable[[M], list[tuple[int, int]]] = M.take_host_cow_copies
     take_ids: Callable[[M], list[int]] = M._drain_ids
     cache: Callable[[M, Request, int, int | None, Sequence[int] | None], object] = (
         M._cache_full_blocks)
@@ -1197,8 +1128,7 @@ class KindRules:
     check: Callable[[M, bool], None] = M._check_tables
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
-        """Pickled (and copied) as its key in ``ROWS``: a row is one object (``is``
-        compares rows)."""
+        """Pickled (and copied) as its ``ROWS`` key: a row is one object (``is`` compares)."""
         return row_named, (next(key for key, row in ROWS.items() if row is self),)
 
 
@@ -1227,7 +1157,8 @@ FULL = KindRules("FullAttentionManager", "full", nothing_skipped, full_attention
 RSWA = replace(FULL, name="RSWAManager", resume="rswa", drop_skipped=M._free_rswa_gap,
                check=lambda m, _: m._check_tables(False))  # nulls inside: the gap
 SINK = replace(FULL, name="SinkFullAttentionManager", resume="sink", setup=M._reserve_sinks)
-RING = replace(FULL, name="CircularBufferManager", resume="circular", hit=no_hit, fine_hit=None,
+RING = replace(FULL, name="CircularBufferManager", resume="circular", fine_hit=None,
+               hit=lambda *_: (0, 0),  # outside prefix caching: hits nothing
                num_blocks=lambda m, r, *_: 0 if m.req_to_blocks.get(r) else 1,  # its one block
                adopt=M._nothing, load=M._claim_ring_block, grow=M._claim_ring_block,
                cache=M._nothing)
@@ -1239,27 +1170,27 @@ CHUNKED_LOCAL = KindRules("ChunkedLocalAttentionManager", "chunked_local", befor
 CROSS = KindRules("CrossAttentionManager", "cross_attention", nothing_skipped, None,
                   encoder=True, adopt=M._refuse_hits, load=M._nothing, cache=M._refuse_caching)
 MAMBA = KindRules("MambaManager", "mamba", before_last, mamba_hit, mamba_fine_hit, mamba_mask,
-                  setup=M._set_up_states, num_blocks=M._num_state_blocks,
-                  cache=M._cache_states,
+                  setup=M._set_up_states, num_blocks=M._num_state_blocks, cache=M._cache_states,
                   drop_skipped=lambda m, r, n, _: m._free_skipped_prefix(r, m._less_drafts(n)))
 MAMBA_ALIGN = replace(MAMBA, setup=M._set_up_align, num_blocks=M._num_align_blocks,
                       grow=M._grow_align, cache=M._cache_align_states, release=M._release_align,
                       drop_skipped=M._free_align_states, check=RSWA.check)
 HISPARSE_SOURCE = replace(FULL, name="HiSparseSourceManager", resume=None,
                           retains_longer_hit=True, num_blocks=M._num_host_blocks,
-                          load=M._load_host_blocks, take_copies=lambda m: [],
+                          load=M._load_host_blocks,
+                          take_copies=lambda m: [],  # its coordinator's: take_host_cow_copies
                           take_ids=lambda m: m._drain_ids() and [],  # host blocks: no zeroing
-                          cache=M._publish_when_ready,
-                          release=M._release_host)
+                          cache=M._publish_when_ready, release=M._release_host)
 HISPARSE_HOT = KindRules("HiSparseHotManager", None, nothing_skipped, None,
                          setup=M._set_up_hot_region, num_blocks=M._num_hot_blocks,
                          adopt=M._admit_hot, load=lambda m, r, *_: m.require_hot(r),
-                         grow=M._grow_hot_region, cache=M._nothing,
-                         release=M._release_hot_region)
+                         grow=M._grow_hot_region, cache=M._nothing, release=M._release_hot_region)
 HISPARSE_RESIDENT = KindRules("HiSparseResidentManager", None, nothing_skipped, None,
                               setup=M._set_up_residency, num_blocks=M._num_resident_blocks,
                               adopt=M._adopt_host_prefix, load=M._resident_import,
-                              grow=M._grow_pages, cache=M._nothing, release=M._release_pages,
+                              grow=lambda m, r, n, _: m._extend_to(  # a block per new page
+                                  m._blocks_of(r), cdiv(n, m.block_size)),
+                              cache=M._nothing, release=M._release_pages,
                               check=M._check_residency)
 
 KINDS: dict[str, KindRules] = {
@@ -1276,11 +1207,8 @@ gives a Mamba spec in 'align' mode ``MAMBA_ALIGN``)."""
 ROLE_KINDS: dict[str, KindRules] = {"hisparse_source": HISPARSE_SOURCE}
 """vLLM 0.33.0's group roles with a row of their own (before the spec class)."""
 
-ROWS = {"FULL": FULL, "RSWA": RSWA, "SINK": SINK, "RING": RING, "CROSS": CROSS,
-        "SLIDING_WINDOW": SLIDING_WINDOW, "CHUNKED_LOCAL": CHUNKED_LOCAL, "MAMBA": MAMBA,
-        "MAMBA_ALIGN": MAMBA_ALIGN, "HISPARSE_SOURCE": HISPARSE_SOURCE,
-        "HISPARSE_HOT": HISPARSE_HOT, "HISPARSE_RESIDENT": HISPARSE_RESIDENT}
-"""Every row, by its name here."""
+ROWS = {name: row for name, row in globals().items() if isinstance(row, KindRules)}
+"""Every row, by its name here (``FULL``, ..., ``MAMBA_ALIGN``, ...)."""
 
 
 def row_named(name: str) -> KindRules:
@@ -1301,8 +1229,7 @@ def find_longest_cache_hit(rules: KindRules, block_hashes: Sequence[bytes], max_
                            group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
                            drop_eagle_block: bool, alignment_tokens: int) -> Hits:
     """Per group, the kind's longest hit of at most ``max_length`` tokens cached in all
-    ``group_ids``, ending on a multiple of ``alignment_tokens``; EAGLE drops its last
-    block. NotImplementedError for a kind outside prefix caching."""
+    ``group_ids``, aligned, less EAGLE's last block (NotImplementedError: no caching)."""
     if rules.hit is None:
         raise NotImplementedError(f"{rules.name} does not support prefix caching")
     block_hashes = block_hashes[:max(max_length, 0) // kv_cache_spec.block_size]
@@ -1314,8 +1241,7 @@ def find_longest_cache_hit(rules: KindRules, block_hashes: Sequence[bytes], max_
 def find_fine_grained_hit(rules: KindRules, block_hashes: Sequence[bytes], max_length: int,
                           group_ids: list[int], pool: BlockPool, kv_cache_spec: KVCacheSpec,
                           drop_eagle_block: bool, hash_block_size: int) -> tuple[Hits, int]:
-    """A hit that may end inside a block, and its length (full attention and Mamba,
-    ``block_hashes`` per hash block)."""
+    """A hit that may end inside a block, and its length (``block_hashes`` per hash block)."""
     if rules.fine_hit is None:
         raise NotImplementedError(f"{rules.name} finds no hits inside a block")
     return rules.fine_hit(block_hashes, max_length, group_ids, pool, kv_cache_spec,
@@ -1324,27 +1250,17 @@ def find_fine_grained_hit(rules: KindRules, block_hashes: Sequence[bytes], max_l
 
 @dataclass
 class MambaAlign:
-    """Mamba 'align' mode's bookkeeping (a group's ``align``; None for other groups).
-
+    """Mamba 'align' mode's bookkeeping (the ``align`` of a ``MAMBA_ALIGN`` group):
     ``allocated``: the requests given blocks already; ``last_state_block_idx[r]``: the
     state block of r's previous step, freed once passed; ``num_retired_blocks[r]``:
-    how far 0.33.0's retiring of passed states got (``mamba_frees_processed_states``).
-
-    Prefill checkpoints (``mamba_prefill_checkpoints``, 0.33.0, a layer with
-    ``num_prefill_checkpoint_blocks`` > 0: ``has_checkpoint_blocks``): a prefill chunk
-    may also leave the state at a reusable position inside it in a block of its own,
-    the one before the chunk's last block. ``checkpoints[r]`` is r's (position, block
-    index) for the chunk being allocated; caching keys that block at the position, or
-    unkeys it.
-
-    Boundary-state offloads (``offers_boundary_states``: the same switch): each state
-    block caching leaves keyed among the blocks it caches is offered to a KV
-    connector, ``offers`` (request, group, block, tokens its key covers) until
-    ``take_boundary_state_offers``; a request's own prompt-tail state inside a block is
-    remembered in ``producer_tails[r]`` (block, tokens) and offered when it moves to its
-    copy, or at the request's end (``finalize_partial_tail``). Freeing a request drops
-    its offers (its blocks may go to another request).
-    """
+    how far retiring passed states got (``mamba_frees_processed_states``).
+    ``checkpoints[r]``: r's prefill checkpoint (position, block index) for the chunk
+    being allocated (``mamba_prefill_checkpoints``: a chunk may leave the state at a
+    reusable position inside it in the block before its last). With the same switch
+    each state block caching keys is offered to a KV connector (``offers``: request,
+    group, block, tokens its key covers) and a request's own prompt-tail state inside
+    a block waits in ``producer_tails[r]`` (block, tokens) until it moves to its copy
+    or the request ends (``finalize_partial_tail``); a freed request's offers go."""
 
     prompt_tail_drops_eagle: bool  # mamba_prompt_tail_state with the engine's use_eagle
     has_checkpoint_blocks: bool
@@ -1369,10 +1285,8 @@ class MambaAlign:
 def sink_manager(kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool,
                  kv_cache_group_id: int, dcp_world_size: int = 1, pcp_world_size: int = 1,
                  **switches: Any) -> SingleTypeKVCacheManager:
-    """A sink group's manager, built as vLLM 0.25.1 builds it: its arguments after the
-    group id are ``dcp_world_size`` and ``pcp_world_size``, which land in the
-    ``scheduler_block_size`` and the context-parallel size (only the latter scales the
-    block); ``get_manager_for_kv_cache_spec`` cannot build it."""
+    """A sink group's manager, built as vLLM 0.25.1 builds it: ``dcp_world_size`` and
+    ``pcp_world_size`` land in the ``scheduler_block_size`` and context parallelism."""
     return SingleTypeKVCacheManager(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
                                     dcp_world_size, None, pcp_world_size, **switches)
 
@@ -1382,12 +1296,10 @@ def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_to
                                   kv_cache_group_id: int, scheduler_block_size: int,
                                   context_parallel: int = 1, role: str | None = None,
                                   **switches: Any) -> SingleTypeKVCacheManager:
-    """The manager of the group's row: its role's (vLLM 0.33.0's
-    ``KVCacheGroupSpec.role``), else its spec's; windowed kinds get their admission
-    cap. NotImplementedError for unmodelled spec types and for cross attention with
-    caching; TypeError for a sink group, as in vLLM 0.25.1 (``sink_manager``).
-    ``switches``: the manager's keyword arguments (``profile``,
-    ``needs_kv_cache_zeroing``, ``use_eagle``)."""
+    """The manager of the group's row (``row_for`` its vLLM 0.33.0 role and spec);
+    windowed kinds get their admission cap. NotImplementedError for unmodelled specs
+    and cross attention with caching; TypeError for a sink group, as in vLLM 0.25.1
+    (``sink_manager``). ``switches``: the manager's keyword arguments."""
     try:
         rules = row_for(kv_cache_spec, role)
     except KeyError:
