@@ -326,7 +326,7 @@ class SingleTypeKVCacheManager:
     def _num_table_blocks(self, request_id: str, num_tokens: int,
                           new_computed_blocks: Sequence[int], total_computed_tokens: int,
                           apply_admission_cap: bool, num_local_computed_tokens: int,
-                          *args: Any) -> int:
+                          num_tokens_main_model: int = 0, prefill_end: int = 0) -> int:
         """A table's fresh blocks for ``num_tokens`` slots plus its hits' evictable ones
         (and the copy of a hit ending inside a block, ``partial_hit_copy_on_write``)."""
         num_required = pure.num_required_blocks(
@@ -464,7 +464,7 @@ class SingleTypeKVCacheManager:
         """Give the request ``num_tokens`` slots (the row's ``grow``); the new blocks."""
         return self.rules.grow(self, request_id, num_tokens, num_tokens_main_model)
 
-    def _grow_table(self, request_id: str, num_tokens: int, *args: Any) -> list[int]:
+    def _grow_table(self, request_id: str, num_tokens: int, num_main: int) -> list[int]:
         """Fresh blocks for ``num_tokens`` slots and the speculative blocks, after the
         copy of a pending partial hit (recorded for zeroing)."""
         num_tokens += self.block_size * self.num_speculative_blocks
@@ -540,9 +540,10 @@ class SingleTypeKVCacheManager:
             self.num_cached_block[rid] = num_full
         return num_cached, num_full
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int, *args: Any) -> None:
+    def _cache_full_blocks(self, request: Request, num_tokens: int, retention: int | None,
+                           boundaries: Sequence[int] | None) -> None:
         """Full attention: its full blocks, and (0.26.0+) the prompt's tail."""
-        self._key_full_blocks(request, num_tokens, *args)
+        self._key_full_blocks(request, num_tokens, retention, boundaries)
         if self.profile.partial_prompt_tail_entries:
             self._cache_prompt_tail(request, num_tokens)
 
@@ -585,8 +586,7 @@ class SingleTypeKVCacheManager:
 
     def _cache_prompt_tail(self, request: Request, num_tokens: int) -> None:
         """partial_prompt_tail_entries: key the block holding the prompt's last hash
-        boundary (of all but its last token; all for EAGLE) as a partial entry, when it
-        falls inside a block and within ``num_tokens``."""
+        boundary (all but its last token; EAGLE: all) inside it, within ``num_tokens``."""
         hbs = self.block_pool.hash_block_size
         if self.block_size == hbs:
             return
@@ -601,9 +601,8 @@ class SingleTypeKVCacheManager:
     def reachable_block_mask(self, start_block: int, end_block: int,
                              retention_interval: int | None = None,
                              boundaries: Sequence[int] = ()) -> list[bool] | None:
-        """Which of the blocks to cache a hit can ever use (None: all), by the kind's
-        ``cache_mask``: a retention interval (not None) thins them out further, keeping
-        what a replay resuming at one of ``boundaries`` reads."""
+        """Which of the blocks to cache a hit can ever use (None: all; ``cache_mask``),
+        fewer with a retention interval, keeping what a replay from ``boundaries`` reads."""
         if self.rules.cache_mask is None:
             return None
         return self.rules.cache_mask(self.kv_cache_spec, start_block, end_block,
@@ -664,8 +663,8 @@ class SingleTypeKVCacheManager:
         row's ``drop_skipped``; R-SWA needs the prompt length)."""
         self.rules.drop_skipped(self, request_id, total_computed_tokens, num_prompt_tokens)
 
-    def _free_skipped_prefix(self, request_id: str, total_computed_tokens: int, *args: Any
-                             ) -> None:
+    def _free_skipped_prefix(self, request_id: str, total_computed_tokens: int,
+                             num_prompt_tokens: int | None = None) -> None:
         """Free the skipped blocks still live, tail first, leaving nulls."""
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         if num_skipped_tokens <= 0:
@@ -1124,7 +1123,7 @@ class KindRules:
     cache: Callable[[M, Request, int, int | None, Sequence[int] | None], object] = (
         M._cache_full_blocks)
     release: Callable[[M, str], list[int]] = M._release_table
-    drop_skipped: Callable[[M, str, int, int | None], None] = M._free_skipped_prefix
+    drop_skipped: Callable[[M, str, int, int | None], None] = M._nothing  # nothing skipped
     check: Callable[[M, bool], None] = M._check_tables
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
@@ -1164,9 +1163,10 @@ RING = replace(FULL, name="CircularBufferManager", resume="circular", fine_hit=N
                cache=M._nothing)
 SLIDING_WINDOW = KindRules("SlidingWindowManager", "sliding_window", before_window,
                            sliding_window_hit, cache_mask=sliding_window_mask,
-                           cache=M._key_full_blocks)
+                           cache=M._key_full_blocks, drop_skipped=M._free_skipped_prefix)
 CHUNKED_LOCAL = KindRules("ChunkedLocalAttentionManager", "chunked_local", before_chunk,
-                          chunked_local_hit, cache=M._key_full_blocks)
+                          chunked_local_hit, cache=M._key_full_blocks,
+                          drop_skipped=M._free_skipped_prefix)
 CROSS = KindRules("CrossAttentionManager", "cross_attention", nothing_skipped, None,
                   encoder=True, adopt=M._refuse_hits, load=M._nothing, cache=M._refuse_caching)
 MAMBA = KindRules("MambaManager", "mamba", before_last, mamba_hit, mamba_fine_hit, mamba_mask,
