@@ -712,7 +712,7 @@ class SingleTypeKVCacheManager:
         self.rules.check(self, nulls_only_leading)
 
     def _check_tables(self, nulls_only_leading: bool) -> None:
-        assert set(self.num_cached_block) <= set(self.req_to_blocks)
+        assert self.num_cached_block.keys() <= self.req_to_blocks.keys()
         for rid, ids in self.req_to_blocks.items():
             held = [b for b in ids if b != NULL_BLOCK]
             assert len(set(held)) == len(held), f"{rid!r} holds a block twice: {ids}"
@@ -721,8 +721,8 @@ class SingleTypeKVCacheManager:
                 f"{rid!r} has a null block after a live one: {ids}")
 
     def _check_residency(self, nulls_only_leading: bool) -> None:
-        assert set(self.num_cached_block) <= set(self.req_to_blocks)
-        assert set(self.residency_changes) <= set(self.req_to_blocks)
+        assert self.num_cached_block.keys() <= self.req_to_blocks.keys()
+        assert self.residency_changes.keys() <= self.req_to_blocks.keys()
 
     # ------------------------------------------------------------ Mamba 'align' mode
 
