@@ -465,8 +465,8 @@ class SingleTypeKVCacheManager:
         return self.rules.grow(self, request_id, num_tokens, num_tokens_main_model)
 
     def _grow_table(self, request_id: str, num_tokens: int, num_main: int) -> list[int]:
-        """Fresh blocks for ``num_tokens`` slots and the speculative blocks, after the
-        copy of a pending partial hit (recorded for zeroing)."""
+        """Fresh blocks for ``num_tokens`` slots and the speculative ones, a partial hit's
+        copy first (recorded for zeroing)."""
         num_tokens += self.block_size * self.num_speculative_blocks
         copies = []
         if request_id in self.partial_hit_reqs:
@@ -978,8 +978,7 @@ class SingleTypeKVCacheManager:
         self.block_pool = host
 
     def take_host_cow_copies(self) -> list[tuple[int, int]]:
-        """The source: drain the (source, copy) host block pairs (any other group: its
-        pairs, the rule ``take_copies``)."""
+        """Drain the (source, copy) pairs: the source's host pairs (others: ``take_copies``)."""
         pending, self.pending_copies = self.pending_copies, []
         return pending
 
@@ -1217,8 +1216,7 @@ def row_named(name: str) -> KindRules:
 
 
 def row_for(kv_cache_spec: KVCacheSpec, role: str | None = None) -> KindRules:
-    """A group's row: its role's, else its spec class's (Mamba's by its
-    ``mamba_cache_mode``); KeyError if unmodelled."""
+    """A group's row: its role's, else its spec class's (Mamba's by mode); KeyError if none."""
     rules = ROLE_KINDS.get(role or "") or KINDS[type(kv_cache_spec).__name__]
     if rules is MAMBA and kv_cache_spec.mamba_cache_mode == "align":
         return MAMBA_ALIGN
