@@ -504,8 +504,15 @@ class SingleTypeKVCacheManager:
         return self.rules.take_ids(self)
 
     def _drain_ids(self) -> list[int]:
+        """Drain the ids allocated since the last call."""
         ids, self.new_block_ids = self.new_block_ids, []
         return ids
+
+    def _drain_host_ids(self) -> list[int]:
+        """The HiSparse source: drain its ids and report none (host blocks are never
+        zeroed)."""
+        self._drain_ids()
+        return []
 
     # ------------------------------------------------------------ caching
 
@@ -1178,7 +1185,7 @@ HISPARSE_SOURCE = replace(FULL, name="HiSparseSourceManager", resume=None,
                           retains_longer_hit=True, num_blocks=M._num_host_blocks,
                           load=M._load_host_blocks,
                           take_copies=lambda m: [],  # its coordinator's: take_host_cow_copies
-                          take_ids=lambda m: m._drain_ids() and [],  # host blocks: no zeroing
+                          take_ids=M._drain_host_ids,
                           cache=M._publish_when_ready, release=M._release_host)
 HISPARSE_HOT = KindRules("HiSparseHotManager", None, nothing_skipped, None,
                          setup=M._set_up_hot_region, num_blocks=M._num_hot_blocks,
