@@ -25,20 +25,26 @@ FILES = {"profile.py": "profiles", "effectiveness.py": "effectiveness"}
 
 CONCEPTS = (  # (concept, pattern on "Class.name" or "name"), first match wins
     ("stats", r"stats|Stats"),
-    ("events", r"event|Stored|Removed|Cleared|emit|external_hash|MEDIUM"),
+    ("events", r"event|Stored|Removed|Cleared|emit|external_hash|MEDIUM|stored"),
     ("hashing", r"hash(?!_num)|extra_keys|mm_|embeds|_end_of|coarsen|pool_key|sha256|xxh"),
-    ("hit search", r"hit|search|find_|Cached|lookup|_sub_block|_eagle_step|SpecGroup|_reads"),
+    ("hit search", r"hit|search|find_|Cached|lookup|_sub_block|_eagle_step|SpecGroup|_reads|"
+                   r"get_computed|common_prefix|_groups$|_all_cached|_aligned$|_fills"),
     ("caching", r"cache_|mask|retention|replay|prompt_tail|_add_key|checkpoint|boundary|"
-                r"offer|tail"),
+                r"offer|tail|publish|key_full|cached_this_step|refuse_caching|to_cache|"
+                r"_align_down"),
     ("free", r"free|skipped|gap|pop|evict|null_out|unpin|reset|remove|forget|before_|"
-             r"nothing_skipped|watcher"),
+             r"nothing_skipped|watcher|release|less_drafts|drop_null"),
     ("allocation", r"allocat|num_blocks|num_new|num_required|admi|append_new|claim|copy|"
                    r"get_new_blocks|touch|adopt|add_local|reserve|pages|hot|resident|"
-                   r"zeroing|new_block_ids|sink|host|import|cap"),
+                   r"zeroing|new_block_ids|sink|host|import|cap|_num_|grow|extend|load|drain|"
+                   r"reports_new|ends_inside|waits_for|cow"),
     ("rows", r"KindRules|KINDS|ROWS|row_named|ROLE_KINDS|^(FULL|RSWA|SINK|RING|SLIDING_WINDOW|"
              r"CHUNKED_LOCAL|CROSS|MAMBA\w*|HISPARSE_\w+)$"),
+    ("rows", r"^row_for$"),
     ("state", r"__init__|abstract_state|invariants|_blocks_of|get_block|MambaAlign|"
-              r"KVCacheBlocks|usage|NULL_BLOCK|check_"),
+              r"KVCacheBlocks|usage|NULL_BLOCK|check_|set_up|step_starts|residency|_table_len|"
+              r"pools|group_role|_nothing|cdiv|^(KVCacheManager|SingleTypeKVCacheManager|"
+              r"BlockPool)$"),
 )
 
 
