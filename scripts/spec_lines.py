@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FILES = {"profile.py": "profiles", "effectiveness.py": "effectiveness"}
+FILES = {"profile.py": "profiles", "releases.py": "profiles", "effectiveness.py": "effectiveness"}
 """Files that are one concept each."""
 
 CONCEPTS = (  # (concept, pattern on "Class.name" or "name"), first match wins

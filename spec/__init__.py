@@ -26,7 +26,7 @@ Release differences (vLLM 0.25.1, the default, and 0.33.0) are named switches of
 ``spec/profile.py``, passed as ``KVCacheManager(..., profile="0.33.0")``.
 """
 
-from .block_pool import NULL_BLOCK, BlockPool
+from .block_pool import BlockPool
 from .kv_cache_manager import KVCacheBlocks, KVCacheManager
 from .single_type_kv_cache_manager import (
     KINDS,
@@ -35,6 +35,7 @@ from .single_type_kv_cache_manager import (
     get_manager_for_kv_cache_spec,
     sink_manager,
 )
+from .vocab import NULL_BLOCK
 
 __all__ = [
     "KINDS", "NULL_BLOCK", "BlockPool", "KVCacheBlocks", "KVCacheManager",

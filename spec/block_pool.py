@@ -9,6 +9,7 @@ from typing import Any
 from .profile import Profile
 from .vocab import (
     MEDIUM_GPU,
+    NULL_BLOCK,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -23,9 +24,6 @@ from .vocab import (
     pool_key,
     request_block_hashes,
 )
-
-NULL_BLOCK = 0
-"""Placeholder id for skipped positions; never free, never cached."""
 
 
 class BlockPool:

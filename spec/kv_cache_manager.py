@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, overload
 
 from . import effectiveness, pure
-from .block_pool import NULL_BLOCK, BlockPool
+from .block_pool import BlockPool
 from .profile import Profile, resolve_profile
 from .pure import cdiv
 from .single_type_kv_cache_manager import (
@@ -28,14 +28,12 @@ from .single_type_kv_cache_manager import (
     get_manager_for_kv_cache_spec,
 )
 from .vocab import (
-    BlockRemoved033,
+    NULL_BLOCK,
     BlockStored,
-    BlockStored033,
     KVCacheConfig,
     KVCacheEvent,
     KVCacheSpec,
     PrefixCacheStats,
-    PrefixCacheStats033,
     Request,
     cacheable,
     coarsen,
@@ -216,8 +214,7 @@ class KVCacheManager:
         self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(groups)))
-        if p.eagle_master_switch and not use_eagle:  # without use_eagle no group drops a block
-            self.eagle_group_ids = set()
+        self.eagle_group_ids = p.rules.eagle_master_switch(self.eagle_group_ids, use_eagle)
         self.dcp_world_size, self.pcp_world_size = dcp_world_size, pcp_world_size
         scale = dcp_world_size * (1 if p.pcp_not_scaled else pcp_world_size)
         context_parallel = [scale if not p.dcp_sharded_geometry
@@ -380,9 +377,7 @@ class KVCacheManager:
 
     def _new_stats(self) -> PrefixCacheStats:
         """Empty stats, of 0.33.0's class under stats_hits_by_source."""
-        stats: PrefixCacheStats = (PrefixCacheStats033() if self.profile.stats_hits_by_source
-                                   else PrefixCacheStats())
-        return stats
+        return self.profile.rules.stats_hits_by_source()
 
     @property
     def usage(self) -> float:
@@ -438,8 +433,7 @@ class KVCacheManager:
         if self.prefix_cache_stats is not None and not self.profile.stats_at_admission:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens,
                                            request.num_preemptions > 0)
-        if (self.profile.full_report_mode and num_hit_tokens > 0
-                and getattr(request, "kv_cache_report_mode", "incremental") == "full"):
+        if num_hit_tokens > 0 and self.profile.rules.full_report_mode(request):
             for group_id, group_hits in enumerate(hits):  # tell subscribers of the hits too
                 if group_hits:
                     self.block_pool.emit_cached_block_events(
@@ -559,7 +553,7 @@ class KVCacheManager:
             if single_round:
                 break
         # The first spec's hits are trimmed; 0.33.0: every full-attention spec's.
-        trimmed = self.attention_groups[:None if self.profile.trim_every_full_group else 1]
+        trimmed = self.attention_groups[:self.profile.rules.trim_every_full_group]
         for sg in trimmed:
             if is_a(sg.spec, "FullAttentionSpec") and not sg.rules.retains_longer_hit:
                 for group_id in sg.group_ids:
@@ -647,7 +641,7 @@ class KVCacheManager:
             if type(group_id) is not int or not 0 <= group_id < num_groups:
                 raise ValueError(f"skip_zeroing_group_ids: {group_id!r} is no group id "
                                  f"(there are {num_groups})")
-        adopts = num_new_computed_tokens > 0 and self.profile.adopt_computed_without_new_tokens
+        adopts = self.profile.rules.adopt_computed_without_new_tokens(num_new_computed_tokens)
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and not adopts:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no external computed tokens")
@@ -683,9 +677,7 @@ class KVCacheManager:
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens,
                                    self.max_model_len)
         # Free out-of-window blocks first (even if we then refuse) so fewer get evicted.
-        processed = total_computed
-        if self.profile.free_on_processed_tokens:  # in-flight steps may still read the rest
-            processed = max(0, total_computed - getattr(request, "num_in_flight_tokens", 0))
+        processed = self.profile.rules.free_on_processed_tokens(total_computed, request)
         self.remove_skipped_blocks(rid, processed, request.num_prompt_tokens)
         num_needed = self.get_num_blocks_to_allocate(
             rid, num_tokens_need_slot, hits, num_encoder_tokens, num_computed,
@@ -762,10 +754,8 @@ class KVCacheManager:
         """Where replays of the prompt resume, whose tails sparse retention keeps: one
         token short of the prompt, or (retention_replay_boundaries, 0.33.0) the EAGLE
         rule of ``pure.replay_boundaries`` when some group is an EAGLE group."""
-        if self.profile.retention_replay_boundaries:
-            return pure.replay_boundaries(num_prompt_tokens, self.scheduler_block_size,
-                                          bool(self.eagle_group_ids))
-        return (num_prompt_tokens - 1,)
+        return self.profile.rules.retention_replay_boundaries(
+            num_prompt_tokens, self.scheduler_block_size, bool(self.eagle_group_ids))
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first in each group."""
@@ -786,11 +776,9 @@ class KVCacheManager:
         if len(self.pools()) > 1:
             raise NotImplementedError("pop_blocks_for_free with a HiSparse host pool: pop and "
                                       "free each group's blocks through its own pool")
-        if self.profile.pop_drops_null_head:  # each group's leading null blocks left out
-            return [b for m in self.single_type_managers
-                    for b in drop_null_head(m.pop_blocks_for_free(request.request_id))]
+        popped = self.profile.rules.pop_drops_null_head
         return [b for m in self.single_type_managers
-                for b in m.pop_blocks_for_free(request.request_id)]
+                for b in popped(m.pop_blocks_for_free(request.request_id))]
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Drop the given blocks from the prefix cache (see ``BlockPool.evict_blocks``)."""
@@ -806,12 +794,10 @@ class KVCacheManager:
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, leading blocks of the request held by every request with a table."""
-        if self.profile.cascade_always_zero:  # cascade attention is gone: zeros, no lookup
-            return [0] * self.num_kv_cache_groups
         if not self.enable_caching:  # no lookup: no table entry is created
             return [0] * self.num_kv_cache_groups
-        return [m.get_num_common_prefix_blocks(running_request_id)
-                for m in self.single_type_managers]
+        count = self.profile.rules.cascade_always_zero
+        return [count(m, running_request_id) for m in self.single_type_managers]
 
     def take_events(self) -> list[KVCacheEvent]:
         """Drain the pool's events, labelling each BlockStored with its group's kind."""
@@ -822,11 +808,9 @@ class KVCacheManager:
                 kind, window = self.kv_cache_event_metadata[event.group_idx]
                 event.kv_cache_spec_kind = kind
                 event.kv_cache_spec_sliding_window = window
-        if self.profile.event_new_fields:  # 0.33.0's classes, the new fields at defaults
-            new = {"BlockStored": BlockStored033, "BlockRemoved": BlockRemoved033}
-            events = [new[type(e).__name__](**vars(e)) if type(e).__name__ in new else e
-                      for e in events]
-        return events
+        new = self.profile.rules.event_new_fields  # the new fields at their defaults
+        return [new[type(e).__name__](**vars(e)) if type(e).__name__ in new else e
+                for e in events]
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks (live tables, as vLLM shares them)."""
@@ -986,8 +970,3 @@ def lookup_spec(kv_cache_spec: KVCacheSpec, manager: SingleTypeKVCacheManager) -
     if manager.block_size == kv_cache_spec.block_size:
         return kv_cache_spec
     return kv_cache_spec.copy_with_new_block_size(manager.block_size)
-
-
-def drop_null_head(ids: list[int]) -> list[int]:
-    """``ids`` without its leading null blocks."""
-    return list(itertools.dropwhile(lambda b: b == NULL_BLOCK, ids))

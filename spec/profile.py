@@ -12,9 +12,12 @@ the switches measured to have come by then. The spec consults every switch in
 
 from __future__ import annotations
 
+import functools
 import tomllib
 from pathlib import Path
 from typing import Any
+
+from .releases import ReleaseRules, rules_for
 
 TABLE_PATH = Path(__file__).resolve().with_name("releases.toml")
 """The table of releases and switches (shipped beside this module)."""
@@ -80,9 +83,10 @@ MODELLED = frozenset(SWITCHES)
 
 
 class Profile:
-    """One release's switches, as attributes (``profile.<name>``, a switch of the table);
-    frozen once built. ``switches`` turns named switches on or off against the release
-    (a profile no release has, for tests that flip one switch).
+    """One release's switches, as attributes (``profile.<name>``, a switch of the table),
+    and its value rules (``profile.rules``, see ``spec/releases.py``); frozen once
+    built. ``switches`` turns named switches on or off against the release (a profile
+    no release has, for tests that flip one switch).
 
     Raises ValueError for a release the spec has no profile for, naming the argument
     and the releases it has, or for a switch the table does not name.
@@ -100,6 +104,9 @@ class Profile:
         self.on = frozenset(name for name in SWITCHES
                             if switches.get(name, name in ON[release]))
         self.__dict__.update(self.switches())  # plain attributes: read on every step
+        self.__dict__["rules"] = rules_for(self.on)
+
+    rules: ReleaseRules
 
     def __getattr__(self, name: str) -> bool:
         raise AttributeError(name)  # every switch is set above; this types them for mypy
@@ -109,9 +116,19 @@ class Profile:
             raise AttributeError(f"Profile is frozen: cannot set {name!r}")
         super().__setattr__(name, value)
 
+    def __reduce__(self) -> tuple[Any, tuple[str, frozenset[str]]]:
+        """Pickles as its release and switches (its rules are functions of them)."""
+        return profile_with, (self.release, self.on)
+
     def switches(self) -> dict[str, bool]:
         """Every switch's value, by name."""
         return {name: name in self.on for name in SWITCHES}
+
+
+@functools.cache
+def profile_with(release: str, on: frozenset[str]) -> Profile:
+    """The profile of ``release`` with exactly the switches ``on`` on (unpickling)."""
+    return Profile(release, **{name: name in on for name in SWITCHES})
 
 
 def resolve_profile(profile: object) -> Profile:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import pure
-from .block_pool import NULL_BLOCK, BlockPool
+from .block_pool import BlockPool
 from .profile import Profile
 from .pure import cdiv
-from .vocab import MEDIUM_CPU, KVCacheSpec, Request, admission_cap, cacheable, is_a
+from .vocab import MEDIUM_CPU, NULL_BLOCK, KVCacheSpec, Request, admission_cap, cacheable, is_a
 
 ZEROED_SPECS = ("FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec",
                 "HiddenStateCacheSpec")
@@ -426,9 +426,8 @@ class SingleTypeKVCacheManager:
                                                num_external_computed_tokens)
         if num_external_computed_tokens > 0:
             req_blocks = self._blocks_of(request_id)
-            num_new = cdiv(num_total, self.block_size) - len(req_blocks)
-            if self.profile.external_blocks_floor_zero:  # it may hold more already (draft slots)
-                num_new = max(num_new, 0)
+            num_new = self.profile.rules.external_blocks_floor_zero(
+                cdiv(num_total, self.block_size) - len(req_blocks))  # it may hold more already
             self._append_new(req_blocks, num_new, record_for_zeroing)
 
     def _load_host_blocks(self, request_id: str, local: int, external: int, *args: Any) -> None:
@@ -530,10 +529,9 @@ class SingleTypeKVCacheManager:
                          boundaries: Sequence[int] | None) -> tuple[int, int]:
         """Key the full blocks the mask keeps (windowed kinds' rule); cached before, after."""
         rid = request.request_id
-        num_cached, num_keyed = self.num_cached_block.get(rid, 0), num_tokens
-        if self.profile.cache_within_hashed_tokens:  # only blocks the request has hashes for
-            hbs = self.block_pool.hash_block_size
-            num_keyed = min(num_tokens, len(self.block_pool.block_hashes(request)) * hbs)
+        num_cached = self.num_cached_block.get(rid, 0)
+        num_keyed = self.profile.rules.cache_within_hashed_tokens(num_tokens, request,
+                                                                  self.block_pool)
         num_full = num_keyed // self.block_size
         if num_cached < num_full:
             kept = [request.num_prompt_tokens - 1] if boundaries is None else list(boundaries)

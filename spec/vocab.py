@@ -25,6 +25,8 @@ KVCacheSpec = Any
 KVCacheConfig = Any
 """A KV-cache config, read as data: ``num_blocks``, the groups' ``kv_cache_spec`` and
 ``is_eagle_group``."""
+NULL_BLOCK = 0
+"""Placeholder id for skipped positions; never free, never cached."""
 
 # ---------------------------------------------------------------- hash functions
 

@@ -27,7 +27,7 @@ from kvcache import (
 )
 from kvcache import vllm_0_33 as v33
 from kvcache.kv_cache_manager import KVCacheManager
-from spec.block_pool import NULL_BLOCK
+from spec.vocab import NULL_BLOCK
 
 BS = 4
 IMPLS = ("kvcache", "spec")
