@@ -430,9 +430,9 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0
         hits, num_hit_tokens = self.find_longest_cache_hit(
             self.block_pool.block_hashes(request), request.num_tokens - 1)
-        if self.prefix_cache_stats is not None and not self.profile.stats_at_admission:
-            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens,
-                                           request.num_preemptions > 0)
+        if self.prefix_cache_stats is not None:
+            self.profile.rules.stats_at_admission(self.prefix_cache_stats, request.num_tokens,
+                                                  num_hit_tokens, request.num_preemptions > 0)
         if num_hit_tokens > 0 and self.profile.rules.full_report_mode(request):
             for group_id, group_hits in enumerate(hits):  # tell subscribers of the hits too
                 if group_hits:
@@ -530,12 +530,11 @@ class KVCacheManager:
                     continue
                 drop_eagle_block = use_eagle and idx not in eagle_verified
                 max_length = curr_length
-                # 0.33.0: no peek past the candidate for Mamba (its finder never drops)
-                if drop_eagle_block and not (self.profile.mamba_no_eagle_margin
-                                             and is_a(spec, "MambaSpec")):
-                    peek = self.profile.eagle_peek_to_hashed_length and not one_group  # 0.33.0
-                    max_length = min(curr_length + self._eagle_step(spec, rules),
-                                     len(block_hashes) * hbs if peek else max_cache_hit_length)
+                if drop_eagle_block and self.profile.rules.mamba_no_eagle_margin(spec):
+                    limit = max_cache_hit_length if one_group else (
+                        self.profile.rules.eagle_peek_to_hashed_length(
+                            len(block_hashes) * hbs, max_cache_hit_length))
+                    max_length = min(curr_length + self._eagle_step(spec, rules), limit)
                 hits, new_length = self._search(
                     self.attention_groups[idx], block_hashes, max_length, drop_eagle_block,
                     spec.block_size if one_group else None)
@@ -607,10 +606,10 @@ class KVCacheManager:
         for sg in self.attention_groups:
             spec, group_ids, rules, use_eagle = sg
             max_length = max_cache_hit_length
-            peek = use_eagle and self.profile.eagle_peek_to_hashed_length
-            if peek and not is_a(spec, "MambaSpec"):
+            if use_eagle and not is_a(spec, "MambaSpec"):  # (0.25.1: no peek, limit is max)
                 max_length = min(max_length + self._eagle_step(spec, rules),
-                                 len(block_hashes) * self.hash_block_size)
+                                 self.profile.rules.eagle_peek_to_hashed_length(
+                                     len(block_hashes) * self.hash_block_size, max_length))
             hits, length = self._search(sg, block_hashes, max_length, use_eagle, None)
             for group_id, blocks in zip(group_ids, hits, strict=True):
                 hit_blocks[group_id] = blocks

@@ -16,7 +16,7 @@ from . import pure
 from .block_pool import BlockPool
 from .profile import Profile
 from .pure import cdiv
-from .vocab import MEDIUM_CPU, NULL_BLOCK, KVCacheSpec, Request, admission_cap, cacheable, is_a
+from .vocab import MEDIUM_CPU, NULL_BLOCK, KVCacheSpec, Request, admission_cap, cacheable
 
 ZEROED_SPECS = ("FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec",
                 "HiddenStateCacheSpec")
@@ -29,14 +29,12 @@ Hits = tuple[list[int], ...]
 def records_new_block_ids(kv_cache_spec: KVCacheSpec, profile: Profile,
                           needs_kv_cache_zeroing: bool) -> bool:
     """Whether a group reports its fresh blocks for zeroing: full attention and MLA
-    (exact classes, as vLLM tests them), or every attention kind but a ring buffer
-    (``zero_every_attention_group`` in a layout that zeroes); under
-    ``new_block_ids_zeroing_only`` none where the layout needs no zeroing."""
-    if profile.new_block_ids_zeroing_only and not needs_kv_cache_zeroing:
-        return False
-    return type(kv_cache_spec).__name__ in ZEROED_SPECS or (
-        profile.zero_every_attention_group and needs_kv_cache_zeroing
-        and is_a(kv_cache_spec, "AttentionSpec") and not is_a(kv_cache_spec, "CircularBufferSpec"))
+    (exact classes, as vLLM tests them) and what the release's rules add, where its
+    rules let the layout record any."""
+    rules = profile.rules
+    return rules.new_block_ids_zeroing_only(needs_kv_cache_zeroing) and (
+        type(kv_cache_spec).__name__ in ZEROED_SPECS
+        or rules.zero_every_attention_group(kv_cache_spec, needs_kv_cache_zeroing))
 
 
 def check_no_hits(request_id: str, new_computed_blocks: Sequence[int]) -> None:
@@ -761,8 +759,7 @@ class SingleTypeKVCacheManager:
                 align.checkpoints.pop(request_id, None)
         shortfall = (cdiv(num_tokens_main_model, self.block_size) + num_spec
                      - len(new_computed_blocks) - num_held)
-        if self.profile.mamba_caps_new_state_blocks and num_new > 0:  # the shortfall, capped
-            num_new = min(num_new + checkpoint, shortfall)
+        num_new = self.profile.rules.mamba_caps_new_state_blocks(num_new, checkpoint, shortfall)
         if request_id in self.partial_hit_reqs or self._ends_inside_block(
                 new_computed_blocks, num_local_computed_tokens):
             cap = 2 if allocated else 2 + num_spec

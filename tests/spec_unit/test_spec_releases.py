@@ -71,6 +71,22 @@ def test_rules_map_values_as_their_releases_do() -> None:
     assert new.eagle_master_switch({0, 1}, False) == set()
     assert new.eagle_master_switch({0, 1}, True) == {0, 1}
     assert old.retention_replay_boundaries(33, 16, True) == (32,)
+    assert old.mamba_no_eagle_margin(object()) and old.eagle_peek_to_hashed_length(64, 31) == 31
+    assert new.eagle_peek_to_hashed_length(64, 31) == 64
+    assert old.mamba_caps_new_state_blocks(3, 1, 2) == 3
+    assert new.mamba_caps_new_state_blocks(3, 1, 2) == 2
+    assert new.mamba_caps_new_state_blocks(0, 1, 2) == 0
     assert not old.adopt_computed_without_new_tokens(16)
     assert new.adopt_computed_without_new_tokens(16)
     assert not new.adopt_computed_without_new_tokens(0)
+
+
+def test_the_module_names_every_switch_without_a_rule() -> None:
+    """``spec/releases.py``'s docstring names each switch read as a flag, so it and
+    ``RULES`` together list every switch of releases.toml once."""
+    import spec.releases
+
+    named = set(re.findall(r"``(\w+)``", spec.releases.__doc__ or "")) & set(
+        spec_profile.SWITCHES)
+    assert named.isdisjoint(RULES)
+    assert named | set(RULES) == set(spec_profile.SWITCHES)
