@@ -197,7 +197,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
         self.log_stats = log_stats
-        self.prefix_cache_stats = self._new_stats() if log_stats else None
+        self.prefix_cache_stats = self.profile.rules.stats_hits_by_source() if log_stats else None
         p = self.profile
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size % hash_block_size or any(
@@ -375,10 +375,6 @@ class KVCacheManager:
                 m.cache_hit_alignment_tokens = hbs
 
 
-    def _new_stats(self) -> PrefixCacheStats:
-        """Empty stats, of 0.33.0's class under stats_hits_by_source."""
-        return self.profile.rules.stats_hits_by_source()
-
     @property
     def usage(self) -> float:
         """Fraction of non-null blocks in use."""
@@ -388,7 +384,8 @@ class KVCacheManager:
         """Return the hit stats gathered so far and start new ones (None unless log_stats)."""
         if not self.log_stats:
             return None
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._new_stats()
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = self.profile.rules.stats_hits_by_source()
         return stats
 
     def effectiveness_lookup(self, request: Request) -> effectiveness.Lookup | None:
@@ -598,9 +595,9 @@ class KVCacheManager:
                                          ) -> tuple[Hits, tuple[int, ...]]:
         """Each spec's own longest hit (no common length), with its length per group.
         With fine-grained hits a hit ends on a hash-block boundary (inside a block for
-        full attention and Mamba with larger blocks); under eagle_peek_to_hashed_length
-        an EAGLE spec other than Mamba first looks one block (fine-grained: one hash
-        block) further, up to the hashed tokens (0.25.1: no further)."""
+        full attention and Mamba with larger blocks); an EAGLE spec other than Mamba first
+        looks one block (fine-grained: one hash block) further, as far as the release's
+        ``eagle_peek_to_hashed_length`` rule lets it."""
         hit_blocks: list[list[int]] = [[] for _ in self.single_type_managers]
         hit_lengths = [0] * len(self.single_type_managers)
         for sg in self.attention_groups:
@@ -750,9 +747,8 @@ class KVCacheManager:
             num_tokens_main_model) for m in self.single_type_managers)
 
     def replay_boundaries(self, num_prompt_tokens: int) -> tuple[int, ...]:
-        """Where replays of the prompt resume, whose tails sparse retention keeps: one
-        token short of the prompt, or (retention_replay_boundaries, 0.33.0) the EAGLE
-        rule of ``pure.replay_boundaries`` when some group is an EAGLE group."""
+        """Where replays of the prompt resume, whose tails sparse retention keeps (the
+        release's ``retention_replay_boundaries`` rule)."""
         return self.profile.rules.retention_replay_boundaries(
             num_prompt_tokens, self.scheduler_block_size, bool(self.eagle_group_ids))
 
