@@ -90,3 +90,13 @@ def test_the_module_names_every_switch_without_a_rule() -> None:
         spec_profile.SWITCHES)
     assert named.isdisjoint(RULES)
     assert named | set(RULES) == set(spec_profile.SWITCHES)
+
+
+def test_the_readme_marks_the_rules_it_lists() -> None:
+    """spec/README.md's release lines say "(rule)" exactly for the switches of ``RULES``."""
+    text = (SPEC_DIR / "README.md").read_text(encoding="utf-8")
+    lines = re.findall(r"^- \d+\.\d+\.\d+ `(\w+)`( \(rule\))?:", text, re.MULTILINE)
+    assert lines, "no release lines found in spec/README.md"
+    for name, mark in lines:
+        assert name in spec_profile.SWITCHES, name
+        assert bool(mark) == (name in RULES), name
