@@ -66,7 +66,8 @@ def _prefix(L: int, span: int) -> tuple[int, int]:
 
 def _window(L: int, span: int) -> tuple[int, int]:
     # A window of one token still needs the block before L (vLLM finds a
-    # sliding-window hit only at a cached block).
+    # sliding-window hit only at a cached block); under EAGLE that block is the one
+    # after the hit instead, which the eagle_drop rule asks for (``resumable``).
     return max(0, L - max(span, 2) + 1), L
 
 
@@ -126,13 +127,17 @@ def holds(group: Group, cached: frozenset[int], start: int, end: int) -> bool:
 
 
 def resumable(group: Group, cached: frozenset[int], L: int) -> bool:
-    """Whether ``group`` can resume a request at ``L`` tokens from the pool."""
+    """Whether ``group`` can resume a request at ``L`` tokens from the pool. An EAGLE
+    group of a one-token window reads nothing before ``L``: vLLM anchors its hit at
+    the EAGLE block after it, which the ``eagle_drop`` rule asks for."""
     rule = KINDS[group.kind]
     if rule == "nothing" or L == 0:
         return True
     if rule is None:
         return L in cached
     assert callable(rule)
+    if rule is _window and group.span <= 1 and group.eagle:
+        return True  # reads no earlier token; its search's anchor is the EAGLE block
     start, end = rule(L, group.span)
     return holds(group, cached, start, end)
 
@@ -223,7 +228,8 @@ def _eagle_allows(lookup: Lookup, L: int) -> bool:
         if not group.eagle or KINDS[group.kind] is None or KINDS[group.kind] == "nothing":
             continue
         step = lookup.eagle_step[i] if lookup.eagle_step else group.block_size
-        if L + step > lookup.num_tokens - 1 or not resumable(group, held[i], L + step):
+        anchor = group._replace(eagle=False)  # the block after the hit, as any hit's own
+        if L + step > lookup.num_tokens - 1 or not resumable(anchor, held[i], L + step):
             return False
     return True
 

@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 
 from hypothesis import settings
 
-from kvcache import init_none_hash, sha256
+from kvcache import RequestStatus, init_none_hash, sha256
 
-from .programs import Step, replay, tokens
+from .programs import Seq, Step, replay, tokens
 from .runner import run_machine
 from .test_hybrid_machine import HybridMachine, admit, computed, extend, finish, start
 
@@ -35,7 +35,47 @@ class NewKindsMachine(HybridMachine):
 
 
 # Directed programs (``programs.py``): situations the budget may miss.
+
+
+def short_window_program(window: int) -> list[Step]:
+    """CI seed 9678266326026999476: a sliding window (block 1, ``window`` tokens) under
+    EAGLE beside R-SWA (block 2), scheduler block 2. r3's 3 tokens (2 from a connector)
+    are cached; r4 repeats them plus one."""
+
+    def request(*values: int, **draws: Any) -> dict[str, Any]:
+        return {**tokens("tokens", list(values)), "extra_keys": False, "skip_read": 0, **draws}
+
+    layout = {"context-parallel layout": False, "kinds": ["swa", "rswa"],
+              "block_factor": Seq(1, 2), "window": window, "mla": False, "rswa_window": 1,
+              "caching": True, "use_eagle": False, "eagle_group": Seq(True, False),
+              "retention": None, "rswa_blocks": 12, "num_first_requests": 1}
+    sizes = dict(num_blocks=33, base_block_size=1, watermark=0.0, log_stats=False,
+                 max_model_len=16, max_num_batched_tokens=2)
+    return [
+        Step("init_managers", sizes, {**layout, **request(0)}),
+        Step("add_request", {}, request(0)),
+        Step("add_request", {}, request(0)),
+        Step("add_request", {}, request(0, 0, 0)),
+        Step("free", dict(status=RequestStatus.FINISHED_STOPPED, how="defer"), {None: "r0"}),
+        Step("add_request", {}, request(0, 0, 0, 0, share_prefix=False)),
+        Step("get_computed_blocks", {}, {
+            "consider r1": False, "consider r2": False, "consider r3": True, "mode": "sync",
+            "unusual": True, "ext": 2, "lookahead": 0, "full_seq_must_fit": False,
+            "has_scheduled_reqs": False, "whole": False, "chunk": 1, "consider r4": True}),
+    ]
+
+
 PROGRAMS: dict[str, list[Step]] = {
+    # Window 4: r4's window hit is r3's leading run of 3 blocks (short of a window):
+    # vLLM aligns it to 2 tokens, drops the EAGLE block, aligns again: 0 tokens,
+    # where 2 were reachable (a loss both sides share: the judge names it known).
+    "a sliding-window EAGLE hit from a short run loses an alignment unit (vLLM)":
+        short_window_program(4),
+    # Window 1: r4 hits 2 tokens with no block of the window's own, anchored at
+    # the EAGLE block after them (cached): not a false hit.
+    "a one-token window under EAGLE resumes with no block of its own":
+        short_window_program(1),
+
     # One sliding-window MLA group (window 3, block size 1): r0's blocks are
     # cached, and their BlockStored event says ``sliding_window_mla``, window 3.
     "sliding-window MLA blocks are stored under their own kind": [
