@@ -804,6 +804,8 @@ class KVCacheManager:
                 event.kv_cache_spec_kind = kind
                 event.kv_cache_spec_sliding_window = window
         new = self.profile.rules.event_new_fields  # the new fields at their defaults
+        if not new:  # this release's classes are 0.25.1's: nothing to copy
+            return events
         return [new[type(e).__name__](**vars(e)) if type(e).__name__ in new else e
                 for e in events]
 

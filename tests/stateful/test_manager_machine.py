@@ -45,7 +45,7 @@ from kvcache import (
     get_request_block_hasher,
     sha256,
 )
-from spec import effectiveness
+from spec import effectiveness, pure
 
 from .runner import run_machine
 
@@ -83,14 +83,14 @@ def known_short_run_loss(lookup: Any, verdict: Any) -> bool:
         if not (group.kind.startswith("sliding_window") and group.eagle
                 and group.block_size < unit):
             continue
-        run = 0
-        while (run + 1) * group.block_size in cached:
+        size, run = group.block_size, 0
+        while (run + 1) * size in cached:
             run += 1
-        if run >= -(-(group.span - 1) // group.block_size) + 1:
+        if run >= pure.num_contiguous_blocks_for_hit(group.span, size, True):
             continue  # a window's run (and the EAGLE block): vLLM's main path, no flaw
-        tokens = run * group.block_size
-        as_vllm = max(tokens // unit * unit - unit, 0)  # aligned, one block dropped, aligned
-        if as_vllm < (tokens - group.block_size) // unit * unit:
+        aligned_first = pure.align_num_hit_blocks(run, size, unit)  # vLLM: align, drop, align
+        as_vllm = pure.align_num_hit_blocks(max(aligned_first - 1, 0), size, unit)
+        if as_vllm < pure.align_num_hit_blocks(max(run - 1, 0), size, unit):
             return True
     return False
 
