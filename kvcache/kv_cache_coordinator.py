@@ -714,7 +714,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 f"and pcp_world_size={pcp_world_size}"
                 + (", which does not scale blocks)" if self.pcp_not_scaled else ")")
             )
-            if self.pcp_not_scaled or self.dcp_sharded_geometry:
+            if self.dcp_sharded_geometry:
                 raise AssertionError(message)  # vLLM 0.33.0 asserts
             raise ValueError(message)
         manager.use_eagle = 0 in self.eagle_group_ids

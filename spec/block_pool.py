@@ -39,9 +39,8 @@ class BlockPool:
     ``reuse_watchers[b]`` (vLLM 0.33.0's ``unpin_blocks``) is told once when block b,
     released but still read, is handed out again or the cache is reset. ``medium``
     names the pool's memory in its events (a HiSparse host pool's is ``"CPU"``).
-    ``profile`` is the release whose switches it reads under their own names
-    (``tagged_extra_keys``, ``mm_keys_by_window``, ``none_hash_fixed_seed``,
-    ``event_session_id``); ``num_hash_lookahead_tokens`` (0.33.0's argument) is how
+    ``profile`` is the release whose rules it follows (hashing and events);
+    ``num_hash_lookahead_tokens`` (0.33.0's argument) is how
     many tokens after each block its hash covers.
 
     Invariants (``check_invariants``): a block is in ``free_queue`` iff its ref count is
@@ -68,9 +67,8 @@ class BlockPool:
         self.num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
         self.hash_fn = get_hash_fn(caching_hash_algo)
         # hash_seed None: the process's PYTHONHASHSEED, as vLLM reads it (unset: random)
-        self.none_hash = none_hash(self.hash_fn, os.getenv("PYTHONHASHSEED")
-                                   if hash_seed is None else hash_seed,
-                                   fixed_default_seed=self.profile.none_hash_fixed_seed)
+        self.none_hash = none_hash(self.hash_fn, self.profile.rules.none_hash_fixed_seed(
+            os.getenv("PYTHONHASHSEED") if hash_seed is None else hash_seed, self.hash_fn))
         self.null_block = NULL_BLOCK
         self.ref_cnt = [0] * num_gpu_blocks
         self.free_queue = list(range(1, num_gpu_blocks))  # block 0 was taken as the null block
@@ -86,8 +84,8 @@ class BlockPool:
         """The request's block hashes, computed by the spec from its tokens and keys
         (never read from the request), at ``block_size`` (default: the hash block size)."""
         hashes = request_block_hashes(request, self.hash_block_size, self.hash_fn, self.none_hash,
-                                      self.profile.tagged_extra_keys,
-                                      self.profile.mm_keys_by_window,
+                                      self.profile.rules.tagged_extra_keys,
+                                      self.profile.rules.mm_keys_by_window,
                                       self.num_hash_lookahead_tokens)
         if block_size is None or block_size == self.hash_block_size:
             return hashes
@@ -166,7 +164,7 @@ class BlockPool:
             extra_keys=[block_extra_keys(request, s, s + block_size + la, first_mm)
                         for s in starts] or None,
             group_idx=group_idx)
-        session = self.profile.event_session_id
+        session = self.profile.rules.event_session_id
         if la or session:
             fields["lookahead_token_ids"] = (
                 [list(ids[s + block_size:s + block_size + la]) for s in starts] if la else None)
@@ -220,9 +218,8 @@ class BlockPool:
             start = (n - 1) * hbs
             # As vLLM: past the first block the multimodal scan starts at the last item;
             # 0.33.0 (mm_keys_by_window): at every item of the window.
-            first_mm = max(len(request.mm_features) - 1, 0) if start > 0 else 0
-            if self.profile.mm_keys_by_window:
-                first_mm = 0
+            late = start > 0 and not self.profile.rules.mm_keys_by_window
+            first_mm = max(len(request.mm_features) - 1, 0) if late else 0
             self._queue_stored(request, [hashes[n - 1]], hashes[n - 2] if n > 1 else None,
                                [start], (start, num_tokens), num_tokens - start,
                                kv_cache_group_id, first_mm)

@@ -15,9 +15,9 @@ from . import effectiveness, pure
 from .block_pool import BlockPool
 from .profile import Profile, resolve_profile
 from .pure import cdiv
+from .releases import NO_CONTEXT_PARALLEL
 from .single_type_kv_cache_manager import (
     HISPARSE_RESIDENT,
-    MAMBA,
     MAMBA_ALIGN,
     Hits,
     KindRules,
@@ -40,7 +40,6 @@ from .vocab import (
     event_kind,
     event_sliding_window,
     is_a,
-    is_dcp_sharded,
     needs_kv_cache_zeroing,
     pool_key,
 )
@@ -145,27 +144,24 @@ class KVCacheManager:
                  prefix_cache_retention_interval: int | None = None,
                  profile: Profile | str | None = None, num_hash_lookahead_tokens: int = 0,
                  num_prefill_lookahead: int = 0) -> None:
-        self.profile = resolve_profile(profile)  # spec/profile.py
-        rings = [g for g in kv_cache_config.kv_cache_groups
-                 if is_a(g.kv_cache_spec, "CircularBufferSpec")]
-        if rings and not self.profile.circular_buffer_groups:
-            raise NotImplementedError("a CircularBufferSpec group (a vLLM 0.33.0 kind) under "
-                                      f"profile {self.profile.release}")
-        for i, g in enumerate(kv_cache_config.kv_cache_groups):  # vLLM 0.33.0's HiSparse
-            kind = type(g.kv_cache_spec).__name__
-            what = (f"role {group_role(g)!r}" if group_role(g) == "hisparse_source"
-                    else kind if kind in ("HiSparseResidentSpec", "HiSparseHotSpec") else None)
-            if what and not self.profile.hisparse_groups:
+        self.profile = p = resolve_profile(profile)  # spec/profile.py, spec/releases.py
+        groups = kv_cache_config.kv_cache_groups
+        for i, g in enumerate(groups):  # what the release admits
+            spec, role = g.kv_cache_spec, group_role(g)
+            if not p.rules.circular_buffer_groups(spec):
+                raise NotImplementedError("a CircularBufferSpec group (a vLLM 0.33.0 kind) "
+                                          f"under profile {p.release}")
+            if not p.rules.hisparse_groups(spec, role):
+                what = f"role {role!r}" if role == "hisparse_source" else type(spec).__name__
                 raise NotImplementedError(f"{what} (group {i}) is not supported under "
-                                          f"profile {self.profile.release}: HiSparse is "
-                                          "vLLM 0.33.0's")
-        for g in kv_cache_config.kv_cache_groups:  # 0.33.0's MambaSpec fields
-            blocks = getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0)
-            alignment = getattr(g.kv_cache_spec, "prefill_checkpoint_alignment", None)
-            if (blocks or alignment is not None) and not self.profile.mamba_prefill_checkpoints:
+                                          f"profile {p.release}: HiSparse is vLLM 0.33.0's")
+            blocks = getattr(spec, "num_prefill_checkpoint_blocks", 0)
+            alignment = getattr(spec, "prefill_checkpoint_alignment", None)
+            if (blocks or alignment is not None) and p.rules.mamba_prefill_checkpoints(
+                    spec) is None:
                 raise ValueError(f"num_prefill_checkpoint_blocks={blocks}, prefill_checkpoint_"
                                  f"alignment={alignment}: Mamba prefill checkpoints are vLLM "
-                                 f"0.33.0's; profile {self.profile.release} has no such fields")
+                                 f"0.33.0's; profile {p.release} has no such fields")
         # 0.33.0's lookahead hashing and prefill lookahead (0: none; a bool hash
         # lookahead counts as 0 / 1, as vLLM does arithmetic with it).
         for name, value in (("num_hash_lookahead_tokens", num_hash_lookahead_tokens),
@@ -174,9 +170,9 @@ class KVCacheManager:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         for name, value in (("num_hash_lookahead_tokens", num_hash_lookahead_tokens),
                             ("num_prefill_lookahead", num_prefill_lookahead)):
-            if value and not self.profile.lookahead_arguments:
+            if not p.rules.lookahead_arguments(value):
                 raise ValueError(f"{name}={value}: lookahead is vLLM 0.33.0's; profile "
-                                 f"{self.profile.release} has no such argument")
+                                 f"{p.release} has no such argument")
         if isinstance(num_prefill_lookahead, bool):
             raise ValueError(f"num_prefill_lookahead must be a non-negative int, got "
                              f"{num_prefill_lookahead!r}")
@@ -197,9 +193,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
         self.log_stats = log_stats
-        self.prefix_cache_stats = self.profile.rules.stats_hits_by_source() if log_stats else None
-        p = self.profile
-        groups = kv_cache_config.kv_cache_groups
+        self.prefix_cache_stats = p.rules.stats_hits_by_source() if log_stats else None
         if scheduler_block_size % hash_block_size or any(
                 scheduler_block_size % g.kv_cache_spec.block_size for g in groups):
             raise ValueError(f"scheduler_block_size={scheduler_block_size} must be a multiple of "
@@ -216,16 +210,15 @@ class KVCacheManager:
             self.eagle_group_ids = set(range(len(groups)))
         self.eagle_group_ids = p.rules.eagle_master_switch(self.eagle_group_ids, use_eagle)
         self.dcp_world_size, self.pcp_world_size = dcp_world_size, pcp_world_size
-        scale = dcp_world_size * (1 if p.pcp_not_scaled else pcp_world_size)
-        context_parallel = [scale if not p.dcp_sharded_geometry
-                            or is_dcp_sharded(g.kv_cache_spec) else 1 for g in groups]
-        if enable_caching and len(groups) > 1 and p.dcp_sharded_geometry:
-            self._check_hybrid_context_parallel()
-        elif enable_caching and max(*context_parallel, pcp_world_size) > 1 and (
-                len(groups) > 1 or not is_a(groups[0].kv_cache_spec, "FullAttentionSpec")):
-            raise NotImplementedError("hybrid layouts and kinds other than full attention do "
-                                      "not support context parallelism with prefix caching "
-                                      "(vLLM asserts)")
+        scale = p.rules.pcp_not_scaled(dcp_world_size, pcp_world_size)
+        geometry = p.rules.dcp_sharded_geometry
+        context_parallel = [scale if geometry.scales(g.kv_cache_spec) else 1 for g in groups]
+        if enable_caching and len(groups) > 1:
+            geometry.check_hybrid([g.kv_cache_spec for g in groups], dcp_world_size,
+                                  pcp_world_size)
+        elif enable_caching and max(*context_parallel, pcp_world_size) > 1 and not is_a(
+                groups[0].kv_cache_spec, "FullAttentionSpec"):
+            raise NotImplementedError(NO_CONTEXT_PARALLEL)
         self.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
         zeroing = needs_kv_cache_zeroing(kv_cache_config)
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
@@ -235,13 +228,10 @@ class KVCacheManager:
                                           needs_kv_cache_zeroing=zeroing, use_eagle=use_eagle)
             for i, g in enumerate(groups))
         self.retention_interval = prefix_cache_retention_interval
-        # retention_zero_without_window (0.33.0): 0 is accepted, and ignored, without a
-        # sliding-window or Mamba group (0.25.1 refuses any interval there).
-        ignored_zero = (p.retention_zero_without_window and self.retention_interval == 0
-                        and not any(is_a(g.kv_cache_spec, "SlidingWindowSpec")
-                                    or is_a(g.kv_cache_spec, "MambaSpec") for g in groups))
-        if self.retention_interval is not None and not ignored_zero:
-            self._check_retention_interval(self.retention_interval)
+        windowed = any(is_a(g.kv_cache_spec, "SlidingWindowSpec")
+                       or is_a(g.kv_cache_spec, "MambaSpec") for g in groups)
+        if p.rules.retention_zero_without_window(self.retention_interval, windowed):
+            self._check_retention_interval(prefix_cache_retention_interval, windowed)
         self.fine_grained = False  # mamba_fine_grained_hits in effect (hybrid only)
         self.num_uncached_common_prefix_tokens = 0  # set by each hit search
         self._init_groups()
@@ -259,33 +249,16 @@ class KVCacheManager:
             for g in kv_cache_config.kv_cache_groups)
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool)
-        if self.profile.mamba_align_only and enable_caching:
-            for m in self.single_type_managers:
-                if m.rules is MAMBA and m.kv_cache_spec.mamba_cache_mode != "align":
-                    mode = m.kv_cache_spec.mamba_cache_mode
-                    raise AssertionError(f"mamba_cache_mode={mode!r} with prefix caching on: "
-                                         "this release caches Mamba only in 'align'")
+        for m in self.single_type_managers if enable_caching else ():
+            if not p.rules.mamba_align_only(m.kv_cache_spec):
+                mode = m.kv_cache_spec.mamba_cache_mode
+                raise AssertionError(f"mamba_cache_mode={mode!r} with prefix caching on: "
+                                     "this release caches Mamba only in 'align'")
 
-    def _check_hybrid_context_parallel(self) -> None:
-        """0.33.0's rule for several caching groups: under dcp each is full attention or
-        replicated; under pcp each is full attention or a replicated attention group.
-        AssertionError otherwise (vLLM asserts)."""
-        for i, g in enumerate(self.kv_cache_config.kv_cache_groups):
-            full, replicated = is_a(g.kv_cache_spec, "FullAttentionSpec"), not is_dcp_sharded(
-                g.kv_cache_spec)
-            if self.pcp_world_size > 1 and not (
-                    full or (replicated and is_a(g.kv_cache_spec, "AttentionSpec"))):
-                raise AssertionError(f"pcp_world_size={self.pcp_world_size}: group {i} is "
-                                     "neither full attention nor replicated attention")
-            if self.dcp_world_size > 1 and not (full or replicated):
-                raise AssertionError(f"dcp_world_size={self.dcp_world_size}: group {i} is "
-                                     "neither full attention nor replicated")
-
-    def _check_retention_interval(self, interval: int) -> None:
+    def _check_retention_interval(self, interval: Any, windowed: bool) -> None:
         """vLLM's checks: a windowed group to thin out, and a non-negative multiple of
         ``scheduler_block_size`` (hits end only on those)."""
-        if not any(is_a(g.kv_cache_spec, "SlidingWindowSpec") or is_a(g.kv_cache_spec, "MambaSpec")
-                   for g in self.kv_cache_config.kv_cache_groups):
+        if not windowed:
             raise ValueError(f"prefix_cache_retention_interval={interval} needs a sliding-window "
                              "or Mamba group")
         if interval < 0 or interval % self.scheduler_block_size:
@@ -313,8 +286,7 @@ class KVCacheManager:
             if self.hash_block_size != m.block_size:
                 message = (f"hash_block_size={self.hash_block_size} must equal the block size "
                            f"{m.block_size} of the only group")
-                geometry_0_33 = self.profile.pcp_not_scaled or self.profile.dcp_sharded_geometry
-                raise AssertionError(message) if geometry_0_33 else ValueError(message)
+                raise self.profile.rules.dcp_sharded_geometry.refusal(message)
             self.attention_groups.append(SpecGroup(
                 lookup_spec(groups[0].kv_cache_spec, m), [0], m.rules, 0 in self.eagle_group_ids))
         else:
@@ -322,8 +294,8 @@ class KVCacheManager:
         for sg in self.attention_groups:
             for group_id in sg.group_ids:
                 managers[group_id].use_eagle = sg.use_eagle
-        if len(groups) > 1 and self.profile.mamba_fine_grained_hits:
-            self.enable_fine_grained_hits()
+        if len(groups) > 1:
+            self.profile.rules.mamba_fine_grained_hits(self)
 
     def _bundle_groups(self) -> None:
         """Several groups: the hybrid layout's checks, and its caching groups bundled by
@@ -444,11 +416,10 @@ class KVCacheManager:
         request's lookup hit ``num_hit_tokens``: where the longest single-kind hit
         ended when it is longer than the common hit, else 0 (always 0 under 0.25.1,
         and for a lookup that did not run)."""
-        if (not self.profile.shared_prefix_junctions or not self.enable_caching
-                or request.skip_reading_prefix_cache):
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return 0
-        uncached = self.num_uncached_common_prefix_tokens
-        return num_hit_tokens + uncached if uncached else 0
+        return self.profile.rules.shared_prefix_junctions(
+            num_hit_tokens, self.num_uncached_common_prefix_tokens)
 
     def get_computed_blocks_for_connector(self, request: Request
                                           ) -> tuple[KVCacheBlocks, int, int, bool]:

@@ -6,8 +6,8 @@ The switches and releases are data, not code: ``releases.toml`` beside this modu
 reads it itself, so it still imports nothing from kvcache. A switch is on in a
 release iff its ``since`` is at or before it: ``Profile("0.25.1")`` (the default)
 has every switch off, ``Profile("0.33.0")`` every one on, a release between them
-the switches measured to have come by then. The spec consults every switch in
-``MODELLED`` at its own points of difference.
+the switches measured to have come by then. What each switch changes is its rule
+in ``spec/releases.py``; the spec reads the rules, never the switches.
 """
 
 from __future__ import annotations
@@ -78,15 +78,12 @@ ON = {
 }
 """The switches each release turns on."""
 
-MODELLED = frozenset(SWITCHES)
-"""The switches the spec's code consults (all of them)."""
-
 
 class Profile:
-    """One release's switches, as attributes (``profile.<name>``, a switch of the table),
-    and its value rules (``profile.rules``, see ``spec/releases.py``); frozen once
-    built. ``switches`` turns named switches on or off against the release (a profile
-    no release has, for tests that flip one switch).
+    """One release's switches, as attributes (``profile.<name>``, for callers that
+    compare profiles), and its rules (``profile.rules``, see ``spec/releases.py``), the
+    only thing the spec reads; frozen once built. ``switches`` turns named switches on
+    or off against the release (a profile no release has, for tests that flip one).
 
     Raises ValueError for a release the spec has no profile for, naming the argument
     and the releases it has, or for a switch the table does not name.

@@ -1,29 +1,21 @@
-"""What a release changes, as rules: for each switch the flow reads as a value,
-vLLM 0.25.1's rule beside the rule the switch turns on (``RULES``).
+"""What a release changes, as rules: for each switch of ``releases.toml``, vLLM
+0.25.1's rule beside the rule the switch turns on (``RULES``).
 
-``releases.toml`` says when each switch came; this table says what it does, so
-0.33.0's value rules read in one place next to 0.25.1's. A profile carries its
-release's rules (``profile.rules``, built by ``rules_for``) and the flow calls each
-under its switch's name.
-
-The other switches are read as ``profile.<switch>``: what a release admits, checked
-once when a manager is built (``circular_buffer_groups``, ``hisparse_groups``,
-``mamba_prefill_checkpoints``, ``lookahead_arguments``, ``mamba_align_only``,
-``retention_zero_without_window``); arguments of the hashing and event vocabulary
-(``tagged_extra_keys``, ``mm_keys_by_window``, ``none_hash_fixed_seed``,
-``event_session_id``); the context-parallel geometry and its checks
-(``pcp_not_scaled``, ``dcp_sharded_geometry``); and steps that change the flow's path
-rather than a value in it (``mamba_frees_processed_states``,
-``mamba_prompt_tail_state``, ``mamba_fine_grained_hits``, ``partial_hit_copy_on_write``,
-``partial_prompt_tail_entries``, ``shared_prefix_junctions``).
+``releases.toml`` says when each switch came; this table says what each does, so
+every difference between 0.25.1 and 0.33.0 reads in one place. A profile carries
+its release's rules (``profile.rules``, built by ``rules_for``) and the spec calls
+each under its switch's name; it reads no switch as a flag. Most rules map values
+(a count, a seed, the groups that drop an EAGLE block); a release that admits more
+has a predicate (what it admits); a switch that adds a step has the step (0.25.1's:
+nothing); the vocabulary's switches are its arguments (whether keys are tagged).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import pure
 from .vocab import (
@@ -33,13 +25,64 @@ from .vocab import (
     PrefixCacheStats,
     PrefixCacheStats033,
     is_a,
+    is_dcp_sharded,
+    sha256,
+    sha256_cbor,
 )
+
+
+class Geometry(NamedTuple):
+    """``dcp_sharded_geometry``'s parts: which layer specs context parallelism scales,
+    how a hybrid caching layout under it is checked, what a hash block size off the
+    one group's block size raises."""
+
+    scales: Callable[[Any], bool]
+    check_hybrid: Callable[[Sequence[Any], int, int], None]
+    refusal: type[Exception]
+
+
+class MambaFrees(NamedTuple):
+    """``mamba_frees_processed_states``' parts: (computed tokens, speculative blocks)
+    -> the tokens Mamba frees by; whether an 'align' request that needs no new block
+    counts as allocated; whether passed 'align' states retire right to left past
+    nulls (else the skipped prefix is freed up to its first null)."""
+
+    free_by: Callable[[int, int], int]
+    held_counts_as_allocated: bool
+    retires_past_nulls: bool
+
+
+NO_CONTEXT_PARALLEL = ("hybrid layouts and kinds other than full attention do not support "
+                       "context parallelism with prefix caching (vLLM asserts)")
+"""What refusing context parallelism under prefix caching says (NotImplementedError)."""
+
+
+def refuse_hybrid_context_parallel(specs: Sequence[Any], dcp: int, pcp: int) -> None:
+    """0.25.1: a hybrid layout with prefix caching takes no context parallelism."""
+    if max(dcp, pcp) > 1:
+        raise NotImplementedError(NO_CONTEXT_PARALLEL)
+
+
+def check_hybrid_context_parallel(specs: Sequence[Any], dcp: int, pcp: int) -> None:
+    """0.33.0: under pcp each group is full attention or replicated attention; under
+    dcp each is full attention or replicated (AssertionError; vLLM asserts)."""
+    for i, spec in enumerate(specs):
+        full, replicated = is_a(spec, "FullAttentionSpec"), not is_dcp_sharded(spec)
+        if pcp > 1 and not (full or (replicated and is_a(spec, "AttentionSpec"))):
+            raise AssertionError(f"pcp_world_size={pcp}: group {i} is neither full "
+                                 "attention nor replicated attention")
+        if dcp > 1 and not (full or replicated):
+            raise AssertionError(f"dcp_world_size={dcp}: group {i} is neither full "
+                                 "attention nor replicated")
+
+
+HISPARSE_KINDS = ("HiSparseResidentSpec", "HiSparseHotSpec")
+"""vLLM 0.33.0's HiSparse spec classes (exact names)."""
 
 
 @dataclass(frozen=True)
 class ReleaseRules:
-    """One release's value rules, each named after its switch (``RULES`` says what each
-    one maps)."""
+    """One release's rules, each named after its switch (``RULES`` says what each is)."""
 
     eagle_master_switch: Callable[[set[int], bool], set[int]]
     mamba_no_eagle_margin: Callable[[Any], bool]
@@ -59,6 +102,24 @@ class ReleaseRules:
     zero_every_attention_group: Callable[[Any, bool], bool]
     stats_hits_by_source: type[PrefixCacheStats]
     event_new_fields: Mapping[str, type]
+    circular_buffer_groups: Callable[[Any], bool]
+    hisparse_groups: Callable[[Any, str | None], bool]
+    mamba_prefill_checkpoints: Callable[[Any], tuple[int, int | None] | None]
+    lookahead_arguments: Callable[[int], bool]
+    mamba_align_only: Callable[[Any], bool]
+    retention_zero_without_window: Callable[[int | None, bool], bool]
+    tagged_extra_keys: bool
+    mm_keys_by_window: bool
+    none_hash_fixed_seed: Callable[[str | None, Callable[[Any], bytes]], str | None]
+    event_session_id: bool
+    pcp_not_scaled: Callable[[int, int], int]
+    dcp_sharded_geometry: Geometry
+    mamba_frees_processed_states: MambaFrees
+    mamba_prompt_tail_state: Callable[[bool], tuple[bool, bool]]
+    mamba_fine_grained_hits: Callable[[Any], None]
+    partial_hit_copy_on_write: Callable[[int, int], bool]
+    partial_prompt_tail_entries: Callable[[Any, Any, int], None]
+    shared_prefix_junctions: Callable[[int, int], int]
 
 
 RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule once on)
@@ -135,6 +196,72 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     # event classes replaced when events are taken (by 0.25.1's class name), the new
     # fields at their defaults
     "event_new_fields": ({}, {"BlockStored": BlockStored033, "BlockRemoved": BlockRemoved033}),
+    # layer spec -> whether the release admits its group (0.26.0 brought ring buffers)
+    "circular_buffer_groups": (lambda spec: not is_a(spec, "CircularBufferSpec"),
+                               lambda spec: True),
+    # (layer spec, group role) -> whether the release admits the group (HiSparse)
+    "hisparse_groups": (lambda spec, role: role != "hisparse_source"
+                        and type(spec).__name__ not in HISPARSE_KINDS,
+                        lambda spec, role: True),
+    # Mamba spec -> the prefill-checkpoint fields the release reads (blocks, alignment);
+    # None: it has none (a spec setting them is refused; no states are offered)
+    "mamba_prefill_checkpoints": (
+        lambda spec: None,
+        lambda spec: (getattr(spec, "num_prefill_checkpoint_blocks", 0),
+                      getattr(spec, "prefill_checkpoint_alignment", None))),
+    # a lookahead argument -> whether the release admits it (0.25.1 has none: only 0)
+    "lookahead_arguments": (lambda value: not value, lambda value: True),
+    # layer spec -> whether a caching manager admits it (0.33.0: Mamba only in 'align')
+    "mamba_align_only": (lambda spec: True, lambda spec: type(spec).__name__ != "MambaSpec"
+                         or spec.mamba_cache_mode == "align"),
+    # (retention interval, a sliding-window or Mamba group?) -> whether it is checked
+    # (0.33.0 ignores 0 without such a group)
+    "retention_zero_without_window": (
+        lambda interval, windowed: interval is not None,
+        lambda interval, windowed: interval is not None and (interval != 0 or windowed)),
+    # whether a block's extra keys name their source: ("lora", name, path), ("mm", ...)
+    "tagged_extra_keys": (False, True),
+    # whether a block hashed after its request was made scans every multimodal item
+    # (0.25.1: from the last one), for hashes and events alike
+    "mm_keys_by_window": (False, True),
+    # (hash seed, hash function) -> the seed of the first block's parent (None: random)
+    "none_hash_fixed_seed": (
+        lambda seed, fn: seed,
+        lambda seed, fn: "vllm-none-hash" if seed is None and fn in (sha256, sha256_cbor)
+        else seed),
+    # whether BlockStored carries the request's session_id (0.33.0's class)
+    "event_session_id": (False, True),
+    # (dcp, pcp) -> how many ranks a scaled group's block spans
+    "pcp_not_scaled": (lambda dcp, pcp: dcp * pcp, lambda dcp, pcp: dcp),
+    # which specs context parallelism scales, the hybrid check, the one group's refusal
+    "dcp_sharded_geometry": (
+        Geometry(lambda spec: True, refuse_hybrid_context_parallel, ValueError),
+        Geometry(is_dcp_sharded, check_hybrid_context_parallel, AssertionError)),
+    # how Mamba frees passed states (see MambaFrees)
+    "mamba_frees_processed_states": (
+        MambaFrees(lambda computed, spec: max(0, computed - spec), False, False),
+        MambaFrees(lambda computed, spec: computed, True, True)),
+    # the engine's use_eagle -> whether an 'align' Mamba group keys the prompt-tail
+    # state, and whether that state sits one hash block earlier (EAGLE's)
+    "mamba_prompt_tail_state": (lambda use_eagle: (False, False),
+                                lambda use_eagle: (True, use_eagle)),
+    # the manager, once its groups are bundled (several groups) -> nothing, or hits
+    # that end on hash-block boundaries where an 'align' Mamba group needs them
+    "mamba_fine_grained_hits": (lambda manager: None,
+                                lambda manager: manager.enable_fine_grained_hits()),
+    # (tokens a hit or state covers, block size) -> whether its last block, partly
+    # covered, is copied before the request writes it
+    "partial_hit_copy_on_write": (lambda num_tokens, block_size: False,
+                                  lambda num_tokens, block_size: num_tokens % block_size != 0),
+    # (group manager, request, tokens) -> nothing, or the prompt's last hash boundary
+    # inside a block keyed (full attention's caching step)
+    "partial_prompt_tail_entries": (
+        lambda manager, request, num_tokens: None,
+        lambda manager, request, num_tokens: manager.cache_prompt_tail(request, num_tokens)),
+    # (common hit tokens, tokens a longer single-kind hit adds) -> the request's shared
+    # prefix junction, cached like a replay boundary (0: none)
+    "shared_prefix_junctions": (lambda hit, uncached: 0,
+                                lambda hit, uncached: hit + uncached if uncached else 0),
 }
 
 

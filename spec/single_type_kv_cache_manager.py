@@ -266,11 +266,11 @@ class SingleTypeKVCacheManager:
     def _set_up_align(self, use_eagle: bool) -> None:
         """Mamba 'align': speculative blocks, and the mode's record (``MambaAlign``)."""
         self._set_up_states(use_eagle)
-        p, spec = self.profile, self.kv_cache_spec
-        self.align = MambaAlign(
-            p.mamba_prompt_tail_state and use_eagle, p.mamba_prefill_checkpoints and getattr(
-                spec, "num_prefill_checkpoint_blocks", 0) > 0,
-            getattr(spec, "prefill_checkpoint_alignment", None), p.mamba_prefill_checkpoints)
+        rules = self.profile.rules
+        checkpoints = rules.mamba_prefill_checkpoints(self.kv_cache_spec)
+        blocks, alignment = checkpoints or (0, None)
+        self.align = MambaAlign(*rules.mamba_prompt_tail_state(use_eagle), blocks > 0,
+                                alignment, checkpoints is not None)
 
     def _set_up_hot_region(self, use_eagle: bool) -> None:
         """A hot group: the spec's region size, and the requests to get their region."""
@@ -295,9 +295,10 @@ class SingleTypeKVCacheManager:
         return self.req_to_blocks.setdefault(request_id, [])
 
     def _ends_inside_block(self, hits: Sequence[int], num_local_computed_tokens: int) -> bool:
-        """Under ``partial_hit_copy_on_write``: whether a hit ends inside its last block."""
-        return (self.profile.partial_hit_copy_on_write and len(hits) > 0
-                and num_local_computed_tokens % self.block_size != 0)
+        """Whether a hit ends inside its last block, which is copied before the request
+        writes it (``partial_hit_copy_on_write``)."""
+        return len(hits) > 0 and self.profile.rules.partial_hit_copy_on_write(
+            num_local_computed_tokens, self.block_size)
 
     def _num_evictable(self, blocks: Sequence[int]) -> int:
         """Blocks that touching them takes out of the free queue."""
@@ -533,8 +534,8 @@ class SingleTypeKVCacheManager:
         num_full = num_keyed // self.block_size
         if num_cached < num_full:
             kept = [request.num_prompt_tokens - 1] if boundaries is None else list(boundaries)
-            junction = getattr(request, "shared_prefix_boundary", 0)
-            if self.profile.shared_prefix_junctions and junction:
+            junction = getattr(request, "shared_prefix_boundary", 0)  # 0: none
+            if junction:
                 kept += [junction, junction - self.block_size] if self.use_eagle else [junction]
             mask = self.reachable_block_mask(num_cached, num_full, retention_interval, kept)
             self.block_pool.cache_full_blocks(request, self._blocks_of(rid), num_cached,
@@ -547,8 +548,7 @@ class SingleTypeKVCacheManager:
                            boundaries: Sequence[int] | None) -> None:
         """Full attention: its full blocks, and (0.26.0+) the prompt's tail."""
         self._key_full_blocks(request, num_tokens, retention, boundaries)
-        if self.profile.partial_prompt_tail_entries:
-            self._cache_prompt_tail(request, num_tokens)
+        self.profile.rules.partial_prompt_tail_entries(self, request, num_tokens)
 
     def _cache_states(self, request: Request, *args: Any) -> None:
         """Mamba: its full blocks, remembering the keys cached this step."""
@@ -587,7 +587,7 @@ class SingleTypeKVCacheManager:
         self._bound_coordinator().publish_when_ready(
             request, num_tokens, retention_interval, replay_boundaries=boundaries)
 
-    def _cache_prompt_tail(self, request: Request, num_tokens: int) -> None:
+    def cache_prompt_tail(self, request: Request, num_tokens: int) -> None:
         """partial_prompt_tail_entries: key the block holding the prompt's last hash
         boundary (all but its last token; EAGLE: all) inside it, within ``num_tokens``."""
         hbs = self.block_pool.hash_block_size
@@ -679,11 +679,10 @@ class SingleTypeKVCacheManager:
         self._null_out(blocks, start, stop)
 
     def _less_drafts(self, total_computed_tokens: int) -> int:
-        """Mamba without ``mamba_frees_processed_states``: like vLLM 0.25.1, the tokens
-        less the speculative block count (for rejected drafts)."""
-        if self.num_speculative_blocks and not self.profile.mamba_frees_processed_states:
-            return max(0, total_computed_tokens - self.num_speculative_blocks)
-        return total_computed_tokens
+        """The tokens Mamba frees by (0.25.1: less the speculative block count, for
+        rejected drafts; ``mamba_frees_processed_states``)."""
+        return self.profile.rules.mamba_frees_processed_states.free_by(
+            total_computed_tokens, self.num_speculative_blocks)
 
     def _null_out(self, blocks: list[int], start: int, stop: int) -> None:
         """Free ``blocks[start:stop]`` right to left and null them."""
@@ -807,7 +806,7 @@ class SingleTypeKVCacheManager:
         partial = self.partial_hit_reqs.pop(request_id, None)
         checkpoint = 1 if request_id in align.checkpoints else 0
         if num_required <= num_held and partial is None and not checkpoint:
-            if self.profile.mamba_frees_processed_states:  # 0.33.0: counts as allocated
+            if self.profile.rules.mamba_frees_processed_states.held_counts_as_allocated:
                 align.allocated.add(request_id)
             return []
         allocated_before = request_id in align.allocated
@@ -857,9 +856,10 @@ class SingleTypeKVCacheManager:
             if key is not None:
                 self.cached_blocks_this_step.add(key)
             return
-        inside = num_tokens % self.block_size != 0  # only with partial_hit_copy_on_write
-        if not (self.profile.mamba_prompt_tail_state and num_tokens > 0
-                and (not inside or self.profile.partial_hit_copy_on_write)
+        inside = num_tokens % self.block_size != 0
+        if not (align.keys_prompt_tail and num_tokens > 0 and (
+                not inside or self.profile.rules.partial_hit_copy_on_write(
+                    num_tokens, self.block_size))
                 and num_tokens == pure.mamba_prompt_tail_boundary(
                     request.num_prompt_tokens, pool.hash_block_size,
                     align.prompt_tail_drops_eagle, pool.num_hash_lookahead_tokens)):
@@ -935,7 +935,7 @@ class SingleTypeKVCacheManager:
         align = self.align
         assert align is not None
         total_computed_tokens = self._less_drafts(total_computed_tokens)
-        if not self.profile.mamba_frees_processed_states:
+        if not self.profile.rules.mamba_frees_processed_states.retires_past_nulls:
             self._free_skipped_prefix(request_id, total_computed_tokens)
         elif (num_skipped := self.get_num_skipped_tokens(total_computed_tokens)) > 0:
             blocks = self._blocks_of(request_id)
@@ -1262,7 +1262,8 @@ class MambaAlign:
     a block waits in ``producer_tails[r]`` (block, tokens) until it moves to its copy
     or the request ends (``finalize_partial_tail``); a freed request's offers go."""
 
-    prompt_tail_drops_eagle: bool  # mamba_prompt_tail_state with the engine's use_eagle
+    keys_prompt_tail: bool  # mamba_prompt_tail_state
+    prompt_tail_drops_eagle: bool  # ... with the engine's use_eagle
     has_checkpoint_blocks: bool
     checkpoint_alignment: int | None
     offers_boundary_states: bool

@@ -72,14 +72,10 @@ def get_hash_fn(name: str) -> Callable[[Any], bytes]:
     return HASH_FUNCTIONS[name]
 
 
-def none_hash(hash_fn: Callable[[Any], bytes], seed: str | None,
-              fixed_default_seed: bool = False) -> bytes:
+def none_hash(hash_fn: Callable[[Any], bytes], seed: str | None) -> bytes:
     """The parent of every first block: ``hash_fn(seed)`` (the ``PYTHONHASHSEED``
-    string), or 32 random bytes without a seed, so hashes differ between processes.
-    With ``fixed_default_seed`` (0.33.0's none_hash_fixed_seed) a missing seed is
-    ``"vllm-none-hash"`` for sha256 / sha256_cbor, and random for the xxhash ones."""
-    if seed is None and fixed_default_seed and hash_fn in (sha256, sha256_cbor):
-        seed = "vllm-none-hash"
+    string, or the release's default, ``none_hash_fixed_seed``), or 32 random bytes
+    without a seed, so hashes differ between processes."""
     return os.urandom(32) if seed is None else hash_fn(seed)
 
 

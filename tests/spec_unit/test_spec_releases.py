@@ -15,10 +15,10 @@ from spec.releases import RULES, ReleaseRules, rules_for
 SPEC_DIR = Path(spec_profile.__file__).parent
 
 
-def test_every_rule_is_a_switch_of_the_table() -> None:
-    """Each rule is named after a switch of releases.toml, and ReleaseRules has a field
-    for each rule and nothing else."""
-    assert set(RULES) <= set(spec_profile.SWITCHES)
+def test_every_switch_of_the_table_is_a_rule() -> None:
+    """Each switch of releases.toml has its rule, named after it, and ReleaseRules has a
+    field for each rule and nothing else."""
+    assert sorted(RULES) == sorted(spec_profile.SWITCHES)
     assert list(ReleaseRules.__dataclass_fields__) == list(RULES)
 
 
@@ -40,9 +40,9 @@ def test_a_switch_flipped_by_hand_flips_its_rule() -> None:
     assert rules == rules_for(Profile("0.33.0").on - {"pop_drops_null_head"})
 
 
-def test_no_rule_switch_is_read_as_a_flag() -> None:
-    """The flow reads a rule's switch only through ``profile.rules``: no
-    ``profile.<switch>`` (or ``p.<switch>``) for a switch that has a rule."""
+def test_no_switch_is_read_as_a_flag() -> None:
+    """The spec reads a switch only through ``profile.rules``: no ``profile.<switch>``
+    (or ``p.<switch>``) anywhere in spec/."""
     pattern = re.compile(r"\b(?:profile|p)\.(" + "|".join(RULES) + r")\b")
     reads = [f"{path.name}: {m.group(0)}" for path in sorted(SPEC_DIR.glob("*.py"))
              for m in pattern.finditer(path.read_text(encoding="utf-8"))]
@@ -81,22 +81,87 @@ def test_rules_map_values_as_their_releases_do() -> None:
     assert not new.adopt_computed_without_new_tokens(0)
 
 
-def test_the_module_names_every_switch_without_a_rule() -> None:
-    """``spec/releases.py``'s docstring names each switch read as a flag, so it and
-    ``RULES`` together list every switch of releases.toml once."""
-    import spec.releases
-
-    named = set(re.findall(r"``(\w+)``", spec.releases.__doc__ or "")) & set(
-        spec_profile.SWITCHES)
-    assert named.isdisjoint(RULES)
-    assert named | set(RULES) == set(spec_profile.SWITCHES)
-
-
-def test_the_readme_marks_the_rules_it_lists() -> None:
-    """spec/README.md's release lines say "(rule)" exactly for the switches of ``RULES``."""
+def test_the_readme_names_every_switch_with_its_release() -> None:
+    """spec/README.md names every switch, and each release line gives its switch's
+    first release."""
     text = (SPEC_DIR / "README.md").read_text(encoding="utf-8")
-    lines = re.findall(r"^- \d+\.\d+\.\d+ `(\w+)`( \(rule\))?:", text, re.MULTILINE)
+    named = set(re.findall(r"`(\w+)`", text))
+    assert set(spec_profile.SWITCHES) <= named, set(spec_profile.SWITCHES) - named
+    lines = re.findall(r"^- (\d+\.\d+\.\d+) `(\w+)`:", text, re.MULTILINE)
     assert lines, "no release lines found in spec/README.md"
-    for name, mark in lines:
-        assert name in spec_profile.SWITCHES, name
-        assert bool(mark) == (name in RULES), name
+    for release, name in lines:
+        assert spec_profile.SINCE[name] == release, name
+
+
+def test_admission_rules_refuse_what_old_releases_lack() -> None:
+    """0.25.1 admits no ring buffer, HiSparse group, checkpoint field or lookahead;
+    0.33.0 admits them and refuses a caching Mamba group outside 'align'."""
+    class CircularBufferSpec:
+        pass
+
+    class MambaSpec:
+        def __init__(self, mode: str) -> None:
+            self.mamba_cache_mode = mode
+            self.num_prefill_checkpoint_blocks, self.prefill_checkpoint_alignment = 1, 32
+
+    old, new = Profile("0.25.1").rules, Profile("0.33.0").rules
+    ring, none_mode, align = CircularBufferSpec(), MambaSpec("none"), MambaSpec("align")
+    assert not old.circular_buffer_groups(ring) and new.circular_buffer_groups(ring)
+    assert not old.hisparse_groups(object(), "hisparse_source")
+    assert old.hisparse_groups(object(), None) and new.hisparse_groups(object(), "hisparse_source")
+    assert old.mamba_prefill_checkpoints(align) is None
+    assert new.mamba_prefill_checkpoints(align) == (1, 32)
+    assert old.lookahead_arguments(0) and not old.lookahead_arguments(2)
+    assert new.lookahead_arguments(2)
+    assert old.mamba_align_only(none_mode) and not new.mamba_align_only(none_mode)
+    assert new.mamba_align_only(align) and new.mamba_align_only(ring)
+    assert old.retention_zero_without_window(0, False)
+    assert not new.retention_zero_without_window(0, False)
+    assert new.retention_zero_without_window(0, True)
+    assert new.retention_zero_without_window(32, False)
+    assert not old.retention_zero_without_window(None, True)
+
+
+def test_path_and_vocabulary_rules() -> None:
+    """The rules of the switches that add a step or set a vocabulary argument."""
+    from spec.vocab import sha256, xxhash
+
+    old, new = Profile("0.25.1").rules, Profile("0.33.0").rules
+    assert old.none_hash_fixed_seed(None, sha256) is None
+    assert new.none_hash_fixed_seed(None, sha256) == "vllm-none-hash"
+    assert new.none_hash_fixed_seed(None, xxhash) is None
+    assert new.none_hash_fixed_seed("7", sha256) == "7"
+    assert (old.tagged_extra_keys, old.mm_keys_by_window, old.event_session_id) == (
+        False, False, False)
+    assert new.tagged_extra_keys and new.mm_keys_by_window and new.event_session_id
+    assert old.pcp_not_scaled(2, 3) == 6 and new.pcp_not_scaled(2, 3) == 2
+    assert old.dcp_sharded_geometry.refusal is ValueError
+    assert new.dcp_sharded_geometry.refusal is AssertionError
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        old.dcp_sharded_geometry.check_hybrid([], 2, 1)
+    new.dcp_sharded_geometry.check_hybrid([], 2, 2)  # no group to refuse
+    assert old.mamba_frees_processed_states.free_by(10, 2) == 8
+    assert old.mamba_frees_processed_states.free_by(1, 2) == 0
+    assert new.mamba_frees_processed_states.free_by(10, 2) == 10
+    assert old.mamba_prompt_tail_state(True) == (False, False)
+    assert new.mamba_prompt_tail_state(True) == (True, True)
+    assert new.mamba_prompt_tail_state(False) == (True, False)
+    assert not old.partial_hit_copy_on_write(20, 16)
+    assert new.partial_hit_copy_on_write(20, 16) and not new.partial_hit_copy_on_write(32, 16)
+    assert old.shared_prefix_junctions(32, 16) == 0
+    assert new.shared_prefix_junctions(32, 16) == 48 and new.shared_prefix_junctions(32, 0) == 0
+    calls: list[tuple[str, int]] = []
+
+    class Manager:
+        def cache_prompt_tail(self, request: str, num_tokens: int) -> None:
+            calls.append((request, num_tokens))
+
+        def enable_fine_grained_hits(self) -> None:
+            calls.append(("fine", 0))
+
+    old.partial_prompt_tail_entries(Manager(), "r", 40)
+    old.mamba_fine_grained_hits(Manager())
+    assert calls == []
+    new.partial_prompt_tail_entries(Manager(), "r", 40)
+    new.mamba_fine_grained_hits(Manager())
+    assert calls == [("r", 40), ("fine", 0)]
