@@ -346,7 +346,6 @@ class KVCacheManager:
             for m in self.single_type_managers:
                 m.cache_hit_alignment_tokens = hbs
 
-
     @property
     def usage(self) -> float:
         """Fraction of non-null blocks in use."""
@@ -912,8 +911,6 @@ class KVCacheManager:
             for b, count in holders.items():
                 assert pool.ref_cnt[b] >= count, f"block {b}: ref_cnt {pool.ref_cnt[b]} < {count}"
 
-
-
     def pools(self) -> list[BlockPool]:
         """Every pool the groups use, the shared one first (a HiSparse source's host
         pool is its own)."""
@@ -922,6 +919,7 @@ class KVCacheManager:
             if all(m.block_pool is not p for p in pools):
                 pools.append(m.block_pool)
         return pools
+
 
 class SpecGroup(NamedTuple):
     """Groups with equal specs (and kind), searched together; EAGLE if any member is."""
