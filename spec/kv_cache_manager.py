@@ -42,6 +42,7 @@ from .vocab import (
     is_a,
     needs_kv_cache_zeroing,
     pool_key,
+    prefill_checkpoint_fields,
 )
 
 WATERMARKED = ("WAITING", "PREEMPTED")
@@ -155,8 +156,7 @@ class KVCacheManager:
                 what = f"role {role!r}" if role == "hisparse_source" else type(spec).__name__
                 raise NotImplementedError(f"{what} (group {i}) is not supported under "
                                           f"profile {p.release}: HiSparse is vLLM 0.33.0's")
-            blocks = getattr(spec, "num_prefill_checkpoint_blocks", 0)
-            alignment = getattr(spec, "prefill_checkpoint_alignment", None)
+            blocks, alignment = prefill_checkpoint_fields(spec)
             if (blocks or alignment is not None) and p.rules.mamba_prefill_checkpoints(
                     spec) is None:
                 raise ValueError(f"num_prefill_checkpoint_blocks={blocks}, prefill_checkpoint_"
@@ -230,8 +230,9 @@ class KVCacheManager:
         self.retention_interval = prefix_cache_retention_interval
         windowed = any(is_a(g.kv_cache_spec, "SlidingWindowSpec")
                        or is_a(g.kv_cache_spec, "MambaSpec") for g in groups)
-        if p.rules.retention_zero_without_window(self.retention_interval, windowed):
-            self._check_retention_interval(prefix_cache_retention_interval, windowed)
+        interval = self.retention_interval
+        if interval is not None and p.rules.retention_zero_without_window(interval, windowed):
+            self._check_retention_interval(interval, windowed)
         self.fine_grained = False  # mamba_fine_grained_hits in effect (hybrid only)
         self.num_uncached_common_prefix_tokens = 0  # set by each hit search
         self._init_groups()
@@ -249,13 +250,13 @@ class KVCacheManager:
             for g in kv_cache_config.kv_cache_groups)
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool)
-        for m in self.single_type_managers if enable_caching else ():
-            if not p.rules.mamba_align_only(m.kv_cache_spec):
+        for m in self.single_type_managers:
+            if enable_caching and not p.rules.mamba_align_only(m.kv_cache_spec):
                 mode = m.kv_cache_spec.mamba_cache_mode
                 raise AssertionError(f"mamba_cache_mode={mode!r} with prefix caching on: "
                                      "this release caches Mamba only in 'align'")
 
-    def _check_retention_interval(self, interval: Any, windowed: bool) -> None:
+    def _check_retention_interval(self, interval: int, windowed: bool) -> None:
         """vLLM's checks: a windowed group to thin out, and a non-negative multiple of
         ``scheduler_block_size`` (hits end only on those)."""
         if not windowed:
@@ -417,8 +418,9 @@ class KVCacheManager:
         and for a lookup that did not run)."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return 0
+        uncached = self.num_uncached_common_prefix_tokens
         return self.profile.rules.shared_prefix_junctions(
-            num_hit_tokens, self.num_uncached_common_prefix_tokens)
+            num_hit_tokens + uncached if uncached else 0)
 
     def get_computed_blocks_for_connector(self, request: Request
                                           ) -> tuple[KVCacheBlocks, int, int, bool]:

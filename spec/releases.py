@@ -26,6 +26,7 @@ from .vocab import (
     PrefixCacheStats033,
     is_a,
     is_dcp_sharded,
+    prefill_checkpoint_fields,
     sha256,
     sha256_cbor,
 )
@@ -107,7 +108,7 @@ class ReleaseRules:
     mamba_prefill_checkpoints: Callable[[Any], tuple[int, int | None] | None]
     lookahead_arguments: Callable[[int], bool]
     mamba_align_only: Callable[[Any], bool]
-    retention_zero_without_window: Callable[[int | None, bool], bool]
+    retention_zero_without_window: Callable[[int, bool], bool]
     tagged_extra_keys: bool
     mm_keys_by_window: bool
     none_hash_fixed_seed: Callable[[str | None, Callable[[Any], bytes]], str | None]
@@ -119,7 +120,7 @@ class ReleaseRules:
     mamba_fine_grained_hits: Callable[[Any], None]
     partial_hit_copy_on_write: Callable[[int, int], bool]
     partial_prompt_tail_entries: Callable[[Any, Any, int], None]
-    shared_prefix_junctions: Callable[[int, int], int]
+    shared_prefix_junctions: Callable[[int], int]
 
 
 RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule once on)
@@ -205,20 +206,16 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
                         lambda spec, role: True),
     # Mamba spec -> the prefill-checkpoint fields the release reads (blocks, alignment);
     # None: it has none (a spec setting them is refused; no states are offered)
-    "mamba_prefill_checkpoints": (
-        lambda spec: None,
-        lambda spec: (getattr(spec, "num_prefill_checkpoint_blocks", 0),
-                      getattr(spec, "prefill_checkpoint_alignment", None))),
+    "mamba_prefill_checkpoints": (lambda spec: None, prefill_checkpoint_fields),
     # a lookahead argument -> whether the release admits it (0.25.1 has none: only 0)
     "lookahead_arguments": (lambda value: not value, lambda value: True),
     # layer spec -> whether a caching manager admits it (0.33.0: Mamba only in 'align')
     "mamba_align_only": (lambda spec: True, lambda spec: type(spec).__name__ != "MambaSpec"
                          or spec.mamba_cache_mode == "align"),
-    # (retention interval, a sliding-window or Mamba group?) -> whether it is checked
+    # (a retention interval, a sliding-window or Mamba group?) -> whether it is checked
     # (0.33.0 ignores 0 without such a group)
-    "retention_zero_without_window": (
-        lambda interval, windowed: interval is not None,
-        lambda interval, windowed: interval is not None and (interval != 0 or windowed)),
+    "retention_zero_without_window": (lambda interval, windowed: True,
+                                      lambda interval, windowed: interval != 0 or windowed),
     # whether a block's extra keys name their source: ("lora", name, path), ("mm", ...)
     "tagged_extra_keys": (False, True),
     # whether a block hashed after its request was made scans every multimodal item
@@ -258,10 +255,10 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     "partial_prompt_tail_entries": (
         lambda manager, request, num_tokens: None,
         lambda manager, request, num_tokens: manager.cache_prompt_tail(request, num_tokens)),
-    # (common hit tokens, tokens a longer single-kind hit adds) -> the request's shared
-    # prefix junction, cached like a replay boundary (0: none)
-    "shared_prefix_junctions": (lambda hit, uncached: 0,
-                                lambda hit, uncached: hit + uncached if uncached else 0),
+    # a shared-prefix junction (where a lookup's longest single-kind hit ended) -> the
+    # one the release knows, yielded by a lookup and cached like a replay boundary (0:
+    # none), wherever it is read
+    "shared_prefix_junctions": (lambda junction: 0, lambda junction: junction),
 }
 
 

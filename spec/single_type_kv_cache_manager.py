@@ -269,8 +269,11 @@ class SingleTypeKVCacheManager:
         rules = self.profile.rules
         checkpoints = rules.mamba_prefill_checkpoints(self.kv_cache_spec)
         blocks, alignment = checkpoints or (0, None)
-        self.align = MambaAlign(*rules.mamba_prompt_tail_state(use_eagle), blocks > 0,
-                                alignment, checkpoints is not None)
+        keys_tail, tail_drops_eagle = rules.mamba_prompt_tail_state(use_eagle)
+        self.align = MambaAlign(
+            keys_prompt_tail=keys_tail, prompt_tail_drops_eagle=tail_drops_eagle,
+            has_checkpoint_blocks=blocks > 0, checkpoint_alignment=alignment,
+            offers_boundary_states=checkpoints is not None)
 
     def _set_up_hot_region(self, use_eagle: bool) -> None:
         """A hot group: the spec's region size, and the requests to get their region."""
@@ -534,7 +537,8 @@ class SingleTypeKVCacheManager:
         num_full = num_keyed // self.block_size
         if num_cached < num_full:
             kept = [request.num_prompt_tokens - 1] if boundaries is None else list(boundaries)
-            junction = getattr(request, "shared_prefix_boundary", 0)  # 0: none
+            junction = self.profile.rules.shared_prefix_junctions(
+                getattr(request, "shared_prefix_boundary", 0))
             if junction:
                 kept += [junction, junction - self.block_size] if self.use_eagle else [junction]
             mask = self.reachable_block_mask(num_cached, num_full, retention_interval, kept)

@@ -308,6 +308,13 @@ def needs_kv_cache_zeroing(kv_cache_config: Any) -> bool:
     return len(precisions) > 1
 
 
+def prefill_checkpoint_fields(kv_cache_spec: Any) -> tuple[int, int | None]:
+    """A Mamba spec's prefill-checkpoint fields (vLLM 0.33.0's): ``(blocks, alignment)``,
+    ``(0, None)`` for a spec without them."""
+    return (getattr(kv_cache_spec, "num_prefill_checkpoint_blocks", 0),
+            getattr(kv_cache_spec, "prefill_checkpoint_alignment", None))
+
+
 def is_dcp_sharded(kv_cache_spec: Any) -> bool:
     """Whether decode context parallelism shards the spec's blocks over the ranks: its
     own ``dcp_sharded`` field (vLLM 0.33.0's specs), else attention specs are and the

@@ -155,6 +155,21 @@ def test_sliding_window_retention_keeps_segment_and_replay_tails(
     assert cached_positions(manager, "a", 0) == expected
 
 
+@pytest.mark.parametrize("release, expected", [
+    ("0.25.1", [14]),       # 0.25.1 has no junctions: the request's attribute is not read
+    ("0.33.0", [7, 14]),    # shared_prefix_junctions: the tail before the junction at 32
+])
+def test_a_junction_is_kept_only_where_the_release_has_junctions(
+        release: str, expected: list[int]) -> None:
+    spec = SlidingWindowSpec(block_size=4, sliding_window=4, **ATTN)
+    manager = make_manager([spec], 20, 4, 4, prefix_cache_retention_interval=0,
+                           profile=release)
+    request = make_request("a", list(range(64)), 4)
+    request.shared_prefix_boundary = 32  # type: ignore[attr-defined]
+    manager.allocate_slots(request, 64)
+    assert cached_positions(manager, "a", 0) == expected
+
+
 @pytest.mark.parametrize("interval, expected", [
     (4, list(range(16))),           # an interval of one block keeps every state
     (16, [3, 7, 11, 14, 15]),       # states after 16, 32, 48, 64 tokens, and after 60

@@ -119,7 +119,6 @@ def test_admission_rules_refuse_what_old_releases_lack() -> None:
     assert not new.retention_zero_without_window(0, False)
     assert new.retention_zero_without_window(0, True)
     assert new.retention_zero_without_window(32, False)
-    assert not old.retention_zero_without_window(None, True)
 
 
 def test_path_and_vocabulary_rules() -> None:
@@ -148,8 +147,7 @@ def test_path_and_vocabulary_rules() -> None:
     assert new.mamba_prompt_tail_state(False) == (True, False)
     assert not old.partial_hit_copy_on_write(20, 16)
     assert new.partial_hit_copy_on_write(20, 16) and not new.partial_hit_copy_on_write(32, 16)
-    assert old.shared_prefix_junctions(32, 16) == 0
-    assert new.shared_prefix_junctions(32, 16) == 48 and new.shared_prefix_junctions(32, 0) == 0
+    assert old.shared_prefix_junctions(48) == 0 and new.shared_prefix_junctions(48) == 48
     calls: list[tuple[str, int]] = []
 
     class Manager:
