@@ -382,9 +382,8 @@ class SingleTypeKVCacheManager:
                     num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
         """The hits (touched), nulls where skipped; a hit ending inside its last block
         is copied at the next allocation (``partial_hit_copy_on_write``)."""
-        req_blocks = self._blocks_of(request_id)
-        if req_blocks:
-            raise ValueError(f"request_id={request_id!r} already holds blocks {req_blocks}; "
+        if held := self.req_to_blocks.get(request_id):
+            raise ValueError(f"request_id={request_id!r} already holds blocks {held}; "
                              "computed blocks only go to a request without blocks")
         num_total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped = self.get_num_skipped_tokens(num_total) // self.block_size
@@ -394,6 +393,7 @@ class SingleTypeKVCacheManager:
             self.block_pool.touch(new_computed_blocks)
         elif new_computed_blocks:
             raise ValueError(f"new_computed_blocks={list(new_computed_blocks)} with caching off")
+        req_blocks = self._blocks_of(request_id)
         req_blocks.extend([NULL_BLOCK] * num_skipped)
         req_blocks.extend(new_computed_blocks)
         self.num_cached_block[request_id] = len(req_blocks)

@@ -182,8 +182,8 @@ def pool_key(block_hash: bytes, group_id: int) -> bytes:
 
 def external_hash(block_hash: bytes) -> bytes | int:
     """A hash as events report it: the low 64 bits of the big-endian integer, or the
-    bytes when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``."""
-    if os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") == "0":
+    bytes when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` reads as the integer 0."""
+    if not int(os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")):
         return block_hash
     return int.from_bytes(block_hash, "big") % 2**64
 

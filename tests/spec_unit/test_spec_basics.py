@@ -126,3 +126,45 @@ def test_distinct_empty_blocks_run_allocate_new_computed_blocks() -> None:
 def test_allocate_slots_rejects_zero_tokens() -> None:
     with pytest.raises(ValueError, match="num_new_tokens"):
         make_manager().allocate_slots(make_request("a", [1, 2]), 0)
+
+
+def test_block_lists_answer_as_kvcaches_do() -> None:
+    """``KVCacheBlocks``' accessors, the spec's beside kvcache's after one request
+    cached its full blocks in a hybrid layout: concatenation, the empty copy, and
+    the ids not cached (null blocks counted as uncached by the one-group query)."""
+    import kvcache as K
+
+    full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8,
+                             dtype="float16")
+    window = K.SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8,
+                                 dtype="float16", sliding_window=4)
+    config = KVCacheConfig(16, [], [KVCacheGroupSpec(["f"], full), KVCacheGroupSpec(["w"], window)])
+    answers = []
+    for manager_class, ids in ((K.KVCacheManager, lambda blocks: [b.block_id for b in blocks]),
+                               (KVCacheManager, list)):
+        manager = manager_class(config, 64, BLOCK_SIZE, BLOCK_SIZE)  # type: ignore[arg-type]
+        request = make_request("a", list(range(14)))
+        new = manager.allocate_slots(request, 14)
+        assert new is not None
+        request.num_computed_tokens = 14
+        manager.remove_skipped_blocks("a", 14)
+        blocks = manager.get_blocks("a")
+        one = manager.create_kv_cache_blocks((blocks.blocks[1],))  # type: ignore[arg-type]
+        answers.append((
+            [ids(g) for g in (blocks + blocks).blocks],
+            [list(g) for g in blocks.new_empty().blocks],
+            blocks.get_unhashed_block_ids_all_groups(),
+            one.get_unhashed_block_ids(),
+        ))
+    assert answers[0] == answers[1]
+    tables, empty, unhashed, one_group = answers[1]
+    # the window's first two blocks (5, 6) fell out of it; 4 and 8 hold the partial tail
+    assert tables == [[1, 2, 3, 4, 1, 2, 3, 4], [0, 0, 7, 8, 0, 0, 7, 8]]
+    assert empty == [[], []] and unhashed == [[4], [8]] and one_group == [0, 0, 8]
+
+
+def test_a_lookup_with_caching_off_finds_nothing() -> None:
+    """Called directly, the hit search of a manager without prefix caching finds no hit
+    (its lookup table is empty), whatever ``max_cache_hit_length`` says."""
+    manager = make_manager(enable_caching=False)
+    assert manager.find_longest_cache_hit([b"x", b"y"], 8) == (([],), 0)

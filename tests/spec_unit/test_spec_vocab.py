@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from types import SimpleNamespace
 from typing import Any
 
 import hypothesis.strategies as st
@@ -232,3 +233,34 @@ def test_spec_runs_on_vllms_objects_in_lockstep_with_vllm(seeded: None) -> None:
         assert results[0] == results[1], f"request {n}"
         assert canon(managers[0].abstract_state()) == canon(abstract_state(managers[1]))
         assert n != 1 or results[0][1] > 0  # r1 hits r0 (same tokens and image); r2 is salted
+
+
+@pytest.mark.parametrize("setting", [None, "1", "0", "00", "2"])
+def test_event_hashes_read_the_setting_as_kvcache_does(setting: str | None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is read as an integer (vLLM's
+    ``bool(int(...))``): any 0 reports the bytes, anything else the low 64 bits."""
+    if setting is None:
+        monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", setting)
+    block_hash = bytes(range(32))
+    reported = vocab.external_hash(block_hash)
+    assert reported == kvcache.kv_cache_utils.maybe_convert_block_hash(block_hash)  # type: ignore[arg-type]
+    assert isinstance(reported, bytes) is (setting in ("0", "00"))
+
+
+def test_dcp_sharding_is_read_as_kvcache_reads_it() -> None:
+    """A spec's own ``dcp_sharded`` field decides; a uniform-type spec follows its
+    first layer; else attention is sharded and Mamba is not."""
+    from kvcache.kv_cache_interface import is_dcp_sharded
+
+    attention = kvcache.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8,
+                                          dtype="float16")
+    mamba = kvcache.MambaSpec(block_size=4)
+
+    flagged = SimpleNamespace(dcp_sharded=False)
+    uniform = SimpleNamespace(kv_cache_specs={"m": mamba, "a": attention})
+    for layer, sharded in ((attention, True), (mamba, False), (flagged, False),
+                           (uniform, False)):
+        assert vocab.is_dcp_sharded(layer) is is_dcp_sharded(layer) is sharded

@@ -259,6 +259,7 @@ def observe(side: World) -> dict[str, Any]:
         if kind(m) == HISPARSE[2]:
             seen[f"hot{g}"] = (sorted(m.hot_required), sorted(r for r in tables if m.has_hot(r)))
     seen["free_count"] = side.km.block_pool.get_num_free_blocks()
+    seen["new_block_ids"] = side.km.take_new_block_ids()  # the source reports none
     return seen
 
 
