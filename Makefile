@@ -46,7 +46,8 @@ FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(F
 	verify-lane-releases conformance-0.33 upstream-0.33 \
 	upstream-0.33-compiled conformance-0.33-compiled lint typecheck test conformance wheel-check figures \
 	verify upstream proofs traces fuzz fuzz-worker fuzz-dashboard test-kernels bench-kernels \
-	bench mutation clean distclean effectiveness effectiveness-vllm effectiveness-ci nano-vllm
+	bench mutation clean distclean effectiveness effectiveness-vllm effectiveness-ci nano-vllm \
+	exhaustive-releases
 
 setup: $(DEV_STAMP) $(COMPILED_STAMP)
 
@@ -281,6 +282,16 @@ fuzz-dashboard: $(FUZZ_STAMP)
 # search (proofs/manifest.py), bounded by counts (same verdicts on any machine load), ~3 min on 2 cores.
 proofs: $(DEV_STAMP)
 	KVCACHE_PURE=1 $(PY) -m proofs.run
+
+# The exhaustive kvcache-vs-spec search under every release's profile, each layout at the
+# depth `make proofs` searches 0.25.1 (about 3 min of one core per release; `make verify`
+# runs 0.33.0's, 3 steps shallower, in tests/test_proofs_teeth.py).
+EXHAUSTIVE_SHALLOWER ?= 0
+exhaustive-releases: $(DEV_STAMP)
+	@for release in $$($(PY) -c "import spec.profile as p; print(*p.RELEASES)"); do \
+		KVCACHE_PURE=1 $(PY) -m proofs.exhaustive --shallower $(EXHAUSTIVE_SHALLOWER) \
+			--release $$release || exit 1; \
+	done
 
 # Kernel tests in the Triton interpreter on CPU (also part of `make test`).
 test-kernels: $(REF_STAMP)

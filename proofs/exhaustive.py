@@ -51,6 +51,7 @@ from typing import Any
 
 import kvcache
 import spec
+import spec.profile
 from kvcache import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -75,6 +76,7 @@ WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 ATTN: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
 
 Action = tuple[Any, ...]
+CLASS_SWITCHES = ("event_new_fields", "stats_hits_by_source")
 
 
 class Mismatch(AssertionError):
@@ -92,6 +94,8 @@ class Layout:
     """Every call sequence up to this many steps is explored."""
     enable_caching: bool = True
     watermark: float = 0.0
+    release: str = "0.25.1"
+    """The vLLM release both managers follow (``--release``)."""
 
     @property
     def block_size(self) -> int:
@@ -106,8 +110,14 @@ class Layout:
             "hash_block_size": self.block_size, "enable_caching": self.enable_caching,
             "enable_kv_cache_events": True, "watermark": self.watermark,
         }
-        return (spec.KVCacheManager(KVCacheConfig(self.num_blocks, [], groups), **kwargs),
-                kvcache.KVCacheManager(KVCacheConfig(self.num_blocks, [], groups), **kwargs))
+        # The switches that pick only the event and stats classes stay off on the
+        # spec's side: kvcache's manager leaves them to its 0.33.0 drop-in
+        # (tests/stateful/test_middle_release_machines.py says why).
+        spec_profile = spec.profile.Profile(self.release, **dict.fromkeys(CLASS_SWITCHES, False))
+        return (spec.KVCacheManager(KVCacheConfig(self.num_blocks, [], groups), **kwargs,
+                                    profile=spec_profile),
+                kvcache.KVCacheManager(KVCacheConfig(self.num_blocks, [], groups), **kwargs,
+                                       profile=self.release))
 
 
 def _full(block_size: int) -> FullAttentionSpec:
@@ -469,12 +479,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("only", nargs="?", default="", help="layouts whose name has this")
     parser.add_argument("--shallower", type=int, default=0, metavar="N",
                         help="search every layout N steps less deep (default 0)")
+    parser.add_argument("--release", default="0.25.1", choices=spec.profile.RELEASES,
+                        help="the vLLM release both managers follow (default 0.25.1)")
     args = parser.parse_args(argv)
     build = "compiled" if kvcache.COMPILED else "pure"
     if os.environ.get("KVCACHE_EXPECT_COMPILED") == "1" and not kvcache.COMPILED:
         print("KVCACHE_EXPECT_COMPILED=1 but kvcache's pure build is loaded", file=sys.stderr)
         return 2
-    layouts = tuple(dataclasses.replace(layout, depth=layout.depth - args.shallower)
+    layouts = tuple(dataclasses.replace(layout, depth=layout.depth - args.shallower,
+                                        release=args.release)
                     for layout in LAYOUTS if args.only in layout.name)
     if not layouts or min(layout.depth for layout in layouts) < 1:
         parser.error(f"no layout to search (only={args.only!r}, shallower={args.shallower})")
@@ -486,7 +499,8 @@ def main(argv: list[str]) -> int:
             print(f"  {report.mismatch}")
     depth = min(r.depth for r in reports)
     print(f"TOTAL depth {depth} states {sum(r.num_states for r in reports)} "
-          f"calls {sum(r.num_calls for r in reports)} (kvcache {build} build)")
+          f"calls {sum(r.num_calls for r in reports)} (kvcache {build} build, "
+          f"vLLM {args.release})")
     return 1 if any(r.mismatch for r in reports) else 0
 
 

@@ -258,16 +258,32 @@ class PrefixCacheStats:
 
 # vLLM 0.33.0's classes of the same names (event_new_fields, stats_hits_by_source): 0.25.1's
 # fields plus the new ones, at their defaults (the spec has no sessions, tiers or lookahead).
-BlockStored033: Any = make_dataclass(
-    "BlockStored", [("locality", str | None, None), ("ownership", str | None, None),
-                    ("session_id", str | None, None),
-                    ("lookahead_token_ids", list[list[int]] | None, None)], bases=(BlockStored,))
-BlockRemoved033: Any = make_dataclass(
-    "BlockRemoved", [("locality", str | None, None), ("ownership", str | None, None)],
-    bases=(BlockRemoved,))
-PrefixCacheStats033: Any = make_dataclass(
-    "PrefixCacheStats", [("hits_by_source", dict[str, int], field(default_factory=dict))],
-    bases=(PrefixCacheStats,))
+def _release_class(attr: str, base: type, fields: list[Any]) -> Any:
+    """0.33.0's class named as ``base``, with ``fields`` added; held by the module
+    attribute ``attr``, through which its instances pickle (``_remade``): a made class
+    has no importable name of its own, and a manager's queued events are its state."""
+    def reduce(self: Any) -> tuple[Any, ...]:
+        return _remade, (attr, dict(vars(self)))
+
+    return make_dataclass(base.__name__, fields, bases=(base,),
+                          namespace={"__reduce__": reduce})
+
+
+def _remade(attr: str, values: dict[str, Any]) -> Any:
+    """An instance of the class held by ``attr``, from its field values (unpickling)."""
+    return globals()[attr](**values)
+
+
+BlockStored033: Any = _release_class(
+    "BlockStored033", BlockStored,
+    [("locality", str | None, None), ("ownership", str | None, None),
+     ("session_id", str | None, None), ("lookahead_token_ids", list[list[int]] | None, None)])
+BlockRemoved033: Any = _release_class(
+    "BlockRemoved033", BlockRemoved,
+    [("locality", str | None, None), ("ownership", str | None, None)])
+PrefixCacheStats033: Any = _release_class(
+    "PrefixCacheStats033", PrefixCacheStats,
+    [("hits_by_source", dict[str, int], field(default_factory=dict))])
 
 
 # ---------------------------------------------------------------- layer specs, by class name

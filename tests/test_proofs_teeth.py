@@ -132,6 +132,54 @@ def test_exhaustive_search_covers_mamba_align() -> None:
             exhaustive.Explorer(layout).explore(max_depth=5)
 
 
+RELEASE_SHALLOWER = 3
+"""How much shallower than ``make proofs`` the 0.33.0 search below runs (about 11 s)."""
+
+
+def test_exhaustive_search_under_0_33_finds_no_difference() -> None:
+    """The exhaustive search of the ``proofs`` stage (vLLM 0.25.1's profile) under
+    0.33.0's instead: kvcache's ``KVCacheManager(profile="0.33.0")`` equals the
+    spec's 0.33.0 profile on every call sequence, each layout 3 steps less deep than
+    ``make proofs`` (``make exhaustive-releases`` runs every release at full depth)."""
+    import dataclasses
+
+    from proofs import exhaustive
+
+    layouts = tuple(dataclasses.replace(layout, depth=layout.depth - RELEASE_SHALLOWER,
+                                        release="0.33.0") for layout in exhaustive.LAYOUTS)
+    reports = exhaustive.run(layouts)
+    assert [r.mismatch for r in reports if r.mismatch] == []
+    assert all(r.depth == layout.depth or r.exhausted
+               for r, layout in zip(reports, layouts, strict=True))
+
+
+def test_exhaustive_search_under_0_33_has_teeth() -> None:
+    """The spec's 0.33.0 profile with ``new_block_ids_zeroing_only`` at 0.25.1's
+    value (fresh blocks reported for zeroing even where 0.33.0's layout needs none)
+    differs from kvcache's in the new block ids within a few states."""
+    import dataclasses
+
+    import spec
+    from proofs import exhaustive
+
+    class Flipped(exhaustive.Layout):
+        def managers(self) -> tuple[object, object]:
+            _, impl = super().managers()
+            switches = dict.fromkeys(exhaustive.CLASS_SWITCHES, False)
+            profile = spec.profile.Profile(self.release, **switches,
+                                           new_block_ids_zeroing_only=False)
+            return spec.KVCacheManager(
+                impl.kv_cache_config, max_model_len=exhaustive.MAX_MODEL_LEN,
+                scheduler_block_size=self.block_size, hash_block_size=self.block_size,
+                enable_kv_cache_events=True, profile=profile), impl
+
+    layout = exhaustive.LAYOUTS[0]
+    flipped = Flipped(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
+                      | {"release": "0.33.0"})
+    with pytest.raises(exhaustive.Mismatch, match="new_block_ids"):
+        exhaustive.Explorer(flipped).explore(max_depth=3)
+
+
 def test_enumeration_decides_what_crosshair_leaves_open(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """``proofs.bounded``'s enumeration (what decides a property CrossHair does not

@@ -128,3 +128,28 @@ def test_a_used_manager_pickles_and_behaves_alike(layout: str, seed: int) -> Non
         m2.check_invariants()
     assert m2.abstract_state() == m.abstract_state()
     assert m2.make_prefix_cache_stats() == m.make_prefix_cache_stats()
+
+
+@pytest.mark.parametrize("release", ["0.25.1", "0.29.0", "0.33.0"])
+def test_the_spec_pickles_under_every_release_with_events_and_stats_pending(
+    release: str,
+) -> None:
+    """The spec's manager, as the exhaustive search copies it: with events queued and
+    stats gathered, of the release's classes (0.33.0's events and stats are built
+    with ``make_dataclass``, so they must pickle by the names that hold them)."""
+    import spec
+
+    groups = [K.KVCacheGroupSpec(["l"], K.FullAttentionSpec(block_size=BS, **ATTN))]
+    m = spec.KVCacheManager(K.KVCacheConfig(8, [], groups), 16, BS, BS,
+                            enable_kv_cache_events=True, log_stats=True, profile=release)
+    r = K.Request("a", [1, 2, 3, 4, 5], block_hasher=K.get_request_block_hasher(BS, K.sha256))
+    hits, num_hits = m.get_computed_blocks(r)
+    assert m.allocate_slots(r, 5, num_hits, hits) is not None
+    m.evict_blocks({1})  # a BlockRemoved too
+    r._block_hasher = None
+    m2 = pickle.loads(pickle.dumps(m, pickle.HIGHEST_PROTOCOL))
+    assert m2.abstract_state() == m.abstract_state()
+    events = m.take_events()
+    assert [type(e).__name__ for e in events] == ["BlockStored", "BlockRemoved"]
+    assert m2.take_events() == events
+    assert m2.make_prefix_cache_stats() == m.make_prefix_cache_stats()

@@ -101,8 +101,10 @@ def test_the_middle_machines_cover_every_middle_release() -> None:
 
 
 def test_a_switch_turned_back_in_the_spec_fails_a_middle_machine() -> None:
-    """0.32.0's ``cascade_always_zero`` at 0.25.1's value in the spec alone: the
-    manager machine's common-prefix counts differ within a bounded, seeded run."""
+    """0.32.0's ``cascade_always_zero`` at 0.25.1's value in the spec alone: within a
+    bounded, seeded run the manager machine's common-prefix counts differ, or the
+    tables they leave (0.25.1's count reads a request's table, creating an empty one
+    for an unknown id, as vLLM's defaultdict does; 0.32.0's reads none)."""
     cls = machine_class(ManagerMachine, "0.32.0", flipped="cascade_always_zero")
     assert not spec_profile_for("0.32.0", "cascade_always_zero").cascade_always_zero
     bounded = settings(
@@ -121,6 +123,6 @@ def test_a_switch_turned_back_in_the_spec_fails_a_middle_machine() -> None:
             run_state_machine_as_test(machine, settings=bounded)
         except AssertionError as error:
             frame = traceback.extract_tb(error.__traceback__)[-1]
-            assert frame.name == "get_num_common_prefix_blocks", frame
+            assert frame.name in ("get_num_common_prefix_blocks", "states_agree"), frame
             return
     pytest.fail(f"no run of seeds {TEETH_SEEDS} failed")
