@@ -22,28 +22,25 @@ the others. Teeth: one switch turned back in the spec alone fails the machine.
 
 from __future__ import annotations
 
-import traceback
 from typing import Any
 
 import pytest
-from hypothesis import Phase, seed, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis import settings
 
 import kvcache
 import spec
 import spec.profile as spec_profile
 from kvcache.profile import Profile
+from proofs.exhaustive import CLASS_SWITCHES
 
 from .runner import run_machine
 from .test_hybrid_machine import HybridMachine
 from .test_manager_machine import ManagerMachine
 from .test_new_kinds_machine import NewKindsMachine
-from .test_profile_machines import TEETH_SEEDS, stateful_health_checks
+from .test_profile_machines import TEETH_SEEDS, first_failure
 
 MIDDLE = spec_profile.RELEASES[1:-1]
 """Every release between 0.25.1 and 0.33.0."""
-CLASS_SWITCHES = ("event_new_fields", "stats_hits_by_source")
-"""Switches that pick only the classes of events and stats (see the module docstring)."""
 CI_EXAMPLES = 16
 BASES = {"manager": ManagerMachine, "hybrid": HybridMachine, "new-kinds": NewKindsMachine}
 
@@ -107,22 +104,6 @@ def test_a_switch_turned_back_in_the_spec_fails_a_middle_machine() -> None:
     for an unknown id, as vLLM's defaultdict does; 0.32.0's reads none)."""
     cls = machine_class(ManagerMachine, "0.32.0", flipped="cascade_always_zero")
     assert not spec_profile_for("0.32.0", "cascade_always_zero").cascade_always_zero
-    bounded = settings(
-        max_examples=300, stateful_step_count=100, deadline=None, database=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(settings.default.suppress_health_check)
-        + list(stateful_health_checks()),
-    )
-    for run_seed in TEETH_SEEDS:
-
-        @seed(run_seed)
-        def machine() -> ManagerMachine:
-            return cls()
-
-        try:
-            run_state_machine_as_test(machine, settings=bounded)
-        except AssertionError as error:
-            frame = traceback.extract_tb(error.__traceback__)[-1]
-            assert frame.name in ("get_num_common_prefix_blocks", "states_agree"), frame
-            return
-    pytest.fail(f"no run of seeds {TEETH_SEEDS} failed")
+    frame = first_failure(cls)
+    assert frame is not None, f"no run of seeds {TEETH_SEEDS} failed"
+    assert frame.name in ("get_num_common_prefix_blocks", "states_agree"), frame
