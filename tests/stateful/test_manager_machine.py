@@ -69,30 +69,77 @@ RELEASE_MODES = ["defer", "free", "pop_and_free"]
 # ---------------------------------------------------------------- normalisation
 
 
-def known_short_run_loss(lookup: Any, verdict: Any) -> bool:
-    """vLLM's flaw (0.25.1 to 0.33.0, docs/divergences.md "More quirks" 18): a
-    sliding-window group under EAGLE whose hit is its leading cached run, shorter than
-    a window, aligns the run to the scheduler block *before* dropping the EAGLE block,
-    then aligns again, so the hit ends one alignment unit short of ``align(run - 1
-    block)``. True when the unexplained loss is exactly that unit and some such group's
-    leading run (held in the pool now) loses a unit that way."""
-    unit = lookup.alignment
-    if verdict.expected - verdict.realized != unit:
-        return False
-    for group, cached in zip(lookup.groups, lookup.holdings("pool"), strict=True):
-        if not (group.kind.startswith("sliding_window") and group.eagle
-                and group.block_size < unit):
+def _eagle_windows(lookup: effectiveness.Lookup) -> list[tuple[int, effectiveness.Group]]:
+    """The sliding-window groups under EAGLE, with their index in ``lookup.groups``."""
+    return [(i, g) for i, g in enumerate(lookup.groups)
+            if g.kind.startswith("sliding_window") and g.eagle]
+
+
+def _short_run_allows(lookup: effectiveness.Lookup, L: int) -> bool:
+    """vLLM's flaw 18 as a rule on ``L``: false when a sliding-window EAGLE group whose
+    blocks are smaller than the alignment, searched as vLLM searches it at ``L`` (one
+    EAGLE step further), finds no window run and so takes its short-run path, which
+    aligns the leading run before the EAGLE drop and then again, ending below ``L``,
+    where dropping first and aligning once (vLLM's other path) reaches ``L``. The
+    search is the spec's ``pure.sliding_window_hit_range``, which conformance holds
+    to real vLLM; the correct value is computed here from the leading run alone."""
+    held = lookup.holdings("pool")
+    for i, group in _eagle_windows(lookup):
+        size, unit = group.block_size, lookup.alignment
+        if size >= unit:
             continue
-        size, run = group.block_size, 0
-        while (run + 1) * size in cached:
-            run += 1
-        if run >= pure.num_contiguous_blocks_for_hit(group.span, size, True):
-            continue  # a window's run (and the EAGLE block): vLLM's main path, no flaw
-        aligned_first = pure.align_num_hit_blocks(run, size, unit)  # vLLM: align, drop, align
-        as_vllm = pure.align_num_hit_blocks(max(aligned_first - 1, 0), size, unit)
-        if as_vllm < pure.align_num_hit_blocks(max(run - 1, 0), size, unit):
-            return True
-    return False
+        step = lookup.eagle_step[i] if lookup.eagle_step else size
+        cap = (L + step) // size  # blocks the search sees at this candidate
+        cached = {k for k in range(cap) if (k + 1) * size in held[i]}
+        needed = pure.num_contiguous_blocks_for_hit(group.span, size, True)
+        first, found = pure.sliding_window_hit_range(range(cap), cached, cap, needed, True,
+                                                     size, unit)
+        lead = 0
+        while lead in cached:
+            lead += 1
+        dropped_first = pure.align_num_hit_blocks(max(lead - 1, 0), size, unit)
+        if first == 0 and found * size < L <= dropped_first * size:
+            return False
+    return True
+
+
+def _one_token_window_allows(lookup: effectiveness.Lookup, L: int) -> bool:
+    """vLLM's flaw 19 as a rule on ``L``: in a hybrid layout, a candidate the fixed
+    point reaches in a later round is searched again, without the EAGLE drop, for
+    every group whose drop it has verified; a one-token window then needs its block
+    ending at ``L``, which its hit (anchored at the EAGLE block after ``L``) never
+    read. Stated for every hybrid layout, so a one-token window's hit at ``L`` is
+    excused without that block even where vLLM needs no second round."""
+    if len(lookup.groups) < 2:
+        return True
+    held = lookup.holdings("pool")
+    return all(L == 0 or L in held[i] for i, g in _eagle_windows(lookup) if g.span <= 1)
+
+
+#: vLLM's known lookup flaws, each a rule a realized hit obeys in every release
+#: (docs/divergences.md, "More quirks" 18 and 19). Not ``effectiveness.LOSS_RULES``:
+#: those are what a correct manager meets; these are what vLLM gets wrong.
+KNOWN_FLAWS: tuple[effectiveness.LossRule, ...] = (
+    effectiveness.LossRule(
+        "vllm_short_run_align_before_drop",
+        "a sliding-window EAGLE group's short leading run is aligned before its EAGLE "
+        "drop and after it, one alignment unit short (flaw 18)", _short_run_allows),
+    effectiveness.LossRule(
+        "vllm_one_token_window_research",
+        "a one-token window's verified EAGLE group, searched again without the drop in a "
+        "later round of the hybrid fixed point, needs its block ending at the hit (flaw 19)",
+        _one_token_window_allows),
+)
+
+
+def known_flaws(lookup: effectiveness.Lookup, realized: int) -> list[str]:
+    """The names of vLLM's known flaws (``KNOWN_FLAWS``) that explain a lookup's
+    unexplained loss: judged again with them as rules after ``LOSS_RULES``, the lookup
+    loses nothing more. Empty when some loss remains, which is then a finding."""
+    verdict = effectiveness.explain(lookup, realized, effectiveness.LOSS_RULES + KNOWN_FLAWS)
+    if verdict.unexplained:
+        return []
+    return [rule.name for rule in KNOWN_FLAWS if rule.name in verdict.losses]
 
 
 def block_ids(blocks: Any) -> tuple[list[int], ...] | None:
@@ -505,8 +552,9 @@ class ManagerMachine(RuleBasedStateMachine):
         Equality cannot see a loss both sides share; this can. The known release
         flaws: vLLM 0.25.1's Mamba group under EAGLE peeks a block past its hit
         (``mamba_no_eagle_margin`` off; ledger ``bug-mamba-eagle-long-hit``), and every
-        release's sliding-window EAGLE hit from a short leading run loses an alignment
-        unit (``known_short_run_loss``; docs/divergences.md, "More quirks" 18)."""
+        release's sliding-window EAGLE losses, stated as rules (``KNOWN_FLAWS``;
+        docs/divergences.md, "More quirks" 18 and 19): a loss they explain is named, any
+        other loss fails."""
         lookup = self.spec.effectiveness_lookup(request)
         if lookup is None:
             return
@@ -516,8 +564,9 @@ class ManagerMachine(RuleBasedStateMachine):
             event("lookup loss", "known false hit (0.25.1 Mamba + EAGLE)")
             return
         assert not verdict.false_hit, f"{request.request_id}: false hit {verdict}"
-        if verdict.unexplained and known_short_run_loss(lookup, verdict):
-            event("lookup loss", "known: sliding-window EAGLE short run aligned before its drop")
+        flaws = known_flaws(lookup, num_hits) if verdict.unexplained else []
+        if flaws:
+            event("lookup loss", "known vLLM flaw: " + ",".join(flaws))
             return
         assert not verdict.unexplained, f"{request.request_id}: unexplained loss {verdict}"
 
