@@ -47,7 +47,7 @@ FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(F
 	upstream-0.33-compiled conformance-0.33-compiled lint typecheck test conformance wheel-check figures \
 	verify upstream proofs traces fuzz fuzz-worker fuzz-dashboard test-kernels bench-kernels \
 	bench mutation clean distclean effectiveness effectiveness-vllm effectiveness-ci nano-vllm \
-	exhaustive-releases
+	exhaustive-releases exhaustive-teeth
 
 setup: $(DEV_STAMP) $(COMPILED_STAMP)
 
@@ -283,15 +283,20 @@ fuzz-dashboard: $(FUZZ_STAMP)
 proofs: $(DEV_STAMP)
 	KVCACHE_PURE=1 $(PY) -m proofs.run
 
-# The exhaustive kvcache-vs-spec search under every release's profile, each layout at the
-# depth `make proofs` searches 0.25.1 (about 3 min of one core per release; `make verify`
-# runs 0.33.0's, 3 steps shallower, in tests/test_proofs_teeth.py).
+# The exhaustive kvcache-vs-spec search under every release's profile, `make proofs`'
+# layouts and the later releases' (LATER_LAYOUTS), each at its full depth (about 6 min
+# of one core per release; `make verify` runs 0.33.0's, 3 steps shallower, in
+# tests/test_proofs_teeth.py).
+# `make exhaustive-teeth` prints which of 0.33.0's switches the search can see.
 EXHAUSTIVE_SHALLOWER ?= 0
 exhaustive-releases: $(DEV_STAMP)
 	@for release in $$($(PY) -c "import spec.profile as p; print(*p.RELEASES)"); do \
 		KVCACHE_PURE=1 $(PY) -m proofs.exhaustive --shallower $(EXHAUSTIVE_SHALLOWER) \
-			--release $$release || exit 1; \
+			--layouts all --release $$release || exit 1; \
 	done
+
+exhaustive-teeth: $(DEV_STAMP)
+	KVCACHE_PURE=1 $(PY) -m proofs.exhaustive --release 0.33.0 --layouts all --shallower 3 --teeth
 
 # Kernel tests in the Triton interpreter on CPU (also part of `make test`).
 test-kernels: $(REF_STAMP)

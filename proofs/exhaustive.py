@@ -23,7 +23,8 @@ Calls (one step each; ``a``/``b`` are the two request slots):
 A granted allocation completes its step at once: the tokens are computed; when that
 reaches the request's length, each token of the alphabet is sampled in its own branch,
 and a request reaching ``max_model_len`` finishes (free). ``take_new_block_ids`` and
-``take_events`` are drained and compared after every step.
+``take_events`` are drained and compared after every step, and
+``get_num_common_prefix_blocks`` of the first running request (slot order) asked.
 
 Slot facts, per KV-cache group: every live token (computed, not skipped by the
 group's attention) has a slot inside the pool and outside the null block, and two
@@ -37,7 +38,13 @@ depths are sized to take about 3 minutes of one core in all.
 layout; ``--shallower N`` searches every layout N steps less deep (``make verify`` runs
 the search so, about 3x fewer states per step, on the compiled build too: its classes
 pickle like the pure ones). The last line names the kvcache build searched;
-``KVCACHE_EXPECT_COMPILED=1`` makes the pure build an error.
+``KVCACHE_EXPECT_COMPILED=1`` makes the pure build an error. ``--release R`` builds
+both sides under R's profile; ``--layouts later|all`` takes ``LATER_LAYOUTS`` (EAGLE
+drafters, whose hits drop a block and whose allocations ask a lookahead slot; a sliding
+window beside Mamba), which reach rules of the later releases that ``LAYOUTS`` cannot.
+``--teeth`` measures what the search can see: each switch R turns on is turned back in
+the spec alone, and the search must find the difference; the switches it cannot see
+are printed ``NOT SEEN``.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import pickle
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import kvcache
@@ -99,6 +106,11 @@ class Layout:
     watermark: float = 0.0
     release: str = "0.25.1"
     """The vLLM release both managers follow (``--release``)."""
+    use_eagle: bool = False
+    """An EAGLE drafter: hits drop a block, and every allocation asks one lookahead slot."""
+    turned_back: str = ""
+    """A switch of ``release`` turned off on the spec's side alone (``--turn-back``): the
+    search must then find a difference, or the layouts cannot see that switch's rule."""
 
     @property
     def block_size(self) -> int:
@@ -112,11 +124,13 @@ class Layout:
             "max_model_len": MAX_MODEL_LEN, "scheduler_block_size": self.block_size,
             "hash_block_size": self.block_size, "enable_caching": self.enable_caching,
             "enable_kv_cache_events": True, "watermark": self.watermark,
+            "use_eagle": self.use_eagle,
         }
         # The switches that pick only the event and stats classes stay off on the
         # spec's side: kvcache's manager leaves them to its 0.33.0 drop-in
         # (tests/stateful/test_middle_release_machines.py says why).
-        spec_profile = spec.profile.Profile(self.release, **dict.fromkeys(CLASS_SWITCHES, False))
+        off = (*CLASS_SWITCHES, self.turned_back) if self.turned_back else CLASS_SWITCHES
+        spec_profile = spec.profile.Profile(self.release, **dict.fromkeys(off, False))
         return (spec.KVCacheManager(KVCacheConfig(self.num_blocks, [], groups), **kwargs,
                                     profile=spec_profile),
                 kvcache.KVCacheManager(KVCacheConfig(self.num_blocks, [], groups), **kwargs,
@@ -145,6 +159,24 @@ LAYOUTS = (
            (_full(1), SlidingWindowSpec(block_size=1, sliding_window=2, **ATTN)), 5, depth=7),
     # Block size 1: every prefill chunk ends on a scheduler block, as align mode requires.
     Layout("full + Mamba align, block 1, 4 blocks", (_full(1), _mamba_align(1)), 5, depth=7),
+)
+
+#: Layouts for rules of the later releases that ``LAYOUTS`` cannot reach: an EAGLE
+#: drafter (its peek past the candidate, Mamba's margin) and a sliding window beside
+#: Mamba (which attention groups report fresh blocks for zeroing). ``make
+#: exhaustive-releases`` searches them beside ``LAYOUTS`` under every release; ``make
+#: proofs`` does not.
+LATER_LAYOUTS = (
+    Layout("full attention, EAGLE, block 1, 3 blocks", (_full(1),), 4, depth=8,
+           use_eagle=True),
+    Layout("full + sliding window 2, EAGLE, block 1, 4 blocks",
+           (_full(1), SlidingWindowSpec(block_size=1, sliding_window=2, **ATTN)), 5, depth=9,
+           use_eagle=True),  # (the lookahead slot fills 4 blocks fast: few states)
+    Layout("full + Mamba align, EAGLE, block 1, 4 blocks", (_full(1), _mamba_align(1)), 5,
+           depth=7, use_eagle=True),
+    Layout("sliding window 2 + Mamba align, block 1, 4 blocks",
+           (SlidingWindowSpec(block_size=1, sliding_window=2, **ATTN), _mamba_align(1)), 5,
+           depth=7),
 )
 
 
@@ -325,6 +357,8 @@ class Explorer:
                     "num_new_computed_tokens": num_hits}
         num_left = request.num_tokens - request.num_computed_tokens - num_hits
         num_new = 1 if chunk == "one" else num_left
+        if self.layout.use_eagle:
+            hits["num_lookahead_tokens"] = 1
         granted, _ = self.call(state, what, "allocate_slots", request, num_new, **hits)
         if granted is None:
             self.drain(state, what)
@@ -349,10 +383,16 @@ class Explorer:
         return successors
 
     def drain(self, state: State, what: str) -> None:
-        """The per-step queues (new block ids, events), then the slot facts. Taking
-        events changes no abstract state, so one check covers both calls."""
+        """The per-step queues (new block ids, events) and, with a request running, the
+        common prefix blocks of the first; then the slot facts. These calls change no
+        abstract state, so one check covers them."""
         self.call(state, what, "take_new_block_ids", check=False)
-        self.call(state, what, "take_events")
+        self.call(state, what, "take_events", check=False)
+        running = [r.request_id for _, r in sorted(state.requests.items())
+                   if r.status == RequestStatus.RUNNING]
+        if running:  # the scheduler asks for cascade attention's common prefix each step
+            self.call(state, what, "get_num_common_prefix_blocks", running[0], check=False)
+        self.check(state, what)
         check_slots(state, self.layout, what)
 
     def explore(self, max_depth: int) -> tuple[int, bool]:
@@ -470,12 +510,28 @@ def run(layouts: tuple[Layout, ...] = LAYOUTS) -> list[Report]:
     return reports
 
 
+def teeth(layouts: tuple[Layout, ...]) -> list[tuple[str, str | None]]:
+    """Each switch the layouts' release turns on (the class switches aside), turned back
+    on the spec's side alone, searched over ``layouts``: (switch, the first layout's
+    counterexample, or None where the search sees no difference, so the layouts cannot
+    tell that switch's rule from 0.25.1's)."""
+    release = layouts[0].release
+    found: list[tuple[str, str | None]] = []
+    for switch in spec.profile.SWITCHES:
+        if switch in CLASS_SWITCHES or switch not in spec.profile.ON[release]:
+            continue
+        flipped = tuple(replace(layout, turned_back=switch) for layout in layouts)
+        mismatch = next((f"{r.layout}: {r.mismatch}" for r in run(flipped) if r.mismatch), None)
+        found.append((switch, mismatch))
+    return found
+
+
 def main(argv: list[str]) -> int:
     """Print one line per layout (and each counterexample); 1 on a counterexample,
     2 on bad arguments or an unexpected build. The seconds go to stderr: they are no
-    part of the verdict."""
+    part of the verdict. ``--teeth`` prints instead which of the release's switches the
+    search sees (each turned back in the spec alone), and fails only on bad arguments."""
     import argparse
-    import dataclasses
     import os
 
     parser = argparse.ArgumentParser(prog="python -m proofs.exhaustive")
@@ -484,16 +540,31 @@ def main(argv: list[str]) -> int:
                         help="search every layout N steps less deep (default 0)")
     parser.add_argument("--release", default="0.25.1", choices=spec.profile.RELEASES,
                         help="the vLLM release both managers follow (default 0.25.1)")
+    parser.add_argument("--layouts", default="base", choices=("base", "later", "all"),
+                        help="LAYOUTS (make proofs' set, the default), LATER_LAYOUTS, or both")
+    parser.add_argument("--turn-back", default="", choices=("", *spec.profile.SWITCHES),
+                        metavar="SWITCH", help="turn this switch off in the spec alone")
+    parser.add_argument("--teeth", action="store_true",
+                        help="turn back each of the release's switches in turn, and print "
+                             "which the search sees")
     args = parser.parse_args(argv)
     build = "compiled" if kvcache.COMPILED else "pure"
     if os.environ.get("KVCACHE_EXPECT_COMPILED") == "1" and not kvcache.COMPILED:
         print("KVCACHE_EXPECT_COMPILED=1 but kvcache's pure build is loaded", file=sys.stderr)
         return 2
-    layouts = tuple(dataclasses.replace(layout, depth=layout.depth - args.shallower,
-                                        release=args.release)
-                    for layout in LAYOUTS if args.only in layout.name)
+    chosen = {"base": LAYOUTS, "later": LATER_LAYOUTS, "all": LAYOUTS + LATER_LAYOUTS}
+    layouts = tuple(replace(layout, depth=layout.depth - args.shallower, release=args.release,
+                            turned_back=args.turn_back)
+                    for layout in chosen[args.layouts] if args.only in layout.name)
     if not layouts or min(layout.depth for layout in layouts) < 1:
         parser.error(f"no layout to search (only={args.only!r}, shallower={args.shallower})")
+    if args.teeth:
+        found = teeth(layouts)
+        for switch, mismatch in found:
+            print(f"{switch}: " + ("seen; " + mismatch[:300] if mismatch else "NOT SEEN"))
+        print(f"TEETH {sum(m is not None for _, m in found)} of {len(found)} switches of "
+              f"vLLM {args.release} seen ({len(layouts)} layouts, {args.shallower} shallower)")
+        return 0
     reports = run(layouts)
     for report in reports:
         print(report.line())

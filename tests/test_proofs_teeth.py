@@ -15,9 +15,12 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+import spec.profile as spec_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,51 +136,65 @@ def test_exhaustive_search_covers_mamba_align() -> None:
 
 
 RELEASE_SHALLOWER = 3
-"""How much shallower than ``make proofs`` the 0.33.0 search below runs (about 11 s)."""
+"""How much shallower than ``make proofs`` the 0.33.0 search below runs (about 15 s)."""
 
 
 def test_exhaustive_search_under_0_33_finds_no_difference() -> None:
     """The exhaustive search of the ``proofs`` stage (vLLM 0.25.1's profile) under
-    0.33.0's instead: kvcache's ``KVCacheManager(profile="0.33.0")`` equals the
-    spec's 0.33.0 profile on every call sequence, each layout 3 steps less deep than
-    ``make proofs`` (``make exhaustive-releases`` runs every release at full depth)."""
-    import dataclasses
-
+    0.33.0's instead, with the later releases' layouts too: kvcache's
+    ``KVCacheManager(profile="0.33.0")`` equals the spec's 0.33.0 profile on every call
+    sequence, each layout 3 steps less deep than its depth (``make
+    exhaustive-releases`` runs every release at full depth)."""
     from proofs import exhaustive
 
-    layouts = tuple(dataclasses.replace(layout, depth=layout.depth - RELEASE_SHALLOWER,
-                                        release="0.33.0") for layout in exhaustive.LAYOUTS)
+    layouts = tuple(replace(layout, depth=layout.depth - RELEASE_SHALLOWER, release="0.33.0")
+                    for layout in exhaustive.LAYOUTS + exhaustive.LATER_LAYOUTS)
     reports = exhaustive.run(layouts)
     assert [r.mismatch for r in reports if r.mismatch] == []
     assert all(r.depth == layout.depth or r.exhausted
                for r, layout in zip(reports, layouts, strict=True))
 
 
-def test_exhaustive_search_under_0_33_has_teeth() -> None:
-    """The spec's 0.33.0 profile with ``new_block_ids_zeroing_only`` at 0.25.1's
-    value (fresh blocks reported for zeroing even where 0.33.0's layout needs none)
-    differs from kvcache's in the new block ids within a few states."""
-    import dataclasses
+# (switch of 0.33.0 turned back in the spec alone, the layout that sees it, what differs)
+SEEN = [
+    ("new_block_ids_zeroing_only", "full attention, block 1, 3 blocks", "new_block_ids"),
+    ("cascade_always_zero", "full attention, block 1, 3 blocks", r"ok \[1\], kvcache -> ok \[0\]"),
+    ("event_session_id", "full attention, block 1, 3 blocks", "session_id"),
+    ("mamba_no_eagle_margin", "full + Mamba align, EAGLE, block 1, 4 blocks",
+     r"admit\(a, one\): spec -> ok \(\("),  # a hit differs
+    ("zero_every_attention_group", "sliding window 2 + Mamba align, block 1, 4 blocks",
+     "new_block_ids"),
+]
 
-    import spec
+
+@pytest.mark.parametrize("switch, name, differs", SEEN, ids=[s[0] for s in SEEN])
+def test_exhaustive_search_under_0_33_has_teeth(switch: str, name: str, differs: str) -> None:
+    """The spec's 0.33.0 profile with one switch at 0.25.1's value (``turned_back``)
+    differs from kvcache's within a few states: the new block ids (fresh blocks
+    reported for zeroing where 0.33.0's layout needs none), cascade attention's common
+    prefix (0.32.0 removed it), the events' session id, Mamba's EAGLE peek (seen only
+    by an EAGLE layout) and a sliding window's fresh blocks beside Mamba."""
     from proofs import exhaustive
 
-    class Flipped(exhaustive.Layout):
-        def managers(self) -> tuple[object, object]:
-            _, impl = super().managers()
-            switches = dict.fromkeys(exhaustive.CLASS_SWITCHES, False)
-            profile = spec.profile.Profile(self.release, **switches,
-                                           new_block_ids_zeroing_only=False)
-            return spec.KVCacheManager(
-                impl.kv_cache_config, max_model_len=exhaustive.MAX_MODEL_LEN,
-                scheduler_block_size=self.block_size, hash_block_size=self.block_size,
-                enable_kv_cache_events=True, profile=profile), impl
+    (layout,) = [lay for lay in exhaustive.LAYOUTS + exhaustive.LATER_LAYOUTS
+                 if lay.name == name]
+    flipped = replace(layout, release="0.33.0", turned_back=switch)
+    with pytest.raises(exhaustive.Mismatch, match=differs):
+        exhaustive.Explorer(flipped).explore(max_depth=4)
 
-    layout = exhaustive.LAYOUTS[0]
-    flipped = Flipped(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
-                      | {"release": "0.33.0"})
-    with pytest.raises(exhaustive.Mismatch, match="new_block_ids"):
-        exhaustive.Explorer(flipped).explore(max_depth=3)
+
+def test_teeth_names_what_the_search_sees_and_what_it_cannot() -> None:
+    """``--teeth`` on the smallest layout, 2 steps deep: the switches it turns back
+    that a one-group full-attention layout can show are seen; a kind it lacks
+    (HiSparse) or an argument it never passes (lookahead) is reported not seen."""
+    from proofs import exhaustive
+
+    found = dict(exhaustive.teeth((replace(exhaustive.LAYOUTS[0], depth=2,
+                                           release="0.33.0"),)))
+    assert set(found) == {s for s in spec_profile.ON["0.33.0"]
+                          if s not in exhaustive.CLASS_SWITCHES}
+    assert found["new_block_ids_zeroing_only"] and found["cascade_always_zero"]
+    assert found["hisparse_groups"] is None and found["lookahead_arguments"] is None
 
 
 def test_enumeration_decides_what_crosshair_leaves_open(tmp_path: Path,
