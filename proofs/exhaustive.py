@@ -16,7 +16,9 @@ Calls (one step each; ``a``/``b`` are the two request slots):
   run(slot, chunk)           allocate_slots for a running request: 1 or all remaining
                              tokens (a decode step is the 1 token sampled last step);
   free(slot)                 free (the request finishes, any state);
-  preempt(slot)              free, back to waiting with nothing computed;
+  preempt(slot)              free (or, where the layout says, pop_blocks_for_free and
+                             the pool's free_blocks), back to waiting with nothing
+                             computed;
   evict(block)               evict_blocks({block});
   reset                      reset_prefix_cache;
   new_step                   new_step_starts.
@@ -41,7 +43,8 @@ pickle like the pure ones). The last line names the kvcache build searched;
 ``KVCACHE_EXPECT_COMPILED=1`` makes the pure build an error. ``--release R`` builds
 both sides under R's profile; ``--layouts later|all`` takes ``LATER_LAYOUTS`` (EAGLE
 drafters, whose hits drop a block and whose allocations ask a lookahead slot; a sliding
-window beside Mamba), which reach rules of the later releases that ``LAYOUTS`` cannot.
+window beside Mamba, preempted by ``pop_blocks_for_free``), which reach rules of the
+later releases that ``LAYOUTS`` cannot.
 ``--teeth`` measures what the search can see: each switch R turns on is turned back in
 the spec alone, and the search must find the difference; the switches it cannot see
 are printed ``NOT SEEN``.
@@ -108,6 +111,9 @@ class Layout:
     """The vLLM release both managers follow (``--release``)."""
     use_eagle: bool = False
     """An EAGLE drafter: hits drop a block, and every allocation asks one lookahead slot."""
+    pop_on_preempt: bool = False
+    """Preempt as vLLM 0.33.0's scheduler may: ``pop_blocks_for_free``, then the pool's
+    ``free_blocks`` of the popped blocks, last first (else ``free``)."""
     turned_back: str = ""
     """A switch of ``release`` turned off on the spec's side alone (``--turn-back``): the
     search must then find a difference, or the layouts cannot see that switch's rule."""
@@ -163,7 +169,8 @@ LAYOUTS = (
 
 #: Layouts for rules of the later releases that ``LAYOUTS`` cannot reach: an EAGLE
 #: drafter (its peek past the candidate, Mamba's margin) and a sliding window beside
-#: Mamba (which attention groups report fresh blocks for zeroing). ``make
+#: Mamba (which attention groups report fresh blocks for zeroing), preempted through
+#: ``pop_blocks_for_free`` (the null blocks it leaves out). ``make
 #: exhaustive-releases`` searches them beside ``LAYOUTS`` under every release; ``make
 #: proofs`` does not.
 LATER_LAYOUTS = (
@@ -174,9 +181,9 @@ LATER_LAYOUTS = (
            use_eagle=True),  # (the lookahead slot fills 4 blocks fast: few states)
     Layout("full + Mamba align, EAGLE, block 1, 4 blocks", (_full(1), _mamba_align(1)), 5,
            depth=7, use_eagle=True),
-    Layout("sliding window 2 + Mamba align, block 1, 4 blocks",
+    Layout("sliding window 2 + Mamba align, preempt by pop, block 1, 4 blocks",
            (SlidingWindowSpec(block_size=1, sliding_window=2, **ATTN), _mamba_align(1)), 5,
-           depth=7),
+           depth=7, pop_on_preempt=True),
 )
 
 
@@ -328,7 +335,13 @@ class Explorer:
             return self.schedule(state, action, what)
         if kind in ("free", "preempt"):
             request = state.requests[action[1]]
-            self.call(state, what, "free", request)
+            if kind == "preempt" and self.layout.pop_on_preempt:
+                popped = self.call(state, what, "pop_blocks_for_free", request, check=False)
+                for manager, blocks in zip((state.spec, state.impl), popped, strict=True):
+                    manager.block_pool.free_blocks(reversed(blocks))
+                self.check(state, what)
+            else:
+                self.call(state, what, "free", request)
             if kind == "free":
                 del state.requests[action[1]]
             else:

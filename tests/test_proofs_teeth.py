@@ -162,8 +162,10 @@ SEEN = [
     ("event_session_id", "full attention, block 1, 3 blocks", "session_id"),
     ("mamba_no_eagle_margin", "full + Mamba align, EAGLE, block 1, 4 blocks",
      r"admit\(a, one\): spec -> ok \(\("),  # a hit differs
-    ("zero_every_attention_group", "sliding window 2 + Mamba align, block 1, 4 blocks",
-     "new_block_ids"),
+    ("zero_every_attention_group",
+     "sliding window 2 + Mamba align, preempt by pop, block 1, 4 blocks", "new_block_ids"),
+    ("pop_drops_null_head", "sliding window 2 + Mamba align, preempt by pop, block 1, 4 blocks",
+     r"preempt\(a\): spec -> ok"),
 ]
 
 
@@ -173,7 +175,8 @@ def test_exhaustive_search_under_0_33_has_teeth(switch: str, name: str, differs:
     differs from kvcache's within a few states: the new block ids (fresh blocks
     reported for zeroing where 0.33.0's layout needs none), cascade attention's common
     prefix (0.32.0 removed it), the events' session id, Mamba's EAGLE peek (seen only
-    by an EAGLE layout) and a sliding window's fresh blocks beside Mamba."""
+    by an EAGLE layout), a sliding window's fresh blocks beside Mamba, and the null
+    blocks ``pop_blocks_for_free`` hands back."""
     from proofs import exhaustive
 
     (layout,) = [lay for lay in exhaustive.LAYOUTS + exhaustive.LATER_LAYOUTS
