@@ -233,6 +233,11 @@ class KVCacheManager:
         interval = self.retention_interval
         if interval is not None and p.rules.retention_zero_without_window(interval, windowed):
             self._check_retention_interval(interval, windowed)
+        for m in self.single_type_managers:  # (vLLM: each manager asserts as it is built)
+            if enable_caching and not p.rules.mamba_align_only(m.kv_cache_spec):
+                mode = m.kv_cache_spec.mamba_cache_mode
+                raise AssertionError(f"mamba_cache_mode={mode!r} with prefix caching on: "
+                                     "this release caches Mamba only in 'align'")
         self.fine_grained = False  # mamba_fine_grained_hits in effect (hybrid only)
         self.num_uncached_common_prefix_tokens = 0  # set by each hit search
         self._init_groups()
@@ -250,11 +255,6 @@ class KVCacheManager:
             for g in kv_cache_config.kv_cache_groups)
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool)
-        for m in self.single_type_managers:
-            if enable_caching and not p.rules.mamba_align_only(m.kv_cache_spec):
-                mode = m.kv_cache_spec.mamba_cache_mode
-                raise AssertionError(f"mamba_cache_mode={mode!r} with prefix caching on: "
-                                     "this release caches Mamba only in 'align'")
 
     def _check_retention_interval(self, interval: int, windowed: bool) -> None:
         """vLLM's checks: a windowed group to thin out, and a non-negative multiple of

@@ -120,6 +120,12 @@ BUILDS: list[tuple[str, str, Callable[[Any], object]]] = [
      lambda M: M(config(full()), 32, BS, BS, profile="0.99.0")),
     ("profile of no kind", "profile=3.5", lambda M: M(config(full()), 32, BS, BS,
                                                       profile=3.5)),
+    # vLLM 0.33.0's Mamba manager asserts as it is built, before the coordinator
+    # bundles the groups (CI's seed 11760222781902215246, two equal Mamba groups).
+    ("Mamba 'none' with caching under 0.33.0, before the bundling", "mamba_cache_mode",
+     lambda M: M(config(*[K.MambaSpec(block_size=BS, shapes=((2,),), dtypes=("float16",),
+                                      mamba_cache_mode="none")] * 2), 32, BS, BS,
+                 profile="0.33.0")),
     ("retention not a multiple", "prefix_cache_retention_interval=6",
      lambda M: M(config(window()), 32, BS, BS, prefix_cache_retention_interval=6)),
     ("retention without a window", "prefix_cache_retention_interval=4",
