@@ -42,7 +42,7 @@ FUZZ_SECONDS ?=
 FUZZ_ENV = KVCACHE_FUZZ_DB=$(FUZZ_DB) FUZZ_WORKERS=$(FUZZ_WORKERS) FUZZ_HOST=$(FUZZ_HOST) \
 	FUZZ_PORT=$(FUZZ_PORT) FUZZ_SECONDS=$(FUZZ_SECONDS)
 
-.PHONY: setup compiled reference reference-0.33 check-0.33 releases verify-lane-tests \
+.PHONY: setup compiled reference reference-0.33 check-0.33 releases profile-check-releases verify-lane-tests \
 	verify-lane-releases conformance-0.33 upstream-0.33 \
 	upstream-0.33-compiled conformance-0.33-compiled lint typecheck test conformance wheel-check figures \
 	verify upstream proofs traces fuzz fuzz-worker fuzz-dashboard test-kernels bench-kernels \
@@ -121,12 +121,26 @@ reference-%: .venv-vllm-%/.stamp
 
 # One release between the two the project models, in CI (verify): the stored traces
 # and a short census of CHECK_RELEASE_SEQUENCES sequences on vLLM MIDDLE_RELEASE; every
-# difference must be a ledger entry whose range covers that release.
+# difference must be a ledger entry whose range covers that release. Then kvcache's own
+# profile of that release against it, call for call with no ledger, on the layouts whose
+# reports it settles, and each event / stats switch flipped must be caught
+# (kvcache.kit.profile_check: about 15 s).
 MIDDLE_RELEASE ?= 0.29.0
 CHECK_RELEASE_SEQUENCES ?= 200
+PROFILE_CHECK_SEQUENCES ?= 10
 check-release-%: .venv-vllm-%/.stamp
 	.venv-vllm-$*/bin/python -m kvcache release-check --census-sequences $(CHECK_RELEASE_SEQUENCES) \
 		--census-dir build/census-$* tests/data/*.jsonl* tests/data/releases/*.jsonl
+	.venv-vllm-$*/bin/python -m kvcache.kit.profile_check --sequences $(PROFILE_CHECK_SEQUENCES) \
+		--teeth 3
+
+# kvcache.kit.profile_check on every release venv present (make reference-X builds one).
+profile-check-releases:
+	@for v in $(RELEASES); do py=.venv-vllm-$$v/bin/python; \
+		[ $$v = 0.25.1 ] && py=$(PY); [ $$v = 0.33.0 ] && py=$(REF33_VENV)/bin/python; \
+		if [ -x $$py ]; then $$py -m kvcache.kit.profile_check \
+			--sequences $(PROFILE_CHECK_SEQUENCES) --teeth 3 || exit 1; \
+		else echo "profile-check: vLLM $$v: no venv (make reference-$$v)"; fi; done
 
 # Every release from 0.25.1 to 0.33.0 (a venv each; ~3 min per release to install), then
 # `python -m kvcache bisect`: each ledger entry's first release, docs/bisect.md. Not in verify.

@@ -33,11 +33,11 @@ from kvcache.kv_cache_utils import (
 from kvcache.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     KVCacheEvent,
-    LookaheadBlockStored,
+    event_class,
     in_vocabulary,
+    release_fields,
 )
 from kvcache.profile import Profile, resolve_profile
 
@@ -277,7 +277,8 @@ class BlockPool:
             its events; each pool keeps the vocabulary it was built with.
         profile: Keyword only: the release whose pool switches it follows
             (``kvcache.profile``; None: the default release). It reads
-            ``mm_keys_by_window`` and ``event_session_id``, under those names.
+            ``mm_keys_by_window``, and the event fields of its release
+            (``kv_events.release_fields``).
 
     vLLM 0.33.0's HiSparse additions (used only by HiSparse layouts): ``unpin_blocks``
     (a reference dropped while the block stays readable until the pool reuses it,
@@ -324,9 +325,10 @@ class BlockPool:
         # Tokens after each block its hash covers (vLLM 0.33.0's lookahead hashing; 0
         # in 0.25.1), set by the KVCacheManager: events report them and key the window.
         self.num_hash_lookahead_tokens = 0
-        # BlockStored events are vLLM 0.33.0's (kvcache.vllm_0_33.BlockStored) and
-        # carry the request's session_id.
-        self.event_session_id = profile.event_session_id
+        # The release's event classes: the fields later releases added (a
+        # BlockStored's session_id is the request's).
+        self.stored_fields = release_fields(profile, "BlockStored")
+        self.removed_fields = release_fields(profile, "BlockRemoved")
         self.medium = medium
         # HiSparse (vLLM 0.33.0): block id -> what to tell when the pool hands out
         # that block again (blocks released with unpin_blocks), ...
@@ -504,24 +506,19 @@ class BlockPool:
         lookahead_token_ids: list[list[int]],
         session_id: str | None = None,
     ) -> BlockStored:
-        """A ``BlockStored``; with lookahead hashing on, one that also lists each
-        block's lookahead tokens (``LookaheadBlockStored``); with ``event_session_id``,
-        vLLM 0.33.0's class (``kvcache.vllm_0_33.BlockStored``) carrying the
-        request's ``session_id`` (and the lookahead tokens, if any)."""
-        cls: type[BlockStored] = BlockStored
+        """A ``BlockStored`` of the pool's release (``stored_fields``): its
+        ``session_id`` is the request's, its ``lookahead_token_ids`` the blocks'
+        lookahead tokens under lookahead hashing (a release without that field gains it
+        after its own then)."""
+        fields = self.stored_fields
         extra: dict[str, Any] = {}
-        if self.event_session_id:
-            # NOTE: imported here, not at the top: the drop-in module imports this one.
-            from kvcache.vllm_0_33 import BlockStored as BlockStored033
-
-            cls = BlockStored033
+        if "session_id" in fields:
             extra["session_id"] = session_id
-            extra["lookahead_token_ids"] = (
-                lookahead_token_ids if self.num_hash_lookahead_tokens else None
-            )
-        elif self.num_hash_lookahead_tokens:
-            cls = LookaheadBlockStored
+        if self.num_hash_lookahead_tokens:
+            if "lookahead_token_ids" not in fields:
+                fields = (*fields, "lookahead_token_ids")
             extra["lookahead_token_ids"] = lookahead_token_ids
+        cls: type[BlockStored] = event_class("BlockStored", fields)
         return cls(
             block_hashes=block_hashes,
             parent_block_hash=parent_block_hash,
@@ -881,7 +878,7 @@ class BlockPool:
         removed = cache.pop_raw(group_id, h, block.block_id) is not None
         if removed and self.enable_kv_cache_events:
             self.kv_event_queue.append(
-                BlockRemoved(
+                event_class("BlockRemoved", self.removed_fields)(
                     block_hashes=[maybe_convert_block_hash(h)],
                     medium=self.medium,
                     group_idx=group_id,
@@ -894,7 +891,7 @@ class BlockPool:
                 removed = True
                 if self.enable_kv_cache_events:
                     self.kv_event_queue.append(
-                        BlockRemoved(
+                        event_class("BlockRemoved", self.removed_fields)(
                             block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
                             medium=self.medium,
                             group_idx=get_group_id(key),

@@ -102,9 +102,8 @@ class HiSparseSourceManager(FullAttentionManager):
             collector,
             MEDIUM_CPU,
             vllm_events=device_pool.vllm_events,
+            profile=device_pool.profile,
         )
-        host_pool.mm_keys_by_window = device_pool.mm_keys_by_window
-        host_pool.event_session_id = device_pool.event_session_id
         host_pool.num_hash_lookahead_tokens = device_pool.num_hash_lookahead_tokens
         host_pool.share_event_queue(device_pool)
         self.block_pool = host_pool

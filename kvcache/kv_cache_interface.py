@@ -15,7 +15,7 @@ import enum
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -1285,3 +1285,11 @@ class KVCacheConfig:
     def needs_kv_cache_zeroing(self) -> bool:
         """Whether fresh blocks must be zeroed before use (Mamba state only)."""
         return self.has_mamba_layers
+
+
+class KVCacheBlockCopy(NamedTuple):
+    """One copy-on-write copy the worker runs: block ``src_block_id`` into
+    ``dst_block_id`` (``KVCacheManager.take_kv_cache_block_copies``)."""
+
+    src_block_id: int
+    dst_block_id: int

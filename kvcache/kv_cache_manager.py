@@ -21,6 +21,7 @@ from kvcache.kv_cache_coordinator import (
 from kvcache.kv_cache_interface import (
     HISPARSE_SOURCE_ROLE,
     HISPARSE_SPEC_KINDS,
+    KVCacheBlockCopy,
     KVCacheConfig,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
@@ -29,7 +30,7 @@ from kvcache.kv_cache_interface import (
 from kvcache.kv_cache_math import admits, cdiv
 from kvcache.kv_cache_utils import KVCacheBlock, check_num_hash_lookahead_tokens
 from kvcache.kv_events import BlockStored, KVCacheEvent
-from kvcache.metrics import PrefixCacheStats
+from kvcache.metrics import PrefixCacheStats, PrefixCacheStatsBySource
 from kvcache.profile import Profile, resolve_profile
 from kvcache.request import Request, RequestStatus
 
@@ -332,7 +333,7 @@ class KVCacheManager:
         self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.metrics_collector = metrics_collector
-        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.prefix_cache_stats = self._new_stats() if log_stats else None
         zero_retention_ignored = False
         if self.profile.retention_zero_without_window:
             # 0.33.0 accepts 0 without a windowed group: resolve and check here, and
@@ -391,6 +392,7 @@ class KVCacheManager:
         # set by the drop-in (kvcache.vllm_0_33) for one call.
         self.skip_zeroing_group_ids: tuple[int, ...] = ()
         self.stats_at_admission = self.profile.stats_at_admission
+        self.full_report_mode = self.profile.full_report_mode
         self.adopt_computed_without_new_tokens = self.profile.adopt_computed_without_new_tokens
         self.free_on_processed_tokens = self.profile.free_on_processed_tokens
         self.cascade_always_zero = self.profile.cascade_always_zero
@@ -405,14 +407,54 @@ class KVCacheManager:
         """Fraction of the pool in use (0.0 to 1.0)."""
         return self.block_pool.get_usage()
 
+    def _new_stats(self) -> PrefixCacheStats:
+        """Empty stats of the release's class (``stats_hits_by_source``: with the hits
+        per tier)."""
+        if self.profile.stats_hits_by_source:
+            return PrefixCacheStatsBySource()
+        return PrefixCacheStats()
+
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Return the stats gathered since the last call and start new ones
         (None unless ``log_stats``)."""
         if not self.log_stats:
             return None
         stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
+        self.prefix_cache_stats = self._new_stats()
         return stats
+
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """The copy-on-write copies queued since the last call (``partial_hit_copy_on_write``,
+        vLLM 0.30.0 on: a hit or a Mamba prompt-tail state ending inside a block), and
+        the blocks they keep held, source then copy per pair: the caller frees those
+        once the copies have run. Empty under a profile without the switch."""
+        pairs = [
+            pair
+            for manager in self.coordinator.single_type_managers
+            for pair in manager.take_pending_cow_copies()
+        ]
+        copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pairs]
+        return copies, [block for pair in pairs for block in pair]
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """Whether a local prefix-cache lookup runs for ``request`` (caching on, and the
+        request does not skip reading the cache)."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count an admitted request's lookup that hit ``num_hits`` tokens: under
+        ``stats_at_admission`` (vLLM 0.27.0 on) the scheduler calls this once the
+        request's allocation succeeded, and the lookup counts nothing. No-op without
+        ``log_stats``, without that switch (the lookup counted it), or for a request
+        that skipped the lookup."""
+        if (self.prefix_cache_stats is None or not self.stats_at_admission
+                or not self.prefix_cache_lookup_enabled(request)):  # fmt: skip
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
 
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
@@ -431,6 +473,15 @@ class KVCacheManager:
         computed_blocks, num_new_computed_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, self.hit_length_bound(request, max_cache_hit_length)
         )
+        if (
+            num_new_computed_tokens > 0
+            and self.full_report_mode
+            and self.block_pool.enable_kv_cache_events
+            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
+        ):
+            # The hit blocks reported as stored again (vLLM 0.28.0's "full" report
+            # mode, a request field kvcache's Request does not declare).
+            self.coordinator.emit_cached_block_events(request, computed_blocks)
         if self.prefix_cache_stats is not None and not self.stats_at_admission:
             self.prefix_cache_stats.record(
                 num_tokens=request.num_tokens,

@@ -62,27 +62,6 @@ class BlockStored(KVCacheEvent):
 
 
 @dataclass
-class LookaheadBlockStored(BlockStored):
-    """A ``BlockStored`` of blocks hashed with lookahead tokens (vLLM 0.33.0's
-    ``num_hash_lookahead_tokens`` > 0): ``lookahead_token_ids`` lists, per stored
-    block, the tokens after it that its hash covers, so a consumer can rebuild the
-    hash from the event (``(extra_keys[i], *lookahead_token_ids[i])``).
-
-    Its class name is ``BlockStored`` (``__name__``): converters, the wire format and
-    the kit know events by that name, and vLLM 0.33.0's ``BlockStored`` has the
-    field. Only a pool hashing with lookahead makes one, which 0.25.1 never does.
-    """
-
-    lookahead_token_ids: list[list[int]] | None = None
-
-    def __hash__(self) -> int:
-        return hash(_freeze(dataclasses.astuple(self)))
-
-
-LookaheadBlockStored.__name__ = "BlockStored"
-
-
-@dataclass
 class BlockRemoved(KVCacheEvent):
     """Cached hashes were evicted from the prefix cache."""
 
@@ -121,6 +100,71 @@ class KVEventBatch(EventBatch):
 EVENT_TYPES: dict[str, type[KVCacheEvent]] = {
     cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared)
 }
+
+EVENT_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("event_locality", "locality", ("BlockStored", "BlockRemoved")),
+    ("event_ownership", "ownership", ("BlockStored", "BlockRemoved")),
+    ("event_session_id", "session_id", ("BlockStored",)),
+    ("event_lookahead_tokens", "lookahead_token_ids", ("BlockStored",)),
+)
+"""The fields later releases added to 0.25.1's event classes, in vLLM's order: (the
+profile switch that adds it, the field, the classes that gain it)."""
+
+
+def release_fields(profile: Any, name: str) -> tuple[str, ...]:
+    """The fields event class ``name`` carries beyond 0.25.1's under ``profile``
+    (a ``kvcache.profile.Profile``: its ``EVENT_FIELDS`` switches)."""
+    return tuple(
+        f for switch, f, names in EVENT_FIELDS if name in names and getattr(profile, switch)
+    )
+
+
+_CLASSES: dict[tuple[str, tuple[str, ...]], type[Any]] = {}
+
+
+def event_class(name: str, fields: tuple[str, ...] = ()) -> type[Any]:
+    """Event class ``name`` of a release: 0.25.1's fields, then ``fields`` (later
+    releases', ``release_fields``), each None by default. One class per field set
+    (equal events of one release compare equal), named ``name`` like vLLM's, so the
+    wire format, converters and the kit know it by that name; it pickles by name and
+    field set.
+
+    Raises:
+        ValueError: ``name`` is not an event class, or a field is not a later one.
+    """
+    key = (name, fields)
+    if key in _CLASSES:
+        return _CLASSES[key]
+    base = EVENT_TYPES.get(name)
+    known = {f for _, f, names in EVENT_FIELDS if name in names}
+    if base is None or not known.issuperset(fields) or len(set(fields)) != len(fields):
+        raise ValueError(f"event_class: name={name!r}, fields={fields!r}: the fields must "
+                         f"be distinct, from {sorted(known)}")
+    if not fields:
+        return base
+
+    def reduce(self: Any) -> tuple[Any, ...]:
+        return _remade, (name, fields, dataclasses.astuple(self))
+
+    cls = dataclasses.make_dataclass(
+        name, [(f, Any, None) for f in fields], bases=(base,),
+        namespace={"__hash__": base.__hash__, "__reduce__": reduce,
+                   "__module__": __name__, "__doc__": base.__doc__},
+    )  # fmt: skip
+    _CLASSES[key] = cls
+    return cls
+
+
+def _remade(name: str, fields: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+    """An event of ``event_class(name, fields)`` from its field values (unpickling; the
+    class itself is made, not importable, so a holder keeps its field set instead)."""
+    return event_class(name, fields)(*values)
+
+
+LookaheadBlockStored = event_class("BlockStored", ("lookahead_token_ids",))
+"""0.25.1's ``BlockStored`` plus vLLM 0.33.0's ``lookahead_token_ids``: what a pool
+hashing with lookahead tokens (which only kvcache offers before 0.33.0) queues, so
+that a consumer can rebuild each hash (``(extra_keys[i], *lookahead_token_ids[i])``)."""
 
 
 def _freeze(value: Any) -> Any:
@@ -306,5 +350,7 @@ def from_vllm(value: Any) -> Any:
         return KVEventBatch(ts=value.ts, events=[from_vllm(e) for e in value.events],
                             data_parallel_rank=value.data_parallel_rank)
     if name in EVENT_TYPES and fields is not None:
-        return EVENT_TYPES[name](**{f: getattr(value, f) for f in fields})
+        base = {f.name for f in dataclasses.fields(EVENT_TYPES[name])}
+        cls = event_class(name, tuple(f for f in fields if f not in base))
+        return cls(**{f: getattr(value, f) for f in fields})
     raise TypeError(f"from_vllm: {name} is not one of vLLM's KV events or KVEventBatch")

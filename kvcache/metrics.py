@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -31,6 +33,28 @@ class PrefixCacheStats:
             self.requests += 1
             self.queries += num_tokens
             self.hits += num_hits
+
+
+@dataclass
+class PrefixCacheStatsBySource(PrefixCacheStats):
+    """vLLM 0.32.0's and later stats (the ``stats_hits_by_source`` switch): 0.25.1's
+    fields plus ``hits_by_source``, hits per cache tier, filled by connectors only
+    (local lookups leave it empty)."""
+
+    hits_by_source: dict[str, int] = field(default_factory=dict)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled through the module function: the class carries vLLM's name,
+        # PrefixCacheStats, which pickle would resolve to 0.25.1's class.
+        return _stats_by_source, (dataclasses.astuple(self),)
+
+
+PrefixCacheStatsBySource.__name__ = PrefixCacheStatsBySource.__qualname__ = "PrefixCacheStats"
+
+
+def _stats_by_source(values: tuple[Any, ...]) -> PrefixCacheStatsBySource:
+    """A ``PrefixCacheStatsBySource`` from its field values (unpickling)."""
+    return PrefixCacheStatsBySource(*values)
 
 
 @dataclass

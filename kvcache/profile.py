@@ -224,7 +224,9 @@ class Profile:
     release: str
     stats_at_admission: bool
     stats_hits_by_source: bool
-    event_new_fields: bool
+    event_locality: bool
+    event_ownership: bool
+    event_lookahead_tokens: bool
     tagged_extra_keys: bool
     mm_keys_by_window: bool
     none_hash_fixed_seed: bool
@@ -233,6 +235,7 @@ class Profile:
     cascade_always_zero: bool
     trim_every_full_group: bool
     partial_prompt_tail_entries: bool
+    prompt_tail_before_last_token: bool
     eagle_master_switch: bool
     eagle_peek_to_hashed_length: bool
     adopt_computed_without_new_tokens: bool

@@ -191,6 +191,7 @@ class SingleTypeKVCacheManager:
         )
         # Full attention (and its variants) only.
         self.partial_prompt_tail_entries = profile.partial_prompt_tail_entries
+        self.prompt_tail_before_last_token = profile.prompt_tail_before_last_token
         # Where hits may end (vLLM 0.33.0's name): the scheduler block, or the hash
         # block under mamba_fine_grained_hits (set by the hybrid coordinator).
         self.cache_hit_alignment_tokens = scheduler_block_size
@@ -712,12 +713,15 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         ends inside (the ``partial_prompt_tail_entries`` switch, for blocks larger
         than the hash block). The boundary is the last one a later lookup of the
         same prompt can reach: ``num_prompt_tokens - 1`` tokens, or the whole
-        prompt for an EAGLE group; nothing when it falls on a block boundary or
+        prompt for an EAGLE group (``prompt_tail_before_last_token``, vLLM 0.32.0;
+        before it the whole prompt); nothing when it falls on a block boundary or
         past ``num_tokens``."""
         hash_block_size = self.block_pool.hash_block_size
         if self.block_size == hash_block_size:
             return
-        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        limit = request.num_prompt_tokens
+        if self.prompt_tail_before_last_token and not self.use_eagle:
+            limit -= 1
         boundary = min(limit // hash_block_size, len(request.block_hashes)) * hash_block_size
         if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
             return
@@ -1945,6 +1949,11 @@ class CircularBufferManager(FullAttentionManager):
         """Nothing: a ring block is never cached (``replay_boundaries`` is vLLM
         0.33.0's argument, unused)."""
         return None
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """0: a ring block is rewritten in place, so cascade attention cannot share it
+        (vLLM 0.29.0-0.31.0 say so; 0.32.0 on count 0 for every group)."""
+        return 0
 
     @classmethod
     def find_longest_cache_hit(

@@ -41,14 +41,14 @@ the profile's pool and group switches (``_SingleTypeApi``).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvcache import block_pool as _block_pool
+from kvcache import kv_cache_interface as _kv_cache_interface
 from kvcache import kv_cache_utils as _utils
 from kvcache import kv_events as _events
+from kvcache import metrics as _metrics
 from kvcache import single_type_kv_cache_manager as _managers
 from kvcache.hisparse import HiSparseHotManager, HiSparseResidentManager, HiSparseSourceManager
 from kvcache.kv_cache_coordinator import HybridKVCacheCoordinator, partial_hash_hits_enabled
@@ -66,7 +66,6 @@ from kvcache.kv_cache_spec_registry import (
     register_kv_cache_spec,
 )
 from kvcache.kv_cache_utils import BlockHash, KVCacheBlock
-from kvcache.metrics import PrefixCacheStats as _PrefixCacheStats
 from kvcache.profile import Profile
 from kvcache.request import Request
 from kvcache.single_type_kv_cache_manager import CircularBufferManager
@@ -114,40 +113,17 @@ PROFILE = Profile("0.33.0")
 # ---------------------------------------------------------------- vocabulary
 
 
-@dataclass
-class PrefixCacheStats(_PrefixCacheStats):
-    """0.33.0's stats: 0.25.1's fields plus ``hits_by_source`` (hits per cache tier,
-    filled by connectors only; local lookups leave it empty)."""
-
-    hits_by_source: dict[str, int] = field(default_factory=dict)
+PrefixCacheStats = _metrics.PrefixCacheStatsBySource
+"""0.33.0's stats: 0.25.1's fields plus ``hits_by_source``."""
 
 
-@dataclass
-class BlockStored(_events.BlockStored):
-    """0.33.0's ``BlockStored``: 0.25.1's fields plus the new ones, at their defaults
-    for blocks this manager caches (no session, local); ``lookahead_token_ids`` set
-    under lookahead hashing."""
-
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-    def __hash__(self) -> int:
-        return hash(_events._freeze(dataclasses.astuple(self)))
-
-
-@dataclass
-class BlockRemoved(_events.BlockRemoved):
-    """0.33.0's ``BlockRemoved``: 0.25.1's fields plus ``locality`` and ``ownership``."""
-
-    locality: str | None = None
-    ownership: str | None = None
-
-    def __hash__(self) -> int:
-        return hash(_events._freeze(dataclasses.astuple(self)))
-
-
+BlockStored = _events.event_class("BlockStored", _events.release_fields(PROFILE, "BlockStored"))
+"""0.33.0's ``BlockStored``: 0.25.1's fields plus locality, ownership, session_id
+(the request's) and lookahead_token_ids (under lookahead hashing)."""
+BlockRemoved = _events.event_class(
+    "BlockRemoved", _events.release_fields(PROFILE, "BlockRemoved")
+)
+"""0.33.0's ``BlockRemoved``: 0.25.1's fields plus locality and ownership."""
 AllBlocksCleared = _events.AllBlocksCleared
 
 
@@ -157,26 +133,8 @@ class TruncateError(ValueError, AssertionError):
     ``AssertionError`` vLLM 0.33.0 raises there."""
 
 
-class KVCacheBlockCopy(NamedTuple):
-    """One copy-on-write copy the worker runs: block ``src_block_id`` into
-    ``dst_block_id`` (``KVCacheManager.take_kv_cache_block_copies``)."""
+KVCacheBlockCopy = _kv_cache_interface.KVCacheBlockCopy
 
-    src_block_id: int
-    dst_block_id: int
-
-
-def with_new_event_fields(events: list[Any]) -> list[Any]:
-    """kvcache's events as 0.33.0's (the ``event_new_fields`` switch); others unchanged."""
-    out: list[Any] = []
-    for event in events:
-        cls = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}.get(
-            type(event).__name__
-        )
-        if cls is None or not dataclasses.is_dataclass(event):
-            out.append(event)
-            continue
-        out.append(cls(**{f.name: getattr(event, f.name) for f in dataclasses.fields(event)}))
-    return out
 
 
 # ---------------------------------------------------------------- hashing
@@ -628,8 +586,6 @@ class KVCacheManager(_KVCacheManager):
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
             num_prefill_lookahead=num_prefill_lookahead,
         )
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats = self._new_stats()
         coordinator = self.coordinator
         # 0.33.0 narrows the option to where both the scheduler and the managers can
         # honour a junction: EAGLE groups, fine-grained hits, no re-prefilled tail
@@ -645,36 +601,7 @@ class KVCacheManager(_KVCacheManager):
                 if isinstance(manager, _managers.MambaManager):
                     manager.shared_prefix_checkpoint = True
 
-    def _new_stats(self) -> _PrefixCacheStats:
-        """Empty stats of the profile's class (``stats_hits_by_source``: 0.33.0's)."""
-        return PrefixCacheStats() if self.profile.stats_hits_by_source else _PrefixCacheStats()
-
-    # ------------------------------------------------------------ lookups and stats
-
-    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
-        """Whether a local prefix-cache lookup runs for ``request`` (caching on, and the
-        request does not skip reading the cache)."""
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
-    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
-        """Count an admitted request's lookup (``stats_at_admission``): the scheduler
-        calls this once the request's allocation succeeded. No-op without
-        ``log_stats`` or for a request that skipped the lookup."""
-        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
-            return
-        self.prefix_cache_stats.record(
-            num_tokens=request.num_tokens,
-            num_hits=num_hits,
-            preempted=request.num_preemptions > 0,
-        )
-
-    def make_prefix_cache_stats(self) -> _PrefixCacheStats | None:
-        """The stats gathered since the last call (0.33.0's class), and start new ones."""
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = self._new_stats()
-        return stats
+    # ------------------------------------------------------------ lookups
 
     def get_computed_blocks(  # type: ignore[override]
         self, request: Request, max_cache_hit_length: int | None = None
@@ -688,13 +615,6 @@ class KVCacheManager(_KVCacheManager):
         tail sparse retention then keeps.
         """
         blocks, num_hit_tokens = super().get_computed_blocks(request, max_cache_hit_length)
-        if (
-            num_hit_tokens > 0
-            and self.profile.full_report_mode
-            and self.enable_kv_cache_events
-            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
-        ):
-            self.coordinator.emit_cached_block_events(request, blocks.blocks)
         if not self.profile.shared_prefix_junctions or not self.prefix_cache_lookup_enabled(
             request
         ):
@@ -810,11 +730,6 @@ class KVCacheManager(_KVCacheManager):
         (0.33.0's name: computed tokens whose forward pass is done)."""
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
 
-    def take_events(self) -> list[Any]:
-        """Drain queued KV events, as 0.33.0's classes (``event_new_fields``)."""
-        events: list[Any] = super().take_events()
-        return with_new_event_fields(events) if self.profile.event_new_fields else events
-
     # ------------------------------------------------------------ new helpers
 
     def estimate_cached_tokens(self, request: Request) -> int:
@@ -887,19 +802,6 @@ class KVCacheManager(_KVCacheManager):
             held = manager.req_to_blocks.get(request_id, [])
             start = start_token // manager.block_size
             manager.new_blocks.extend(held[start:])
-
-    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
-        """The copy-on-write copies queued since the last call (``partial_hit_copy_on_write``:
-        a hit or a Mamba prompt-tail state ending inside a block), and the blocks
-        they keep held, source then copy per pair: the caller frees those once the
-        copies have run."""
-        pairs = [
-            pair
-            for manager in self.coordinator.single_type_managers
-            for pair in manager.take_pending_cow_copies()
-        ]
-        copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pairs]
-        return copies, [block for pair in pairs for block in pair]
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """The boundary states recorded since the last call, for a KV connector:

@@ -86,10 +86,6 @@ WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 ATTN: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
 
 Action = tuple[Any, ...]
-CLASS_SWITCHES = ("event_new_fields", "stats_hits_by_source")
-"""Switches that pick only the classes of events and stats: kvcache's manager leaves
-them to its 0.33.0 drop-in, so both searches and the middle-release machines turn
-them off on the spec's side."""
 
 
 class Mismatch(AssertionError):
@@ -132,10 +128,7 @@ class Layout:
             "enable_kv_cache_events": True, "watermark": self.watermark,
             "use_eagle": self.use_eagle,
         }
-        # The switches that pick only the event and stats classes stay off on the
-        # spec's side: kvcache's manager leaves them to its 0.33.0 drop-in
-        # (tests/stateful/test_middle_release_machines.py says why).
-        off = (*CLASS_SWITCHES, self.turned_back) if self.turned_back else CLASS_SWITCHES
+        off = (self.turned_back,) if self.turned_back else ()
         spec_profile = spec.profile.Profile(self.release, **dict.fromkeys(off, False))
         return (spec.KVCacheManager(KVCacheConfig(self.num_blocks, [], groups), **kwargs,
                                     profile=spec_profile),
@@ -524,14 +517,14 @@ def run(layouts: tuple[Layout, ...] = LAYOUTS) -> list[Report]:
 
 
 def teeth(layouts: tuple[Layout, ...]) -> list[tuple[str, str | None]]:
-    """Each switch the layouts' release turns on (the class switches aside), turned back
+    """Each switch the layouts' release turns on, turned back
     on the spec's side alone, searched over ``layouts``: (switch, the first layout's
     counterexample, or None where the search sees no difference, so the layouts cannot
     tell that switch's rule from 0.25.1's)."""
     release = layouts[0].release
     found: list[tuple[str, str | None]] = []
     for switch in spec.profile.SWITCHES:
-        if switch in CLASS_SWITCHES or switch not in spec.profile.ON[release]:
+        if switch not in spec.profile.ON[release]:
             continue
         flipped = tuple(replace(layout, turned_back=switch) for layout in layouts)
         mismatch = next((f"{r.layout}: {r.mismatch}" for r in run(flipped) if r.mismatch), None)

@@ -94,6 +94,10 @@ def summarise(stage: str, output: str, rc: int, seconds: float) -> str:
     if stage.startswith("check-"):
         found = re.findall(r"^release-check .*$", output, re.MULTILINE)
         detail = found[-1] if found else f"rc={rc}"
+        profile = re.findall(r"^kvcache@\S+ vs vLLM .*$", output, re.MULTILINE)
+        caught = len(re.findall(r"^  \w+ flipped: [1-9]", output, re.MULTILINE))
+        if profile:  # kvcache.kit.profile_check, after the census (check-release-%)
+            detail += f"; {profile[-1][:160]}, {caught} flipped switches caught"
         return f"{stage}: {'ok' if rc == 0 else 'FAILED'} ({detail}; {seconds:.0f}s in all)"
     if stage == "effectiveness":
         found = re.findall(r"^\S+ \(vLLM .*\): \d+ rows.*$", output, re.MULTILINE)

@@ -11,13 +11,11 @@ from .vocab import (
     MEDIUM_GPU,
     NULL_BLOCK,
     AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    BlockStored033,
     KVCacheEvent,
     Request,
     block_extra_keys,
     coarsen,
+    event_class,
     external_hash,
     get_hash_fn,
     none_hash,
@@ -151,9 +149,10 @@ class BlockPool:
         """Queue one BlockStored: the blocks of ``block_size`` tokens from each of
         ``starts``, cached under ``hashes`` chained after ``parent``, carrying the tokens
         ``[tokens[0], tokens[1])``; each block's extra keys cover the block and its
-        lookahead tokens (the multimodal scan from item ``first_mm``). Under lookahead
-        hashing 0.33.0's class, which also lists those tokens; under event_session_id
-        0.33.0's, with the request's ``session_id``."""
+        lookahead tokens (the multimodal scan from item ``first_mm``). The release's
+        class (``ReleaseRules.event_fields``): its ``session_id`` is the request's, its
+        ``lookahead_token_ids`` those tokens (a release without the field gains it last
+        under lookahead hashing)."""
         ids, la, lora = request.all_token_ids, self.num_hash_lookahead_tokens, request.lora_request
         fields: dict[str, Any] = dict(
             block_hashes=[external_hash(h) for h in hashes],
@@ -164,14 +163,14 @@ class BlockPool:
             extra_keys=[block_extra_keys(request, s, s + block_size + la, first_mm)
                         for s in starts] or None,
             group_idx=group_idx)
-        session = self.profile.rules.event_session_id
-        if la or session:
-            fields["lookahead_token_ids"] = (
-                [list(ids[s + block_size:s + block_size + la]) for s in starts] if la else None)
-            fields["session_id"] = getattr(request, "session_id", None) if session else None
-            self.kv_event_queue.append(BlockStored033(**fields))
-        else:
-            self.kv_event_queue.append(BlockStored(**fields))
+        names = self.profile.rules.event_fields("BlockStored")
+        if la:
+            names += () if "lookahead_token_ids" in names else ("lookahead_token_ids",)
+            fields["lookahead_token_ids"] = [list(ids[s + block_size:s + block_size + la])
+                                             for s in starts]
+        if "session_id" in names:
+            fields["session_id"] = getattr(request, "session_id", None)
+        self.kv_event_queue.append(event_class("BlockStored", names)(**fields))
 
     def emit_cached_block_events(self, request: Request, num_cached_blocks: int,
                                  block_size: int, kv_cache_group_id: int) -> None:
@@ -307,7 +306,9 @@ class BlockPool:
             if not self.cached[k]:
                 del self.cached[k]
             if self.enable_kv_cache_events:
-                self.kv_event_queue.append(BlockRemoved(
+                removed = event_class("BlockRemoved",
+                                      self.profile.rules.event_fields("BlockRemoved"))
+                self.kv_event_queue.append(removed(
                     [external_hash(k[:-4])], self.medium, int.from_bytes(k[-4:], "big")))
         return True
 

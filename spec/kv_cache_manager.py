@@ -775,11 +775,7 @@ class KVCacheManager:
                 kind, window = self.kv_cache_event_metadata[event.group_idx]
                 event.kv_cache_spec_kind = kind
                 event.kv_cache_spec_sliding_window = window
-        new = self.profile.rules.event_new_fields  # the new fields at their defaults
-        if not new:  # this release's classes are 0.25.1's: nothing to copy
-            return events
-        return [new[type(e).__name__](**vars(e)) if type(e).__name__ in new else e
-                for e in events]
+        return events
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks (live tables, as vLLM shares them)."""

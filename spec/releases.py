@@ -20,8 +20,6 @@ from typing import Any, NamedTuple
 from . import pure
 from .vocab import (
     NULL_BLOCK,
-    BlockRemoved033,
-    BlockStored033,
     PrefixCacheStats,
     PrefixCacheStats033,
     is_a,
@@ -102,7 +100,10 @@ class ReleaseRules:
     new_block_ids_zeroing_only: Callable[[bool], bool]
     zero_every_attention_group: Callable[[Any, bool], bool]
     stats_hits_by_source: type[PrefixCacheStats]
-    event_new_fields: Mapping[str, type]
+    event_locality: Mapping[str, str]
+    event_ownership: Mapping[str, str]
+    event_session_id: Mapping[str, str]
+    event_lookahead_tokens: Mapping[str, str]
     circular_buffer_groups: Callable[[Any], bool]
     hisparse_groups: Callable[[Any, str | None], bool]
     mamba_prefill_checkpoints: Callable[[Any], tuple[int, int | None] | None]
@@ -112,7 +113,6 @@ class ReleaseRules:
     tagged_extra_keys: bool
     mm_keys_by_window: bool
     none_hash_fixed_seed: Callable[[str | None, Callable[[Any], bytes]], str | None]
-    event_session_id: bool
     pcp_not_scaled: Callable[[int, int], int]
     dcp_sharded_geometry: Geometry
     mamba_frees_processed_states: MambaFrees
@@ -120,7 +120,14 @@ class ReleaseRules:
     mamba_fine_grained_hits: Callable[[Any], None]
     partial_hit_copy_on_write: Callable[[int, int], bool]
     partial_prompt_tail_entries: Callable[[Any, Any, int], None]
+    prompt_tail_before_last_token: Callable[[bool], int]
     shared_prefix_junctions: Callable[[int], int]
+
+    def event_fields(self, name: str) -> tuple[str, ...]:
+        """The fields event class ``name`` carries beyond 0.25.1's, in vLLM's order."""
+        return tuple(rule[name] for rule in (self.event_locality, self.event_ownership,
+                                             self.event_session_id, self.event_lookahead_tokens)
+                     if name in rule)
 
 
 RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule once on)
@@ -194,9 +201,11 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
         and not is_a(spec, "CircularBufferSpec")),
     # the class of the prefix-cache stats a manager records
     "stats_hits_by_source": (PrefixCacheStats, PrefixCacheStats033),
-    # event classes replaced when events are taken (by 0.25.1's class name), the new
-    # fields at their defaults
-    "event_new_fields": ({}, {"BlockStored": BlockStored033, "BlockRemoved": BlockRemoved033}),
+    # event class name -> the field it gains (ReleaseRules.event_fields: in this order)
+    "event_locality": ({}, {"BlockStored": "locality", "BlockRemoved": "locality"}),
+    "event_ownership": ({}, {"BlockStored": "ownership", "BlockRemoved": "ownership"}),
+    "event_session_id": ({}, {"BlockStored": "session_id"}),  # the request's
+    "event_lookahead_tokens": ({}, {"BlockStored": "lookahead_token_ids"}),
     # layer spec -> whether the release admits its group (0.26.0 brought ring buffers)
     "circular_buffer_groups": (lambda spec: not is_a(spec, "CircularBufferSpec"),
                                lambda spec: True),
@@ -226,8 +235,6 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
         lambda seed, fn: seed,
         lambda seed, fn: "vllm-none-hash" if seed is None and fn in (sha256, sha256_cbor)
         else seed),
-    # whether BlockStored carries the request's session_id (0.33.0's class)
-    "event_session_id": (False, True),
     # (dcp, pcp) -> how many ranks a scaled group's block spans
     "pcp_not_scaled": (lambda dcp, pcp: dcp * pcp, lambda dcp, pcp: dcp),
     # which specs context parallelism scales, the hybrid check, the one group's refusal
@@ -255,6 +262,9 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     "partial_prompt_tail_entries": (
         lambda manager, request, num_tokens: None,
         lambda manager, request, num_tokens: manager.cache_prompt_tail(request, num_tokens)),
+    # the group's use_eagle -> the prompt's tokens past the tail a group keys (0.32.0:
+    # the last one, which no lookup reaches, unless EAGLE's)
+    "prompt_tail_before_last_token": (lambda use_eagle: 0, lambda use_eagle: int(not use_eagle)),
     # a shared-prefix junction (where a lookup's longest single-kind hit ended) -> the
     # one the release knows, yielded by a lookup and cached like a replay boundary (0:
     # none), wherever it is read

@@ -593,11 +593,13 @@ class SingleTypeKVCacheManager:
 
     def cache_prompt_tail(self, request: Request, num_tokens: int) -> None:
         """partial_prompt_tail_entries: key the block holding the prompt's last hash
-        boundary (all but its last token; EAGLE: all) inside it, within ``num_tokens``."""
+        boundary (prompt_tail_before_last_token: all but its last token, EAGLE all)
+        inside it, within ``num_tokens``."""
         hbs = self.block_pool.hash_block_size
         if self.block_size == hbs:
             return
-        limit = request.num_prompt_tokens - (0 if self.use_eagle else 1)
+        limit = request.num_prompt_tokens - self.profile.rules.prompt_tail_before_last_token(
+            self.use_eagle)
         boundary = min(limit // hbs, len(self.block_pool.block_hashes(request))) * hbs
         blocks = self._blocks_of(request.request_id)
         if (0 < boundary <= num_tokens and boundary % self.block_size
@@ -1162,6 +1164,7 @@ RSWA = replace(FULL, name="RSWAManager", resume="rswa", drop_skipped=M._free_rsw
                check=lambda m, _: m._check_tables(False))  # nulls inside: the gap
 SINK = replace(FULL, name="SinkFullAttentionManager", resume="sink", setup=M._reserve_sinks)
 RING = replace(FULL, name="CircularBufferManager", resume="circular", fine_hit=None,
+               common_prefix=False,  # rewritten in place: nothing shared
                hit=lambda *_: (0, 0),  # outside prefix caching: hits nothing
                num_blocks=lambda m, r, *_: 0 if m.req_to_blocks.get(r) else 1,  # its one block
                adopt=M._nothing, load=M._claim_ring_block, grow=M._claim_ring_block,

@@ -256,12 +256,12 @@ class PrefixCacheStats:
             self.hits += num_hits
 
 
-# vLLM 0.33.0's classes of the same names (event_new_fields, stats_hits_by_source): 0.25.1's
-# fields plus the new ones, at their defaults (the spec has no sessions, tiers or lookahead).
+# Later releases' classes of the same names: 0.25.1's fields plus the ones a release
+# added, at their defaults unless the pool fills them.
 def _release_class(attr: str, base: type, fields: list[Any]) -> Any:
-    """0.33.0's class named as ``base``, with ``fields`` added; held by the module
-    attribute ``attr``, through which its instances pickle (``_remade``): a made class
-    has no importable name of its own, and a manager's queued events are its state."""
+    """A class named as ``base``, with ``fields`` added; held by the module attribute
+    ``attr``, through which its instances pickle (``_remade``): a made class has no
+    importable name of its own, and a manager's queued events are its state."""
     def reduce(self: Any) -> tuple[Any, ...]:
         return _remade, (attr, dict(vars(self)))
 
@@ -271,16 +271,28 @@ def _release_class(attr: str, base: type, fields: list[Any]) -> Any:
 
 def _remade(attr: str, values: dict[str, Any]) -> Any:
     """An instance of the class held by ``attr``, from its field values (unpickling)."""
+    if "/" in attr:  # an event class of a field set: "BlockStored/locality,ownership"
+        name, fields = attr.split("/")
+        return event_class(name, tuple(fields.split(",")))(**values)
     return globals()[attr](**values)
 
 
-BlockStored033: Any = _release_class(
-    "BlockStored033", BlockStored,
-    [("locality", str | None, None), ("ownership", str | None, None),
-     ("session_id", str | None, None), ("lookahead_token_ids", list[list[int]] | None, None)])
-BlockRemoved033: Any = _release_class(
-    "BlockRemoved033", BlockRemoved,
-    [("locality", str | None, None), ("ownership", str | None, None)])
+_EVENT_CLASSES: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+
+def event_class(name: str, fields: tuple[str, ...]) -> Any:
+    """The event class ``name`` (BlockStored, BlockRemoved) with the later releases'
+    ``fields`` after 0.25.1's, each None by default; 0.25.1's class for none. One
+    class per field set, so that equal events compare equal."""
+    if not fields:
+        return {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}[name]
+    key = (name, fields)
+    if key not in _EVENT_CLASSES:
+        _EVENT_CLASSES[key] = _release_class(
+            f"{name}/{','.join(fields)}", globals()[name], [(f, Any, None) for f in fields])
+    return _EVENT_CLASSES[key]
+
+
 PrefixCacheStats033: Any = _release_class(
     "PrefixCacheStats033", PrefixCacheStats,
     [("hits_by_source", dict[str, int], field(default_factory=dict))])

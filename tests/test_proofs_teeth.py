@@ -194,8 +194,7 @@ def test_teeth_names_what_the_search_sees_and_what_it_cannot() -> None:
 
     found = dict(exhaustive.teeth((replace(exhaustive.LAYOUTS[0], depth=2,
                                            release="0.33.0"),)))
-    assert set(found) == {s for s in spec_profile.ON["0.33.0"]
-                          if s not in exhaustive.CLASS_SWITCHES}
+    assert set(found) == set(spec_profile.ON["0.33.0"])
     assert found["new_block_ids_zeroing_only"] and found["cascade_always_zero"]
     assert found["hisparse_groups"] is None and found["lookahead_arguments"] is None
 

@@ -389,6 +389,48 @@ class ProfileAdapter(Adapter):
         return hasher
 
 
+class ReleaseProfileAdapter(Adapter):
+    """kvcache's own ``KVCacheManager(profile=release)``, any release of the table, held
+    to that vLLM release as an equal (``release_line``): its requests hashed by the
+    release's rules (``tagged_extra_keys``, ``mm_keys_by_window``, the NONE_HASH seed)
+    and, where the release's scheduler counts prefix-cache stats at admission, counted
+    there (``record_prefix_cache_stats``). kvcache's 0.25.1-shaped API stays: the vLLM
+    side's adapter reads its release's API into the kit's shape.
+
+    ``profile`` replaces the release's own (the release's with a switch flipped, for a
+    check's teeth).
+
+    Raises:
+        ValueError: for a release kvcache has no profile of.
+    """
+
+    def __init__(self, release: str, profile: Any = None) -> None:
+        from functools import partial
+
+        from kvcache import KVCacheManager
+        from kvcache.profile import Profile
+
+        self.profile = Profile(release) if profile is None else profile
+        super().__init__(f"kvcache@{release}", partial(KVCacheManager, profile=self.profile),
+                         _package_version())  # fmt: skip
+        self.release_line = ".".join(release.split(".")[:2])
+
+    def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
+        hash_fn = self.hash_fn(config.hash_fn)
+        fixed = self.profile.none_hash_fixed_seed
+        with_hash_seed(hash_seed, lambda: self.kv_cache_utils.init_none_hash(hash_fn, fixed))
+
+    def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
+        manager.record_prefix_cache_stats(request, num_hit_tokens)  # a no-op before 0.27.0
+
+    def block_hasher(self, config: ManagerConfig) -> Callable[[Any], list[Any]]:
+        hasher: Callable[[Any], list[Any]] = self.kv_cache_utils.get_request_block_hasher(
+            config.hash_block_size, self.hash_fn(config.hash_fn),
+            self.profile.tagged_extra_keys, self.profile.mm_keys_by_window,
+        )  # fmt: skip
+        return hasher
+
+
 class SpecProfileAdapter(SpecAdapter):
     """The spec under another release's profile (``spec/profile.py``), with that
     release's request hasher (``drop_in``'s) and scheduler duty (stats at admission):

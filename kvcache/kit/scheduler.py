@@ -11,6 +11,7 @@ deferred frees, plus the admin calls (evict, reset, events, stats). Part of
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -64,6 +65,20 @@ def draw_request_fields_0_33(rng: random.Random, full_report: bool = True) -> di
     elif mode < 0.35:
         fields["kv_cache_report_mode"] = "incremental"
     return fields
+
+
+def zeroing_duties(side: Any) -> bool:
+    """Whether a side's manager takes vLLM's zeroing duties with a KV connector:
+    ``allocate_slots(skip_zeroing_group_ids=...)`` and ``record_blocks_for_zeroing``
+    (a side without a manager in this process, or whose signature cannot be read,
+    is taken at its release line's word)."""
+    manager = getattr(side, "manager", None)
+    if manager is None or not hasattr(manager, "record_blocks_for_zeroing"):
+        return manager is None
+    try:
+        return "skip_zeroing_group_ids" in inspect.signature(manager.allocate_slots).parameters
+    except (TypeError, ValueError):  # a compiled method without a signature
+        return True
 
 
 @dataclass
@@ -201,11 +216,13 @@ class RandomScheduler:
         # groups it writes (``skip_zeroing_group_ids``: their blocks for the external
         # tokens are not reported for zeroing), and a failed load reports the
         # request's blocks past the valid prefix for zeroing again
-        # (``record_blocks_for_zeroing``). Only when every side is of the 0.33 line;
-        # drawn from a generator of their own (the other calls stay as they were).
+        # (``record_blocks_for_zeroing``). Only when every side's manager has both
+        # (vLLM's from 0.32.0 on, kvcache's 0.33.0 drop-in, the spec; not kvcache's
+        # ``KVCacheManager(profile=...)``); drawn from a generator of their own (the
+        # other calls stay as they were).
         self.zeroing_rng = (
             random.Random(f"zeroing {config!r}")
-            if all(side_line(side) != REFERENCE_LINE for side in sides)
+            if all(side_line(side) != REFERENCE_LINE and zeroing_duties(side) for side in sides)
             else None
         )
 

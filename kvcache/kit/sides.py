@@ -56,6 +56,7 @@ from kvcache.kit.adapter_base import (
     CannotBuild,
     HarnessError,
     ProfileAdapter,
+    ReleaseProfileAdapter,
     SpecAdapter,
     SpecProfileAdapter,
     _package_version,
@@ -81,6 +82,7 @@ __all__ = [
     "CannotBuild",
     "HarnessError",
     "ProfileAdapter",
+    "ReleaseProfileAdapter",
     "Side",
     "SpecAdapter",
     "SpecProfileAdapter",
@@ -545,6 +547,8 @@ def resolve_adapter(name: str) -> Adapter:
         import kvcache
 
         return Adapter("kvcache", kvcache.KVCacheManager, _package_version())
+    if name.startswith("kvcache@"):  # kvcache's KVCacheManager(profile=RELEASE)
+        return ReleaseProfileAdapter(name.partition("@")[2])
     if name == "kvcache-0.33":
         return ProfileAdapter("kvcache-0.33", "kvcache.vllm_0_33", "0.33")
     if name == "spec-0.33":

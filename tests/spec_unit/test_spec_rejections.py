@@ -292,7 +292,7 @@ TABLE_FLAWS = [
         '"0.25.1",', '"0.25.1", "0.26.0", "0.25.2",', 1), "not strictly ascending"),
     ("a default of no release", lambda t: t.replace('default = "0.25.1"',
                                                     'default = "0.24.0"'), "default="),
-    ("a switch twice", lambda t: t + '\n[[switch]]\nname = "event_new_fields"\n'
+    ("a switch twice", lambda t: t + '\n[[switch]]\nname = "event_locality"\n'
                                      'since = "0.26.0"\n', "listed twice"),
     ("a switch of no release", lambda t: t + '\n[[switch]]\nname = "x"\nsince = "0.2.0"\n',
      "since='0.2.0'"),

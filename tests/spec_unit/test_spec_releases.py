@@ -130,9 +130,14 @@ def test_path_and_vocabulary_rules() -> None:
     assert new.none_hash_fixed_seed(None, sha256) == "vllm-none-hash"
     assert new.none_hash_fixed_seed(None, xxhash) is None
     assert new.none_hash_fixed_seed("7", sha256) == "7"
-    assert (old.tagged_extra_keys, old.mm_keys_by_window, old.event_session_id) == (
-        False, False, False)
-    assert new.tagged_extra_keys and new.mm_keys_by_window and new.event_session_id
+    assert (old.tagged_extra_keys, old.mm_keys_by_window) == (False, False)
+    assert new.tagged_extra_keys and new.mm_keys_by_window
+    assert old.event_fields("BlockStored") == old.event_fields("BlockRemoved") == ()
+    assert Profile("0.30.0").rules.event_fields("BlockStored") == (
+        "locality", "ownership", "session_id")
+    assert new.event_fields("BlockStored") == (
+        "locality", "ownership", "session_id", "lookahead_token_ids")
+    assert new.event_fields("BlockRemoved") == ("locality", "ownership")
     assert old.pcp_not_scaled(2, 3) == 6 and new.pcp_not_scaled(2, 3) == 2
     assert old.dcp_sharded_geometry.refusal is ValueError
     assert new.dcp_sharded_geometry.refusal is AssertionError

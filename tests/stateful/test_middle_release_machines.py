@@ -9,11 +9,8 @@ full-attention hit while dropping no null head): an interaction of two switches
 that one side gets wrong shows only under such a set. Here the manager, hybrid and
 new-kinds machines run under each of 0.26.0-0.32.0 on both sides.
 
-Two switches only pick the classes of what is reported (``event_new_fields``,
-``stats_hits_by_source``: 0.33.0's event and stats classes). kvcache's manager leaves
-them to its 0.33.0 drop-in (``kvcache.vllm_0_33``, held to the spec by
-``test_profile_machines.py``), so here the spec reports 0.25.1's classes too: both
-switches off on the spec's side, every other switch as the release has it.
+Every switch is as the release has it on both sides, the classes of what is reported
+too (each release's event fields, ``kv_events.EVENT_FIELDS``; ``stats_hits_by_source``).
 
 A reduced run (``CI_EXAMPLES`` of the CI profile's 600 examples per machine and
 release) keeps the budget; ``HYPOTHESIS_PROFILE=nightly`` scales it as it scales
@@ -31,7 +28,6 @@ import kvcache
 import spec
 import spec.profile as spec_profile
 from kvcache.profile import Profile
-from proofs.exhaustive import CLASS_SWITCHES
 
 from .runner import run_machine
 from .test_hybrid_machine import HybridMachine
@@ -46,9 +42,9 @@ BASES = {"manager": ManagerMachine, "hybrid": HybridMachine, "new-kinds": NewKin
 
 
 def spec_profile_for(release: str, flipped: str | None = None) -> spec_profile.Profile:
-    """The spec's profile of ``release`` with the class switches off (and ``flipped``,
-    if given, set to the other value)."""
-    switches = {name: False for name in CLASS_SWITCHES}
+    """The spec's profile of ``release`` (with ``flipped``, if given, set to the other
+    value)."""
+    switches: dict[str, bool] = {}
     if flipped is not None:
         switches[flipped] = flipped not in spec_profile.ON[release]
     return spec_profile.Profile(release, **switches)

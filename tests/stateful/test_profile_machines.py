@@ -173,7 +173,7 @@ def test_machine_under_0_33(
 # free_on_processed_tokens and adopt_computed_without_new_tokens, as 0.25.1's scheduler
 # the machines play has no in-flight tokens and never adopts computed tokens without new
 # ones; trim_every_full_group needs three full-attention groups, which the hybrid machine
-# draws too rarely for a bounded run. partial_prompt_tail_entries and event_new_fields,
+# draws too rarely for a bounded run. partial_prompt_tail_entries and event_locality,
 # stats_hits_by_source, zero_every_attention_group and mamba_align_only are reached too,
 # within 1-15 s: left out of the budget. Not reached in 300 examples: the Mamba switches
 # mamba_frees_processed_states, mamba_caps_new_state_blocks, mamba_prompt_tail_state and

@@ -1,0 +1,155 @@
+"""``python -m kvcache.kit.profile_check``: kvcache's profile of the installed vLLM
+release against that release, call for call, on the layouts whose reports it settles.
+
+``make conformance-0.33`` holds the 0.33.0 drop-in to vLLM 0.33.0, and the release
+census (``kvcache release-check``) holds 0.25.1 plus the ledger to any release. Neither
+runs ``KVCacheManager(profile=R)`` against vLLM R itself, so a switch whose first
+release was guessed went unseen (``event_session_id`` was on from 0.33.0 in the table;
+vLLM's pools fill it from 0.30.0). This runs the kit's random sequences
+(``kvcache.kit.driver``) on the installed vLLM and on ``kvcache@R``
+(``ReleaseProfileAdapter``) with no ledger between them: results, events, stats and
+the abstract state must be equal after every call.
+
+``FAMILIES`` are the 25 layout families that match on every release measured here
+(0.25.1 and 0.28.0-0.33.0, 20 sequences each, session 20); the others (Mamba
+'align', prefill checkpoints, EAGLE beside Mamba, lookahead, hybrid context
+parallelism) still differ on some middle release (docs/profiles.md), so they are not
+run here. ``REPORT_FAMILIES``
+settle what a manager reports: each release's event classes and fields
+(``session_id`` drawn on the requests), its stats class and where stats are
+counted, the "full" report mode.
+
+``--teeth N`` also flips each switch of ``TEETH`` in kvcache's profile alone and runs
+the families that settle it, N sequences each, requiring a mismatch: the check can
+tell each one's value (the report switches, and two whose first release it placed:
+``prompt_tail_before_last_token`` and ``eagle_master_switch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+FAMILIES = (
+    "full", "swa", "chunked", "mamba", "mla", "rswa", "full+full", "full+swa", "full+chunked",
+    "full+cross", "full+mla", "full+rswa", "full+swa-mla", "full+hidden-state",
+    "full+mamba-all", "full+mamba-none", "full+circular", "full+swa+circular",
+    "full+full+full", "full+swa+swa", "full+swa+cross", "rswa+swa",
+    "swa-retention", "full+swa-retention", "full-dcp",
+)  # fmt: skip
+"""The driver families run: those on which kvcache's profile matches vLLM on every
+release measured here (0.25.1, 0.28.0-0.33.0; session 20)."""
+
+REPORT_FAMILIES = ("full", "swa", "chunked", "mamba", "mla", "full+swa", "full+cross",
+                   "full+mamba-all")  # fmt: skip
+"""The families the teeth run: they settle what a manager reports (events, stats)."""
+
+TEETH: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("event_locality", "event_ownership", "event_session_id",
+                     "event_lookahead_tokens", "stats_hits_by_source", "stats_at_admission",
+                     "full_report_mode"), REPORT_FAMILIES),
+    "prompt_tail_before_last_token": ("full+full", "full+full+full", "full+mla"),
+    "eagle_master_switch": ("rswa+swa", "full+hidden-state", "full+rswa"),
+}  # fmt: skip
+"""The switches ``--teeth`` flips, each with the families that settle it."""
+
+
+def run(release: str, sequences: int, flipped: str | None = None,
+        families: Sequence[str] = FAMILIES) -> tuple[int, int, str]:
+    """``sequences`` seeded sequences of each of ``families``, kvcache's profile of
+    ``release`` (``flipped`` turned over, if given) against the installed vLLM: the
+    sequences run, the mismatching ones, and the first mismatch (or ""). A layout
+    both sides refuse agrees (the release lacks its class or field, and its profile
+    refuses it too, naming it)."""
+    from kvcache.kit import sides
+    from kvcache.kit.adapter_base import CannotBuild, ReleaseProfileAdapter
+    from kvcache.kit.conformance import TARGETS, family_seed, under_release
+    from kvcache.kit.driver import FAMILIES as ALL_FAMILIES
+    from kvcache.kit.driver import Stats
+    from kvcache.kit.shrinking import run_sequence
+    from kvcache.profile import Profile
+
+    name = f"kvcache@{release}"
+    if flipped is not None:
+        name += f"~{flipped}"
+
+        def flipped_adapter() -> ReleaseProfileAdapter:
+            own = Profile(release)
+            adapter = ReleaseProfileAdapter(
+                release, own.with_switches(**{flipped: not getattr(own, flipped)})
+            )
+            adapter.name = name
+            return adapter
+
+        sides.ADAPTERS[name] = flipped_adapter
+    stats = Stats()
+    bad, first = 0, ""
+    differing: dict[str, int] = {}
+    try:
+        for family in families:
+            index = list(ALL_FAMILIES).index(family)
+            driven = ALL_FAMILIES[family]
+            if release in TARGETS:  # as its conformance runs it (0.33.0: Mamba 'all' uncached)
+                driven = under_release(driven, release)
+            for i in range(sequences):
+                result = run_sequence(family_seed(0, index, i), driven, name, "vllm", stats)
+                failure = result.mismatch or result.cannot_build
+                if result.cannot_build and "vllm rejects" in result.cannot_build:
+                    try:
+                        sides.make_side(name, result.config, "0")
+                    except CannotBuild:
+                        failure = None  # a layout neither side builds
+                if failure is not None:
+                    bad += 1
+                    first = first or f"{family} #{i}: {str(failure)[:600]}"
+                    differing[family] = differing.get(family, 0) + 1
+    finally:
+        sides.ADAPTERS.pop(name, None)
+    if differing:
+        first = ", ".join(f"{f} ({n})" for f, n in differing.items()) + " differ; first: " + first
+    return stats.sequences, bad, first
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Check the installed vLLM's profile; 0 when it matches (and, with ``--teeth``,
+    every flipped switch is caught), 1 otherwise, 2 on a bad argument."""
+    parser = argparse.ArgumentParser(prog="python -m kvcache.kit.profile_check",
+                                     description=__doc__.splitlines()[0])  # fmt: skip
+    parser.add_argument("--sequences", type=int, default=10, help="sequences per family")
+    parser.add_argument("--teeth", type=int, default=0, metavar="N",
+                        help="also flip each TEETH switch, N sequences per family each")
+    args = parser.parse_args(argv)
+    if args.sequences < 1 or args.teeth < 0:
+        parser.error(f"--sequences must be positive and --teeth not negative, got "
+                     f"{args.sequences} and {args.teeth}")
+    import vllm
+
+    from kvcache.profile import RELEASES, Profile
+
+    release = str(vllm.__version__)
+    if release not in RELEASES:
+        print(f"profile_check: vLLM {release} installed; kvcache has profiles of "
+              f"{', '.join(RELEASES)}", file=sys.stderr)  # fmt: skip
+        return 2
+    ran, bad, first = run(release, args.sequences)
+    print(f"kvcache@{release} vs vLLM {release}: {ran} sequences over {len(FAMILIES)} "
+          f"families, {bad} mismatching" + (f"; first: {first}" if first else ""))
+    failed = bad > 0
+    for switch, families in TEETH.items() if args.teeth else ():
+        if switch == "full_report_mode" and release == RELEASES[0]:
+            print(f"  {switch}: not flipped (the driver draws no report mode for 0.25.1)")
+            continue
+        tails = Profile(release).partial_prompt_tail_entries
+        if switch == "prompt_tail_before_last_token" and not tails:
+            print(f"  {switch}: not flipped (vLLM {release} keys no prompt tail)")
+            continue
+        ran, bad, first = run(release, args.teeth, switch, families)
+        print(f"  {switch} flipped: {bad} of {ran} sequences mismatch"
+              + ("" if bad else "  <- NOT CAUGHT"))
+        failed |= bad == 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
