@@ -74,11 +74,14 @@ $(REF33_STAMP):
 
 # The kit against vLLM 0.33.0: replay the stored traces and a census of 600 sequences
 # (a count, so every run meets the same sequences); every difference must be in the
-# ledger (kvcache/kit/ledger.toml). Builds .venv-0.33 first.
+# ledger (kvcache/kit/ledger.toml); then kvcache.kit.profile_check: KVCacheManager(profile="0.33.0")
+# itself against vLLM 0.33.0, with its teeth. Builds .venv-0.33 first.
 CHECK33_SEQUENCES ?= 600
 check-0.33: $(REF33_STAMP)
 	$(REF33_VENV)/bin/python -m kvcache release-check --census-sequences $(CHECK33_SEQUENCES) \
 		--census-dir build/census-0.33 tests/data/*.jsonl*
+	$(REF33_VENV)/bin/python -m kvcache.kit.profile_check --sequences $(PROFILE_CHECK_SEQUENCES) \
+		--teeth 3
 
 # kvcache's 0.33.0 profile (kvcache.vllm_0_33) against the real vLLM 0.33.0: the random
 # scheduler sequences of the conformance tests, CONFORMANCE33_SEQUENCES per family, for every
