@@ -271,9 +271,6 @@ def _release_class(attr: str, base: type, fields: list[Any]) -> Any:
 
 def _remade(attr: str, values: dict[str, Any]) -> Any:
     """An instance of the class held by ``attr``, from its field values (unpickling)."""
-    if "/" in attr:  # an event class of a field set: "BlockStored/locality,ownership"
-        name, fields = attr.split("/")
-        return event_class(name, tuple(fields.split(",")))(**values)
     return globals()[attr](**values)
 
 
@@ -288,9 +285,18 @@ def event_class(name: str, fields: tuple[str, ...]) -> Any:
         return {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}[name]
     key = (name, fields)
     if key not in _EVENT_CLASSES:
-        _EVENT_CLASSES[key] = _release_class(
-            f"{name}/{','.join(fields)}", globals()[name], [(f, Any, None) for f in fields])
+        def reduce(self: Any) -> tuple[Any, ...]:  # pickled by its name and field set
+            return _event_remade, (name, fields, dict(vars(self)))
+
+        _EVENT_CLASSES[key] = make_dataclass(name, [(f, Any, None) for f in fields],
+                                             bases=(globals()[name],),
+                                             namespace={"__reduce__": reduce})
     return _EVENT_CLASSES[key]
+
+
+def _event_remade(name: str, fields: tuple[str, ...], values: dict[str, Any]) -> Any:
+    """An event of ``event_class(name, fields)`` from its field values (unpickling)."""
+    return event_class(name, fields)(**values)
 
 
 PrefixCacheStats033: Any = _release_class(
