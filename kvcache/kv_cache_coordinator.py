@@ -381,9 +381,10 @@ class KVCacheCoordinator:
     def _check_mamba_groups(self, use_eagle: bool) -> None:
         """The release's Mamba rules that depend on the whole layout: refuse a Mamba
         group caching outside 'align' under ``mamba_align_only``; under
-        ``mamba_prompt_tail_state`` with ``use_eagle`` the prompt-tail state and the
-        prefill checkpoints drop one hash block, as EAGLE's replay does (vLLM 0.33.0's
-        coordinator sets the managers' ``drop_eagle_checkpoint_block`` likewise).
+        ``mamba_eagle_state_drop`` with ``use_eagle`` the prompt-tail state and the
+        prefill checkpoints drop one hash block, as EAGLE's replay does (vLLM's
+        coordinator sets the managers' ``drop_eagle_checkpoint_block`` likewise from
+        0.30.0).
 
         Raises:
             AssertionError: a Mamba group in mode 'all' or 'none' with caching on
@@ -399,7 +400,7 @@ class KVCacheCoordinator:
                     f"mamba_cache_mode={mode!r} with prefix caching on: under "
                     f"{profile!r} Mamba groups cache only in 'align' mode"
                 )
-            manager.drop_eagle_checkpoint_block = profile.mamba_prompt_tail_state and use_eagle
+            manager.drop_eagle_checkpoint_block = profile.mamba_eagle_state_drop and use_eagle
 
     def get_num_blocks_to_allocate(
         self,

@@ -65,14 +65,26 @@ def mamba_align_num_new_blocks(
     num_hits: int,
     num_held: int,
     allocated_before: bool,
+    copy: bool = False,
+    checkpoint: int = 0,
+    capped: bool = False,
 ) -> int:
-    """Align-mode Mamba: one new state block, plus the speculative blocks on the
-    first allocation; the shortfall itself (<= 0) when the table is long enough."""
-    num_required = cdiv(num_tokens_main_model, block_size) + num_spec
-    num_new = num_required - num_hits - num_held
+    """Align-mode Mamba's new blocks. The shortfall is what the table lacks, plus one
+    when a state ending inside its block is to be copied (``copy``). When short, the
+    count is one state block, one for the copy, ``checkpoint`` for a prefill
+    checkpoint and the speculative blocks on the first allocation: that cap itself
+    (vLLM 0.25.1-0.30.0; 0.30.0 keeps the shortfall of a request allocated before
+    that takes a checkpoint), or the shortfall capped by it (``capped``:
+    ``mamba_caps_new_state_blocks``). Else the shortfall itself (<= 0)."""
+    num_new = cdiv(num_tokens_main_model, block_size) + num_spec - num_hits - num_held
+    if copy:
+        num_new = max(num_new, 0) + 1
     if num_new <= 0:
         return num_new
-    return 1 if allocated_before else 1 + num_spec
+    cap = 1 + int(copy) + checkpoint + (0 if allocated_before else num_spec)
+    if capped:
+        return min(num_new, cap)
+    return num_new if checkpoint and allocated_before else cap
 
 
 def mamba_prompt_tail_boundary(

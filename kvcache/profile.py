@@ -244,6 +244,9 @@ class Profile:
     mamba_frees_processed_states: bool
     zero_every_attention_group: bool
     mamba_no_eagle_margin: bool
+    mamba_partial_prompt_tail: bool
+    mamba_eagle_state_drop: bool
+    mamba_tail_engine_eagle: bool
     mamba_prompt_tail_state: bool
     mamba_caps_new_state_blocks: bool
     retention_replay_boundaries: bool

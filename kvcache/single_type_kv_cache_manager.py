@@ -1041,10 +1041,13 @@ class MambaManager(SingleTypeKVCacheManager):
         profile = self.profile
         self.mamba_frees_processed_states = profile.mamba_frees_processed_states
         self.mamba_caps_new_state_blocks = profile.mamba_caps_new_state_blocks
+        self.mamba_partial_prompt_tail = profile.mamba_partial_prompt_tail
+        self.mamba_eagle_state_drop = profile.mamba_eagle_state_drop
+        self.mamba_tail_engine_eagle = profile.mamba_tail_engine_eagle
         self.mamba_prompt_tail_state = profile.mamba_prompt_tail_state
-        # vLLM 0.33.0's name: the prompt-tail state and the prefill checkpoints drop
-        # one hash block, as EAGLE's replay does (the manager's use_eagle, with the
-        # mamba_prompt_tail_state switch; vLLM's own tests set it directly).
+        # vLLM's name: the prompt-tail state and the prefill checkpoints drop one hash
+        # block, as EAGLE's replay does (the engine's use_eagle, with the
+        # mamba_eagle_state_drop switch; vLLM's own tests set it directly).
         self.drop_eagle_checkpoint_block = False
         # The mamba_prefill_checkpoints switch, and whether this group takes
         # checkpoints (the switch, 'align' mode and checkpoint blocks in the spec).
@@ -1262,14 +1265,6 @@ class MambaManager(SingleTypeKVCacheManager):
                 prefill_end=prefill_end,
             )
         # Align mode ignores lookahead slots (draft models have no Mamba layers).
-        num_new_blocks = kv_cache_math.mamba_align_num_new_blocks(
-            num_tokens_main_model,
-            self.block_size,
-            self.num_speculative_blocks,
-            len(new_computed_blocks),
-            len(self.req_to_blocks[request_id]),  # may create an entry, as in vLLM
-            request_id in self._allocated_block_reqs,
-        )
         checkpoint_block = 0
         if self.mamba_prefill_checkpoints:
             position = 0
@@ -1284,47 +1279,23 @@ class MambaManager(SingleTypeKVCacheManager):
                     self._checkpoints[request_id] = (position, column)
                 elif self._checkpoints:
                     self._checkpoints.pop(request_id, None)
-        if self.mamba_caps_new_state_blocks and num_new_blocks > 0:
-            num_new_blocks = self._capped_new_state_blocks(
-                request_id, num_tokens_main_model, len(new_computed_blocks), checkpoint_block
-            )
-        if self.partial_hit_copy_on_write and (
+        copy = self.partial_hit_copy_on_write and (
             request_id in self._partial_hit_reqs
             or self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens)
-        ):
-            num_new_blocks = self._new_state_blocks_with_copy(
-                request_id, num_tokens_main_model, len(new_computed_blocks), checkpoint_block
-            )
+        )
+        num_new_blocks = kv_cache_math.mamba_align_num_new_blocks(
+            num_tokens_main_model,
+            self.block_size,
+            self.num_speculative_blocks,
+            len(new_computed_blocks),
+            len(self.req_to_blocks[request_id]),  # may create an entry, as in vLLM
+            request_id in self._allocated_block_reqs,
+            copy,
+            checkpoint_block,
+            self.mamba_caps_new_state_blocks,
+        )
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_new_blocks + num_evictable
-
-    def _capped_new_state_blocks(
-        self, request_id: str, num_tokens_main_model: int, num_hits: int, checkpoint_block: int
-    ) -> int:
-        """Under ``mamba_caps_new_state_blocks`` (0.33.0): align mode's shortfall capped at
-        one state block (plus a prefill checkpoint's block, and the speculative
-        blocks on the first allocation), where 0.25.1 reports the cap itself
-        whenever anything is short."""
-        num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
-        shortfall = num_required - num_hits - len(self.req_to_blocks[request_id])
-        cap = 1 + checkpoint_block
-        if request_id not in self._allocated_block_reqs:
-            cap += self.num_speculative_blocks
-        return min(shortfall, cap)
-
-    def _new_state_blocks_with_copy(
-        self, request_id: str, num_tokens_main_model: int, num_hits: int, checkpoint_block: int
-    ) -> int:
-        """Under ``partial_hit_copy_on_write``: align mode's shortfall (at least 0) plus the
-        copy of a state ending inside its block, capped at two blocks (plus a
-        prefill checkpoint's block, and the speculative blocks on the first
-        allocation)."""
-        num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
-        shortfall = num_required - num_hits - len(self.req_to_blocks[request_id])
-        cap = 2 + checkpoint_block
-        if request_id not in self._allocated_block_reqs:
-            cap += self.num_speculative_blocks
-        return min(max(shortfall, 0) + 1, cap)
 
     def _prefill_checkpoint(
         self, request_id: str, query_start: int, query_end: int, prefill_end: int
@@ -1512,7 +1483,9 @@ class MambaManager(SingleTypeKVCacheManager):
         before = self.num_cached_block.get(request.request_id, 0)
         super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
         after = self.num_cached_block.get(request.request_id, 0)
-        if self.mamba_prompt_tail_state and self.mamba_cache_mode == "align":
+        if self.mamba_cache_mode == "align" and (
+            self.mamba_prompt_tail_state or self.mamba_partial_prompt_tail
+        ):
             key = self._cache_partial_tail_block(request, num_tokens, retention_interval)
             if key is not None:
                 self.cached_blocks_this_step.add(get_block_hash(key))
@@ -1593,26 +1566,46 @@ class MambaManager(SingleTypeKVCacheManager):
     def _cache_prompt_tail_state(
         self, request: Request, num_tokens: int
     ) -> BlockHashWithGroupId | None:
-        """Under ``mamba_prompt_tail_state`` (0.33.0, 'align'): when ``num_tokens``
-        is the prompt's last reusable hash boundary, key the state block holding it
-        there unless it already is (a state the pool lost, e.g. by ``evict_blocks``,
-        is keyed again). The boundary leaves one token for the logits (or the
-        lookahead tokens its hash covers, when more), or with EAGLE one whole hash
-        block less. A boundary inside a block is keyed only under
-        ``partial_hit_copy_on_write``: the request then counts the block as not cached yet
-        and its next allocation moves the entry to a copy. With
+        """Key the state block holding the prompt's tail when caching reaches exactly
+        there (a state the pool lost, e.g. by ``evict_blocks``, is keyed again), by
+        the release's rule:
+
+        - ``mamba_prompt_tail_state`` (0.32.0): the prompt's last reusable hash
+          boundary, leaving one token for the logits (or the lookahead tokens its
+          hash covers, when more), or with EAGLE one whole hash block less; on a
+          block boundary or, under ``partial_hit_copy_on_write``, inside a block;
+        - else ``mamba_partial_prompt_tail`` (0.26.0-0.31.0): the prompt's last hash
+          boundary (the whole prompt rounded down), only inside a block; one hash
+          block less with EAGLE: from ``mamba_eagle_state_drop`` (0.30.0) for an
+          EAGLE group, from ``mamba_tail_engine_eagle`` (0.31.0) when the engine
+          runs EAGLE (``drop_eagle_checkpoint_block``).
+
+        A boundary inside a block makes the request count the block as not cached
+        yet, and its next allocation moves the entry to a copy. With
         ``shared_prefix_checkpoint`` the request's shared-prefix junction is keyed
         the same way (``_is_shared_prefix_junction``)."""
         hash_block_size = self.block_pool.hash_block_size
         if num_tokens <= 0 or num_tokens % hash_block_size:
             return None
-        boundary = kv_cache_math.mamba_prompt_tail_boundary(
-            request.num_prompt_tokens,
-            hash_block_size,
-            self.drop_eagle_checkpoint_block,
-            self.block_pool.num_hash_lookahead_tokens,
-        )
         inside = num_tokens % self.block_size != 0
+        if self.mamba_prompt_tail_state:
+            boundary = kv_cache_math.mamba_prompt_tail_boundary(
+                request.num_prompt_tokens,
+                hash_block_size,
+                self.drop_eagle_checkpoint_block,
+                self.block_pool.num_hash_lookahead_tokens,
+            )
+        elif inside:
+            boundary = request.num_prompt_tokens // hash_block_size * hash_block_size
+            eagle = (
+                self.drop_eagle_checkpoint_block
+                if self.mamba_tail_engine_eagle
+                else self.mamba_eagle_state_drop and self.use_eagle
+            )
+            if eagle:
+                boundary = max(boundary - hash_block_size, 0)
+        else:
+            return None
         if num_tokens != boundary and not (
             self.shared_prefix_checkpoint and self._is_shared_prefix_junction(request, num_tokens)
         ):

@@ -145,20 +145,31 @@ def mamba_checkpoint_exportable(start: int, end: int, position: int, hash_block_
 
 
 def mamba_align_num_new_blocks(num_tokens_main_model: int, block_size: int, num_spec: int,
-                               num_hits: int, num_held: int, allocated_before: bool) -> int:
-    """Align-mode Mamba: one new state block (plus ``num_spec`` speculative blocks on
-    the first allocation) when the table is short, else the (<= 0) shortfall, as vLLM.
+                               num_hits: int, num_held: int, allocated_before: bool,
+                               copy: bool = False, checkpoint: int = 0,
+                               capped: bool = False) -> int:
+    """Align-mode Mamba's new blocks, as vLLM: the shortfall is what the table lacks,
+    plus one when a state ending inside its block is copied (``copy``). When short:
+    one state block, one for the copy, ``checkpoint`` for a prefill checkpoint, and
+    ``num_spec`` speculative blocks on the first allocation; that cap itself, or the
+    shortfall capped by it (``capped``, 0.31.0); a request allocated before taking a
+    checkpoint keeps its shortfall uncapped (0.30.0). Else the (<= 0) shortfall.
 
     pre: num_tokens_main_model >= 0 and block_size > 0
-    pre: num_spec >= 0 and num_hits >= 0 and num_held >= 0
-    post: __return__ <= 1 + num_spec
-    post: __return__ <= 0 or __return__ == (1 if allocated_before else 1 + num_spec)
-    post: __return__ > 0 or num_hits + num_held >= cdiv(num_tokens_main_model, block_size)
+    pre: num_spec >= 0 and num_hits >= 0 and num_held >= 0 and 0 <= checkpoint <= 1
+    post: __return__ <= 2 + checkpoint + num_spec or (checkpoint and allocated_before)
+    post: copy or __return__ > 0 or num_hits + num_held >= cdiv(num_tokens_main_model, block_size)
+    post: not copy or __return__ > 0
     """
-    num_new = cdiv(num_tokens_main_model, block_size) + num_spec - num_hits - num_held
-    if num_new > 0:  # a running request reuses its last step's speculative blocks
-        num_new = 1 + (0 if allocated_before else num_spec)
-    return num_new
+    short = cdiv(num_tokens_main_model, block_size) + num_spec - num_hits - num_held
+    if copy:
+        short = max(short, 0) + 1
+    if short <= 0:
+        return short
+    cap = 1 + copy + checkpoint + (0 if allocated_before else num_spec)
+    if capped:
+        return min(short, cap)
+    return short if checkpoint and allocated_before else cap
 
 
 # ---------------------------------------------------------------- skipped tokens

@@ -56,6 +56,15 @@ NO_CONTEXT_PARALLEL = ("hybrid layouts and kinds other than full attention do no
 """What refusing context parallelism under prefix caching says (NotImplementedError)."""
 
 
+class MambaTail(NamedTuple):
+    """Where an 'align' Mamba group keys its prompt-tail state: ``boundary`` (prompt
+    tokens, hash block, EAGLE's drop, lookahead tokens) -> the position, and whether
+    only a position inside a block is keyed (``inside_only``)."""
+
+    boundary: Callable[[int, int, bool, int], int]
+    inside_only: bool
+
+
 def refuse_hybrid_context_parallel(specs: Sequence[Any], dcp: int, pcp: int) -> None:
     """0.25.1: a hybrid layout with prefix caching takes no context parallelism."""
     if max(dcp, pcp) > 1:
@@ -95,7 +104,7 @@ class ReleaseRules:
     full_report_mode: Callable[[Any], bool]
     pop_drops_null_head: Callable[[list[int]], list[int]]
     cascade_always_zero: Callable[[Any, str], int]
-    mamba_caps_new_state_blocks: Callable[[int, int, int], int]
+    mamba_caps_new_state_blocks: bool
     stats_at_admission: Callable[[PrefixCacheStats, int, int, bool], None]
     new_block_ids_zeroing_only: Callable[[bool], bool]
     zero_every_attention_group: Callable[[Any, bool], bool]
@@ -116,7 +125,10 @@ class ReleaseRules:
     pcp_not_scaled: Callable[[int, int], int]
     dcp_sharded_geometry: Geometry
     mamba_frees_processed_states: MambaFrees
-    mamba_prompt_tail_state: Callable[[bool], tuple[bool, bool]]
+    mamba_partial_prompt_tail: MambaTail | None
+    mamba_prompt_tail_state: MambaTail | None
+    mamba_eagle_state_drop: Callable[[bool], bool]
+    mamba_tail_engine_eagle: Callable[[bool, bool], bool]
     mamba_fine_grained_hits: Callable[[Any], None]
     partial_hit_copy_on_write: Callable[[int, int], bool]
     partial_prompt_tail_entries: Callable[[Any, Any, int], None]
@@ -178,13 +190,9 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     # cascade attention: 0, no lookup)
     "cascade_always_zero": (lambda manager, rid: manager.get_num_common_prefix_blocks(rid),
                             lambda manager, rid: 0),
-    # an 'align' Mamba group's (new state blocks, checkpoint blocks, shortfall) -> the
-    # new blocks it counts: 0.33.0 counts the shortfall, capped at one state block
-    # (plus the checkpoint's), where there are new blocks at all
-    "mamba_caps_new_state_blocks": (
-        lambda num_new, checkpoint, shortfall: num_new,
-        lambda num_new, checkpoint, shortfall: min(num_new + checkpoint, shortfall)
-        if num_new > 0 else num_new),
+    # whether an 'align' Mamba group's new blocks are its shortfall capped by what one
+    # step can take (0.31.0), not that cap itself (pure.mamba_align_num_new_blocks)
+    "mamba_caps_new_state_blocks": (False, True),
     # (stats, tokens, hit tokens, preempted) -> what a lookup records (0.27.0: nothing,
     # the scheduler records the request once it is admitted)
     "stats_at_admission": (lambda stats, *counts: stats.record(*counts),
@@ -245,10 +253,17 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     "mamba_frees_processed_states": (
         MambaFrees(lambda computed, spec: max(0, computed - spec), False, False),
         MambaFrees(lambda computed, spec: computed, True, True)),
-    # the engine's use_eagle -> whether an 'align' Mamba group keys the prompt-tail
-    # state, and whether that state sits one hash block earlier (EAGLE's)
-    "mamba_prompt_tail_state": (lambda use_eagle: (False, False),
-                                lambda use_eagle: (True, use_eagle)),
+    # where an 'align' Mamba group keys its prompt-tail state (None: nowhere): 0.26.0
+    # at the whole prompt rounded down to the hash block, only inside a block; 0.32.0
+    # (which replaces it) at the last boundary a lookup reuses, on block boundaries too
+    "mamba_partial_prompt_tail": (None, MambaTail(
+        lambda prompt, hash_block, eagle, lookahead:
+        max(prompt // hash_block * hash_block - hash_block * eagle, 0), True)),
+    "mamba_prompt_tail_state": (None, MambaTail(pure.mamba_prompt_tail_boundary, False)),
+    # the engine's use_eagle -> whether Mamba's checkpoints (and tails) drop a hash block
+    "mamba_eagle_state_drop": (lambda use_eagle: False, lambda use_eagle: use_eagle),
+    # (that drop, the group's own eagle bit under it) -> whether the tail drops one
+    "mamba_tail_engine_eagle": (lambda engine, group: group, lambda engine, group: engine),
     # the manager, once its groups are bundled (several groups) -> nothing, or hits
     # that end on hash-block boundaries where an 'align' Mamba group needs them
     "mamba_fine_grained_hits": (lambda manager: None,

@@ -269,9 +269,8 @@ class SingleTypeKVCacheManager:
         rules = self.profile.rules
         checkpoints = rules.mamba_prefill_checkpoints(self.kv_cache_spec)
         blocks, alignment = checkpoints or (0, None)
-        keys_tail, tail_drops_eagle = rules.mamba_prompt_tail_state(use_eagle)
         self.align = MambaAlign(
-            keys_prompt_tail=keys_tail, prompt_tail_drops_eagle=tail_drops_eagle,
+            drops_eagle=rules.mamba_eagle_state_drop(use_eagle),
             has_checkpoint_blocks=blocks > 0, checkpoint_alignment=alignment,
             offers_boundary_states=checkpoints is not None)
 
@@ -750,9 +749,6 @@ class SingleTypeKVCacheManager:
         assert align is not None
         allocated = request_id in align.allocated
         num_held = len(self._blocks_of(request_id))
-        num_new = pure.mamba_align_num_new_blocks(
-            num_tokens_main_model, self.block_size, num_spec, len(new_computed_blocks),
-            num_held, allocated)
         position = self._checkpoint_position(request_id, total_computed_tokens,
                                              num_tokens_main_model, prefill_end)
         checkpoint = 1 if position > 0 else 0
@@ -762,13 +758,11 @@ class SingleTypeKVCacheManager:
                 align.checkpoints[request_id] = (position, index)
             else:
                 align.checkpoints.pop(request_id, None)
-        shortfall = (cdiv(num_tokens_main_model, self.block_size) + num_spec
-                     - len(new_computed_blocks) - num_held)
-        num_new = self.profile.rules.mamba_caps_new_state_blocks(num_new, checkpoint, shortfall)
-        if request_id in self.partial_hit_reqs or self._ends_inside_block(
-                new_computed_blocks, num_local_computed_tokens):
-            cap = 2 if allocated else 2 + num_spec
-            num_new = min(max(shortfall, 0) + 1, cap + checkpoint)
+        copy = request_id in self.partial_hit_reqs or self._ends_inside_block(
+            new_computed_blocks, num_local_computed_tokens)
+        num_new = pure.mamba_align_num_new_blocks(
+            num_tokens_main_model, self.block_size, num_spec, len(new_computed_blocks),
+            num_held, allocated, copy, checkpoint, self.profile.rules.mamba_caps_new_state_blocks)
         return num_new + self._num_evictable(new_computed_blocks)
 
     def _checkpoint_position(self, request_id: str, start: int, end: int, prefill_end: int
@@ -784,7 +778,7 @@ class SingleTypeKVCacheManager:
         if not align.has_checkpoint_blocks or end < prefill_end:
             return 0
         position = pure.mamba_prompt_tail_boundary(
-            end, self.cache_hit_alignment_tokens, align.prompt_tail_drops_eagle,
+            end, self.cache_hit_alignment_tokens, align.drops_eagle,
             self.block_pool.num_hash_lookahead_tokens)
         if not pure.mamba_checkpoint_exportable(start, end, position,
                                                 self.block_pool.hash_block_size,
@@ -852,9 +846,11 @@ class SingleTypeKVCacheManager:
     def _align_cache_state(self, request: Request, num_tokens: int,
                            retention_interval: int | None) -> None:
         """Key (or unkey) a prefill checkpoint (``_cache_checkpoint``); else, under
-        ``mamba_prompt_tail_state``, key the state block at the prompt's last reusable
-        hash boundary when caching reaches exactly there and it is not keyed there yet
-        (e.g. after ``evict_blocks``)."""
+        the release's prompt-tail rule (``MambaTail``: ``mamba_prompt_tail_state``, else
+        ``mamba_partial_prompt_tail``), key the state block at the prompt's tail when
+        caching reaches exactly there and it is not keyed there yet (e.g. after
+        ``evict_blocks``); EAGLE's drop follows the group's eagle bit or, under
+        ``mamba_tail_engine_eagle``, the engine's."""
         align, rid, pool = self.align, request.request_id, self.block_pool
         assert align is not None
         if rid in align.checkpoints:
@@ -862,13 +858,16 @@ class SingleTypeKVCacheManager:
             if key is not None:
                 self.cached_blocks_this_step.add(key)
             return
+        rules = self.profile.rules
         inside = num_tokens % self.block_size != 0
-        if not (align.keys_prompt_tail and num_tokens > 0 and (
-                not inside or self.profile.rules.partial_hit_copy_on_write(
-                    num_tokens, self.block_size))
-                and num_tokens == pure.mamba_prompt_tail_boundary(
-                    request.num_prompt_tokens, pool.hash_block_size,
-                    align.prompt_tail_drops_eagle, pool.num_hash_lookahead_tokens)):
+        tail = rules.mamba_prompt_tail_state or rules.mamba_partial_prompt_tail
+        if tail is None or num_tokens <= 0 or not (inside or not tail.inside_only):
+            return
+        eagle = rules.mamba_tail_engine_eagle(align.drops_eagle,
+                                              rules.mamba_eagle_state_drop(self.use_eagle))
+        if ((inside and not rules.partial_hit_copy_on_write(num_tokens, self.block_size))
+                or num_tokens != tail.boundary(request.num_prompt_tokens, pool.hash_block_size,
+                                               eagle, pool.num_hash_lookahead_tokens)):
             return
         blocks = self._blocks_of(rid)
         idx = cdiv(num_tokens, self.block_size) - 1
@@ -900,7 +899,7 @@ class SingleTypeKVCacheManager:
         block = blocks[index]
         prompt_checkpoint = position == pure.mamba_prompt_tail_boundary(
             request.num_prompt_tokens, self.cache_hit_alignment_tokens,
-            align.prompt_tail_drops_eagle, self.block_pool.num_hash_lookahead_tokens)
+            align.drops_eagle, self.block_pool.num_hash_lookahead_tokens)
         retained = False
         if position % self.block_size == 0:
             state = position // self.block_size - 1  # the block whose state ends there
@@ -1269,8 +1268,7 @@ class MambaAlign:
     a block waits in ``producer_tails[r]`` (block, tokens) until it moves to its copy
     or the request ends (``finalize_partial_tail``); a freed request's offers go."""
 
-    keys_prompt_tail: bool  # mamba_prompt_tail_state
-    prompt_tail_drops_eagle: bool  # ... with the engine's use_eagle
+    drops_eagle: bool  # mamba_eagle_state_drop, with the engine's use_eagle
     has_checkpoint_blocks: bool
     checkpoint_alignment: int | None
     offers_boundary_states: bool

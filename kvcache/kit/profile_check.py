@@ -10,9 +10,9 @@ vLLM's pools fill it from 0.30.0). This runs the kit's random sequences
 (``ReleaseProfileAdapter``) with no ledger between them: results, events, stats and
 the abstract state must be equal after every call.
 
-``FAMILIES`` are the 25 layout families that match on every release measured here
-(0.25.1 and 0.28.0-0.33.0, 20 sequences each, session 20); the others (Mamba
-'align', prefill checkpoints, EAGLE beside Mamba, lookahead, hybrid context
+``FAMILIES`` are the 29 layout families that match on every release measured here
+(0.25.1 and 0.28.0-0.33.0, 10-20 sequences each, sessions 20 and 21); the others
+(Mamba 'align' with retention, prefill checkpoints, lookahead, hybrid context
 parallelism) still differ on some middle release (docs/profiles.md), so they are not
 run here. ``REPORT_FAMILIES``
 settle what a manager reports: each release's event classes and fields
@@ -21,8 +21,9 @@ counted, the "full" report mode.
 
 ``--teeth N`` also flips each switch of ``TEETH`` in kvcache's profile alone and runs
 the families that settle it, N sequences each, requiring a mismatch: the check can
-tell each one's value (the report switches, and two whose first release it placed:
-``prompt_tail_before_last_token`` and ``eagle_master_switch``).
+tell each one's value (the report switches, and three whose first release it placed:
+``prompt_tail_before_last_token``, ``eagle_master_switch`` and
+``mamba_partial_prompt_tail``).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ FAMILIES = (
     "full+mamba-all", "full+mamba-none", "full+circular", "full+swa+circular",
     "full+full+full", "full+swa+swa", "full+swa+cross", "rswa+swa",
     "swa-retention", "full+swa-retention", "full-dcp",
+    "full+mamba-align", "swa+mamba", "full+swa+mamba", "eagle-hybrid",
 )  # fmt: skip
 """The driver families run: those on which kvcache's profile matches vLLM on every
-release measured here (0.25.1, 0.28.0-0.33.0; session 20)."""
+release measured here (0.25.1, 0.28.0-0.33.0; sessions 20 and 21)."""
 
 REPORT_FAMILIES = ("full", "swa", "chunked", "mamba", "mla", "full+swa", "full+cross",
                    "full+mamba-all")  # fmt: skip
@@ -51,6 +53,7 @@ TEETH: dict[str, tuple[str, ...]] = {
                      "full_report_mode"), REPORT_FAMILIES),
     "prompt_tail_before_last_token": ("full+full", "full+full+full", "full+mla"),
     "eagle_master_switch": ("rswa+swa", "full+hidden-state", "full+rswa"),
+    "mamba_partial_prompt_tail": ("full+mamba-align", "swa+mamba", "full+swa+mamba"),
 }  # fmt: skip
 """The switches ``--teeth`` flips, each with the families that settle it."""
 
@@ -140,9 +143,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if switch == "full_report_mode" and release == RELEASES[0]:
             print(f"  {switch}: not flipped (the driver draws no report mode for 0.25.1)")
             continue
-        tails = Profile(release).partial_prompt_tail_entries
-        if switch == "prompt_tail_before_last_token" and not tails:
+        profile = Profile(release)
+        if switch == "prompt_tail_before_last_token" and not profile.partial_prompt_tail_entries:
             print(f"  {switch}: not flipped (vLLM {release} keys no prompt tail)")
+            continue
+        if switch == "mamba_partial_prompt_tail" and (
+            profile.mamba_prompt_tail_state or not profile.partial_hit_copy_on_write
+        ):
+            print(f"  {switch}: not flipped (another rule keys vLLM {release}'s Mamba tail, "
+                  "or none copies it)")
             continue
         ran, bad, first = run(release, args.teeth, switch, families)
         print(f"  {switch} flipped: {bad} of {ran} sequences mismatch"

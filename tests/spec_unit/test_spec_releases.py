@@ -73,9 +73,12 @@ def test_rules_map_values_as_their_releases_do() -> None:
     assert old.retention_replay_boundaries(33, 16, True) == (32,)
     assert old.mamba_no_eagle_margin(object()) and old.eagle_peek_to_hashed_length(64, 31) == 31
     assert new.eagle_peek_to_hashed_length(64, 31) == 64
-    assert old.mamba_caps_new_state_blocks(3, 1, 2) == 3
-    assert new.mamba_caps_new_state_blocks(3, 1, 2) == 2
-    assert new.mamba_caps_new_state_blocks(0, 1, 2) == 0
+    assert old.mamba_caps_new_state_blocks is False and new.mamba_caps_new_state_blocks
+    tail = Profile("0.26.0").rules.mamba_partial_prompt_tail  # the whole prompt, floored
+    assert old.mamba_partial_prompt_tail is None and tail is not None and tail.inside_only
+    assert (tail.boundary(13, 2, False, 0), tail.boundary(13, 2, True, 0)) == (12, 10)
+    assert Profile("0.31.0").rules.mamba_prompt_tail_state is None
+    assert new.mamba_tail_engine_eagle(True, False) and not old.mamba_eagle_state_drop(True)
     assert not old.adopt_computed_without_new_tokens(16)
     assert new.adopt_computed_without_new_tokens(16)
     assert not new.adopt_computed_without_new_tokens(0)
@@ -147,9 +150,10 @@ def test_path_and_vocabulary_rules() -> None:
     assert old.mamba_frees_processed_states.free_by(10, 2) == 8
     assert old.mamba_frees_processed_states.free_by(1, 2) == 0
     assert new.mamba_frees_processed_states.free_by(10, 2) == 10
-    assert old.mamba_prompt_tail_state(True) == (False, False)
-    assert new.mamba_prompt_tail_state(True) == (True, True)
-    assert new.mamba_prompt_tail_state(False) == (True, False)
+    tail = new.mamba_prompt_tail_state
+    assert old.mamba_prompt_tail_state is None and tail is not None and not tail.inside_only
+    assert (tail.boundary(13, 2, False, 0), tail.boundary(13, 2, True, 0)) == (12, 10)
+    assert new.mamba_eagle_state_drop(True) and not new.mamba_eagle_state_drop(False)
     assert not old.partial_hit_copy_on_write(20, 16)
     assert new.partial_hit_copy_on_write(20, 16) and not new.partial_hit_copy_on_write(32, 16)
     assert old.shared_prefix_junctions(48) == 0 and new.shared_prefix_junctions(48) == 48
