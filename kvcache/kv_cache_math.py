@@ -68,6 +68,7 @@ def mamba_align_num_new_blocks(
     copy: bool = False,
     checkpoint: int = 0,
     capped: bool = False,
+    checkpoint_takes_spec: bool = False,
 ) -> int:
     """Align-mode Mamba's new blocks. The shortfall is what the table lacks, plus one
     when a state ending inside its block is to be copied (``copy``). When short, the
@@ -75,13 +76,16 @@ def mamba_align_num_new_blocks(
     checkpoint and the speculative blocks on the first allocation: that cap itself
     (vLLM 0.25.1-0.30.0; 0.30.0 keeps the shortfall of a request allocated before
     that takes a checkpoint), or the shortfall capped by it (``capped``:
-    ``mamba_caps_new_state_blocks``). Else the shortfall itself (<= 0)."""
+    ``mamba_caps_new_state_blocks``). Else the shortfall itself (<= 0). A checkpoint
+    step takes fresh speculative blocks when ``checkpoint_takes_spec`` (0.30.0-0.31.0).
+    """
     num_new = cdiv(num_tokens_main_model, block_size) + num_spec - num_hits - num_held
     if copy:
         num_new = max(num_new, 0) + 1
     if num_new <= 0:
         return num_new
-    cap = 1 + int(copy) + checkpoint + (0 if allocated_before else num_spec)
+    fresh_spec = not allocated_before or (checkpoint > 0 and checkpoint_takes_spec)
+    cap = 1 + int(copy) + checkpoint + (num_spec if fresh_spec else 0)
     if capped:
         return min(num_new, cap)
     return num_new if checkpoint and allocated_before else cap

@@ -263,6 +263,12 @@ class Profile:
     full_report_mode: bool
     external_blocks_floor_zero: bool
     mamba_prefill_checkpoints: bool
+    mamba_checkpoint_at_prefill_end: bool
+    mamba_prompt_checkpoint_kept: bool
+    mamba_checkpoint_hit_alignment: bool
+    mamba_checkpoint_eagle_whole_prompt: bool
+    mamba_checkpoint_relocates_speculative: bool
+    mamba_checkpoint_retention_mask: bool
     hisparse_groups: bool
 
     def __init__(self, release: str = DEFAULT_RELEASE) -> None:

@@ -1052,6 +1052,14 @@ class MambaManager(SingleTypeKVCacheManager):
         # The mamba_prefill_checkpoints switch, and whether this group takes
         # checkpoints (the switch, 'align' mode and checkpoint blocks in the spec).
         self.mamba_prefill_checkpoints = profile.mamba_prefill_checkpoints
+        self.mamba_checkpoint_at_prefill_end = profile.mamba_checkpoint_at_prefill_end
+        self.mamba_prompt_checkpoint_kept = profile.mamba_prompt_checkpoint_kept
+        self.mamba_checkpoint_hit_alignment = profile.mamba_checkpoint_hit_alignment
+        self.mamba_checkpoint_eagle_whole_prompt = profile.mamba_checkpoint_eagle_whole_prompt
+        self.mamba_checkpoint_relocates_speculative = (
+            profile.mamba_checkpoint_relocates_speculative
+        )
+        self.mamba_checkpoint_retention_mask = profile.mamba_checkpoint_retention_mask
         self.has_prefill_checkpoint_blocks = (
             self.mamba_prefill_checkpoints
             and self.mamba_cache_mode == "align"
@@ -1293,6 +1301,7 @@ class MambaManager(SingleTypeKVCacheManager):
             copy,
             checkpoint_block,
             self.mamba_caps_new_state_blocks,
+            not self.mamba_checkpoint_relocates_speculative,
         )
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_new_blocks + num_evictable
@@ -1303,19 +1312,15 @@ class MambaManager(SingleTypeKVCacheManager):
         """Where the chunk ``[query_start, query_end)`` exports a prefill checkpoint
         (a token position), or 0 for none (vLLM 0.33.0's rules, read from its
         worker's export): the prompt-tail boundary rule applied to the chunk's end
-        at the hit alignment; only a chunk reaching ``prefill_end`` (0: any chunk);
+        (``_checkpoint_boundary``); only a chunk reaching ``prefill_end`` (0: any
+        chunk; ``mamba_checkpoint_at_prefill_end``, 0.31.0);
         a position the backend can export there (``mamba_prefill_checkpoint_valid``);
         and a column (``cdiv(query_end, block) - 2``, the block before the running
         state) that is past the table, null, or one of the speculative blocks of a
         request allocated before, so the export overwrites no live state."""
-        if query_end < prefill_end:
+        if self.mamba_checkpoint_at_prefill_end and query_end < prefill_end:
             return 0
-        position = kv_cache_math.mamba_prompt_tail_boundary(
-            query_end,
-            self.cache_hit_alignment_tokens,
-            self.drop_eagle_checkpoint_block,
-            self.block_pool.num_hash_lookahead_tokens,
-        )
+        position = self._checkpoint_boundary(query_end)
         spec = self.kv_cache_spec
         if not kv_cache_math.mamba_prefill_checkpoint_valid(
             query_start,
@@ -1341,6 +1346,25 @@ class MambaManager(SingleTypeKVCacheManager):
             return position
         return 0
 
+    def _checkpoint_boundary(self, num_tokens: int) -> int:
+        """The reusable boundary a prefill checkpoint of ``num_tokens`` (a chunk's end,
+        or the prompt) sits at: the prompt-tail rule (``mamba_prompt_tail_boundary``)
+        at the hit alignment (``mamba_checkpoint_hit_alignment``, 0.32.0; before, the
+        hash block), with EAGLE one unit lower, the whole of ``num_tokens`` counting
+        (``mamba_checkpoint_eagle_whole_prompt``, 0.32.0; before, all but its last
+        token)."""
+        alignment = (
+            self.cache_hit_alignment_tokens
+            if self.mamba_checkpoint_hit_alignment
+            else self.block_pool.hash_block_size
+        )
+        eagle = self.drop_eagle_checkpoint_block
+        if eagle and not self.mamba_checkpoint_eagle_whole_prompt:
+            return max((num_tokens - 1) // alignment * alignment - alignment, 0)
+        return kv_cache_math.mamba_prompt_tail_boundary(
+            num_tokens, alignment, eagle, self.block_pool.num_hash_lookahead_tokens
+        )
+
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
     ) -> list[KVCacheBlock]:
@@ -1356,8 +1380,9 @@ class MambaManager(SingleTypeKVCacheManager):
 
         A prefill checkpoint the sizing reserved (``_checkpoints``) keeps its column a
         real block: the null padding stops one block short of the running state, and
-        no speculative block at or past that column moves; the allocation happens
-        even when the table is long enough."""
+        no speculative block at or past that column moves (none at all, the step
+        taking fresh ones, without ``mamba_checkpoint_relocates_speculative``); the
+        allocation happens even when the table is long enough."""
         if self.mamba_cache_mode != "align":
             num_tokens += self.block_size * self.num_speculative_blocks
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
@@ -1381,14 +1406,18 @@ class MambaManager(SingleTypeKVCacheManager):
         num_padded = num_skipped_blocks - checkpoint_block
         if prev_len < num_padded:
             req_blocks.extend([self._null_block] * (num_padded - prev_len))
-        if allocated_before:
+        # A checkpoint step takes fresh speculative blocks up to 0.31.0.
+        fresh_spec = not allocated_before or (
+            checkpoint_block > 0 and not self.mamba_checkpoint_relocates_speculative
+        )
+        if not fresh_spec:
             # Reuse last step's speculative blocks instead of allocating new ones.
             for idx in range(prev_len - num_spec, prev_len):
                 if idx >= num_padded:
                     break
                 self._relocate_speculative_block(req_blocks, idx)
         num_new_blocks = max(num_required_blocks - len(req_blocks), 0)
-        max_new_blocks = 1 + checkpoint_block + (0 if allocated_before else num_spec)
+        max_new_blocks = 1 + checkpoint_block + (num_spec if fresh_spec else 0)
         if partial is None:
             assert num_new_blocks <= max_new_blocks
             req_blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
@@ -1513,20 +1542,29 @@ class MambaManager(SingleTypeKVCacheManager):
             The pool key of the entry made, or None."""
         checkpoint = self._checkpoints.get(request.request_id) if self._checkpoints else None
         if checkpoint is not None:
-            return self._cache_checkpoint_state(request, checkpoint, retention_interval)
+            return self._cache_checkpoint_state(
+                request, checkpoint, retention_interval, num_tokens
+            )
         return self._cache_prompt_tail_state(request, num_tokens)
 
     def _cache_checkpoint_state(
-        self, request: Request, checkpoint: tuple[int, int], retention_interval: int | None
+        self,
+        request: Request,
+        checkpoint: tuple[int, int],
+        retention_interval: int | None,
+        num_tokens: int,
     ) -> BlockHashWithGroupId | None:
         """Key the block a prefill checkpoint was exported into at the checkpoint's
         position, replacing whatever keys it had (the full-block hash just given to
-        that column covers a later state than the one written there). Only a
-        checkpoint a later lookup can reuse is kept: the prompt's own (its tail
-        boundary at the hit alignment), one the retention mask keeps (a position on
-        a block boundary), or the request's ``shared_prefix_boundary``; any other
-        is transient (the next chunk overwrites the block), so the block's keys
-        are dropped instead.
+        that column covers a later state than the one written there), unless the
+        checkpoint is transient (the next chunk overwrites the block), when the
+        block's keys are dropped instead. Transient, under
+        ``mamba_checkpoint_retention_mask`` (0.32.0): neither the prompt's own
+        (``_checkpoint_boundary`` of the prompt), nor one the retention mask keeps
+        (a position on a block boundary), nor the request's
+        ``shared_prefix_boundary``; before: under latest-only retention (interval 0)
+        a checkpoint before the prompt's end (``num_tokens``) that is not the
+        junction, nor (``mamba_prompt_checkpoint_kept``, 0.31.0) the prompt's own.
 
         Returns:
             The pool key, or None when nothing was keyed."""
@@ -1534,27 +1572,31 @@ class MambaManager(SingleTypeKVCacheManager):
         blocks = self.req_to_blocks[request.request_id]
         assert 0 <= column < len(blocks)
         block = blocks[column]
-        is_prompt_checkpoint = position == kv_cache_math.mamba_prompt_tail_boundary(
-            request.num_prompt_tokens,
-            self.cache_hit_alignment_tokens,
-            self.drop_eagle_checkpoint_block,
-            self.block_pool.num_hash_lookahead_tokens,
-        )
-        is_retained = False
-        if position % self.block_size == 0:
-            block_idx = position // self.block_size - 1
-            mask = self.reachable_block_mask(
-                block_idx,
-                block_idx + 1,
-                self.cache_hit_alignment_tokens,
-                self.kv_cache_spec,
-                self.drop_eagle_checkpoint_block,
-                retention_interval,
-                reachable_boundaries=(),
-            )
-            is_retained = mask is None or mask[0]
+        is_prompt_checkpoint = position == self._checkpoint_boundary(request.num_prompt_tokens)
         junction: int = getattr(request, "shared_prefix_boundary", 0) or 0
-        if not is_prompt_checkpoint and not is_retained and position != junction:
+        if self.mamba_checkpoint_retention_mask:
+            is_retained = False
+            if position % self.block_size == 0:
+                block_idx = position // self.block_size - 1
+                mask = self.reachable_block_mask(
+                    block_idx,
+                    block_idx + 1,
+                    self.cache_hit_alignment_tokens,
+                    self.kv_cache_spec,
+                    self.drop_eagle_checkpoint_block,
+                    retention_interval,
+                    reachable_boundaries=(),
+                )
+                is_retained = mask is None or mask[0]
+            transient = not is_prompt_checkpoint and not is_retained and position != junction
+        else:
+            transient = (
+                retention_interval == 0
+                and num_tokens < request.num_prompt_tokens
+                and not (self.mamba_prompt_checkpoint_kept and is_prompt_checkpoint)
+                and position != junction
+            )
+        if transient:
             self.block_pool._maybe_evict_cached_block(block)
             return None
         if block._block_hash_num_tokens == position:

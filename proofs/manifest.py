@@ -137,7 +137,7 @@ PAIRS: tuple[Pair, ...] = (
     Pair("num_skipped_hits", f"{S}.num_skipped_hits", f"{K}.num_skipped_hits", _nonneg),
     Pair("mamba_align_num_new_blocks", f"{S}.mamba_align_num_new_blocks",
          f"{K}.mamba_align_num_new_blocks",
-         lambda n, bs, spec, hits, held, before, copy, checkpoint, capped:
+         lambda n, bs, spec, hits, held, before, copy, checkpoint, capped, takes:
          bs > 0 and _nonneg(n, spec, hits, held) and 0 <= checkpoint <= 1),
     Pair("mamba_prompt_tail_boundary", f"{S}.mamba_prompt_tail_boundary",
          f"{K}.mamba_prompt_tail_boundary",

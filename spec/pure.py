@@ -147,7 +147,8 @@ def mamba_checkpoint_exportable(start: int, end: int, position: int, hash_block_
 def mamba_align_num_new_blocks(num_tokens_main_model: int, block_size: int, num_spec: int,
                                num_hits: int, num_held: int, allocated_before: bool,
                                copy: bool = False, checkpoint: int = 0,
-                               capped: bool = False) -> int:
+                               capped: bool = False, checkpoint_takes_spec: bool = False
+                               ) -> int:
     """Align-mode Mamba's new blocks, as vLLM: the shortfall is what the table lacks,
     plus one when a state ending inside its block is copied (``copy``). When short:
     one state block, one for the copy, ``checkpoint`` for a prefill checkpoint, and
@@ -166,7 +167,8 @@ def mamba_align_num_new_blocks(num_tokens_main_model: int, block_size: int, num_
         short = max(short, 0) + 1
     if short <= 0:
         return short
-    cap = 1 + copy + checkpoint + (0 if allocated_before else num_spec)
+    fresh_spec = not allocated_before or (checkpoint > 0 and checkpoint_takes_spec)
+    cap = 1 + copy + checkpoint + (num_spec if fresh_spec else 0)
     if capped:
         return min(short, cap)
     return short if checkpoint and allocated_before else cap

@@ -128,6 +128,12 @@ class ReleaseRules:
     mamba_partial_prompt_tail: MambaTail | None
     mamba_prompt_tail_state: MambaTail | None
     mamba_eagle_state_drop: Callable[[bool], bool]
+    mamba_checkpoint_at_prefill_end: Callable[[int, int], bool]
+    mamba_prompt_checkpoint_kept: bool
+    mamba_checkpoint_hit_alignment: Callable[[Any], int]
+    mamba_checkpoint_eagle_whole_prompt: Callable[[int, int, bool, int], int]
+    mamba_checkpoint_relocates_speculative: bool
+    mamba_checkpoint_retention_mask: Callable[[Any, int, int | None, bool, bool], bool]
     mamba_tail_engine_eagle: Callable[[bool, bool], bool]
     mamba_fine_grained_hits: Callable[[Any], None]
     partial_hit_copy_on_write: Callable[[int, int], bool]
@@ -262,6 +268,32 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     "mamba_prompt_tail_state": (None, MambaTail(pure.mamba_prompt_tail_boundary, False)),
     # the engine's use_eagle -> whether Mamba's checkpoints (and tails) drop a hash block
     "mamba_eagle_state_drop": (lambda use_eagle: False, lambda use_eagle: use_eagle),
+    # prefill checkpoints (mamba_prefill_checkpoints, 0.30.0): (chunk end, prefill end)
+    # -> whether the chunk may take one (0.31.0: only one reaching the prefill end)
+    "mamba_checkpoint_at_prefill_end": (lambda end, prefill_end: True,
+                                        lambda end, prefill_end: end >= prefill_end),
+    # whether the prompt's own checkpoint always keeps its key
+    "mamba_prompt_checkpoint_kept": (False, True),
+    # the group manager -> the unit a checkpoint's position is rounded to
+    "mamba_checkpoint_hit_alignment": (lambda manager: manager.block_pool.hash_block_size,
+                                       lambda manager: manager.cache_hit_alignment_tokens),
+    # (tokens, unit, EAGLE, lookahead tokens) -> the checkpoint's position: EAGLE drops a
+    # unit from all but the last token, then (0.32.0) from the whole
+    "mamba_checkpoint_eagle_whole_prompt": (
+        lambda n, unit, eagle, lookahead: max((n - 1) // unit * unit - unit, 0) if eagle
+        else pure.mamba_prompt_tail_boundary(n, unit, eagle, lookahead),
+        pure.mamba_prompt_tail_boundary),
+    # whether a running request's checkpoint step moves its speculative blocks forward
+    # (before: it takes fresh ones)
+    "mamba_checkpoint_relocates_speculative": (False, True),
+    # (manager, position, retention interval, before the prompt's end, the prompt's own
+    # kept) -> whether a checkpoint is transient (its keys go): under latest-only
+    # retention before the prompt's end; 0.32.0: unless the retention mask keeps it
+    "mamba_checkpoint_retention_mask": (
+        lambda manager, position, retention, before_end, kept:
+        retention == 0 and before_end and not kept,
+        lambda manager, position, retention, before_end, kept:
+        not kept and not manager.checkpoint_retained(position, retention)),
     # (that drop, the group's own eagle bit under it) -> whether the tail drops one
     "mamba_tail_engine_eagle": (lambda engine, group: group, lambda engine, group: engine),
     # the manager, once its groups are bundled (several groups) -> nothing, or hits

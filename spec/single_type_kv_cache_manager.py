@@ -745,7 +745,7 @@ class SingleTypeKVCacheManager:
         step waits."""
         if self._waits_for_state(new_computed_blocks):
             return self.block_pool.num_gpu_blocks + 1
-        align, num_spec = self.align, self.num_speculative_blocks
+        align, num_spec, rules = self.align, self.num_speculative_blocks, self.profile.rules
         assert align is not None
         allocated = request_id in align.allocated
         num_held = len(self._blocks_of(request_id))
@@ -762,24 +762,24 @@ class SingleTypeKVCacheManager:
             new_computed_blocks, num_local_computed_tokens)
         num_new = pure.mamba_align_num_new_blocks(
             num_tokens_main_model, self.block_size, num_spec, len(new_computed_blocks),
-            num_held, allocated, copy, checkpoint, self.profile.rules.mamba_caps_new_state_blocks)
+            num_held, allocated, copy, checkpoint, rules.mamba_caps_new_state_blocks,
+            not rules.mamba_checkpoint_relocates_speculative)
         return num_new + self._num_evictable(new_computed_blocks)
 
     def _checkpoint_position(self, request_id: str, start: int, end: int, prefill_end: int
                              ) -> int:
         """Where the chunk computing tokens ``[start, end)`` leaves a prefill checkpoint
         (0: none): with checkpoint blocks, for a chunk reaching ``prefill_end`` (0 unless
-        retention keeps only the latest state), the last reusable hash boundary before
-        ``end`` (``pure.mamba_prompt_tail_boundary``) if the layer can export it
+        retention keeps only the latest state; ``mamba_checkpoint_at_prefill_end``), the
+        last reusable boundary before ``end`` (``_checkpoint_boundary``) if the layer can export it
         (``pure.mamba_checkpoint_exportable``) into a free column: the block before the
         chunk's last, not in the table yet, null, or a running request's speculative one."""
         align = self.align
         assert align is not None
-        if not align.has_checkpoint_blocks or end < prefill_end:
+        if (not align.has_checkpoint_blocks
+                or not self.profile.rules.mamba_checkpoint_at_prefill_end(end, prefill_end)):
             return 0
-        position = pure.mamba_prompt_tail_boundary(
-            end, self.cache_hit_alignment_tokens, align.drops_eagle,
-            self.block_pool.num_hash_lookahead_tokens)
+        position = self._checkpoint_boundary(end)
         if not pure.mamba_checkpoint_exportable(start, end, position,
                                                 self.block_pool.hash_block_size,
                                                 self.block_size, align.checkpoint_alignment):
@@ -791,13 +791,34 @@ class SingleTypeKVCacheManager:
                            and column >= len(blocks) - self.num_speculative_blocks))
         return position if column >= 0 and free_column else 0
 
+    def _checkpoint_boundary(self, num_tokens: int) -> int:
+        """Where a prefill checkpoint of ``num_tokens`` (a chunk's end, or the prompt)
+        sits: the release's boundary rule (``mamba_checkpoint_eagle_whole_prompt``) at
+        its alignment (``mamba_checkpoint_hit_alignment``), EAGLE's drop included."""
+        rules, align = self.profile.rules, self.align
+        assert align is not None
+        return rules.mamba_checkpoint_eagle_whole_prompt(
+            num_tokens, rules.mamba_checkpoint_hit_alignment(self), align.drops_eagle,
+            self.block_pool.num_hash_lookahead_tokens)
+
+    def checkpoint_retained(self, position: int, retention_interval: int | None) -> bool:
+        """Whether the retention mask keeps a state ending at ``position`` (a block
+        boundary only)."""
+        if position % self.block_size:
+            return False
+        state = position // self.block_size - 1  # the block whose state ends there
+        mask = self.reachable_block_mask(state, state + 1, retention_interval)
+        return mask is None or mask[0]
+
     def _grow_align(self, request_id: str, _: int, num_tokens_main_model: int) -> list[int]:
         """Nulls up to the new state block, last step's speculative blocks moved up, and
         the blocks after it. A pending partial state gets a copy: in place of a new
         request's hit block, or (a running request's prompt-tail entry) the entry moves
         onto it, hittable from the next step, while the request keeps its block. A
         recorded prefill checkpoint keeps its column a real block (not nulled, no
-        speculative block moved off it, a new one if needed, even in a long table)."""
+        speculative block moved off it, a new one if needed, even in a long table;
+        before ``mamba_checkpoint_relocates_speculative`` the step moves none and
+        takes fresh speculative blocks)."""
         align, num_spec = self.align, self.num_speculative_blocks
         assert align is not None
         req_blocks = self._blocks_of(request_id)
@@ -816,12 +837,15 @@ class SingleTypeKVCacheManager:
             align.last_state_block_idx[request_id] = num_held - 1
         num_nulled = num_required - num_spec - 1 - checkpoint  # a checkpoint's column stays
         req_blocks.extend([NULL_BLOCK] * (num_nulled - num_held))
-        if allocated_before:
+        # a checkpoint step takes fresh speculative blocks before 0.32.0
+        fresh_spec = not allocated_before or bool(
+            checkpoint and not self.profile.rules.mamba_checkpoint_relocates_speculative)
+        if not fresh_spec:
             for i in range(num_held - num_spec, min(num_held, num_nulled)):
                 req_blocks.append(req_blocks[i])
                 req_blocks[i] = NULL_BLOCK
         num_new = max(num_required - len(req_blocks), 0)
-        if num_new > (1 if allocated_before else 1 + num_spec) + checkpoint:
+        if num_new > 1 + checkpoint + (num_spec if fresh_spec else 0):
             raise ValueError(f"request_id={request_id!r} would get {num_new} new Mamba blocks")
         returned = req_blocks[num_held:]
         new_ids = self.block_pool.get_new_blocks(num_new + (partial is not None))
@@ -854,7 +878,7 @@ class SingleTypeKVCacheManager:
         align, rid, pool = self.align, request.request_id, self.block_pool
         assert align is not None
         if rid in align.checkpoints:
-            key = self._cache_checkpoint(request, retention_interval)
+            key = self._cache_checkpoint(request, retention_interval, num_tokens)
             if key is not None:
                 self.cached_blocks_this_step.add(key)
             return
@@ -884,29 +908,26 @@ class SingleTypeKVCacheManager:
                 if align.offers_boundary_states:
                     align.producer_tails[rid] = (blocks[idx], num_tokens)
 
-    def _cache_checkpoint(self, request: Request, retention_interval: int | None
-                          ) -> bytes | None:
+    def _cache_checkpoint(self, request: Request, retention_interval: int | None,
+                          num_tokens: int) -> bytes | None:
         """Key the checkpoint block at its position, dropping its other keys (it holds
-        that state now), when a later lookup can use it: the prompt's checkpoint (its
-        reusable boundary, ``pure.mamba_prompt_tail_boundary``), a state the retention
-        interval keeps, or the request's ``shared_prefix_boundary``; else unkey it (the
-        running state overwrites it). The new key, or None."""
-        align = self.align
+        that state now), unless the release's rule calls it transient
+        (``mamba_checkpoint_retention_mask``; the prompt's own checkpoint,
+        ``mamba_prompt_checkpoint_kept``, and the request's ``shared_prefix_boundary``
+        never are): then unkey it (the running state overwrites it). The new key, or
+        None."""
+        align, rules = self.align, self.profile.rules
         assert align is not None
         position, index = align.checkpoints[request.request_id]
         blocks = self._blocks_of(request.request_id)
         assert 0 <= index < len(blocks), (request.request_id, index, len(blocks))
         block = blocks[index]
-        prompt_checkpoint = position == pure.mamba_prompt_tail_boundary(
-            request.num_prompt_tokens, self.cache_hit_alignment_tokens,
-            align.drops_eagle, self.block_pool.num_hash_lookahead_tokens)
-        retained = False
-        if position % self.block_size == 0:
-            state = position // self.block_size - 1  # the block whose state ends there
-            mask = self.reachable_block_mask(state, state + 1, retention_interval)
-            retained = mask is None or mask[0]
-        junction = getattr(request, "shared_prefix_boundary", 0)
-        if not prompt_checkpoint and not retained and position != junction:
+        kept = rules.mamba_prompt_checkpoint_kept and position == self._checkpoint_boundary(
+            request.num_prompt_tokens)
+        if position != getattr(request, "shared_prefix_boundary", 0) and (
+                rules.mamba_checkpoint_retention_mask(
+                    self, position, retention_interval,
+                    num_tokens < request.num_prompt_tokens, kept)):
             self.block_pool._maybe_evict_cached_block(block)
             return None
         if self.block_pool.hash_num_tokens.get(block) == position:

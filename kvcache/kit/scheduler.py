@@ -50,14 +50,19 @@ def full_report_works(config: ManagerConfig) -> bool:
     return config.dcp_world_size == 1 and not fine_grained_hits(config)
 
 
-def draw_request_fields_0_33(rng: random.Random, full_report: bool = True) -> dict[str, Any]:
+def draw_request_fields_0_33(
+    rng: random.Random, full_report: bool = True, session: bool = True
+) -> dict[str, Any]:
     """A request's vLLM 0.33.0 fields: a session id (two sessions) in about a third
-    of requests, the "full" report mode in about a quarter where ``full_report``
-    (``full_report_works``; the draw is the same either way) and "incremental", the
-    default, spelled out in some."""
+    of requests where ``session`` (every side's request takes one), the "full" report
+    mode in about a quarter where ``full_report`` (``full_report_works``) and
+    "incremental", the default, spelled out in some; the draws are the same either
+    way."""
     fields: dict[str, Any] = {}
     if rng.random() < 0.35:
-        fields["session_id"] = rng.choice(["session-a", "session-b"])
+        session_id = rng.choice(["session-a", "session-b"])
+        if session:
+            fields["session_id"] = session_id
     mode = rng.random()
     if mode < 0.25:
         if full_report:
@@ -194,6 +199,9 @@ class RandomScheduler:
             else None
         )
         self.full_report = full_report_works(config)
+        self.draws_session_id = all(
+            getattr(side.adapter, "takes_session_id", True) for side in sides
+        )
         # vLLM 0.33.0's scheduler with a KV connector that takes divergent hybrid hits
         # (``supports_divergent_local_hybrid_hits``) looks every request up with
         # ``get_computed_blocks_for_connector``, and again with ``get_computed_blocks``
@@ -371,7 +379,9 @@ class RandomScheduler:
                         args["prompt_token_ids"] = None  # the embeddings alone are the prompt
             if self.request_fields_rng is not None:
                 args.update(
-                    draw_request_fields_0_33(self.request_fields_rng, self.full_report)
+                    draw_request_fields_0_33(
+                        self.request_fields_rng, self.full_report, self.draws_session_id
+                    )
                 )
         self.added.append(args)
         self.all_ids.append(request_id)

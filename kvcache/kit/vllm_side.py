@@ -247,10 +247,9 @@ def build_request(
     skip = bool(args.get("skip_reading_prefix_cache", False))
     fields = request_fields_0_33(args)
     extra: dict[str, Any] = {}
-    if fields and not REQUEST_TAKES_SESSION_ID:
+    if "session_id" in fields and not REQUEST_TAKES_SESSION_ID:
         raise HarnessError(
-            f"vLLM {VLLM_VERSION}'s Request has no {', '.join(sorted(fields))} "
-            "(vLLM 0.33.0's request fields)"
+            f"vLLM {VLLM_VERSION}'s Request has no session_id (vLLM 0.28.0's request field)"
         )
     if "session_id" in fields:
         extra["session_id"] = fields["session_id"]
@@ -319,9 +318,13 @@ class VllmAdapter(Adapter):
     sparse retention keeps the junction's tail. Off by default: the cross-release
     census compares with 0.25.1, and no ledger entry covers the junction tails yet;
     ``kvcache.kit.conformance`` (0.33.0 against its own profile) turns it on.
+
+    ``takes_session_id``: whether the release's ``Request`` has a ``session_id``
+    (0.28.0 on); the driver draws none for a release without one.
     """
 
     stores_shared_prefix_boundary = False
+    takes_session_id = REQUEST_TAKES_SESSION_ID
 
     def __init__(self, version: str = VLLM_VERSION) -> None:
         self.name = "vllm"
