@@ -31,6 +31,29 @@ def test_a_flipped_report_switch_is_caught(switch: str) -> None:
     assert ("take_events" if switch.startswith("event") else "make_prefix_cache_stats") in first
 
 
+def test_a_mismatch_under_a_gap_of_the_profile_is_named_not_counted() -> None:
+    """0.27.x returns a freed request's blocks in their own order without caching, which
+    its profile does not model (the gap free-order-without-caching): a free-queue
+    mismatch there is that gap's; with caching on, on another release, or of another
+    kind, it is a mismatch."""
+    import dataclasses
+    import random
+
+    from kvcache.kit.driver import FAMILIES, random_config
+    from kvcache.kit.lockstep import Mismatch
+
+    config = random_config(random.Random(0), FAMILIES["full"])
+    uncached = dataclasses.replace(config, enable_caching=False)
+    cached = dataclasses.replace(config, enable_caching=True)
+    order = Mismatch(7, "free", {"request_id": "r0"}, "state differs", part="state:free_queue")
+    other = Mismatch(7, "take_events", {}, "differs")
+    assert profile_check.gap_of("0.27.1", uncached, order) == "free-order-without-caching"
+    assert profile_check.gap_of("0.27.0", uncached, order) == "free-order-without-caching"
+    assert profile_check.gap_of("0.28.0", uncached, order) is None
+    assert profile_check.gap_of("0.27.1", cached, order) is None
+    assert profile_check.gap_of("0.27.1", uncached, other) is None
+
+
 def test_the_check_refuses_what_it_cannot_check() -> None:
     with pytest.raises(SystemExit):
         profile_check.main(["--sequences", "0"])
