@@ -25,6 +25,7 @@ construction, so a switch costs one attribute read at the point of difference.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import tomllib
 from pathlib import Path
@@ -290,10 +291,11 @@ class Profile:
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"Profile is frozen: {name} cannot be deleted")
 
-    def __reduce__(self) -> tuple[object, tuple[str, dict[str, bool]]]:
-        # Pickling (the compiled proofs pickle whole states) rebuilds through the
-        # constructor, not by setting attributes.
-        return _profile_from, (self.release, self.switches())
+    def __reduce__(self) -> tuple[object, tuple[str, frozenset[str]]]:
+        # Pickling (the exhaustive search pickles every state) names the release and
+        # the switches on; unpickling shares one frozen profile per such pair.
+        on = frozenset(name for name in _SWITCH_NAMES if getattr(self, name))
+        return _profile_from, (self.release, on)
 
     def switches(self) -> dict[str, bool]:
         """Every switch's value, by name (for reports and tests)."""
@@ -349,9 +351,11 @@ class Profile:
         return f"Profile({self.release!r}{''.join(changed)})"
 
 
-def _profile_from(release: str, switches: dict[str, bool]) -> Profile:
-    """The profile of ``release`` with ``switches`` (unpickling a ``Profile``)."""
-    return Profile(release).with_switches(**switches)
+@functools.cache
+def _profile_from(release: str, on: frozenset[str]) -> Profile:
+    """The profile of ``release`` with exactly the switches ``on`` on (unpickling a
+    ``Profile``; profiles are frozen, so one per pair serves every copy)."""
+    return Profile(release).with_switches(**{name: name in on for name in _SWITCH_NAMES})
 
 
 def resolve_profile(profile: Profile | str | None) -> Profile:
