@@ -1558,13 +1558,13 @@ class MambaManager(SingleTypeKVCacheManager):
         position, replacing whatever keys it had (the full-block hash just given to
         that column covers a later state than the one written there), unless the
         checkpoint is transient (the next chunk overwrites the block), when the
-        block's keys are dropped instead. Transient, under
-        ``mamba_checkpoint_retention_mask`` (0.32.0): neither the prompt's own
-        (``_checkpoint_boundary`` of the prompt), nor one the retention mask keeps
-        (a position on a block boundary), nor the request's
-        ``shared_prefix_boundary``; before: under latest-only retention (interval 0)
-        a checkpoint before the prompt's end (``num_tokens``) that is not the
-        junction, nor (``mamba_prompt_checkpoint_kept``, 0.31.0) the prompt's own.
+        block's keys are dropped instead. Never transient: the prompt's own
+        checkpoint (``_checkpoint_boundary`` of the prompt;
+        ``mamba_prompt_checkpoint_kept``, 0.31.0) and the request's
+        ``shared_prefix_boundary``. Otherwise transient, under
+        ``mamba_checkpoint_retention_mask`` (0.32.0), unless the retention mask keeps
+        it (a position on a block boundary); before, under latest-only retention
+        (interval 0) when caching stops before the prompt's end (``num_tokens``).
 
         Returns:
             The pool key, or None when nothing was keyed."""
@@ -1572,7 +1572,9 @@ class MambaManager(SingleTypeKVCacheManager):
         blocks = self.req_to_blocks[request.request_id]
         assert 0 <= column < len(blocks)
         block = blocks[column]
-        is_prompt_checkpoint = position == self._checkpoint_boundary(request.num_prompt_tokens)
+        kept = self.mamba_prompt_checkpoint_kept and position == self._checkpoint_boundary(
+            request.num_prompt_tokens
+        )
         junction: int = getattr(request, "shared_prefix_boundary", 0) or 0
         if self.mamba_checkpoint_retention_mask:
             is_retained = False
@@ -1588,12 +1590,12 @@ class MambaManager(SingleTypeKVCacheManager):
                     reachable_boundaries=(),
                 )
                 is_retained = mask is None or mask[0]
-            transient = not is_prompt_checkpoint and not is_retained and position != junction
+            transient = not kept and not is_retained and position != junction
         else:
             transient = (
                 retention_interval == 0
                 and num_tokens < request.num_prompt_tokens
-                and not (self.mamba_prompt_checkpoint_kept and is_prompt_checkpoint)
+                and not kept
                 and position != junction
             )
         if transient:

@@ -210,6 +210,11 @@ class Entry:
         """Whether the entry concerns release ``version`` (a line: its first release)."""
         return in_range(version, self.releases)
 
+    def observes(self, config: ManagerConfig, kind: str) -> bool:
+        """Whether this entry names a difference of ``kind`` (``op/part``) in
+        ``config``: its kinds match and its layout condition (``WHEN``) holds."""
+        return WHEN[self.when](config) and kind_matches(self.kinds, kind)
+
     @property
     def is_bug(self) -> bool:
         return self.verdict in ("bug-fixed-in", "bug-introduced-in")
@@ -431,11 +436,7 @@ class Judge:
     def observed(self, kind: str) -> tuple[str, ...]:
         """The "observed" entry for a difference of ``kind`` here, if there is one."""
         for entry in self.entries:
-            if (
-                entry.rule == "observed"
-                and WHEN[entry.when](self.ctx.config)
-                and kind_matches(entry.kinds, kind)
-            ):
+            if entry.rule == "observed" and entry.observes(self.ctx.config, kind):
                 return (entry.id,)
         return ()
 

@@ -67,16 +67,15 @@ TEETH: dict[str, tuple[str, ...]] = {
 def gap_of(release: str, config: Any, mismatch: Any) -> str | None:
     """The ledger entry of a gap of ``release``'s profile (``Profile.not_reproduced``:
     what the release does that its profile does not model) that explains
-    ``mismatch`` in ``config``: its layout condition holds and its difference kinds
-    name the mismatch's. None when no gap does."""
-    from kvcache.kit.ledger import WHEN, kind_matches, load_ledger
+    ``mismatch`` in ``config`` (``Entry.observes``). None when no gap does."""
+    from kvcache.kit.ledger import load_ledger
     from kvcache.profile import Profile
 
-    ledger = {entry.id: entry for entry in load_ledger()}
-    for gap in Profile(release).not_reproduced():
-        entry = ledger.get(gap.ledger_id)
-        if (entry is not None and entry.kinds and WHEN[entry.when](config)
-                and kind_matches(entry.kinds, mismatch.kind)):
+    gaps = {gap.ledger_id for gap in Profile(release).not_reproduced()}
+    if not gaps:
+        return None
+    for entry in load_ledger():
+        if entry.id in gaps and entry.observes(config, mismatch.kind):
             return entry.id
     return None
 
@@ -122,7 +121,7 @@ def run(release: str, sequences: int, flipped: str | None = None,
                 driven = under_release(driven, release)
             for i in range(sequences):
                 result = run_sequence(family_seed(0, index, i), driven, name, "vllm", stats)
-                failure: Any = result.mismatch or result.cannot_build
+                failure = result.mismatch or result.cannot_build
                 gap = result.mismatch and gap_of(release, result.config, result.mismatch)
                 if gap:
                     if known is not None:
