@@ -190,14 +190,21 @@ def group_world_sizes(
     dcp_world_size: int,
     pcp_world_size: int,
     dcp_sharded_geometry: bool,
+    dcp_full_attention_only: bool = False,
 ) -> tuple[int, int]:
     """The ``(dcp, pcp)`` world sizes one group's manager takes.
 
-    0.25.1 gives every group both. Under ``dcp_sharded_geometry`` (0.33.0) only a
+    0.25.1 gives every group both. Under ``dcp_sharded_geometry`` (0.26.0) only a
     spec whose blocks are sharded over the ranks (``is_dcp_sharded``) takes them;
-    any other group (Mamba, a replicated draft) keeps ``(1, 1)``.
+    any other group (Mamba, a replicated draft) keeps ``(1, 1)``. Under
+    ``dcp_full_attention_only`` (0.29.0-0.30.0: the profile's switch, less
+    ``dcp_sharded_field``) only full attention and its subclasses take them, with or
+    without that geometry.
     """
-    if dcp_sharded_geometry and not is_dcp_sharded(kv_cache_spec):
+    if dcp_full_attention_only:
+        if not _is_full(kv_cache_spec):
+            return 1, 1
+    elif dcp_sharded_geometry and not is_dcp_sharded(kv_cache_spec):
         return 1, 1
     return dcp_world_size, pcp_world_size
 
@@ -291,6 +298,11 @@ class KVCacheCoordinator:
             self.eagle_group_ids = set()
         self.pcp_not_scaled = profile.pcp_not_scaled
         self.dcp_sharded_geometry = profile.dcp_sharded_geometry
+        # 0.29.0-0.30.0 scale only full-attention groups (0.31.0's dcp_sharded field
+        # ends it).
+        self.dcp_full_attention_only = (
+            profile.dcp_full_attention_only and not profile.dcp_sharded_field
+        )
         # Whether fresh blocks are reported for zeroing depends on the layout too
         # (vLLM 0.33.0's KVCacheConfig.needs_kv_cache_zeroing): each manager is told.
         self.needs_kv_cache_zeroing = needs_kv_cache_zeroing(kv_cache_config)
@@ -360,7 +372,11 @@ class KVCacheCoordinator:
         sizes from ``group_world_sizes``; under ``pcp_not_scaled`` the block is
         ``block_size * dcp`` tokens while the manager still reports its pcp size."""
         dcp, pcp = group_world_sizes(
-            kv_cache_spec, dcp_world_size, pcp_world_size, self.dcp_sharded_geometry
+            kv_cache_spec,
+            dcp_world_size,
+            pcp_world_size,
+            self.dcp_sharded_geometry,
+            self.dcp_full_attention_only,
         )
         manager = get_manager_for_kv_cache_spec(
             kv_cache_spec=kv_cache_spec,

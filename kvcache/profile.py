@@ -258,7 +258,10 @@ class Profile:
     cache_within_hashed_tokens: bool
     pcp_not_scaled: bool
     dcp_sharded_geometry: bool
+    dcp_full_attention_only: bool
+    dcp_sharded_field: bool
     mamba_fine_grained_hits: bool
+    cache_mask_hit_alignment: bool
     partial_hit_copy_on_write: bool
     event_session_id: bool
     full_report_mode: bool

@@ -195,6 +195,9 @@ class SingleTypeKVCacheManager:
         # Where hits may end (vLLM 0.33.0's name): the scheduler block, or the hash
         # block under mamba_fine_grained_hits (set by the hybrid coordinator).
         self.cache_hit_alignment_tokens = scheduler_block_size
+        # What the cache mask is laid on: the hit alignment, or (before 0.29.0) the
+        # scheduler block even under fine-grained hits (cache_mask_hit_alignment).
+        self.cache_mask_hit_alignment = profile.cache_mask_hit_alignment
         # A hit ending inside a block is copied on write. Per request, the index and
         # block of the hit's last block until allocate_new_blocks copies it; the
         # (source, copy) pairs until take_pending_cow_copies.
@@ -471,7 +474,7 @@ class SingleTypeKVCacheManager:
             block_mask=self.reachable_block_mask(
                 start_block=num_cached_blocks,
                 end_block=num_full_blocks,
-                alignment_tokens=self.cache_hit_alignment_tokens,
+                alignment_tokens=self.cache_mask_alignment_tokens(),
                 kv_cache_spec=self.kv_cache_spec,
                 use_eagle=self.use_eagle,
                 retention_interval=retention_interval,
@@ -480,6 +483,14 @@ class SingleTypeKVCacheManager:
             ),
         )
         self.num_cached_block[request_id] = num_full_blocks
+
+    def cache_mask_alignment_tokens(self) -> int:
+        """The alignment the cache mask is laid on: where hits end, or (before 0.29.0,
+        ``cache_mask_hit_alignment`` off) the scheduler block even under fine-grained
+        hits."""
+        if self.cache_mask_hit_alignment:
+            return self.cache_hit_alignment_tokens
+        return self.scheduler_block_size
 
     @classmethod
     def reachable_block_mask(
@@ -1583,7 +1594,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 mask = self.reachable_block_mask(
                     block_idx,
                     block_idx + 1,
-                    self.cache_hit_alignment_tokens,
+                    self.cache_mask_alignment_tokens(),
                     self.kv_cache_spec,
                     self.drop_eagle_checkpoint_block,
                     retention_interval,

@@ -212,7 +212,9 @@ class KVCacheManager:
         self.dcp_world_size, self.pcp_world_size = dcp_world_size, pcp_world_size
         scale = p.rules.pcp_not_scaled(dcp_world_size, pcp_world_size)
         geometry = p.rules.dcp_sharded_geometry
-        context_parallel = [scale if geometry.scales(g.kv_cache_spec) else 1 for g in groups]
+        full_only = p.rules.dcp_full_attention_only
+        scales = geometry.scales if full_only is None or p.rules.dcp_sharded_field else full_only
+        context_parallel = [scale if scales(g.kv_cache_spec) else 1 for g in groups]
         if enable_caching and len(groups) > 1:
             geometry.check_hybrid([g.kv_cache_spec for g in groups], dcp_world_size,
                                   pcp_world_size)

@@ -124,6 +124,8 @@ class ReleaseRules:
     none_hash_fixed_seed: Callable[[str | None, Callable[[Any], bytes]], str | None]
     pcp_not_scaled: Callable[[int, int], int]
     dcp_sharded_geometry: Geometry
+    dcp_full_attention_only: Callable[[Any], bool] | None
+    dcp_sharded_field: bool
     mamba_frees_processed_states: MambaFrees
     mamba_partial_prompt_tail: MambaTail | None
     mamba_prompt_tail_state: MambaTail | None
@@ -136,6 +138,7 @@ class ReleaseRules:
     mamba_checkpoint_retention_mask: Callable[[Any, int, int | None, bool, bool], bool]
     mamba_tail_engine_eagle: Callable[[bool, bool], bool]
     mamba_fine_grained_hits: Callable[[Any], None]
+    cache_mask_hit_alignment: Callable[[Any], int]
     partial_hit_copy_on_write: Callable[[int, int], bool]
     partial_prompt_tail_entries: Callable[[Any, Any, int], None]
     prompt_tail_before_last_token: Callable[[bool], int]
@@ -255,6 +258,11 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     "dcp_sharded_geometry": (
         Geometry(lambda spec: True, refuse_hybrid_context_parallel, ValueError),
         Geometry(is_dcp_sharded, check_hybrid_context_parallel, AssertionError)),
+    # which specs context parallelism scales instead of the geometry's (None: the
+    # geometry's): 0.29.0 full attention only, until dcp_sharded_field
+    "dcp_full_attention_only": (None, lambda spec: is_a(spec, "FullAttentionSpec")),
+    # whether the geometry's own rule is back (0.31.0: the spec's dcp_sharded field)
+    "dcp_sharded_field": (False, True),
     # how Mamba frees passed states (see MambaFrees)
     "mamba_frees_processed_states": (
         MambaFrees(lambda computed, spec: max(0, computed - spec), False, False),
@@ -300,6 +308,10 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     # that end on hash-block boundaries where an 'align' Mamba group needs them
     "mamba_fine_grained_hits": (lambda manager: None,
                                 lambda manager: manager.enable_fine_grained_hits()),
+    # the group manager -> the alignment its cache mask is laid on (before 0.29.0 the
+    # scheduler block even where fine-grained hits end on the hash block)
+    "cache_mask_hit_alignment": (lambda manager: manager.scheduler_block_size,
+                                 lambda manager: manager.cache_hit_alignment_tokens),
     # (tokens a hit or state covers, block size) -> whether its last block, partly
     # covered, is copied before the request writes it
     "partial_hit_copy_on_write": (lambda num_tokens, block_size: False,

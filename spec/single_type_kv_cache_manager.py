@@ -614,7 +614,8 @@ class SingleTypeKVCacheManager:
         if self.rules.cache_mask is None:
             return None
         return self.rules.cache_mask(self.kv_cache_spec, start_block, end_block,
-                                     self.block_size, self.cache_hit_alignment_tokens,
+                                     self.block_size,
+                                     self.profile.rules.cache_mask_hit_alignment(self),
                                      retention_interval, boundaries, self.use_eagle)
 
     # ------------------------------------------------------------ free

@@ -10,20 +10,21 @@ vLLM's pools fill it from 0.30.0). This runs the kit's random sequences
 (``ReleaseProfileAdapter``) with no ledger between them: results, events, stats and
 the abstract state must be equal after every call.
 
-``FAMILIES`` are the 32 layout families that match on every release measured here
-(0.25.1, 0.26.0 and 0.28.0-0.33.0, 10-20 sequences each, sessions 20 and 21; 0.27.x
+``FAMILIES`` are the 34 layout families that match on every release measured here
+(0.25.1, 0.26.0 and 0.28.0-0.33.0, 10-20 sequences each, sessions 20-22; 0.27.x
 differs by the ledger's free-order-without-caching, a gap of its profile); the others
-(Mamba 'align' with retention, lookahead, hybrid context parallelism) still differ
-on some middle release (docs/profiles.md), so they are not run here. ``REPORT_FAMILIES``
+(full attention beside Mamba 'align' with retention, lookahead) still differ on some
+middle release (docs/profiles.md), so they are not run here. ``REPORT_FAMILIES``
 settle what a manager reports: each release's event classes and fields
 (``session_id`` drawn on the requests), its stats class and where stats are
 counted, the "full" report mode.
 
 ``--teeth N`` also flips each switch of ``TEETH`` in kvcache's profile alone and runs
 the families that settle it, N sequences each, requiring a mismatch: the check can
-tell each one's value (the report switches, and five whose first release it placed:
+tell each one's value (the report switches, and seven whose first release it placed:
 ``prompt_tail_before_last_token``, ``eagle_master_switch``,
-``mamba_partial_prompt_tail`` and two of the prefill-checkpoint rules).
+``mamba_partial_prompt_tail``, two of the prefill-checkpoint rules, and the two dcp
+scaling rules, ``dcp_full_attention_only`` and ``dcp_sharded_field``).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ FAMILIES = (
     "swa-retention", "full+swa-retention", "full-dcp",
     "full+mamba-align", "swa+mamba", "full+swa+mamba", "eagle-hybrid",
     "mamba-checkpoint", "full+mamba-checkpoint", "full+mamba-checkpoint-retention",
+    "swa+mamba-retention", "hybrid-dcp",
 )  # fmt: skip
 """The driver families run: those on which kvcache's profile matches vLLM on every
-release measured here (0.25.1, 0.26.0, 0.28.0-0.33.0; sessions 20 and 21)."""
+release measured here (0.25.1, 0.26.0, 0.28.0-0.33.0; sessions 20-22)."""
 
 REPORT_FAMILIES = ("full", "swa", "chunked", "mamba", "mla", "full+swa", "full+cross",
                    "full+mamba-all")  # fmt: skip
@@ -56,6 +58,7 @@ TEETH: dict[str, tuple[str, ...]] = {
     "prompt_tail_before_last_token": ("full+full", "full+full+full", "full+mla"),
     "eagle_master_switch": ("rswa+swa", "full+hidden-state", "full+rswa"),
     "mamba_partial_prompt_tail": ("full+mamba-align", "swa+mamba", "full+swa+mamba"),
+    **dict.fromkeys(("dcp_full_attention_only", "dcp_sharded_field"), ("hybrid-dcp",)),
     **dict.fromkeys(("mamba_checkpoint_eagle_whole_prompt",
                      "mamba_checkpoint_relocates_speculative"),
                     ("mamba-checkpoint", "full+mamba-checkpoint",
@@ -186,6 +189,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         if switch.startswith("mamba_checkpoint") and not profile.mamba_prefill_checkpoints:
             print(f"  {switch}: not flipped (vLLM {release} takes no prefill checkpoints)")
+            continue
+        if (switch == "dcp_full_attention_only" and profile.dcp_sharded_field) or (
+                switch == "dcp_sharded_field" and not profile.dcp_full_attention_only):
+            print(f"  {switch}: not flipped (inert in vLLM {release}'s profile: "
+                  "dcp_sharded_field decides after dcp_full_attention_only)")
             continue
         ran, bad, first = run(release, args.teeth, switch, families)
         print(f"  {switch} flipped: {bad} of {ran} sequences mismatch"

@@ -29,6 +29,7 @@ from kvcache import (
     KVCacheGroupSpec,
     KVCacheManager,
     LoRARequest,
+    MambaSpec,
     MultiModalFeatureSpec,
     PlaceholderRange,
     Request,
@@ -271,6 +272,39 @@ def test_every_profile_builds_and_agrees_with_the_spec() -> None:
                     r.num_computed_tokens = 13
                     m.remove_skipped_blocks(rid, 13)
             assert km.abstract_state() == sm.abstract_state(), release
+
+
+@pytest.mark.parametrize("release", ["0.28.0", "0.29.0"])
+def test_cache_mask_alignment_follows_hits_from_0_29(release: str) -> None:
+    """cache_mask_hit_alignment: beside an 'align' Mamba group with fine-grained hits
+    (hash block 4, scheduler block 8), a sliding-window group under sparse retention
+    keeps the window block before the replay boundary (22) at the hash block from
+    0.29.0 (tokens 16-19), at the scheduler block before (tokens 8-15 only). The
+    calls of the profile check's swa+mamba-retention #4 on vLLM 0.28.0; kvcache and
+    the spec agree under both profiles."""
+    config = KVCacheConfig(30, [], [
+        KVCacheGroupSpec(["swa"], SlidingWindowSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype="float16", sliding_window=2)),
+        KVCacheGroupSpec(["mamba"], MambaSpec(
+            block_size=8, shapes=((2,),), dtypes=("float16",), mamba_cache_mode="align",
+            num_speculative_blocks=1))])
+    tokens = [1, 2, 2, 1, 1, 1, 0, 1, 2, 1, 2, 0, 2, 1, 0, 2, 2, 0, 2, 1, 0, 0, 1]
+    states = []
+    for m in (KVCacheManager(config, 64, 8, 4, profile=release,
+                             prefix_cache_retention_interval=16),
+              spec.KVCacheManager(config, 64, 8, 4, profile=release,
+                                  prefix_cache_retention_interval=16)):
+        r = Request("r", tokens, block_hasher=get_request_block_hasher(4, sha256))
+        assert m.allocate_slots(r, 16, num_lookahead_tokens=2) is not None
+        r.num_computed_tokens = 16
+        m.new_step_starts()
+        assert m.allocate_slots(r, 4, num_lookahead_tokens=2) is not None
+        state = m.abstract_state()
+        swa_table = state["req_to_blocks"][0]["r"]
+        states.append((state, swa_table[4] in state["block_hash"]))
+    (kv_state, kv_keyed), (spec_state, spec_keyed) = states
+    assert kv_state == spec_state
+    assert kv_keyed == spec_keyed == (release == "0.29.0")
 
 
 def test_conformance_families_not_in_0_33_are_listed_not_dropped() -> None:
