@@ -75,13 +75,16 @@ $(REF33_STAMP):
 # The kit against vLLM 0.33.0: replay the stored traces and a census of 600 sequences
 # (a count, so every run meets the same sequences); every difference must be in the
 # ledger (kvcache/kit/ledger.toml); then kvcache.kit.profile_check: KVCacheManager(profile="0.33.0")
-# itself against vLLM 0.33.0, with its teeth. Builds .venv-0.33 first.
+# itself against vLLM 0.33.0, with its teeth, and the spec's (--subject spec: the oracle held to
+# the release directly, not only through kvcache). Builds .venv-0.33 first.
 CHECK33_SEQUENCES ?= 600
 check-0.33: $(REF33_STAMP)
 	$(REF33_VENV)/bin/python -m kvcache release-check --census-sequences $(CHECK33_SEQUENCES) \
 		--census-dir build/census-0.33 tests/data/*.jsonl*
 	$(REF33_VENV)/bin/python -m kvcache.kit.profile_check --sequences $(PROFILE_CHECK_SEQUENCES) \
 		--teeth 3
+	$(REF33_VENV)/bin/python -m kvcache.kit.profile_check --subject spec \
+		--sequences $(PROFILE_CHECK_SEQUENCES) --teeth 3
 
 # kvcache's 0.33.0 profile (kvcache.vllm_0_33) against the real vLLM 0.33.0: the random
 # scheduler sequences of the conformance tests, CONFORMANCE33_SEQUENCES per family, for every
@@ -126,8 +129,8 @@ reference-%: .venv-vllm-%/.stamp
 # and a short census of CHECK_RELEASE_SEQUENCES sequences on vLLM MIDDLE_RELEASE; every
 # difference must be a ledger entry whose range covers that release. Then kvcache's own
 # profile of that release against it, call for call with no ledger, on the layouts whose
-# reports it settles, and each event / stats switch flipped must be caught
-# (kvcache.kit.profile_check: about 15 s).
+# reports it settles, and each switch of its teeth flipped must be caught; then the spec's
+# profile the same way (kvcache.kit.profile_check, --subject spec).
 MIDDLE_RELEASE ?= 0.29.0
 CHECK_RELEASE_SEQUENCES ?= 200
 PROFILE_CHECK_SEQUENCES ?= 10
@@ -136,13 +139,15 @@ check-release-%: .venv-vllm-%/.stamp
 		--census-dir build/census-$* tests/data/*.jsonl* tests/data/releases/*.jsonl
 	.venv-vllm-$*/bin/python -m kvcache.kit.profile_check --sequences $(PROFILE_CHECK_SEQUENCES) \
 		--teeth 3
+	.venv-vllm-$*/bin/python -m kvcache.kit.profile_check --subject spec \
+		--sequences $(PROFILE_CHECK_SEQUENCES) --teeth 3
 
 # kvcache.kit.profile_check on every release venv present (make reference-X builds one).
 profile-check-releases:
 	@for v in $(RELEASES); do py=.venv-vllm-$$v/bin/python; \
 		[ $$v = 0.25.1 ] && py=$(PY); [ $$v = 0.33.0 ] && py=$(REF33_VENV)/bin/python; \
-		if [ -x $$py ]; then $$py -m kvcache.kit.profile_check \
-			--sequences $(PROFILE_CHECK_SEQUENCES) --teeth 3 || exit 1; \
+		if [ -x $$py ]; then for subject in kvcache spec; do $$py -m kvcache.kit.profile_check \
+			--subject $$subject --sequences $(PROFILE_CHECK_SEQUENCES) --teeth 3 || exit 1; done; \
 		else echo "profile-check: vLLM $$v: no venv (make reference-$$v)"; fi; done
 
 # Every release from 0.25.1 to 0.33.0 (a venv each; ~3 min per release to install), then

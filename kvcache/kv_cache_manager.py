@@ -441,6 +441,21 @@ class KVCacheManager:
         request does not skip reading the cache)."""
         return self.enable_caching and not request.skip_reading_prefix_cache
 
+    def shared_prefix_boundary(self, request: Request, num_hit_tokens: int) -> int:
+        """The shared-prefix boundary of the lookup that just hit ``num_hit_tokens`` for
+        ``request`` (``shared_prefix_junctions``, the third value of 0.26.0's lookup):
+        where the longest single-kind hit of a hybrid lookup ended, when it is longer
+        than the common hit (a shared prefix a sparse-retention group has not cached
+        yet); else 0, and 0 without the switch or for a request that skipped the
+        lookup. The scheduler keeps it as ``request.shared_prefix_boundary``, whose
+        tail sparse retention then keeps."""
+        if not self.profile.shared_prefix_junctions or not self.prefix_cache_lookup_enabled(
+            request
+        ):
+            return 0
+        num_uncached: int = getattr(self.coordinator, "num_uncached_common_prefix_tokens", 0)
+        return num_hit_tokens + num_uncached if num_uncached else 0
+
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         """Count an admitted request's lookup that hit ``num_hits`` tokens: under
         ``stats_at_admission`` (vLLM 0.27.0 on) the scheduler calls this once the

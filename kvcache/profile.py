@@ -253,6 +253,7 @@ class Profile:
     retention_replay_boundaries: bool
     retention_zero_without_window: bool
     shared_prefix_junctions: bool
+    junction_eagle_tail: bool
     circular_buffer_groups: bool
     lookahead_arguments: bool
     cache_within_hashed_tokens: bool

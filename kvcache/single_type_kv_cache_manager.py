@@ -207,6 +207,7 @@ class SingleTypeKVCacheManager:
         # Under sparse retention also keep the tail before the request's
         # shared_prefix_boundary (vLLM 0.33.0's Request).
         self.shared_prefix_junctions = profile.shared_prefix_junctions
+        self.junction_eagle_tail = profile.junction_eagle_tail
         self.cache_within_hashed_tokens = profile.cache_within_hashed_tokens
         self.external_blocks_floor_zero = profile.external_blocks_floor_zero
         # Boundary states handed to a KV connector (vLLM 0.33.0): (request id, group
@@ -444,7 +445,8 @@ class SingleTypeKVCacheManager:
         the tails before ``replay_boundaries`` (token positions a replay of the prompt
         resumes at, chosen by the coordinator; None: 0.25.1's ``num_prompt_tokens - 1``)
         and, with ``shared_prefix_junctions``, before the request's
-        ``shared_prefix_boundary`` (one block lower too for an EAGLE group)."""
+        ``shared_prefix_boundary`` (one block lower too for an EAGLE group, with
+        ``junction_eagle_tail``)."""
         request_id = request.request_id
         num_cached_blocks = self.num_cached_block.get(request_id, 0)
         if self.cache_within_hashed_tokens:  # a block's hash may wait for its lookahead
@@ -460,7 +462,7 @@ class SingleTypeKVCacheManager:
                 if boundaries is None:
                     boundaries = (request.num_prompt_tokens - 1,)
                 boundaries = [*boundaries, junction]
-                if self.use_eagle:
+                if self.use_eagle and self.junction_eagle_tail:
                     # A sibling diverging right after the junction has no block past
                     # it to drop, so its hit ends one block lower.
                     boundaries.append(junction - self.block_size)

@@ -615,12 +615,7 @@ class KVCacheManager(_KVCacheManager):
         tail sparse retention then keeps.
         """
         blocks, num_hit_tokens = super().get_computed_blocks(request, max_cache_hit_length)
-        if not self.profile.shared_prefix_junctions or not self.prefix_cache_lookup_enabled(
-            request
-        ):
-            return blocks, num_hit_tokens, 0
-        num_uncached: int = getattr(self.coordinator, "num_uncached_common_prefix_tokens", 0)
-        return blocks, num_hit_tokens, num_hit_tokens + num_uncached if num_uncached else 0
+        return blocks, num_hit_tokens, self.shared_prefix_boundary(request, num_hit_tokens)
 
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None

@@ -402,8 +402,9 @@ class KVCacheManager:
         hits, num_hit_tokens = self.find_longest_cache_hit(
             self.block_pool.block_hashes(request), request.num_tokens - 1)
         if self.prefix_cache_stats is not None:
-            self.profile.rules.stats_at_admission(self.prefix_cache_stats, request.num_tokens,
-                                                  num_hit_tokens, request.num_preemptions > 0)
+            self.profile.rules.stats_at_admission.lookup(
+                self.prefix_cache_stats, request.num_tokens, num_hit_tokens,
+                request.num_preemptions > 0)
         if num_hit_tokens > 0 and self.profile.rules.full_report_mode(request):
             for group_id, group_hits in enumerate(hits):  # tell subscribers of the hits too
                 if group_hits:
@@ -453,11 +454,13 @@ class KVCacheManager:
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         """stats_at_admission: the scheduler counts an admitted request's lookup here
-        (nothing without log_stats, caching, or for a request that skipped the cache)."""
+        (nothing before 0.27.0, whose lookup counted it, without log_stats, caching, or
+        for a request that skipped the cache)."""
         if (self.prefix_cache_stats is None or not self.enable_caching
                 or request.skip_reading_prefix_cache):
             return
-        self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
+        self.profile.rules.stats_at_admission.admission(
+            self.prefix_cache_stats, request.num_tokens, num_hits, request.num_preemptions > 0)
 
     def _hashes_for(self, block_hashes: list[bytes], spec: KVCacheSpec) -> list[bytes]:
         """The request's hashes at the spec's block size."""

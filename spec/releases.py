@@ -65,6 +65,26 @@ class MambaTail(NamedTuple):
     inside_only: bool
 
 
+StatsHook = Callable[[PrefixCacheStats, int, int, bool], None]
+"""(stats, tokens, hit tokens, preempted) -> records the lookup, or nothing."""
+
+
+def _record_stats(stats: PrefixCacheStats, *counts: Any) -> None:
+    stats.record(*counts)
+
+
+def _skip_stats(stats: PrefixCacheStats, *counts: Any) -> None:
+    return None
+
+
+class StatsAt(NamedTuple):
+    """``stats_at_admission``'s parts: what the lookup records, and what the
+    scheduler's admission of the request records (``record_prefix_cache_stats``)."""
+
+    lookup: StatsHook
+    admission: StatsHook
+
+
 def refuse_hybrid_context_parallel(specs: Sequence[Any], dcp: int, pcp: int) -> None:
     """0.25.1: a hybrid layout with prefix caching takes no context parallelism."""
     if max(dcp, pcp) > 1:
@@ -105,7 +125,7 @@ class ReleaseRules:
     pop_drops_null_head: Callable[[list[int]], list[int]]
     cascade_always_zero: Callable[[Any, str], int]
     mamba_caps_new_state_blocks: bool
-    stats_at_admission: Callable[[PrefixCacheStats, int, int, bool], None]
+    stats_at_admission: StatsAt
     new_block_ids_zeroing_only: Callable[[bool], bool]
     zero_every_attention_group: Callable[[Any, bool], bool]
     stats_hits_by_source: type[PrefixCacheStats]
@@ -143,6 +163,7 @@ class ReleaseRules:
     partial_prompt_tail_entries: Callable[[Any, Any, int], None]
     prompt_tail_before_last_token: Callable[[bool], int]
     shared_prefix_junctions: Callable[[int], int]
+    junction_eagle_tail: Callable[[int, int, bool], list[int]]
 
     def event_fields(self, name: str) -> tuple[str, ...]:
         """The fields event class ``name`` carries beyond 0.25.1's, in vLLM's order."""
@@ -202,10 +223,10 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     # whether an 'align' Mamba group's new blocks are its shortfall capped by what one
     # step can take (0.31.0), not that cap itself (pure.mamba_align_num_new_blocks)
     "mamba_caps_new_state_blocks": (False, True),
-    # (stats, tokens, hit tokens, preempted) -> what a lookup records (0.27.0: nothing,
-    # the scheduler records the request once it is admitted)
-    "stats_at_admission": (lambda stats, *counts: stats.record(*counts),
-                           lambda stats, *counts: None),
+    # where a lookup's stats are recorded: at the lookup, or (0.27.0) once the
+    # scheduler admits the request (see StatsAt)
+    "stats_at_admission": (StatsAt(_record_stats, _skip_stats),
+                           StatsAt(_skip_stats, _record_stats)),
     # whether the layout needs zeroing -> whether any group records its new block ids
     "new_block_ids_zeroing_only": (lambda needs_zeroing: True,
                                    lambda needs_zeroing: needs_zeroing),
@@ -328,6 +349,11 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     # one the release knows, yielded by a lookup and cached like a replay boundary (0:
     # none), wherever it is read
     "shared_prefix_junctions": (lambda junction: 0, lambda junction: junction),
+    # (a junction, the block size, EAGLE) -> the boundaries whose tails sparse
+    # retention keeps for it: the junction, and (0.33.0) for EAGLE one block lower
+    "junction_eagle_tail": (
+        lambda junction, block, eagle: [junction],
+        lambda junction, block, eagle: [junction, junction - block] if eagle else [junction]),
 }
 
 

@@ -539,7 +539,8 @@ class SingleTypeKVCacheManager:
             junction = self.profile.rules.shared_prefix_junctions(
                 getattr(request, "shared_prefix_boundary", 0))
             if junction:
-                kept += [junction, junction - self.block_size] if self.use_eagle else [junction]
+                kept += self.profile.rules.junction_eagle_tail(junction, self.block_size,
+                                                               self.use_eagle)
             mask = self.reachable_block_mask(num_cached, num_full, retention_interval, kept)
             self.block_pool.cache_full_blocks(request, self._blocks_of(rid), num_cached,
                                               num_full, self.block_size,

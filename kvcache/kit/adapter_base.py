@@ -328,11 +328,23 @@ class Adapter:
         return None if fn is None else dict(fn())
 
 
+def lookup_keeping_boundary(manager: Any, request: Any) -> tuple[Any, int]:
+    """A 0.25.1-shaped lookup ``(blocks, num_computed_tokens)`` of a manager that also
+    tells its shared-prefix boundary (``shared_prefix_boundary``: kvcache's and the
+    spec's), kept on the request as a release's scheduler keeps its lookup's third
+    value (0.26.0 on; 0 before, and without a junction)."""
+    blocks, num_computed_tokens = manager.get_computed_blocks(request)
+    request.shared_prefix_boundary = manager.shared_prefix_boundary(request, num_computed_tokens)
+    return blocks, int(num_computed_tokens)
+
+
 class SpecAdapter(Adapter):
     """The spec: it hashes requests itself (never reading ``request.block_hashes``), so
-    its manager is told the trace's hash algorithm and seed."""
+    its manager is told the trace's hash algorithm and seed; ``spec_profile`` is the
+    release profile it is built with (None: the spec's default)."""
 
     hash_seed = "0"
+    spec_profile: Any = None
 
     def init_hashes(self, config: ManagerConfig, hash_seed: str) -> None:
         super().init_hashes(config, hash_seed)  # for the requests' own (kvcache) hasher
@@ -344,7 +356,8 @@ class SpecAdapter(Adapter):
         )
         return self.factory(kv_cache_config, **config.manager_kwargs(),
                             caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
-                            prefix_cache_retention_interval=config.prefix_cache_retention_interval)
+                            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+                            profile=self.spec_profile)
 
 
 class ProfileAdapter(Adapter):
@@ -420,6 +433,9 @@ class ReleaseProfileAdapter(Adapter):
         fixed = self.profile.none_hash_fixed_seed
         with_hash_seed(hash_seed, lambda: self.kv_cache_utils.init_none_hash(hash_fn, fixed))
 
+    def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
+        return lookup_keeping_boundary(manager, request)
+
     def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
         manager.record_prefix_cache_stats(request, num_hit_tokens)  # a no-op before 0.27.0
 
@@ -431,6 +447,26 @@ class ReleaseProfileAdapter(Adapter):
         return hasher
 
 
+class SpecReleaseAdapter(SpecAdapter, ReleaseProfileAdapter):
+    """The spec's ``KVCacheManager(profile=release)`` (``spec@R``), held to vLLM R as
+    kvcache's profile is (``ReleaseProfileAdapter``: the same requests, hashed by the
+    release's rules, the lookup's boundary kept, stats at admission): the oracle
+    itself against that release, not only through kvcache. ``profile`` (kvcache's, a
+    switch flipped for a check's teeth) becomes the spec's with the same switches.
+
+    Raises:
+        ValueError: for a release the spec has no profile of.
+    """
+
+    def __init__(self, release: str, profile: Any = None) -> None:
+        super().__init__(release, profile)  # ReleaseProfileAdapter's
+        spec = spec_package()
+        self.name = f"spec@{release}"
+        self.factory = spec.KVCacheManager
+        self.spec_profile = spec.profile.Profile(release, **{
+            name: bool(getattr(self.profile, name)) for name in spec.profile.SWITCHES})
+
+
 class SpecProfileAdapter(SpecAdapter):
     """The spec under another release's profile (``spec/profile.py``), with that
     release's request hasher (``drop_in``'s) and scheduler duty (stats at admission):
@@ -439,7 +475,7 @@ class SpecProfileAdapter(SpecAdapter):
     def __init__(self, name: str, release: str, release_line: str, module: str) -> None:
         spec = spec_package()
         super().__init__(name, spec.KVCacheManager, _package_version())
-        self.release = release
+        self.release = self.spec_profile = release
         self.release_line = release_line
         self.drop_in = importlib.import_module(module)
 
@@ -448,22 +484,8 @@ class SpecProfileAdapter(SpecAdapter):
         with_hash_seed(hash_seed, lambda: self.drop_in.init_none_hash(hash_fn))
         self.hash_seed = hash_seed
 
-    def build_manager(self, config: ManagerConfig) -> Any:
-        kv_cache_config = build_kv_cache_config(
-            self.kv_cache_interface, config, "float16"
-        )
-        return self.factory(kv_cache_config, **config.manager_kwargs(),
-                            caching_hash_algo=config.hash_fn, hash_seed=self.hash_seed,
-                            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
-                            profile=self.release)
-
     def get_computed_blocks(self, manager: Any, request: Any) -> tuple[Any, int]:
-        blocks, num_computed_tokens = manager.get_computed_blocks(request)
-        # As 0.33.0's scheduler does with the lookup's third value.
-        request.shared_prefix_boundary = manager.shared_prefix_boundary(
-            request, num_computed_tokens
-        )
-        return blocks, int(num_computed_tokens)
+        return lookup_keeping_boundary(manager, request)
 
     def admitted(self, manager: Any, request: Any, num_hit_tokens: int) -> None:
         manager.record_prefix_cache_stats(request, num_hit_tokens)

@@ -67,6 +67,11 @@ TEETH: dict[str, tuple[str, ...]] = {
 """The switches ``--teeth`` flips, each with the families that settle it."""
 
 
+SUBJECTS = ("kvcache", "spec")
+"""What the check holds to the installed vLLM: kvcache's ``KVCacheManager(profile=R)``
+(``kvcache@R``) or the spec's (``spec@R``, the oracle itself, not only through kvcache)."""
+
+
 def gap_of(release: str, config: Any, mismatch: Any) -> str | None:
     """The ledger entry of a gap of ``release``'s profile (``Profile.not_reproduced``:
     what the release does that its profile does not model) that explains
@@ -85,28 +90,33 @@ def gap_of(release: str, config: Any, mismatch: Any) -> str | None:
 
 def run(release: str, sequences: int, flipped: str | None = None,
         families: Sequence[str] = FAMILIES,
-        known: dict[str, int] | None = None) -> tuple[int, int, str]:
-    """``sequences`` seeded sequences of each of ``families``, kvcache's profile of
-    ``release`` (``flipped`` turned over, if given) against the installed vLLM: the
-    sequences run, the mismatching ones, and the first mismatch (or ""). A layout
-    both sides refuse agrees (the release lacks its class or field, and its profile
-    refuses it too, naming it). A mismatch a gap of the profile explains
-    (``gap_of``) is not counted: it is tallied in ``known`` by ledger entry."""
+        known: dict[str, int] | None = None, subject: str = "kvcache") -> tuple[int, int, str]:
+    """``sequences`` seeded sequences of each of ``families``, ``subject``'s profile of
+    ``release`` (kvcache's, or the spec's: ``"spec"``; ``flipped`` turned over, if
+    given) against the installed vLLM: the sequences run, the mismatching ones, and
+    the first mismatch (or ""). A layout both sides refuse agrees (the release lacks
+    its class or field, and its profile refuses it too, naming it). A mismatch a gap
+    of the profile explains (``gap_of``) is not counted: it is tallied in ``known``
+    by ledger entry."""
     from kvcache.kit import sides
-    from kvcache.kit.adapter_base import CannotBuild, ReleaseProfileAdapter
+    from kvcache.kit.adapter_base import CannotBuild, ReleaseProfileAdapter, SpecReleaseAdapter
     from kvcache.kit.conformance import TARGETS, family_seed, under_release
     from kvcache.kit.driver import FAMILIES as ALL_FAMILIES
     from kvcache.kit.driver import Stats
     from kvcache.kit.shrinking import run_sequence
+    from kvcache.kit.vllm_side import VllmAdapter
     from kvcache.profile import Profile
 
-    name = f"kvcache@{release}"
+    if subject not in SUBJECTS:
+        raise ValueError(f"subject={subject!r}: expected one of {SUBJECTS}")
+    name = f"{subject}@{release}"
     if flipped is not None:
         name += f"~{flipped}"
 
         def flipped_adapter() -> ReleaseProfileAdapter:
             own = Profile(release)
-            adapter = ReleaseProfileAdapter(
+            adapter_cls = SpecReleaseAdapter if subject == "spec" else ReleaseProfileAdapter
+            adapter = adapter_cls(
                 release, own.with_switches(**{flipped: not getattr(own, flipped)})
             )
             adapter.name = name
@@ -116,6 +126,10 @@ def run(release: str, sequences: int, flipped: str | None = None,
     stats = Stats()
     bad, first = 0, ""
     differing: dict[str, int] = {}
+    # Both sides play the release's scheduler: it keeps a lookup's shared-prefix
+    # boundary on the request (0.26.0 on; the subject's adapter always does).
+    stored = VllmAdapter.stores_shared_prefix_boundary
+    VllmAdapter.stores_shared_prefix_boundary = True
     try:
         for family in families:
             index = list(ALL_FAMILIES).index(family)
@@ -141,6 +155,7 @@ def run(release: str, sequences: int, flipped: str | None = None,
                     differing[family] = differing.get(family, 0) + 1
     finally:
         sides.ADAPTERS.pop(name, None)
+        VllmAdapter.stores_shared_prefix_boundary = stored
     if differing:
         first = ", ".join(f"{f} ({n})" for f, n in differing.items()) + " differ; first: " + first
     return stats.sequences, bad, first
@@ -154,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sequences", type=int, default=10, help="sequences per family")
     parser.add_argument("--teeth", type=int, default=0, metavar="N",
                         help="also flip each TEETH switch, N sequences per family each")
+    parser.add_argument("--subject", choices=SUBJECTS, default="kvcache",
+                        help="whose profile of the release is checked (default: kvcache's)")
     args = parser.parse_args(argv)
     if args.sequences < 1 or args.teeth < 0:
         parser.error(f"--sequences must be positive and --teeth not negative, got "
@@ -168,9 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{', '.join(RELEASES)}", file=sys.stderr)  # fmt: skip
         return 2
     known: dict[str, int] = {}
-    ran, bad, first = run(release, args.sequences, known=known)
+    ran, bad, first = run(release, args.sequences, known=known, subject=args.subject)
     gaps = "".join(f", {n} under the profile's gap {entry}" for entry, n in known.items())
-    print(f"kvcache@{release} vs vLLM {release}: {ran} sequences over {len(FAMILIES)} "
+    print(f"{args.subject}@{release} vs vLLM {release}: {ran} sequences over {len(FAMILIES)} "
           f"families, {bad} mismatching{gaps}" + (f"; first: {first}" if first else ""))
     failed = bad > 0
     for switch, families in TEETH.items() if args.teeth else ():
@@ -195,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {switch}: not flipped (inert in vLLM {release}'s profile: "
                   "dcp_sharded_field decides after dcp_full_attention_only)")
             continue
-        ran, bad, first = run(release, args.teeth, switch, families)
+        ran, bad, first = run(release, args.teeth, switch, families, subject=args.subject)
         print(f"  {switch} flipped: {bad} of {ran} sequences mismatch"
               + ("" if bad else "  <- NOT CAUGHT"))
         failed |= bad == 0

@@ -59,6 +59,7 @@ from kvcache.kit.adapter_base import (
     ReleaseProfileAdapter,
     SpecAdapter,
     SpecProfileAdapter,
+    SpecReleaseAdapter,
     _package_version,
     build_group_spec,
     build_kv_cache_config,
@@ -86,6 +87,7 @@ __all__ = [
     "Side",
     "SpecAdapter",
     "SpecProfileAdapter",
+    "SpecReleaseAdapter",
     "Stopwatch",
     "build_group_spec",
     "build_kv_cache_config",
@@ -549,6 +551,8 @@ def resolve_adapter(name: str) -> Adapter:
         return Adapter("kvcache", kvcache.KVCacheManager, _package_version())
     if name.startswith("kvcache@"):  # kvcache's KVCacheManager(profile=RELEASE)
         return ReleaseProfileAdapter(name.partition("@")[2])
+    if name.startswith("spec@"):  # the spec's KVCacheManager(profile=RELEASE)
+        return SpecReleaseAdapter(name.partition("@")[2])
     if name == "kvcache-0.33":
         return ProfileAdapter("kvcache-0.33", "kvcache.vllm_0_33", "0.33")
     if name == "spec-0.33":

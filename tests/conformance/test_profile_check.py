@@ -23,12 +23,29 @@ def test_kvcaches_0_25_1_profile_equals_vllm_0_25_1_call_for_call() -> None:
     assert bad == 0, first
 
 
-@pytest.mark.parametrize("switch", ["event_locality", "stats_hits_by_source"])
-def test_a_flipped_report_switch_is_caught(switch: str) -> None:
-    """A profile emitting a later release's event fields (or stats class) is not 0.25.1."""
-    _, bad, first = profile_check.run("0.25.1", 2, switch, profile_check.REPORT_FAMILIES)
+def test_the_specs_0_25_1_profile_equals_vllm_0_25_1_call_for_call() -> None:
+    """The oracle itself (spec@0.25.1), not only through kvcache: the same families,
+    stats counted where the release counts them (at the lookup)."""
+    ran, bad, first = profile_check.run("0.25.1", 2, subject="spec")
+    assert ran == 2 * len(profile_check.FAMILIES)
+    assert bad == 0, first
+
+
+@pytest.mark.parametrize("subject", profile_check.SUBJECTS)
+@pytest.mark.parametrize("switch", ["event_locality", "stats_hits_by_source",
+                                    "stats_at_admission"])
+def test_a_flipped_report_switch_is_caught(subject: str, switch: str) -> None:
+    """A profile emitting a later release's event fields (or stats class, or counting
+    stats at admission) is not 0.25.1, for kvcache's profile and the spec's."""
+    _, bad, first = profile_check.run("0.25.1", 2, switch, profile_check.REPORT_FAMILIES,
+                                      subject=subject)
     assert bad > 0
     assert ("take_events" if switch.startswith("event") else "make_prefix_cache_stats") in first
+
+
+def test_an_unknown_subject_is_refused() -> None:
+    with pytest.raises(ValueError, match="subject='vllm'"):
+        profile_check.run("0.25.1", 1, subject="vllm")
 
 
 def test_a_mismatch_under_a_gap_of_the_profile_is_named_not_counted() -> None:

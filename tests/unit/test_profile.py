@@ -307,6 +307,33 @@ def test_cache_mask_alignment_follows_hits_from_0_29(release: str) -> None:
     assert kv_keyed == spec_keyed == (release == "0.29.0")
 
 
+@pytest.mark.parametrize("release", ["0.32.0", "0.33.0"])
+def test_an_eagle_junction_keeps_the_tail_a_block_lower_from_0_33(release: str) -> None:
+    """junction_eagle_tail: an EAGLE sliding-window group (window 1, blocks of 4) under
+    sparse retention (12) keeps the tail before a request's shared-prefix boundary (8)
+    and, from 0.33.0, the one a block lower (block 1, tokens 4-7): a sibling diverging
+    right after the junction has no block past it to drop. kvcache and the spec
+    agree under both profiles."""
+    config = KVCacheConfig(30, [], [
+        KVCacheGroupSpec(["swa"], SlidingWindowSpec(
+            block_size=4, num_kv_heads=1, head_size=8, dtype="float16", sliding_window=1)),
+        KVCacheGroupSpec(["mamba"], MambaSpec(
+            block_size=4, shapes=((2,),), dtypes=("float16",), mamba_cache_mode="align"))])
+    states = []
+    for m in (KVCacheManager(config, 64, 4, 4, use_eagle=True, profile=release,
+                             prefix_cache_retention_interval=12),
+              spec.KVCacheManager(config, 64, 4, 4, use_eagle=True, profile=release,
+                                  prefix_cache_retention_interval=12)):
+        r = Request("r", list(range(15)), block_hasher=get_request_block_hasher(4, sha256))
+        r.shared_prefix_boundary = 8  # as the scheduler keeps a sibling's lookup
+        assert m.allocate_slots(r, 12) is not None
+        states.append(m.abstract_state())
+    kv_state, spec_state = states
+    assert kv_state == spec_state
+    swa_table = kv_state["req_to_blocks"][0]["r"]
+    assert (swa_table[1] in kv_state["block_hash"]) == (release == "0.33.0")
+
+
 def test_conformance_families_not_in_0_33_are_listed_not_dropped() -> None:
     run = {f.name for f in conformant_families()}
     assert run | set(NOT_IN_0_33) == set(FAMILIES)
