@@ -888,12 +888,15 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         ``dcp_world_size > 1`` at least the hash block), and every other
         prefix-caching group is full attention, Mamba, or hashed at its own block size. Hits then
         land on hash-block boundaries (every manager's ``cache_hit_alignment_tokens``)
-        and ``cache_blocks`` caches unrounded token counts.
+        and ``cache_blocks`` caches unrounded token counts. Before 0.29.0
+        (``fine_grained_hits_under_dcp`` off) ``dcp_world_size > 1`` turns them off.
 
         Returns:
             Whether fine-grained hits are on.
         """
         managers = self.single_type_managers
+        if self.dcp_world_size > 1 and not self.profile.fine_grained_hits_under_dcp:
+            return False  # 0.26.0-0.28.0: context parallelism turns them off
         if not partial_hash_hits_enabled(
             self.kv_cache_config.kv_cache_groups,
             self.hash_block_size,

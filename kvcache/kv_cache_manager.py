@@ -26,6 +26,7 @@ from kvcache.kv_cache_interface import (
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
     is_spec_kind,
+    spec_exact_class_name,
 )
 from kvcache.kv_cache_math import admits, cdiv
 from kvcache.kv_cache_utils import KVCacheBlock, check_num_hash_lookahead_tokens
@@ -151,16 +152,20 @@ class KVCacheBlocks:
 
 
 def _refuse_lookahead(hash_lookahead: int, prefill_lookahead: int, profile: Profile) -> None:
-    """Refuse lookahead arguments a release without them never takes (switch
-    ``lookahead_arguments``): vLLM 0.25.1's manager has no such parameters."""
-    for name, value in (
-        ("num_hash_lookahead_tokens", hash_lookahead),
-        ("num_prefill_lookahead", prefill_lookahead),
+    """Refuse lookahead arguments a release without them never takes: vLLM 0.25.1's
+    manager has neither parameter, 0.28.0's takes ``num_prefill_lookahead``
+    (``prefill_lookahead_argument``), 0.33.0's ``num_hash_lookahead_tokens`` too
+    (``lookahead_arguments``)."""
+    for name, value, since, taken in (
+        ("num_hash_lookahead_tokens", hash_lookahead, "0.33.0", profile.lookahead_arguments),
+        ("num_prefill_lookahead", prefill_lookahead, "0.28.0",
+         profile.lookahead_arguments or profile.prefill_lookahead_argument),
     ):
-        if value:
+        if value and not taken:
             raise ValueError(
-                f"{name}={value}: lookahead is vLLM 0.33.0's; profile {profile.release} "
-                "has no such argument (use Profile('0.33.0') or kvcache.vllm_0_33)"
+                f"{name}={value}: this lookahead is vLLM {since}'s; profile "
+                f"{profile.release} has no such argument (use Profile('0.33.0') or "
+                "kvcache.vllm_0_33)"
             )
 
 
@@ -177,6 +182,21 @@ def _refuse_circular_buffer_groups(kv_cache_config: KVCacheConfig, profile: Prof
                 f"kv_cache_spec of type {type(group.kv_cache_spec).__name__} (group "
                 f"{group_id}) is not supported under {profile!r}: CircularBufferSpec "
                 "is a vLLM 0.33.0 kind (kvcache.vllm_0_33)"
+            )
+
+
+def _refuse_tq_groups(kv_cache_config: KVCacheConfig, profile: Profile) -> None:
+    """Refuse a TurboQuant group under a profile with ``tq_spec_removed`` (vLLM 0.28.0
+    dropped ``TQFullAttentionSpec``: no layout has one there).
+
+    Raises:
+        NotImplementedError: naming the group and the profile.
+    """
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        if spec_exact_class_name(group.kv_cache_spec) == "TQFullAttentionSpec":
+            raise NotImplementedError(
+                f"kv_cache_spec of type TQFullAttentionSpec (group {group_id}) is not "
+                f"supported under {profile!r}: vLLM 0.28.0 removed it"
             )
 
 
@@ -298,6 +318,8 @@ class KVCacheManager:
             _refuse_circular_buffer_groups(kv_cache_config, self.profile)
         if not self.profile.hisparse_groups:
             _refuse_hisparse_groups(kv_cache_config, self.profile)
+        if self.profile.tq_spec_removed:
+            _refuse_tq_groups(kv_cache_config, self.profile)
         if not self.profile.mamba_prefill_checkpoints:
             _refuse_checkpoint_fields(kv_cache_config, self.profile)
         self.num_hash_lookahead_tokens = check_num_hash_lookahead_tokens(num_hash_lookahead_tokens)
@@ -310,8 +332,7 @@ class KVCacheManager:
                 f"num_prefill_lookahead must be a non-negative int, got {num_prefill_lookahead!r}"
             )
         self.num_prefill_lookahead = num_prefill_lookahead
-        if not self.profile.lookahead_arguments:
-            _refuse_lookahead(self.num_hash_lookahead_tokens, num_prefill_lookahead, self.profile)
+        _refuse_lookahead(self.num_hash_lookahead_tokens, num_prefill_lookahead, self.profile)
         if (
             num_prefill_lookahead > scheduler_block_size
             and enable_caching

@@ -254,7 +254,9 @@ class Profile:
     retention_zero_without_window: bool
     shared_prefix_junctions: bool
     junction_eagle_tail: bool
+    tq_spec_removed: bool
     circular_buffer_groups: bool
+    prefill_lookahead_argument: bool
     lookahead_arguments: bool
     cache_within_hashed_tokens: bool
     pcp_not_scaled: bool
@@ -262,6 +264,7 @@ class Profile:
     dcp_full_attention_only: bool
     dcp_sharded_field: bool
     mamba_fine_grained_hits: bool
+    fine_grained_hits_under_dcp: bool
     cache_mask_hit_alignment: bool
     partial_hit_copy_on_write: bool
     event_session_id: bool

@@ -152,6 +152,9 @@ class KVCacheManager:
             if not p.rules.circular_buffer_groups(spec):
                 raise NotImplementedError("a CircularBufferSpec group (a vLLM 0.33.0 kind) "
                                           f"under profile {p.release}")
+            if not p.rules.tq_spec_removed(spec):
+                raise NotImplementedError(f"a TQFullAttentionSpec group (group {i}) under "
+                                          f"profile {p.release}: vLLM 0.28.0 removed it")
             if not p.rules.hisparse_groups(spec, role):
                 what = f"role {role!r}" if role == "hisparse_source" else type(spec).__name__
                 raise NotImplementedError(f"{what} (group {i}) is not supported under "
@@ -168,10 +171,14 @@ class KVCacheManager:
                             ("num_prefill_lookahead", num_prefill_lookahead)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        for name, value in (("num_hash_lookahead_tokens", num_hash_lookahead_tokens),
-                            ("num_prefill_lookahead", num_prefill_lookahead)):
-            if not p.rules.lookahead_arguments(value):
-                raise ValueError(f"{name}={value}: lookahead is vLLM 0.33.0's; profile "
+        for name, value, since, admits in (
+                ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, "0.33.0",
+                 p.rules.lookahead_arguments(num_hash_lookahead_tokens)),
+                ("num_prefill_lookahead", num_prefill_lookahead, "0.28.0",
+                 p.rules.lookahead_arguments(num_prefill_lookahead)
+                 or p.rules.prefill_lookahead_argument(num_prefill_lookahead))):
+            if not admits:
+                raise ValueError(f"{name}={value}: this lookahead is vLLM {since}'s; profile "
                                  f"{p.release} has no such argument")
         if isinstance(num_prefill_lookahead, bool):
             raise ValueError(f"num_prefill_lookahead must be a non-negative int, got "
@@ -338,8 +345,11 @@ class KVCacheManager:
         group's block is larger than the hash block (under dcp, at least the hash block:
         the dcp-scaled attention blocks are larger) and every other group is full
         attention (or a variant), Mamba, or hashed at its own block size (a ring buffer,
-        outside prefix caching, takes no part)."""
+        outside prefix caching, takes no part); under dcp only from 0.29.0
+        (``fine_grained_hits_under_dcp``)."""
         hbs = self.hash_block_size
+        if not self.profile.rules.fine_grained_hits_under_dcp(self.dcp_world_size):
+            return
         if any(m.rules is MAMBA_ALIGN
                and (m.block_size > hbs or (self.dcp_world_size > 1 and m.block_size == hbs))
                for m in self.single_type_managers) and all(

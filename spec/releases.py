@@ -134,8 +134,10 @@ class ReleaseRules:
     event_session_id: Mapping[str, str]
     event_lookahead_tokens: Mapping[str, str]
     circular_buffer_groups: Callable[[Any], bool]
+    tq_spec_removed: Callable[[Any], bool]
     hisparse_groups: Callable[[Any, str | None], bool]
     mamba_prefill_checkpoints: Callable[[Any], tuple[int, int | None] | None]
+    prefill_lookahead_argument: Callable[[int], bool]
     lookahead_arguments: Callable[[int], bool]
     mamba_align_only: Callable[[Any], bool]
     retention_zero_without_window: Callable[[int, bool], bool]
@@ -158,6 +160,7 @@ class ReleaseRules:
     mamba_checkpoint_retention_mask: Callable[[Any, int, int | None, bool, bool], bool]
     mamba_tail_engine_eagle: Callable[[bool, bool], bool]
     mamba_fine_grained_hits: Callable[[Any], None]
+    fine_grained_hits_under_dcp: Callable[[int], bool]
     cache_mask_hit_alignment: Callable[[Any], int]
     partial_hit_copy_on_write: Callable[[int, int], bool]
     partial_prompt_tail_entries: Callable[[Any, Any, int], None]
@@ -247,6 +250,9 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     # layer spec -> whether the release admits its group (0.26.0 brought ring buffers)
     "circular_buffer_groups": (lambda spec: not is_a(spec, "CircularBufferSpec"),
                                lambda spec: True),
+    # layer spec -> whether the release admits its group (0.28.0 removed TurboQuant's)
+    "tq_spec_removed": (lambda spec: True,
+                        lambda spec: type(spec).__name__ != "TQFullAttentionSpec"),
     # (layer spec, group role) -> whether the release admits the group (HiSparse)
     "hisparse_groups": (lambda spec, role: role != "hisparse_source"
                         and type(spec).__name__ not in HISPARSE_KINDS,
@@ -254,7 +260,10 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     # Mamba spec -> the prefill-checkpoint fields the release reads (blocks, alignment);
     # None: it has none (a spec setting them is refused; no states are offered)
     "mamba_prefill_checkpoints": (lambda spec: None, prefill_checkpoint_fields),
-    # a lookahead argument -> whether the release admits it (0.25.1 has none: only 0)
+    # num_prefill_lookahead -> whether the release admits it (0.25.1: only 0)
+    "prefill_lookahead_argument": (lambda value: not value, lambda value: True),
+    # num_hash_lookahead_tokens -> whether the release admits it (before 0.33.0: only
+    # 0); it admits num_prefill_lookahead too
     "lookahead_arguments": (lambda value: not value, lambda value: True),
     # layer spec -> whether a caching manager admits it (0.33.0: Mamba only in 'align')
     "mamba_align_only": (lambda spec: True, lambda spec: type(spec).__name__ != "MambaSpec"
@@ -329,6 +338,9 @@ RULES: dict[str, tuple[Any, Any]] = {  # switch: (vLLM 0.25.1's rule, the rule o
     # that end on hash-block boundaries where an 'align' Mamba group needs them
     "mamba_fine_grained_hits": (lambda manager: None,
                                 lambda manager: manager.enable_fine_grained_hits()),
+    # dcp_world_size -> whether fine-grained hits may be on (before 0.29.0 only without
+    # context parallelism)
+    "fine_grained_hits_under_dcp": (lambda dcp: dcp == 1, lambda dcp: True),
     # the group manager -> the alignment its cache mask is laid on (before 0.29.0 the
     # scheduler block even where fine-grained hits end on the hash block)
     "cache_mask_hit_alignment": (lambda manager: manager.scheduler_block_size,

@@ -411,7 +411,10 @@ class ReleaseProfileAdapter(Adapter):
     side's adapter reads its release's API into the kit's shape.
 
     ``profile`` replaces the release's own (the release's with a switch flipped, for a
-    check's teeth).
+    check's teeth). Its lookups keep the shared-prefix boundary on the request as the
+    release's scheduler does (``lookup_keeping_boundary``): against vLLM R the vLLM side
+    must keep it too (``VllmAdapter.stores_shared_prefix_boundary``, which
+    ``profile_check`` sets).
 
     Raises:
         ValueError: for a release kvcache has no profile of.
@@ -443,6 +446,7 @@ class ReleaseProfileAdapter(Adapter):
         hasher: Callable[[Any], list[Any]] = self.kv_cache_utils.get_request_block_hasher(
             config.hash_block_size, self.hash_fn(config.hash_fn),
             self.profile.tagged_extra_keys, self.profile.mm_keys_by_window,
+            config.num_hash_lookahead_tokens,
         )  # fmt: skip
         return hasher
 

@@ -317,7 +317,9 @@ class VllmAdapter(Adapter):
     boundary (0.33), put it on the request as that release's scheduler does, where
     sparse retention keeps the junction's tail. Off by default: the cross-release
     census compares with 0.25.1, and no ledger entry covers the junction tails yet;
-    ``kvcache.kit.conformance`` (0.33.0 against its own profile) turns it on.
+    ``kvcache.kit.conformance`` (0.33.0 against its own profile) and
+    ``kvcache.kit.profile_check`` (any release against its profile, whose adapters keep
+    it: ``lookup_keeping_boundary``) turn it on.
 
     ``takes_session_id``: whether the release's ``Request`` has a ``session_id``
     (0.28.0 on); the driver draws none for a release without one.

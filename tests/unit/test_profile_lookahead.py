@@ -145,11 +145,25 @@ def test_a_bool_lookahead_counts_as_one_and_bad_counts_are_refused() -> None:
 @pytest.mark.parametrize("argument", ["num_hash_lookahead_tokens", "num_prefill_lookahead"])
 def test_0_25_1_profile_refuses_lookahead_arguments(argument: str) -> None:
     # vLLM 0.25.1's manager has no such argument (switch lookahead_arguments).
+    since = "0.33.0" if argument == "num_hash_lookahead_tokens" else "0.28.0"
     for make in (lambda **kw: KVCacheManager(full_config(), 64, BS, BS, **kw),
                  lambda **kw: spec.KVCacheManager(full_config(), 64, BS, BS, **kw)):
-        with pytest.raises(ValueError, match=f"{argument}=2: lookahead is vLLM 0.33.0's"):
+        with pytest.raises(ValueError, match=f"{argument}=2: this lookahead is vLLM {since}'s"):
             make(**{argument: 2})
         assert make(**{argument: 0}) is not None
+
+
+@pytest.mark.parametrize("release", ["0.28.0", "0.32.0"])
+def test_middle_profiles_take_prefill_lookahead_alone(release: str) -> None:
+    # prefill_lookahead_argument: 0.28.0-0.32.0 take num_prefill_lookahead, not yet
+    # lookahead hashing (lookahead_arguments, 0.33.0).
+    for make in (lambda **kw: KVCacheManager(full_config(), 64, BS, BS, profile=release, **kw),
+                 lambda **kw: spec.KVCacheManager(full_config(), 64, BS, BS, profile=release,
+                                                  **kw)):
+        assert make(num_prefill_lookahead=2) is not None
+        with pytest.raises(ValueError, match=r"num_hash_lookahead_tokens=2: this lookahead is "
+                                             r"vLLM 0\.33\.0's"):
+            make(num_hash_lookahead_tokens=2)
 
 
 def test_0_25_1_manager_hashes_and_reports_without_lookahead() -> None:
