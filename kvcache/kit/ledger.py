@@ -302,6 +302,8 @@ WHEN: dict[str, Callable[[ManagerConfig], bool]] = {
     "retention": lambda config: config.prefix_cache_retention_interval is not None,
     "no-caching": lambda config: not config.enable_caching,
     "eagle-hybrid": lambda config: config.use_eagle and _groups(config) > 1,
+    "mamba-align-hybrid": lambda config: _groups(config) > 1
+    and any(g.kind == "mamba" and g.mamba_cache_mode == "align" for g in config.groups),
 }
 
 
